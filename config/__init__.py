@@ -1,0 +1,1 @@
+"""Settings and logging: built once in ``main()`` and passed down."""

@@ -1,0 +1,224 @@
+"""The worker's settings: one pydantic-settings model, read from ``WORKER_*`` env vars.
+
+Nothing here reads the environment at import; ``load_settings()`` is called once at start
+and the resulting object is passed down to every layer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+KNOWN_PIPELINES = ("resnet18-classifier", "mobilenet-v3-small-classifier")
+
+
+class ConfigError(Exception):
+    """Settings that cannot work; the message has one line per problem, naming the fields."""
+
+
+class NatsSettings(BaseModel):
+    url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated")
+    tasks_stream: str = Field("INFERENCE_TASKS", description="stream holding tasks.>")
+    results_stream: str = Field("INFERENCE_RESULTS", description="stream holding results.>")
+    dead_letter_stream: str = Field("INFERENCE_DEAD_LETTER", description="stream keeping dead letters")
+    dead_letter_subject: str = Field("dead.tasks", description="subject for unparseable tasks")
+    consumer: str = Field("inference-worker", description="durable pull consumer shared by workers")
+    ack_wait_s: float = Field(300.0, description="JetStream ack wait of the consumer")
+    max_deliver: int = Field(5, description="deliveries per task before it gives up")
+    fetch_timeout_s: float = Field(1.0, description="expiry of one pull request")
+    publish_timeout_s: float = Field(5.0, description="wait for the results stream's PubAck")
+    nak_backoff_base_s: float = Field(2.0, description="first nak delay for transient failures")
+    nak_backoff_max_s: float = Field(60.0, description="largest nak delay")
+    tasks_max_age_s: float = Field(7 * 24 * 3600.0, description="how long task messages are kept")
+    results_max_age_s: float = Field(30 * 24 * 3600.0, description="how long results are kept")
+    replicas: int = Field(1, description="stream replicas (3 on a JetStream cluster)")
+
+    @field_validator("url")
+    @classmethod
+    def _url_scheme(cls, value: str) -> str:
+        for url in value.split(","):
+            if not url.strip().startswith(("nats://", "tls://", "ws://", "wss://")):
+                raise ValueError(f"expected nats://host:port, got {url!r}")
+        return value
+
+
+class S3Settings(BaseModel):
+    endpoint_url: str | None = Field(None, description="S3 endpoint; unset means AWS")
+    region: str = Field("us-east-1", description="region name for the S3 client")
+    connect_timeout_s: float = Field(5.0, description="S3 connect timeout")
+    read_timeout_s: float = Field(20.0, description="S3 read timeout")
+    max_attempts: int = Field(3, description="S3 attempts per object, retries included")
+    http_timeout_s: float = Field(20.0, description="timeout for http(s):// image URLs")
+
+
+class LoaderSettings(BaseModel):
+    num_workers: int = Field(2, description="DataLoader worker processes (persist for the process)")
+    batch_size: int = Field(16, description="tasks per fetch and per forward pass")
+    timeout_s: float = Field(60.0, description="DataLoader timeout: longest wait for one image")
+    mp_context: Literal["forkserver", "spawn", "fork"] = Field(
+        "forkserver", description="multiprocessing start method of the loader workers"
+    )
+    prefetch_batches: int = Field(2, description="batches held at once (fetched, not yet settled)")
+
+
+class ModelSettings(BaseModel):
+    pipeline: str = Field("resnet18-classifier", description="pipeline name from the registry")
+    weights: str = Field("", description="state_dict path or s3:// URI; labels.txt lies beside it")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    top_k: int = Field(5, description="predictions per image")
+
+    @field_validator("device")
+    @classmethod
+    def _device_form(cls, value: str) -> str:
+        head, _, index = value.partition(":")
+        if head not in ("auto", "cpu", "cuda") or (index and (head != "cuda" or not index.isdigit())):
+            raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {value!r}")
+        return value
+
+
+class HealthSettings(BaseModel):
+    stall_timeout_s: float = Field(120.0, description="held work and no batch for this long = stalled")
+    drain_timeout_s: float = Field(30.0, description="SIGTERM: time to finish or give back work")
+
+
+class MetricsSettings(BaseModel):
+    port: int = Field(9464, description="port for /metrics and /healthz; 0 turns it off")
+    host: str = Field("0.0.0.0", description="address the metrics server binds")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="WORKER_",
+        env_nested_delimiter="__",
+        env_file=".env",
+        extra="ignore",
+    )
+
+    nats: NatsSettings = NatsSettings()
+    s3: S3Settings = S3Settings()
+    loader: LoaderSettings = LoaderSettings()
+    model: ModelSettings = ModelSettings()
+    health: HealthSettings = HealthSettings()
+    metrics: MetricsSettings = MetricsSettings()
+
+    @model_validator(mode="after")
+    def _fits_together(self) -> Settings:
+        problems = settings_problems(self)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+
+def _positive(problems: list[str], name: str, value: float) -> None:
+    if value <= 0:
+        problems.append(f"{name}={value} must be greater than 0")
+
+
+def settings_problems(s: Settings) -> list[str]:
+    """Every rule that spans fields, each broken rule as one line naming the fields."""
+    problems: list[str] = []
+    for name, value in (
+        ("WORKER_LOADER__NUM_WORKERS", s.loader.num_workers),
+        ("WORKER_LOADER__BATCH_SIZE", s.loader.batch_size),
+        ("WORKER_LOADER__TIMEOUT_S", s.loader.timeout_s),
+        ("WORKER_LOADER__PREFETCH_BATCHES", s.loader.prefetch_batches),
+        ("WORKER_NATS__ACK_WAIT_S", s.nats.ack_wait_s),
+        ("WORKER_NATS__MAX_DELIVER", s.nats.max_deliver),
+        ("WORKER_NATS__FETCH_TIMEOUT_S", s.nats.fetch_timeout_s),
+        ("WORKER_HEALTH__STALL_TIMEOUT_S", s.health.stall_timeout_s),
+        ("WORKER_MODEL__TOP_K", s.model.top_k),
+        ("WORKER_S3__MAX_ATTEMPTS", s.s3.max_attempts),
+    ):
+        _positive(problems, name, value)
+    if problems:
+        return problems
+    if s.loader.timeout_s >= s.health.stall_timeout_s:
+        problems.append(
+            f"WORKER_LOADER__TIMEOUT_S ({s.loader.timeout_s}) must be shorter than "
+            f"WORKER_HEALTH__STALL_TIMEOUT_S ({s.health.stall_timeout_s}), so a hung loader "
+            "is recovered before the worker counts as stalled"
+        )
+    if s.health.stall_timeout_s >= s.nats.ack_wait_s:
+        problems.append(
+            f"WORKER_HEALTH__STALL_TIMEOUT_S ({s.health.stall_timeout_s}) must be shorter than "
+            f"WORKER_NATS__ACK_WAIT_S ({s.nats.ack_wait_s}), so a wedged worker is restarted "
+            "before its tasks are redelivered"
+        )
+    s3_worst_s = (s.s3.connect_timeout_s + s.s3.read_timeout_s) * s.s3.max_attempts
+    if s3_worst_s >= s.loader.timeout_s:
+        problems.append(
+            f"WORKER_S3__CONNECT_TIMEOUT_S + WORKER_S3__READ_TIMEOUT_S times "
+            f"WORKER_S3__MAX_ATTEMPTS ({s3_worst_s:g}s) must be shorter than "
+            f"WORKER_LOADER__TIMEOUT_S ({s.loader.timeout_s}), or a slow object looks like a hung loader"
+        )
+    if s.nats.fetch_timeout_s >= s.health.stall_timeout_s:
+        problems.append(
+            f"WORKER_NATS__FETCH_TIMEOUT_S ({s.nats.fetch_timeout_s}) must be shorter than "
+            f"WORKER_HEALTH__STALL_TIMEOUT_S ({s.health.stall_timeout_s})"
+        )
+    if s.health.drain_timeout_s >= s.nats.ack_wait_s:
+        problems.append(
+            f"WORKER_HEALTH__DRAIN_TIMEOUT_S ({s.health.drain_timeout_s}) must be shorter than "
+            f"WORKER_NATS__ACK_WAIT_S ({s.nats.ack_wait_s})"
+        )
+    if s.model.pipeline not in KNOWN_PIPELINES:
+        problems.append(
+            f"WORKER_MODEL__PIPELINE={s.model.pipeline!r} is not a known pipeline; "
+            f"choose one of: {', '.join(KNOWN_PIPELINES)}"
+        )
+    if not 0 <= s.metrics.port <= 65535:
+        problems.append(f"WORKER_METRICS__PORT={s.metrics.port} must be 0 (off) or a TCP port")
+    return problems
+
+
+def worker_problems(s: Settings) -> list[str]:
+    """What a worker process needs beyond a sound combination: weights it can load."""
+    return _weights_problems(s.model.weights)
+
+
+def _weights_problems(weights: str) -> list[str]:
+    if not weights:
+        return ["WORKER_MODEL__WEIGHTS is not set; give a state_dict path or an s3:// URI"]
+    if weights.startswith("s3://"):
+        bucket, _, key = weights[len("s3://") :].partition("/")
+        if not bucket or not key:
+            return [f"WORKER_MODEL__WEIGHTS={weights!r} must be s3://bucket/key"]
+        return []
+    if "://" in weights and not weights.startswith("file://"):
+        return [f"WORKER_MODEL__WEIGHTS={weights!r}: only a local path or s3:// URI is allowed"]
+    path = Path(weights.removeprefix("file://"))
+    if not path.is_file():
+        return [f"WORKER_MODEL__WEIGHTS={weights!r}: no such file"]
+    return []
+
+
+def _format_validation_error(error: ValidationError) -> str:
+    lines: list[str] = []
+    for item in error.errors():
+        loc = [str(part) for part in item["loc"]]
+        message = str(item["msg"]).removeprefix("Value error, ")
+        if loc:
+            lines.append("WORKER_" + "__".join(part.upper() for part in loc) + f": {message}")
+        else:
+            lines.extend(message.splitlines())
+    return "\n".join(lines)
+
+
+def load_settings(*, for_worker: bool = True, **overrides: object) -> Settings:
+    """Read and validate settings once; raise ConfigError with one line per problem.
+
+    ``for_worker=False`` serves client commands (submit, results, provision), which need no
+    model weights.
+    """
+    try:
+        settings = Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(error)) from None
+    if for_worker:
+        problems = worker_problems(settings)
+        if problems:
+            raise ConfigError("\n".join(problems))
+    return settings

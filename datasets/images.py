@@ -1,0 +1,48 @@
+"""Decode JPEG/PNG bytes and resize to the pipeline's input size as a uint8 CHW tensor."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import torch
+from PIL import Image
+
+from datasets.errors import PermanentError
+
+SUPPORTED_FORMATS = frozenset({"JPEG", "PNG"})
+MAX_PIXELS = 64_000_000
+
+
+def decode_resized(data: bytes, size: int) -> torch.Tensor:
+    """``data`` as a (3, size, size) uint8 tensor; PermanentError for anything not a sound image.
+
+    JPEGs are decoded at a reduced scale (``draft``) when the source is much larger than the
+    target, so a 4096x2160 image never exists at full resolution in memory.
+    """
+    if not data:
+        raise PermanentError("empty image file", kind="corrupt_image")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            if image.format not in SUPPORTED_FORMATS:
+                raise PermanentError(
+                    f"unsupported image format {image.format}; JPEG and PNG are accepted",
+                    kind="unsupported_format",
+                )
+            if image.width * image.height > MAX_PIXELS:
+                raise PermanentError(
+                    f"image is {image.width}x{image.height}, over {MAX_PIXELS} pixels",
+                    kind="too_large",
+                )
+            if image.format == "JPEG":
+                image.draft("RGB", (size, size))
+            image = image.convert("RGB").resize((size, size), Image.Resampling.BILINEAR)
+    except PermanentError:
+        raise
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning) as error:
+        raise PermanentError(f"cannot decode image: {error}", kind="corrupt_image") from None
+    array = np.asarray(image, dtype=np.uint8)
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()

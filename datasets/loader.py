@@ -1,0 +1,231 @@
+"""A DataLoader whose worker processes persist for the life of the worker process.
+
+The dataset is an endless stream: loader workers take load requests from a multiprocessing
+queue, fetch, decode and resize each image, and hand back one uint8 tensor (or an error)
+per request. The main process keeps a single iterator open, so the same children serve job
+after job, and calls ``next`` only for requests it has submitted, each bounded by the
+DataLoader ``timeout``.
+
+When a child dies, stops or loses a batch, the timeout fires; ``restart`` then SIGKILLs and
+reaps every child (stopped ones included), closes every queue, and builds a fresh loader.
+All DataLoader calls happen on one thread; ``submit`` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from datasets.errors import TransientError, WorkerError
+from datasets.images import decode_resized
+from datasets.sources import SourceConfig, read_bytes
+
+FORKSERVER_PRELOAD = ["torch", "numpy", "PIL.Image", "boto3", "botocore.config", "datasets.loader"]
+_POLL_S = 0.5
+_KILL_WAIT_S = 2.0
+
+
+class LoadRequest(NamedTuple):
+    key: int
+    uri: str
+
+
+class Loaded(NamedTuple):
+    """One request's outcome, made in a loader child."""
+
+    key: int
+    image: torch.Tensor | None
+    error_kind: str | None
+    error_message: str | None
+    retryable: bool
+    load_s: float
+    pid: int
+
+
+class LoaderFailure(TransientError):
+    """The loader timed out or a child died; the requests it held are lost."""
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    num_workers: int
+    timeout_s: float
+    image_size: int
+    sources: SourceConfig = field(default_factory=SourceConfig)
+    mp_context: str = "forkserver"
+
+
+def load_one(request: LoadRequest, size: int, sources: SourceConfig) -> Loaded:
+    started = time.perf_counter()
+    try:
+        image = decode_resized(read_bytes(request.uri, sources), size)
+    except WorkerError as error:
+        return Loaded(
+            request.key, None, error.kind, str(error), error.retryable,
+            time.perf_counter() - started, os.getpid(),
+        )
+    except Exception as error:  # noqa: BLE001 - one bad image must not kill a loader child
+        return Loaded(
+            request.key, None, "load_failed", f"{type(error).__name__}: {error}", False,
+            time.perf_counter() - started, os.getpid(),
+        )
+    return Loaded(request.key, image, None, None, False, time.perf_counter() - started, os.getpid())
+
+
+class RequestStream(IterableDataset[Loaded]):
+    """Endless dataset: yields one Loaded per request taken from ``requests``.
+
+    Picklable (its queue travels to the children when they are started).
+    """
+
+    def __init__(self, requests: Any, size: int, sources: SourceConfig) -> None:
+        self.requests = requests
+        self.size = size
+        self.sources = sources
+
+    def __iter__(self) -> Iterator[Loaded]:
+        parent = os.getppid()
+        while True:
+            try:
+                request = self.requests.get(timeout=_POLL_S)
+            except queue.Empty:
+                if os.getppid() != parent:  # our parent is gone: stop, do not linger
+                    return
+                continue
+            if request is None:
+                return
+            yield load_one(request, self.size, self.sources)
+
+
+def _init_child(_worker_id: int) -> None:
+    # supervisord signals the whole group on stop; the main process decides when children
+    # end, so a drain can finish the batch in hand.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+
+
+def _close_mp_queue(q: Any) -> None:
+    """Close a multiprocessing queue without waiting on readers that may be dead."""
+    q.cancel_join_thread()
+    q._ignore_epipe = True  # a feeder blocked on a full pipe now gives up instead of hanging
+    q._reader.close()
+    q.close()
+    thread = getattr(q, "_thread", None)
+    if thread is not None:
+        thread.join(timeout=1.0)
+    q._writer.close()
+
+
+class StreamingLoader:
+    def __init__(self, config: LoaderConfig) -> None:
+        self.config = config
+        self._ctx = mp.get_context(config.mp_context)
+        if config.mp_context == "forkserver":
+            self._ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # type: ignore[attr-defined]
+        self._lock = threading.Lock()
+        self._requests: Any = None
+        self._iter: Any = None
+        self._outstanding: dict[int, LoadRequest] = {}
+        self.restarts = 0
+
+    # -- life cycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        with self._lock:
+            self._requests = self._ctx.Queue()
+            dataset = RequestStream(self._requests, self.config.image_size, self.config.sources)
+            loader = DataLoader(
+                dataset,
+                batch_size=None,
+                num_workers=self.config.num_workers,
+                multiprocessing_context=self._ctx,
+                timeout=self.config.timeout_s,
+                worker_init_fn=_init_child,
+                prefetch_factor=2,
+                in_order=False,
+            )
+            self._iter = iter(loader)
+
+    def close(self) -> None:
+        """Stop every child (SIGKILL; they hold nothing we still need), reap it, close queues."""
+        with self._lock:
+            self._teardown()
+            self._outstanding.clear()
+
+    def restart(self) -> list[LoadRequest]:
+        """Replace the loader; return the requests that were submitted and never came back."""
+        with self._lock:
+            lost = list(self._outstanding.values())
+            self._outstanding.clear()
+            self._teardown()
+            self.restarts += 1
+        self.start()
+        return lost
+
+    def _teardown(self) -> None:
+        it, self._iter = self._iter, None
+        if it is None:
+            return
+        workers = list(it._workers)
+        for w in workers:
+            if w.is_alive():
+                w.kill()  # SIGKILL also ends a SIGSTOPped child
+        deadline = time.monotonic() + _KILL_WAIT_S
+        for w in workers:
+            w.join(timeout=max(0.0, deadline - time.monotonic()))
+        it._shutdown_workers()  # torch's own bookkeeping; children are gone, so it is quick
+        _close_mp_queue(it._worker_result_queue)
+        _close_mp_queue(self._requests)
+        for w in workers:
+            w.close()
+        self._requests = None
+
+    # -- data path ----------------------------------------------------------------------
+    def submit(self, requests: Sequence[LoadRequest]) -> None:
+        with self._lock:
+            if self._requests is None:
+                raise LoaderFailure("the loader is not running", kind="loader_stopped")
+            for request in requests:
+                self._outstanding[request.key] = request
+                self._requests.put(request)
+
+    def next_loaded(self) -> Loaded:
+        """The next finished request; LoaderFailure when none came within the timeout."""
+        it = self._iter
+        if it is None:
+            raise LoaderFailure("the loader is not running", kind="loader_stopped")
+        try:
+            loaded: Loaded = next(it)
+        except (RuntimeError, StopIteration) as error:
+            raise LoaderFailure(f"DataLoader failed: {error}", kind="loader_failed") from None
+        with self._lock:
+            self._outstanding.pop(loaded.key, None)
+        return loaded
+
+    def outstanding(self) -> int:
+        with self._lock:
+            return len(self._outstanding)
+
+    def child_pids(self) -> list[int]:
+        it = self._iter
+        if it is None:
+            return []
+        return [w.pid for w in it._workers if w.pid is not None]
+
+    def kill_children(self) -> None:
+        """Last resort from any thread, when the loader's own thread is wedged: SIGKILL them."""
+        for pid in self.child_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

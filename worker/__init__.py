@@ -1,0 +1,1 @@
+"""The inference worker service: NATS consumer, batching, inference, results, health, CLI."""

@@ -1,0 +1,126 @@
+"""Wiring: build every layer from the settings once, run the worker, take it all down in order."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import structlog
+from prometheus_client import CollectorRegistry
+
+from config.settings import S3Settings, Settings
+from datasets.loader import LoaderConfig, StreamingLoader
+from datasets.sources import SourceConfig
+from worker.engine import Engine
+from worker.health import HealthServer, Liveness, Metrics
+from worker.results import ResultStore
+from worker.service import Services, Worker
+from worker.settle import Settler
+from worker.transport import TaskFeed, connect, provision
+
+log = structlog.get_logger(__name__)
+_CLOSE_WAIT_S = 10.0
+
+
+def source_config(s3: S3Settings) -> SourceConfig:
+    return SourceConfig(
+        s3_endpoint_url=s3.endpoint_url,
+        s3_region=s3.region,
+        connect_timeout_s=s3.connect_timeout_s,
+        read_timeout_s=s3.read_timeout_s,
+        max_attempts=s3.max_attempts,
+        http_timeout_s=s3.http_timeout_s,
+    )
+
+
+class WorkerApp:
+    """One worker process's parts. ``start`` -> ``run(stop)`` -> ``close``."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.nc: Any = None
+        self.engine: Engine | None = None
+        self.health: HealthServer | None = None
+        self.worker: Worker | None = None
+        self.feed: TaskFeed | None = None
+
+    async def start(self) -> None:
+        from worker.model import Classifier
+        from worker.pipelines import get_pipeline
+
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        sources = source_config(s.s3)
+        spec = get_pipeline(s.model.pipeline)
+        classifier = await loop.run_in_executor(
+            self.engine_thread, Classifier, spec, s.model.weights, sources, s.model.device, s.model.top_k
+        )
+        loader = StreamingLoader(
+            LoaderConfig(
+                num_workers=s.loader.num_workers,
+                timeout_s=s.loader.timeout_s,
+                image_size=spec.input_size,
+                sources=sources,
+                mp_context=s.loader.mp_context,
+            )
+        )
+        self.engine = Engine(loader, classifier)
+        await loop.run_in_executor(self.engine_thread, self.engine.start)
+
+        self.nc = await connect(s.nats)
+        js = self.nc.jetstream()
+        await provision(js, s.nats, s.model.pipeline)
+        self.feed = TaskFeed(js, s.nats)
+        await self.feed.open()
+        max_deliver = await self.feed.max_deliver()
+
+        liveness = Liveness(s.health.stall_timeout_s)
+        metrics = Metrics(CollectorRegistry(), liveness)
+        if s.metrics.port:
+            self.health = HealthServer(s.metrics.host, s.metrics.port, metrics, liveness)
+            self.health.start()
+        store = ResultStore(js, s.nats)
+        settler = Settler(
+            js, store, s.nats, s.model.pipeline, classifier.info.as_dict(), max_deliver,
+            count=lambda outcome: metrics.tasks.labels(outcome).inc(),
+        )
+        services = Services(self.feed, store, settler, self.engine, self.engine_thread, liveness, metrics)
+        self.worker = Worker(s, services)
+        log.info(
+            "worker_started",
+            pipeline=s.model.pipeline,
+            device=str(classifier.device),
+            weights_sha256=classifier.info.weights_sha256,
+            loader_pids=loader.child_pids(),
+            max_deliver=max_deliver,
+            metrics_port=self.health.port if self.health else 0,
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        assert self.worker is not None, "start() first"
+        await self.worker.run(stop)
+
+    async def close(self) -> None:
+        """Stop loader children, the health server and the connection; each step bounded."""
+        loop = asyncio.get_running_loop()
+        if self.engine is not None:
+            try:
+                await asyncio.wait_for(
+                    loop.run_in_executor(self.engine_thread, self.engine.close), _CLOSE_WAIT_S
+                )
+            except TimeoutError:
+                log.error("engine_close_timeout", hint="the engine thread is wedged; killing children")
+                self.engine.loader.kill_children()
+        self.engine_thread.shutdown(wait=False, cancel_futures=True)
+        if self.health is not None:
+            self.health.close()
+        if self.feed is not None:
+            await self.feed.close()
+        if self.nc is not None and not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.drain(), _CLOSE_WAIT_S)
+            except Exception:  # noqa: BLE001 - closing anyway
+                await self.nc.close()
+        log.info("worker_stopped")

@@ -1,0 +1,60 @@
+"""``inference-worker check``: one clear line per thing that stops a worker from working."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+from nats.js.errors import NotFoundError
+
+from config.settings import Settings
+from datasets.errors import WorkerError
+
+_CHECK_TIMEOUT_S = 10.0
+
+
+async def _nats_problems(settings: Settings) -> list[str]:
+    try:
+        nc = await asyncio.wait_for(
+            nats.connect(settings.nats.url.split(","), allow_reconnect=False, connect_timeout=5,
+                         max_reconnect_attempts=0),
+            _CHECK_TIMEOUT_S,
+        )
+    except Exception as error:  # noqa: BLE001 - any failure is the answer here
+        return [f"NATS at {settings.nats.url} unreachable: {type(error).__name__} {error}"]
+    problems = []
+    try:
+        js = nc.jetstream()
+        for stream in (settings.nats.tasks_stream, settings.nats.results_stream):
+            try:
+                await js.stream_info(stream)
+            except NotFoundError:
+                problems.append(f"stream {stream} missing; run `inference-worker provision`")
+    except Exception as error:  # noqa: BLE001
+        problems.append(f"JetStream not available at {settings.nats.url}: {error}")
+    finally:
+        await nc.close()
+    return problems
+
+
+def _model_problems(settings: Settings) -> list[str]:
+    from worker.app import source_config
+    from worker.model import Classifier
+    from worker.pipelines import get_pipeline
+
+    try:
+        Classifier(
+            get_pipeline(settings.model.pipeline), settings.model.weights,
+            source_config(settings.s3), settings.model.device, settings.model.top_k,
+        )
+    except WorkerError as error:
+        return [f"model: {error}"]
+    except Exception as error:  # noqa: BLE001
+        return [f"model: cannot load {settings.model.weights}: {type(error).__name__} {error}"]
+    return []
+
+
+async def readiness_problems(settings: Settings) -> list[str]:
+    problems = await _nats_problems(settings)
+    problems += await asyncio.to_thread(_model_problems, settings)
+    return problems

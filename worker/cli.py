@@ -1,0 +1,147 @@
+"""``inference-worker`` / ``python -m worker``: run, demo, submit, results, check, provision."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from config.logging import configure_logging
+from config.settings import ConfigError, Settings, load_settings
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="inference-worker", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("WORKER_LOG_LEVEL", "INFO"))
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("run", help="run the worker until SIGTERM/SIGINT (settings from env/.env)")
+    commands.add_parser("demo", help="a whole job on local servers, with a report; cleans up")
+    submit = commands.add_parser("submit", help="publish one task per image for a job")
+    submit.add_argument("--job", required=True, help="job id")
+    submit.add_argument("--pipeline", help="pipeline (default: WORKER_MODEL__PIPELINE)")
+    submit.add_argument("uris", nargs="*", help="image URIs, or one s3://bucket/prefix/ to list")
+    results = commands.add_parser("results", help="print a job's results and a summary")
+    results.add_argument("--job", required=True, help="job id")
+    commands.add_parser("check", help="validate settings and reach NATS, S3 and the model")
+    commands.add_parser("provision", help="create or update streams and the durable consumer")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "demo":
+        configure_logging("WARNING")
+        from worker.demo import run_demo
+
+        return asyncio.run(run_demo())
+    configure_logging(args.log_level)
+    try:
+        settings = load_settings(for_worker=args.command in ("run", "check"))
+    except ConfigError as error:
+        for line in str(error).splitlines():
+            print(f"config error: {line}", file=sys.stderr)
+        return EXIT_CONFIG
+    handlers: dict[str, Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]] = {
+        "run": _run,
+        "submit": _submit,
+        "results": _results,
+        "check": _check,
+        "provision": _provision,
+    }
+    return asyncio.run(handlers[args.command](settings, args))
+
+
+async def _run(settings: Settings, _args: argparse.Namespace) -> int:
+    from worker.app import WorkerApp
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        # Record the signal only; the worker drains. A second one means "now".
+        if stop.is_set():
+            print(f"second signal {signal.Signals(signum).name}: exiting now", file=sys.stderr)
+            os._exit(128 + signum)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    app = WorkerApp(settings)
+    try:
+        await app.start()
+        await app.run(stop)
+    finally:
+        await app.close()
+    return EXIT_OK
+
+
+async def _submit(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.client import list_s3_prefix, make_tasks, publish_tasks
+    from worker.transport import connect
+
+    uris = list(args.uris)
+    if len(uris) == 1 and uris[0].startswith("s3://") and uris[0].endswith("/"):
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=settings.s3.endpoint_url, region_name=settings.s3.region)
+        uris = list_s3_prefix(client, uris[0])
+    if not uris:
+        print("nothing to submit: give image URIs or an s3://bucket/prefix/ with objects", file=sys.stderr)
+        return EXIT_FAILED
+    pipeline = args.pipeline or settings.model.pipeline
+    nc = await connect(settings.nats, name="inference-worker-submit")
+    try:
+        count = await publish_tasks(nc.jetstream(), settings.nats, pipeline, make_tasks(args.job, uris))
+    finally:
+        await nc.close()
+    print(f"submitted {count} tasks for job {args.job} on tasks.{pipeline}")
+    return EXIT_OK
+
+
+async def _results(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.client import job_results, job_task_ids, summarize
+    from worker.transport import connect
+
+    nc = await connect(settings.nats, name="inference-worker-results")
+    try:
+        js = nc.jetstream()
+        results = await job_results(js, settings.nats, args.job)
+        expected = await job_task_ids(js, settings.nats, args.job) | {r["task_id"] for r in results}
+    finally:
+        await nc.close()
+    for result in sorted(results, key=lambda r: r["task_id"]):
+        print(json.dumps(result, sort_keys=True))
+    print(summarize(results, expected).line(), file=sys.stderr)
+    return EXIT_OK
+
+
+async def _provision(settings: Settings, _args: argparse.Namespace) -> int:
+    from worker.transport import connect, provision
+
+    nc = await connect(settings.nats, name="inference-worker-provision")
+    try:
+        for line in await provision(nc.jetstream(), settings.nats, settings.model.pipeline):
+            print(line)
+    finally:
+        await nc.close()
+    return EXIT_OK
+
+
+async def _check(settings: Settings, _args: argparse.Namespace) -> int:
+    from worker.check import readiness_problems
+
+    problems = await readiness_problems(settings)
+    for problem in problems:
+        print(f"not ready: {problem}", file=sys.stderr)
+    if not problems:
+        print("ready: settings valid; NATS, S3 and the model reachable")
+    return EXIT_FAILED if problems else EXIT_OK

@@ -1,0 +1,118 @@
+"""Client side: publish a job's tasks, read a job's results. No torch here."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import nats
+from nats.js import JetStreamContext, api
+
+from config.settings import NatsSettings
+from worker.results import job_results_subject
+from worker.schemas import Task
+from worker.transport import tasks_subject
+
+_READ_BATCH = 256
+
+
+def make_tasks(job_id: str, uris: Iterable[str]) -> list[Task]:
+    tasks = []
+    for index, uri in enumerate(uris):
+        image_id = urlparse(uri).path.rsplit("/", 1)[-1] or f"image-{index}"
+        tasks.append(Task(f"{job_id}-{index:06d}", job_id, image_id, uri))
+    return tasks
+
+
+def list_s3_prefix(s3_client: Any, uri: str) -> list[str]:
+    parsed = urlparse(uri)
+    bucket, prefix = parsed.netloc, parsed.path.lstrip("/")
+    uris: list[str] = []
+    for page in s3_client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        uris.extend(f"s3://{bucket}/{obj['Key']}" for obj in page.get("Contents", []))
+    return sorted(uris)
+
+
+async def publish_tasks(js: JetStreamContext, settings: NatsSettings, pipeline: str,
+                        tasks: Iterable[Task]) -> int:
+    """One message per image on tasks.<pipeline>; the task id is the dedupe id."""
+    count = 0
+    for task in tasks:
+        await js.publish(
+            tasks_subject(pipeline),
+            json.dumps(task.as_dict()).encode(),
+            stream=settings.tasks_stream,
+            headers={"Nats-Msg-Id": task.id},
+        )
+        count += 1
+    return count
+
+
+async def _read_all(js: JetStreamContext, stream: str, subject: str) -> list[bytes]:
+    """Every message on ``subject`` in ``stream`` now, through a short-lived ephemeral consumer."""
+    sub = await js.pull_subscribe(
+        subject,
+        stream=stream,
+        config=api.ConsumerConfig(
+            ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL,
+            inactive_threshold=30.0,
+        ),
+    )
+    try:
+        info = await sub.consumer_info()
+        remaining = info.num_pending
+        out: list[bytes] = []
+        while remaining > 0:
+            try:
+                msgs = await sub.fetch(min(_READ_BATCH, remaining), timeout=5)
+            except (nats.errors.TimeoutError, TimeoutError):
+                break
+            out.extend(msg.data for msg in msgs)
+            remaining -= len(msgs)
+        return out
+    finally:
+        await sub.unsubscribe()
+
+
+async def job_results(js: JetStreamContext, settings: NatsSettings, job_id: str) -> list[dict[str, Any]]:
+    raw = await _read_all(js, settings.results_stream, job_results_subject(job_id))
+    return [json.loads(data) for data in raw]
+
+
+async def job_task_ids(js: JetStreamContext, settings: NatsSettings, job_id: str) -> set[str]:
+    """Task ids of the job still kept in the tasks stream (scans it; a client-side tool)."""
+    ids: set[str] = set()
+    for data in await _read_all(js, settings.tasks_stream, "tasks.>"):
+        try:
+            payload = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(payload, dict) and payload.get("job_id") == job_id and isinstance(payload.get("id"), str):
+            ids.add(payload["id"])
+    return ids
+
+
+@dataclass(frozen=True)
+class Summary:
+    ok: int
+    error: int
+    missing: int
+    duplicates: int
+
+    def line(self) -> str:
+        return f"ok={self.ok} error={self.error} missing={self.missing}"
+
+
+def summarize(results: list[dict[str, Any]], expected_ids: set[str]) -> Summary:
+    per_task = Counter(r["task_id"] for r in results)
+    statuses = Counter(r["status"] for r in results)
+    return Summary(
+        ok=statuses.get("ok", 0),
+        error=statuses.get("error", 0),
+        missing=len(expected_ids - set(per_task)),
+        duplicates=sum(n - 1 for n in per_task.values() if n > 1),
+    )

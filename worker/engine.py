@@ -1,0 +1,131 @@
+"""Loader iteration and forward passes, on one dedicated thread. Knows nothing of NATS."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+import torch
+
+from datasets.loader import Loaded, LoaderFailure, LoadRequest, StreamingLoader
+from worker.schemas import Verdict
+
+log = structlog.get_logger(__name__)
+
+
+class Predictor(Protocol):
+    def predict(self, images: torch.Tensor) -> list[list[dict[str, Any]]]: ...
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    outcomes: dict[int, Verdict]
+    load_s: float
+    infer_s: float
+    loader_restarted: bool
+
+
+class Engine:
+    """Owns the persistent loader and the model. ``run_batch`` is called on one thread only."""
+
+    def __init__(self, loader: StreamingLoader, predictor: Predictor) -> None:
+        self.loader = loader
+        self.predictor = predictor
+        self._stash: dict[int, Loaded] = {}
+
+    def start(self) -> None:
+        self.loader.start()
+
+    def close(self) -> None:
+        self.loader.close()
+        self._stash.clear()
+
+    def submit(self, requests: Sequence[LoadRequest]) -> None:
+        """Queue loads; safe from any thread. Loader children start on them at once."""
+        self.loader.submit(requests)
+
+    def forget(self, keys: Sequence[int]) -> None:
+        """Drop loads that nobody will collect (tasks given back at shutdown)."""
+        for key in keys:
+            self._stash.pop(key, None)
+
+    def run_batch(self, keys: Sequence[int]) -> BatchReport:
+        started = time.perf_counter()
+        loaded, failure = self._collect(keys)
+        load_s = time.perf_counter() - started
+        outcomes: dict[int, Verdict] = {}
+        for key in keys:
+            item = loaded.get(key)
+            if item is None:
+                outcomes[key] = Verdict(
+                    error_kind="loader_failed", error_message=failure, retryable=True
+                )
+            elif item.image is None:
+                outcomes[key] = Verdict(
+                    error_kind=item.error_kind,
+                    error_message=item.error_message,
+                    retryable=item.retryable,
+                    timings_s={"load_s": item.load_s},
+                )
+        ready = [key for key in keys if key not in outcomes]
+        infer_started = time.perf_counter()
+        outcomes.update(self._infer(ready, loaded))
+        infer_s = time.perf_counter() - infer_started
+        return BatchReport(outcomes, load_s, infer_s, failure is not None)
+
+    def _collect(self, keys: Sequence[int]) -> tuple[dict[int, Loaded], str | None]:
+        wanted = set(keys)
+        loaded = {key: self._stash.pop(key) for key in keys if key in self._stash}
+        while len(loaded) < len(wanted):
+            try:
+                item = self.loader.next_loaded()
+            except LoaderFailure as error:
+                self._recover(wanted, str(error))
+                return loaded, str(error)
+            if item.key in wanted:
+                loaded[item.key] = item
+            else:
+                self._stash[item.key] = item  # an image of a later batch, already here
+        return loaded, None
+
+    def _recover(self, wanted: set[int], reason: str) -> None:
+        """Rebuild the loader; reload what later batches still need, the rest is given back."""
+        started = time.perf_counter()
+        lost = self.loader.restart()
+        again = [request for request in lost if request.key not in wanted]
+        if again:
+            self.loader.submit(again)
+        log.warning(
+            "loader_restarted",
+            reason=reason,
+            restart_s=round(time.perf_counter() - started, 3),
+            given_back=len(lost) - len(again),
+            reloading=len(again),
+            child_pids=self.loader.child_pids(),
+        )
+
+    def _infer(self, keys: list[int], loaded: dict[int, Loaded]) -> dict[int, Verdict]:
+        if not keys:
+            return {}
+        started = time.perf_counter()
+        try:
+            images = torch.stack([loaded[key].image for key in keys])  # type: ignore[misc]
+            predictions = self.predictor.predict(images)
+        except Exception as error:  # noqa: BLE001 - e.g. CUDA OOM: give the batch back
+            log.exception("inference_failed", batch=len(keys))
+            message = f"inference failed: {type(error).__name__}: {error}"
+            return {
+                key: Verdict(error_kind="inference_failed", error_message=message, retryable=True)
+                for key in keys
+            }
+        infer_s = time.perf_counter() - started
+        return {
+            key: Verdict(
+                predictions=prediction,
+                timings_s={"load_s": loaded[key].load_s, "infer_s": infer_s / len(keys)},
+            )
+            for key, prediction in zip(keys, predictions, strict=True)
+        }

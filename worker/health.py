@@ -1,0 +1,154 @@
+"""Liveness state, Prometheus metrics in one injected registry, and the /metrics + /healthz server."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+PREFIX = "inference_worker"
+
+
+class Liveness:
+    """The stall rule: stalled while tasks are held and no batch completed for stall_timeout_s.
+
+    An idle worker is never stalled: while nothing is held, "last progress" keeps moving.
+    """
+
+    def __init__(self, stall_timeout_s: float, clock: Callable[[], float] = time.time) -> None:
+        self.stall_timeout_s = stall_timeout_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._held = 0
+        self._last_progress = clock()
+
+    def set_held(self, held: int) -> None:
+        with self._lock:
+            if self._held == 0 or held == 0:
+                # Work taken on by an idle worker, or the last of it settled: the clock starts now.
+                self._last_progress = self._clock()
+            self._held = held
+
+    def batch_completed(self) -> None:
+        with self._lock:
+            self._last_progress = self._clock()
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    def last_progress(self) -> float:
+        with self._lock:
+            return self._clock() if self._held == 0 else self._last_progress
+
+    def stalled_reason(self) -> str | None:
+        with self._lock:
+            if self._held == 0:
+                return None
+            idle_s = self._clock() - self._last_progress
+            if idle_s < self.stall_timeout_s:
+                return None
+            return (
+                f"{self._held} tasks held and no batch completed for {idle_s:.0f}s "
+                f"(stall timeout {self.stall_timeout_s:g}s)"
+            )
+
+
+class Metrics:
+    """Every metric of the worker, registered in the registry it is given."""
+
+    def __init__(self, registry: CollectorRegistry, liveness: Liveness) -> None:
+        self.registry = registry
+        Gauge(
+            f"{PREFIX}_last_progress_timestamp_seconds",
+            "Unix time of the last completed batch, or of the last moment no work was held.",
+            registry=registry,
+        ).set_function(liveness.last_progress)
+        Gauge(
+            f"{PREFIX}_inflight_tasks",
+            "Tasks held: fetched, not yet acked or naked.",
+            registry=registry,
+        ).set_function(lambda: liveness.held)
+        Gauge(
+            f"{PREFIX}_stalled",
+            "1 while tasks are held and no batch has completed for the stall timeout.",
+            registry=registry,
+        ).set_function(lambda: 1.0 if liveness.stalled_reason() else 0.0)
+        self.tasks = Counter(
+            f"{PREFIX}_tasks",
+            "Tasks settled, by outcome (ok, error, retried, dead_lettered).",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in ("ok", "error", "retried", "dead_lettered"):
+            self.tasks.labels(outcome)
+        self.images = Counter(
+            f"{PREFIX}_images", "Images run through the model.", registry=registry
+        )
+        self.batches = Counter(
+            f"{PREFIX}_batches", "Batches completed.", registry=registry
+        )
+        self.batch_seconds = Histogram(
+            f"{PREFIX}_batch_duration_seconds",
+            "Time per batch, by stage (load, infer, store).",
+            ["stage"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=registry,
+        )
+        self.loader_restarts = Counter(
+            f"{PREFIX}_loader_restarts",
+            "DataLoader rebuilds after a timeout or a dead loader child.",
+            registry=registry,
+        )
+
+
+class HealthServer:
+    """GET /metrics and GET /healthz on a daemon thread; port 0 turns it off."""
+
+    def __init__(self, host: str, port: int, metrics: Metrics, liveness: Liveness) -> None:
+        registry = metrics.registry
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.startswith("/metrics"):
+                    self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                elif self.path.startswith("/healthz"):
+                    reason = liveness.stalled_reason()
+                    if reason is None:
+                        self._send(200, b"ok\n", "text/plain")
+                    else:
+                        self._send(503, f"stalled: {reason}\n".encode(), "text/plain")
+                else:
+                    self._send(404, b"not found; try /metrics or /healthz\n", "text/plain")
+
+            def _send(self, status: int, body: bytes, content_type: str) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+                return  # scrapes every few seconds are not news
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="health-http", daemon=True
+        )
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

