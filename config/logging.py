@@ -1,4 +1,4 @@
-"""structlog set up once: JSON lines off a terminal, console on one; stdlib loggers routed through."""
+"""structlog set up once: JSON off a terminal, console on one; stdlib loggers routed through."""
 
 from __future__ import annotations
 

@@ -23,7 +23,9 @@ class NatsSettings(BaseModel):
     url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated")
     tasks_stream: str = Field("INFERENCE_TASKS", description="stream holding tasks.>")
     results_stream: str = Field("INFERENCE_RESULTS", description="stream holding results.>")
-    dead_letter_stream: str = Field("INFERENCE_DEAD_LETTER", description="stream keeping dead letters")
+    dead_letter_stream: str = Field(
+        "INFERENCE_DEAD_LETTER", description="stream keeping dead letters"
+    )
     dead_letter_subject: str = Field("dead.tasks", description="subject for unparseable tasks")
     consumer: str = Field("inference-worker", description="durable pull consumer shared by workers")
     ack_wait_s: float = Field(300.0, description="JetStream ack wait of the consumer")
@@ -48,8 +50,8 @@ class NatsSettings(BaseModel):
 class S3Settings(BaseModel):
     endpoint_url: str | None = Field(None, description="S3 endpoint; unset means AWS")
     region: str = Field("us-east-1", description="region name for the S3 client")
-    connect_timeout_s: float = Field(5.0, description="S3 connect timeout")
-    read_timeout_s: float = Field(20.0, description="S3 read timeout")
+    connect_timeout_s: float = Field(2.0, description="S3 connect timeout")
+    read_timeout_s: float = Field(15.0, description="S3 read timeout")
     max_attempts: int = Field(3, description="S3 attempts per object, retries included")
     http_timeout_s: float = Field(20.0, description="timeout for http(s):// image URLs")
 
@@ -74,13 +76,17 @@ class ModelSettings(BaseModel):
     @classmethod
     def _device_form(cls, value: str) -> str:
         head, _, index = value.partition(":")
-        if head not in ("auto", "cpu", "cuda") or (index and (head != "cuda" or not index.isdigit())):
+        if head not in ("auto", "cpu", "cuda") or (
+            index and (head != "cuda" or not index.isdigit())
+        ):
             raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {value!r}")
         return value
 
 
 class HealthSettings(BaseModel):
-    stall_timeout_s: float = Field(120.0, description="held work and no batch for this long = stalled")
+    stall_timeout_s: float = Field(
+        120.0, description="held work and no batch for this long = stalled"
+    )
     drain_timeout_s: float = Field(30.0, description="SIGTERM: time to finish or give back work")
 
 
@@ -97,12 +103,12 @@ class Settings(BaseSettings):
         extra="ignore",
     )
 
-    nats: NatsSettings = NatsSettings()
-    s3: S3Settings = S3Settings()
-    loader: LoaderSettings = LoaderSettings()
-    model: ModelSettings = ModelSettings()
-    health: HealthSettings = HealthSettings()
-    metrics: MetricsSettings = MetricsSettings()
+    nats: NatsSettings = Field(default_factory=NatsSettings)
+    s3: S3Settings = Field(default_factory=S3Settings)
+    loader: LoaderSettings = Field(default_factory=LoaderSettings)
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    health: HealthSettings = Field(default_factory=HealthSettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
 
     @model_validator(mode="after")
     def _fits_together(self) -> Settings:
@@ -152,7 +158,7 @@ def settings_problems(s: Settings) -> list[str]:
         problems.append(
             f"WORKER_S3__CONNECT_TIMEOUT_S + WORKER_S3__READ_TIMEOUT_S times "
             f"WORKER_S3__MAX_ATTEMPTS ({s3_worst_s:g}s) must be shorter than "
-            f"WORKER_LOADER__TIMEOUT_S ({s.loader.timeout_s}), or a slow object looks like a hung loader"
+            f"WORKER_LOADER__TIMEOUT_S ({s.loader.timeout_s}), or a slow object looks like a hang"
         )
     if s.nats.fetch_timeout_s >= s.health.stall_timeout_s:
         problems.append(

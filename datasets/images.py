@@ -39,10 +39,10 @@ def decode_resized(data: bytes, size: int) -> torch.Tensor:
                 )
             if image.format == "JPEG":
                 image.draft("RGB", (size, size))
-            image = image.convert("RGB").resize((size, size), Image.Resampling.BILINEAR)
+            resized = image.convert("RGB").resize((size, size), Image.Resampling.BILINEAR)
     except PermanentError:
         raise
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning) as error:
         raise PermanentError(f"cannot decode image: {error}", kind="corrupt_image") from None
-    array = np.asarray(image, dtype=np.uint8)
+    array = np.asarray(resized, dtype=np.uint8)
     return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()

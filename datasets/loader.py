@@ -71,13 +71,23 @@ def load_one(request: LoadRequest, size: int, sources: SourceConfig) -> Loaded:
         image = decode_resized(read_bytes(request.uri, sources), size)
     except WorkerError as error:
         return Loaded(
-            request.key, None, error.kind, str(error), error.retryable,
-            time.perf_counter() - started, os.getpid(),
+            request.key,
+            None,
+            error.kind,
+            str(error),
+            error.retryable,
+            time.perf_counter() - started,
+            os.getpid(),
         )
-    except Exception as error:  # noqa: BLE001 - one bad image must not kill a loader child
+    except Exception as error:
         return Loaded(
-            request.key, None, "load_failed", f"{type(error).__name__}: {error}", False,
-            time.perf_counter() - started, os.getpid(),
+            request.key,
+            None,
+            "load_failed",
+            f"{type(error).__name__}: {error}",
+            False,
+            time.perf_counter() - started,
+            os.getpid(),
         )
     return Loaded(request.key, image, None, None, False, time.perf_counter() - started, os.getpid())
 
@@ -132,7 +142,7 @@ class StreamingLoader:
         self.config = config
         self._ctx = mp.get_context(config.mp_context)
         if config.mp_context == "forkserver":
-            self._ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # type: ignore[attr-defined]
+            self._ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         self._lock = threading.Lock()
         self._requests: Any = None
         self._iter: Any = None

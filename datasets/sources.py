@@ -98,7 +98,9 @@ def _read_s3(uri: str, config: SourceConfig) -> bytes:
         if code in _DENIED_CODES:
             raise PermanentError(f"{uri}: access denied ({code})", kind="access_denied") from None
         if status >= 500 or code in ("SlowDown", "Throttling", "RequestTimeout"):
-            raise TransientError(f"S3 answered {status} {code} for {uri}", kind="s3_unavailable") from None
+            raise TransientError(
+                f"S3 answered {status} {code} for {uri}", kind="s3_unavailable"
+            ) from None
         raise PermanentError(f"S3 refused {uri}: {status} {code}", kind="s3_error") from None
     except BotoCoreError as error:
         raise TransientError(f"S3 unreachable for {uri}: {error}", kind="s3_unavailable") from None
@@ -106,7 +108,7 @@ def _read_s3(uri: str, config: SourceConfig) -> bytes:
 
 def _read_http(uri: str, config: SourceConfig) -> bytes:
     try:
-        with urllib.request.urlopen(uri, timeout=config.http_timeout_s) as response:  # noqa: S310
+        with urllib.request.urlopen(uri, timeout=config.http_timeout_s) as response:
             body: bytes = response.read(MAX_IMAGE_BYTES + 1)
     except urllib.error.HTTPError as error:
         if error.code >= 500 or error.code == 429:

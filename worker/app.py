@@ -55,7 +55,13 @@ class WorkerApp:
         sources = source_config(s.s3)
         spec = get_pipeline(s.model.pipeline)
         classifier = await loop.run_in_executor(
-            self.engine_thread, Classifier, spec, s.model.weights, sources, s.model.device, s.model.top_k
+            self.engine_thread,
+            Classifier,
+            spec,
+            s.model.weights,
+            sources,
+            s.model.device,
+            s.model.top_k,
         )
         loader = StreamingLoader(
             LoaderConfig(
@@ -83,10 +89,17 @@ class WorkerApp:
             self.health.start()
         store = ResultStore(js, s.nats)
         settler = Settler(
-            js, store, s.nats, s.model.pipeline, classifier.info.as_dict(), max_deliver,
+            js,
+            store,
+            s.nats,
+            s.model.pipeline,
+            classifier.info.as_dict(),
+            max_deliver,
             count=lambda outcome: metrics.tasks.labels(outcome).inc(),
         )
-        services = Services(self.feed, store, settler, self.engine, self.engine_thread, liveness, metrics)
+        services = Services(
+            self.feed, store, settler, self.engine, self.engine_thread, liveness, metrics
+        )
         self.worker = Worker(s, services)
         log.info(
             "worker_started",
@@ -111,7 +124,9 @@ class WorkerApp:
                     loop.run_in_executor(self.engine_thread, self.engine.close), _CLOSE_WAIT_S
                 )
             except TimeoutError:
-                log.error("engine_close_timeout", hint="the engine thread is wedged; killing children")
+                log.error(
+                    "engine_close_timeout", hint="the engine thread is wedged; killing children"
+                )
                 self.engine.loader.kill_children()
         self.engine_thread.shutdown(wait=False, cancel_futures=True)
         if self.health is not None:
@@ -121,6 +136,6 @@ class WorkerApp:
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.drain(), _CLOSE_WAIT_S)
-            except Exception:  # noqa: BLE001 - closing anyway
+            except Exception:
                 await self.nc.close()
         log.info("worker_stopped")

@@ -16,11 +16,15 @@ _CHECK_TIMEOUT_S = 10.0
 async def _nats_problems(settings: Settings) -> list[str]:
     try:
         nc = await asyncio.wait_for(
-            nats.connect(settings.nats.url.split(","), allow_reconnect=False, connect_timeout=5,
-                         max_reconnect_attempts=0),
+            nats.connect(
+                settings.nats.url.split(","),
+                allow_reconnect=False,
+                connect_timeout=5,
+                max_reconnect_attempts=0,
+            ),
             _CHECK_TIMEOUT_S,
         )
-    except Exception as error:  # noqa: BLE001 - any failure is the answer here
+    except Exception as error:
         return [f"NATS at {settings.nats.url} unreachable: {type(error).__name__} {error}"]
     problems = []
     try:
@@ -30,7 +34,7 @@ async def _nats_problems(settings: Settings) -> list[str]:
                 await js.stream_info(stream)
             except NotFoundError:
                 problems.append(f"stream {stream} missing; run `inference-worker provision`")
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         problems.append(f"JetStream not available at {settings.nats.url}: {error}")
     finally:
         await nc.close()
@@ -44,12 +48,15 @@ def _model_problems(settings: Settings) -> list[str]:
 
     try:
         Classifier(
-            get_pipeline(settings.model.pipeline), settings.model.weights,
-            source_config(settings.s3), settings.model.device, settings.model.top_k,
+            get_pipeline(settings.model.pipeline),
+            settings.model.weights,
+            source_config(settings.s3),
+            settings.model.device,
+            settings.model.top_k,
         )
     except WorkerError as error:
         return [f"model: {error}"]
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         return [f"model: cannot load {settings.model.weights}: {type(error).__name__} {error}"]
     return []
 

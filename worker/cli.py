@@ -92,15 +92,22 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
     if len(uris) == 1 and uris[0].startswith("s3://") and uris[0].endswith("/"):
         import boto3
 
-        client = boto3.client("s3", endpoint_url=settings.s3.endpoint_url, region_name=settings.s3.region)
+        client = boto3.client(
+            "s3", endpoint_url=settings.s3.endpoint_url, region_name=settings.s3.region
+        )
         uris = list_s3_prefix(client, uris[0])
     if not uris:
-        print("nothing to submit: give image URIs or an s3://bucket/prefix/ with objects", file=sys.stderr)
+        print(
+            "nothing to submit: give image URIs or an s3://bucket/prefix/ with objects",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     pipeline = args.pipeline or settings.model.pipeline
     nc = await connect(settings.nats, name="inference-worker-submit")
     try:
-        count = await publish_tasks(nc.jetstream(), settings.nats, pipeline, make_tasks(args.job, uris))
+        count = await publish_tasks(
+            nc.jetstream(), settings.nats, pipeline, make_tasks(args.job, uris)
+        )
     finally:
         await nc.close()
     print(f"submitted {count} tasks for job {args.job} on tasks.{pipeline}")

@@ -37,8 +37,9 @@ def list_s3_prefix(s3_client: Any, uri: str) -> list[str]:
     return sorted(uris)
 
 
-async def publish_tasks(js: JetStreamContext, settings: NatsSettings, pipeline: str,
-                        tasks: Iterable[Task]) -> int:
+async def publish_tasks(
+    js: JetStreamContext, settings: NatsSettings, pipeline: str, tasks: Iterable[Task]
+) -> int:
     """One message per image on tasks.<pipeline>; the task id is the dedupe id."""
     count = 0
     for task in tasks:
@@ -58,13 +59,14 @@ async def _read_all(js: JetStreamContext, stream: str, subject: str) -> list[byt
         subject,
         stream=stream,
         config=api.ConsumerConfig(
-            ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL,
+            ack_policy=api.AckPolicy.NONE,
+            deliver_policy=api.DeliverPolicy.ALL,
             inactive_threshold=30.0,
         ),
     )
     try:
         info = await sub.consumer_info()
-        remaining = info.num_pending
+        remaining = info.num_pending or 0
         out: list[bytes] = []
         while remaining > 0:
             try:
@@ -78,7 +80,9 @@ async def _read_all(js: JetStreamContext, stream: str, subject: str) -> list[byt
         await sub.unsubscribe()
 
 
-async def job_results(js: JetStreamContext, settings: NatsSettings, job_id: str) -> list[dict[str, Any]]:
+async def job_results(
+    js: JetStreamContext, settings: NatsSettings, job_id: str
+) -> list[dict[str, Any]]:
     raw = await _read_all(js, settings.results_stream, job_results_subject(job_id))
     return [json.loads(data) for data in raw]
 
@@ -91,7 +95,11 @@ async def job_task_ids(js: JetStreamContext, settings: NatsSettings, job_id: str
             payload = json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError):
             continue
-        if isinstance(payload, dict) and payload.get("job_id") == job_id and isinstance(payload.get("id"), str):
+        if (
+            isinstance(payload, dict)
+            and payload.get("job_id") == job_id
+            and isinstance(payload.get("id"), str)
+        ):
             ids.add(payload["id"])
     return ids
 

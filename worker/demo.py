@@ -39,7 +39,9 @@ def _upload_fixtures(s3: Any, workdir: str) -> list[str]:
     s3.create_bucket(Bucket="demo-images")
     weights = save_classifier(get_pipeline(PIPELINE), LABELS, os.path.join(workdir, "model"))
     s3.upload_file(weights, "demo-models", "mobilenet/model.pt")
-    s3.upload_file(os.path.join(workdir, "model", "labels.txt"), "demo-models", "mobilenet/labels.txt")
+    s3.upload_file(
+        os.path.join(workdir, "model", "labels.txt"), "demo-models", "mobilenet/labels.txt"
+    )
     uris = []
     for i in range(IMAGES):
         if i == IMAGES // 2:
@@ -94,14 +96,21 @@ async def run_demo() -> int:
             nats={"url": nats_server.url, "max_deliver": 3, "nak_backoff_base_s": 0.5},
             s3={"endpoint_url": s3_server.endpoint_url, "read_timeout_s": 10, "max_attempts": 2},
             loader={"num_workers": 2, "batch_size": 8, "timeout_s": 45},
-            model={"pipeline": PIPELINE, "weights": "s3://demo-models/mobilenet/model.pt", "device": "auto"},
+            model={
+                "pipeline": PIPELINE,
+                "weights": "s3://demo-models/mobilenet/model.pt",
+                "device": "auto",
+            },
             health={"stall_timeout_s": 60},
             metrics={"port": 0},
         )
         app = WorkerApp(settings)
         started = time.monotonic()
         await app.start()
-        print(f"worker up in {time.monotonic() - started:.1f}s; loader pids {app.engine.loader.child_pids() if app.engine else []}")
+        print(
+            f"worker up in {time.monotonic() - started:.1f}s; "
+            f"loader pids {app.engine.loader.child_pids() if app.engine else []}"
+        )
         stop = asyncio.Event()
         running = asyncio.create_task(app.run(stop))
         client = await connect(settings.nats, name="demo-client")

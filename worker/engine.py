@@ -114,7 +114,7 @@ class Engine:
         try:
             images = torch.stack([loaded[key].image for key in keys])  # type: ignore[misc]
             predictions = self.predictor.predict(images)
-        except Exception as error:  # noqa: BLE001 - e.g. CUDA OOM: give the batch back
+        except Exception as error:
             log.exception("inference_failed", batch=len(keys))
             message = f"inference failed: {type(error).__name__}: {error}"
             return {

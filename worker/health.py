@@ -1,4 +1,4 @@
-"""Liveness state, Prometheus metrics in one injected registry, and the /metrics + /healthz server."""
+"""Liveness state, Prometheus metrics in one injected registry, the /metrics + /healthz server."""
 
 from __future__ import annotations
 
@@ -89,9 +89,7 @@ class Metrics:
         self.images = Counter(
             f"{PREFIX}_images", "Images run through the model.", registry=registry
         )
-        self.batches = Counter(
-            f"{PREFIX}_batches", "Batches completed.", registry=registry
-        )
+        self.batches = Counter(f"{PREFIX}_batches", "Batches completed.", registry=registry)
         self.batch_seconds = Histogram(
             f"{PREFIX}_batch_duration_seconds",
             "Time per batch, by stage (load, infer, store).",
@@ -132,7 +130,7 @@ class HealthServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: object) -> None:
                 return  # scrapes every few seconds are not news
 
         self._server = ThreadingHTTPServer((host, port), Handler)

@@ -71,9 +71,21 @@ class NatsServer:
         Path(self.store_dir).mkdir(parents=True, exist_ok=True)
         log_path = Path(self.store_dir) / "nats-server.log"
         self.proc = subprocess.Popen(
-            [find_nats_server(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
-             "-sd", self.store_dir, "-l", str(log_path)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                find_nats_server(),
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-js",
+                "-sd",
+                self.store_dir,
+                "-l",
+                str(log_path),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         try:
             _wait_port(self.port, self.proc, "nats-server")
@@ -106,7 +118,7 @@ class S3Server:
     """moto's ThreadedMotoServer: a real HTTP S3 endpoint on 127.0.0.1."""
 
     ACCESS_KEY = "testing"
-    SECRET_KEY = "testing"  # noqa: S105 - moto accepts any credentials
+    SECRET_KEY = "testing"
 
     def __init__(self, port: int | None = None) -> None:
         self.port = port or free_port()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -57,7 +56,7 @@ class ResultStore:
             ):
                 return False
             raise ResultsUnavailable(f"results stream refused the write: {error}") from None
-        except (nats.errors.Error, asyncio.TimeoutError) as error:
+        except (TimeoutError, nats.errors.Error) as error:
             raise ResultsUnavailable(
                 f"results stream unavailable: {type(error).__name__} {error}"
             ) from None
@@ -70,6 +69,6 @@ class ResultStore:
             )
         except NotFoundError:
             return False
-        except (nats.errors.Error, asyncio.TimeoutError) as error:
+        except (TimeoutError, nats.errors.Error) as error:
             raise ResultsUnavailable(f"cannot read the results stream: {error}") from None
         return True

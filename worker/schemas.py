@@ -1,4 +1,4 @@
-"""Task and result messages (the SPEC's schemas), and subject-token encoding. Imports nothing of ours."""
+"""Task and result messages (the SPEC's schemas) and subject tokens. Imports nothing of ours."""
 
 from __future__ import annotations
 

@@ -159,9 +159,7 @@ class Worker:
 
     async def _settle_batch(self, batch: list[Held], report: BatchReport) -> None:
         started = time.perf_counter()
-        await asyncio.gather(
-            *(self._settle_one(h, report.outcomes[h.key]) for h in batch)
-        )
+        await asyncio.gather(*(self._settle_one(h, report.outcomes[h.key]) for h in batch))
         self.s.metrics.batch_seconds.labels("store").observe(time.perf_counter() - started)
         await self._keep_alive()
 
@@ -169,11 +167,14 @@ class Worker:
         try:
             total_s = time.monotonic() - held.fetched_at
             timed = Verdict(
-                verdict.predictions, verdict.error_kind, verdict.error_message,
-                verdict.retryable, {**verdict.timings_s, "total_s": total_s},
+                verdict.predictions,
+                verdict.error_kind,
+                verdict.error_message,
+                verdict.retryable,
+                {**verdict.timings_s, "total_s": total_s},
             )
             await self.s.settler.settle(held.task, held.msg, held.delivered, timed)
-        except Exception:  # noqa: BLE001 - the per-task boundary: record, let redelivery retry
+        except Exception:
             log.exception("settle_failed", task_id=held.task.id, job_id=held.task.job_id)
         finally:
             self._release([held])
@@ -204,7 +205,7 @@ class Worker:
             await asyncio.wait_for(processor, self.settings.health.drain_timeout_s)
         except TimeoutError:
             log.error("drain_timeout", held=len(self.held))
-        except Exception:  # noqa: BLE001 - shutting down regardless; say what broke
+        except Exception:
             log.exception("process_loop_failed")
         await self._give_back(list(self.held.values()), "drain timed out")
 

@@ -95,7 +95,9 @@ class Settler:
         return str(outcome)
 
     async def _retry(self, msg: Msg, delivered: int, bound: Any, verdict: Verdict) -> str:
-        delay_s = backoff_s(delivered, self.settings.nak_backoff_base_s, self.settings.nak_backoff_max_s)
+        delay_s = backoff_s(
+            delivered, self.settings.nak_backoff_base_s, self.settings.nak_backoff_max_s
+        )
         try:
             await msg.nak(delay=delay_s)
         except nats.errors.Error as error:  # the ack wait will bring it back anyway
@@ -105,7 +107,7 @@ class Settler:
         return "retried"
 
     async def dead_letter(self, msg: Msg, reason: str) -> None:
-        """Keep an unparseable message, with the reason, on the dead-letter subject; terminate it."""
+        """Keep an unparseable message and the reason on the dead-letter subject; terminate it."""
         headers = {
             "Worker-Reason": reason[:1000],
             "Worker-Original-Subject": msg.subject,
@@ -127,6 +129,9 @@ class Settler:
             return
         await msg.term()
         self.count("dead_lettered")
-        log.warning("task_dead_lettered", reason=reason, subject=msg.subject,
-                    preview=json.dumps(msg.data[:200].decode("utf-8", "replace")))
-
+        log.warning(
+            "task_dead_lettered",
+            reason=reason,
+            subject=msg.subject,
+            preview=json.dumps(msg.data[:200].decode("utf-8", "replace")),
+        )

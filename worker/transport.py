@@ -138,14 +138,18 @@ class TaskFeed:
         return int(value) if value and value > 0 else 1_000_000
 
     async def fetch(self, batch: int) -> list[Msg]:
-        """Up to ``batch`` messages; [] after ``fetch_timeout_s`` with none, or while disconnected."""
+        """Up to ``batch`` messages; [] after ``fetch_timeout_s`` or while disconnected."""
         try:
             msgs: list[Msg] = await self._sub.fetch(batch, timeout=self._settings.fetch_timeout_s)
             return msgs
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        except (TimeoutError, nats.errors.TimeoutError):
             return []
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
-                nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as error:
+        except (
+            nats.errors.ConnectionClosedError,
+            nats.errors.ConnectionReconnectingError,
+            nats.errors.NoRespondersError,
+            nats.js.errors.ServiceUnavailableError,
+        ) as error:
             log.warning("fetch_failed_will_retry", error=type(error).__name__)
             await asyncio.sleep(self._settings.fetch_timeout_s)
             return []

@@ -1,0 +1,108 @@
+"""Shared fixtures: real servers on free ports, a small model, generated images.
+
+Tests that need a server fail (not skip) when CI=true and the server cannot be found.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from worker.localservers import NatsServer, S3Server, ServerNotFound
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+PIPELINE = "mobilenet-v3-small-classifier"
+LABELS = ["cat", "dog", "bird", "fish", "horse"]
+
+
+def _unavailable(what: str, error: Exception) -> None:
+    message = f"{what} unavailable: {error}"
+    if IN_CI:
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def aws_env() -> Iterator[None]:
+    # Before any loader starts: the forkserver keeps the environment it started with.
+    saved = {k: os.environ.get(k) for k in S3Server().credentials_env()}
+    os.environ.update(S3Server().credentials_env())
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    server = NatsServer(store_dir=str(tmp_path / "nats"))
+    try:
+        server.start()
+    except (ServerNotFound, RuntimeError) as error:
+        _unavailable("nats-server", error)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    server = S3Server()
+    try:
+        server.start()
+    except Exception as error:
+        _unavailable("S3 endpoint (moto server)", error)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3_server: S3Server) -> str:
+    name = f"images-{uuid.uuid4().hex[:12]}"
+    s3_server.client().create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture(scope="session")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from worker.model import save_classifier
+    from worker.pipelines import get_pipeline
+
+    return save_classifier(get_pipeline(PIPELINE), LABELS, str(tmp_path_factory.mktemp("model")))
+
+
+@pytest.fixture
+def settings_for(model_path: str, s3_server: S3Server) -> Any:
+    """Settings for a worker against the given nats server; keyword groups override."""
+    from config.settings import load_settings
+
+    def make(nats_url: str, **groups: dict[str, Any]) -> Any:
+        base: dict[str, dict[str, Any]] = {
+            "nats": {
+                "url": nats_url,
+                "fetch_timeout_s": 0.5,
+                "nak_backoff_base_s": 0.1,
+                "nak_backoff_max_s": 0.5,
+            },
+            "s3": {
+                "endpoint_url": s3_server.endpoint_url,
+                "connect_timeout_s": 1,
+                "read_timeout_s": 3,
+                "max_attempts": 1,
+            },
+            "loader": {"num_workers": 2, "batch_size": 4, "timeout_s": 10},
+            "model": {"pipeline": PIPELINE, "weights": model_path, "device": "cpu", "top_k": 3},
+            "health": {"stall_timeout_s": 30, "drain_timeout_s": 10},
+            "metrics": {"port": 0},
+        }
+        for group, values in groups.items():
+            base[group] = {**base.get(group, {}), **values}
+        return load_settings(**base)
+
+    return make

@@ -1,0 +1,164 @@
+"""The command line as an operator uses it: a real `inference-worker run` process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from tests.helpers import client, consumer_idle, submit, upload_images, wait_results
+from worker.localservers import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def worker_env(settings, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    env.update(
+        {
+            "WORKER_NATS__URL": settings.nats.url,
+            "WORKER_NATS__FETCH_TIMEOUT_S": "0.5",
+            "WORKER_S3__ENDPOINT_URL": settings.s3.endpoint_url or "",
+            "WORKER_S3__CONNECT_TIMEOUT_S": "1",
+            "WORKER_S3__READ_TIMEOUT_S": "3",
+            "WORKER_S3__MAX_ATTEMPTS": "2",
+            "WORKER_LOADER__NUM_WORKERS": "2",
+            "WORKER_LOADER__BATCH_SIZE": "4",
+            "WORKER_LOADER__TIMEOUT_S": "20",
+            "WORKER_MODEL__PIPELINE": settings.model.pipeline,
+            "WORKER_MODEL__WEIGHTS": settings.model.weights,
+            "WORKER_MODEL__DEVICE": "cpu",
+            "WORKER_HEALTH__STALL_TIMEOUT_S": "30",
+            "WORKER_LOG_LEVEL": "INFO",
+        }
+    )
+    env.update(extra)
+    return env
+
+
+def cli(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "worker", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def wait_http(url: str, proc, log_path, timeout_s: float = 60) -> tuple[int, str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, (
+            f"worker exited {proc.returncode}: {log_path.read_text()[-3000:]}"
+        )
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return response.status, response.read().decode()
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(
+        f"{url} did not answer within {timeout_s}s: {log_path.read_text()[-3000:]}"
+    )
+
+
+async def test_run_serves_a_job_reports_metrics_and_exits_0_on_sigterm_leaving_no_children(
+    nats_server, s3_server, bucket, settings_for, tmp_path
+):
+    settings = settings_for(nats_server.url)
+    port = free_port()
+    log_path = tmp_path / "worker.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", "run"],
+            env=worker_env(settings, WORKER_METRICS__PORT=str(port)),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        status, _ = wait_http(f"http://127.0.0.1:{port}/healthz", proc, log_path)
+        assert status == 200
+        uris = upload_images(s3_server.client(), bucket, 6)
+        async with client(settings) as js:
+            await submit(js, settings, "job-cli", uris)
+            results = await wait_results(js, settings, "job-cli", 6)
+            await consumer_idle(js, settings)
+        _, metrics = wait_http(f"http://127.0.0.1:{port}/metrics", proc, log_path)
+        descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = log_path.read_text()
+
+    assert {r["status"] for r in results} == {"ok"}
+    assert 'inference_worker_tasks_total{outcome="ok"} 6.0' in metrics
+    assert "inference_worker_stalled 0.0" in metrics
+    assert "inference_worker_inflight_tasks 0.0" in metrics
+    assert code == 0, stderr[-3000:]
+    assert len(descendants) >= 2  # loader children (and the forkserver)
+    time.sleep(1.0)  # let the forkserver notice its parent is gone
+    assert not [
+        pid
+        for pid in descendants
+        if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    ]
+
+
+def test_run_refuses_impossible_settings_with_one_line_naming_the_fields(settings_for, nats_server):
+    settings = settings_for(nats_server.url)
+    env = worker_env(settings, WORKER_LOADER__TIMEOUT_S="40", WORKER_HEALTH__STALL_TIMEOUT_S="30")
+    done = cli("run", env=env)
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.startswith("config error:")]
+    assert len(lines) == 1
+    assert "WORKER_LOADER__TIMEOUT_S" in lines[0] and "WORKER_HEALTH__STALL_TIMEOUT_S" in lines[0]
+
+
+def test_check_says_ready_or_names_each_problem(settings_for, nats_server):
+    settings = settings_for(nats_server.url)
+    env = worker_env(settings)
+    assert cli("provision", env=env).returncode == 0
+    ready = cli("check", env=env)
+    assert ready.returncode == 0, ready.stderr
+    assert "ready" in ready.stdout
+    broken = cli("check", env={**env, "WORKER_NATS__URL": f"nats://127.0.0.1:{free_port()}"})
+    assert broken.returncode == 1
+    assert "NATS at" in broken.stderr and "unreachable" in broken.stderr
+
+
+async def test_provision_is_idempotent_and_updates_an_existing_consumer(settings_for, nats_server):
+    settings = settings_for(nats_server.url)
+    env = worker_env(settings)
+    first, again = cli("provision", env=env), cli("provision", env=env)
+    assert first.returncode == again.returncode == 0
+    assert "created stream INFERENCE_TASKS" in first.stdout
+    assert "updated stream INFERENCE_TASKS" in again.stdout
+    assert cli("provision", env={**env, "WORKER_NATS__MAX_DELIVER": "2"}).returncode == 0
+    async with client(settings) as js:
+        info = await js.consumer_info(settings.nats.tasks_stream, settings.nats.consumer)
+        results = await js.stream_info(settings.nats.results_stream)
+    assert info.config.max_deliver == 2
+    assert results.config.max_msgs_per_subject == 1 and results.config.discard_new_per_subject
+
+
+async def test_submit_and_results_commands(nats_server, s3_server, bucket, settings_for):
+    settings = settings_for(nats_server.url)
+    env = worker_env(settings)
+    upload_images(s3_server.client(), bucket, 3, prefix="listing")
+    assert cli("provision", env=env).returncode == 0
+    submitted = cli("submit", "--job", "job-listed", f"s3://{bucket}/listing/", env=env)
+    assert submitted.returncode == 0, submitted.stderr
+    assert "submitted 3 tasks" in submitted.stdout
+    shown = cli("results", "--job", "job-listed", env=env)
+    assert shown.returncode == 0
+    assert "ok=0 error=0 missing=3" in shown.stderr

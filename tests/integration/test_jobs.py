@@ -1,0 +1,216 @@
+"""A worker against a real nats-server and a real HTTP S3 endpoint: normal path, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from datasets.synthetic import corrupt_bytes
+from tests.helpers import (
+    client,
+    consumer_idle,
+    publish_raw,
+    running_worker,
+    submit,
+    upload_images,
+    wait_results,
+)
+from worker.client import job_results
+
+pytestmark = pytest.mark.integration
+
+
+async def test_a_job_of_n_images_gives_n_ok_results_and_leaves_nothing_pending(
+    nats_server, s3_server, bucket, settings_for, model_path
+):
+    settings = settings_for(nats_server.url)
+    uris = upload_images(s3_server.client(), bucket, 10)
+    async with running_worker(settings), client(settings) as js:
+        tasks = await submit(js, settings, "job-normal", uris)
+        results = await wait_results(js, settings, "job-normal", len(tasks))
+        info = await consumer_idle(js, settings)
+
+    assert sorted(r["task_id"] for r in results) == sorted(t.id for t in tasks)
+    assert {r["status"] for r in results} == {"ok"}
+    first = results[0]
+    assert len(first["predictions"]) == 3
+    assert first["predictions"][0]["score"] >= first["predictions"][1]["score"]
+    assert first["model"]["name"] == settings.model.pipeline
+    assert len(first["model"]["weights_sha256"]) == 64
+    assert first["attempt"] == 1 and first["worker"]["pid"] > 0
+    assert info.num_redelivered == 0
+
+
+async def test_bad_input_ends_as_the_spec_says_while_the_rest_of_the_job_completes(
+    nats_server, s3_server, bucket, settings_for
+):
+    settings = settings_for(nats_server.url)
+    s3 = s3_server.client()
+    good = upload_images(s3, bucket, 5)
+    s3.put_object(Bucket=bucket, Key="corrupt.jpg", Body=corrupt_bytes())
+    s3.put_object(Bucket=bucket, Key="truncated.jpg", Body=b"\xff\xd8\xff\xe0\x00\x10JFIF")
+    job = "job-bad"
+    async with running_worker(settings), client(settings) as js:
+        await submit(js, settings, job, good)
+        await publish_raw(
+            js,
+            settings,
+            {
+                "id": "t-corrupt",
+                "job_id": job,
+                "image_id": "c",
+                "image_url": f"s3://{bucket}/corrupt.jpg",
+            },
+        )
+        await publish_raw(
+            js,
+            settings,
+            {
+                "id": "t-truncated",
+                "job_id": job,
+                "image_id": "tr",
+                "image_url": f"s3://{bucket}/truncated.jpg",
+            },
+        )
+        await publish_raw(
+            js,
+            settings,
+            {
+                "id": "t-missing",
+                "job_id": job,
+                "image_id": "m",
+                "image_url": f"s3://{bucket}/no-such-key.jpg",
+            },
+        )
+        await publish_raw(
+            js,
+            settings,
+            {"id": "t-invalid", "job_id": job, "image_id": "i", "image_url": "ftp://nowhere/x.jpg"},
+        )
+        await publish_raw(js, settings, b"this is not json {")
+        results = await wait_results(js, settings, job, 9)
+        await consumer_idle(js, settings)
+        dead = await js.get_last_msg(
+            settings.nats.dead_letter_stream, settings.nats.dead_letter_subject
+        )
+
+    by_id = {r["task_id"]: r for r in results}
+    assert len(results) == 9
+    assert [by_id[f"{job}-{i:06d}"]["status"] for i in range(5)] == ["ok"] * 5
+    assert by_id["t-corrupt"]["error"]["type"] == "corrupt_image"
+    assert by_id["t-truncated"]["error"]["type"] == "corrupt_image"
+    assert by_id["t-missing"]["error"]["type"] == "object_missing"
+    assert by_id["t-invalid"]["error"]["type"] == "invalid_task"
+    assert all(
+        by_id[t]["error"]["retryable"] is False for t in ("t-corrupt", "t-missing", "t-invalid")
+    )
+    assert dead.data == b"this is not json {"
+    assert "not JSON" in dead.headers["Worker-Reason"]
+
+
+async def test_a_task_redelivered_after_its_result_was_stored_keeps_one_result(
+    nats_server, s3_server, bucket, settings_for
+):
+    settings = settings_for(nats_server.url)
+    uris = upload_images(s3_server.client(), bucket, 3)
+    job = "job-redelivered"
+    async with running_worker(settings), client(settings) as js:
+        tasks = await submit(js, settings, job, uris)
+        await wait_results(js, settings, job, 3)
+        # The same task again, past any deduplication window: a new message, same task id.
+        await publish_raw(js, settings, tasks[0].as_dict())
+        await consumer_idle(js, settings)
+        results = await job_results(js, settings.nats, job)
+
+    assert sorted(r["task_id"] for r in results) == sorted(t.id for t in tasks)
+
+
+async def test_a_redelivery_whose_result_is_already_stored_is_acked_without_new_work(
+    nats_server, s3_server, bucket, settings_for
+):
+    """The worker stored a result, then died before its ack: the redelivery only acks."""
+    from worker.results import ResultStore
+    from worker.transport import TaskFeed, connect, provision
+
+    settings = settings_for(nats_server.url)
+    uris = upload_images(s3_server.client(), bucket, 1)
+    job = "job-ack-lost"
+    nc = await connect(settings.nats)
+    js = nc.jetstream()
+    await provision(js, settings.nats, settings.model.pipeline)
+    tasks = await submit(js, settings, job, uris)
+    feed = TaskFeed(js, settings.nats)
+    await feed.open()
+    [msg] = await feed.fetch(1)
+    stored = {"task_id": tasks[0].id, "job_id": job, "status": "ok", "marker": "first-worker"}
+    assert await ResultStore(js, settings.nats).store(stored) is True
+    await msg.nak()  # the first worker is gone; the task comes back
+    await feed.close()
+
+    async with running_worker(settings):
+        await consumer_idle(js, settings)
+    results = await job_results(js, settings.nats, job)
+    await nc.close()
+
+    assert results == [stored]
+
+
+async def test_transient_failures_are_retried_then_end_with_deliveries_ran_out(
+    nats_server, settings_for
+):
+    """S3 unreachable: naked with backoff, and on the last delivery an error result says why."""
+    settings = settings_for(
+        nats_server.url,
+        nats={"max_deliver": 2},
+        s3={"endpoint_url": "http://127.0.0.1:9", "connect_timeout_s": 0.5, "max_attempts": 1},
+    )
+    async with running_worker(settings), client(settings) as js:
+        await submit(js, settings, "job-unreachable", ["s3://any/one.jpg"])
+        [result] = await wait_results(js, settings, "job-unreachable", 1)
+        info = await consumer_idle(js, settings)
+
+    assert result["status"] == "error"
+    assert result["attempt"] == 2
+    assert result["error"]["retryable"] is True
+    assert "deliveries ran out after 2 attempts" in result["error"]["message"]
+    assert info.num_redelivered == 0  # nothing still waiting for another try
+
+
+async def test_the_loader_children_serve_job_after_job(
+    nats_server, s3_server, bucket, settings_for
+):
+    settings = settings_for(nats_server.url)
+    uris = upload_images(s3_server.client(), bucket, 4)
+    async with running_worker(settings) as app, client(settings) as js:
+        assert app.engine is not None
+        before = app.engine.loader.child_pids()
+        for n in range(3):
+            await submit(js, settings, f"job-pids-{n}", uris)
+            await wait_results(js, settings, f"job-pids-{n}", len(uris))
+        after = app.engine.loader.child_pids()
+
+    assert len(before) == settings.loader.num_workers
+    assert after == before
+
+
+async def test_weights_load_from_s3_and_their_sha256_is_in_every_result(
+    nats_server, s3_server, bucket, settings_for, model_path
+):
+    import hashlib
+    from pathlib import Path
+
+    s3 = s3_server.client()
+    s3.upload_file(model_path, bucket, "models/model.pt")
+    s3.upload_file(str(Path(model_path).parent / "labels.txt"), bucket, "models/labels.txt")
+    settings = settings_for(nats_server.url, model={"weights": f"s3://{bucket}/models/model.pt"})
+    uris = upload_images(s3, bucket, 2)
+    async with running_worker(settings), client(settings) as js:
+        await submit(js, settings, "job-s3-weights", uris)
+        results = await wait_results(js, settings, "job-s3-weights", 2)
+
+    expected = hashlib.sha256(Path(model_path).read_bytes()).hexdigest()
+    assert {r["model"]["weights_sha256"] for r in results} == {expected}
+    labels = set(Path(model_path).parent.joinpath("labels.txt").read_text().split())
+    assert {p["label"] for r in results for p in r["predictions"]} <= labels
+    assert json.dumps(results)  # results are plain JSON

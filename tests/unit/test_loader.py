@@ -1,0 +1,90 @@
+"""The persistent forkserver loader: same children across requests, explicit recovery, no leaks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from datasets.loader import LoaderConfig, LoaderFailure, LoadRequest, StreamingLoader
+from datasets.synthetic import image_bytes
+
+
+@pytest.fixture
+def images(tmp_path):
+    uris = []
+    for i in range(8):
+        path = tmp_path / f"{i}.jpg"
+        path.write_bytes(image_bytes(320 + 40 * i, 240, seed=i))
+        uris.append(f"file://{path}")
+    return uris
+
+
+@pytest.fixture
+def loader():
+    loader = StreamingLoader(LoaderConfig(num_workers=2, timeout_s=2.0, image_size=64))
+    loader.start()
+    yield loader
+    loader.close()
+
+
+def load_all(loader, uris, first_key=0):
+    loader.submit([LoadRequest(first_key + i, uri) for i, uri in enumerate(uris)])
+    return {item.key: item for item in (loader.next_loaded() for _ in uris)}
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_the_same_children_serve_every_request(loader, images):
+    pids = loader.child_pids()
+    for round_ in range(3):
+        loaded = load_all(loader, images, first_key=round_ * 100)
+        assert all(item.image is not None for item in loaded.values())
+        assert {item.pid for item in loaded.values()} <= set(pids)
+    assert loader.child_pids() == pids
+    assert loader.outstanding() == 0
+
+
+def test_a_stopped_child_is_detected_killed_and_reaped_and_the_loader_carries_on(loader, images):
+    stopped_pid = loader.child_pids()[0]
+    os.kill(stopped_pid, signal.SIGSTOP)
+    loader.submit([LoadRequest(i, uri) for i, uri in enumerate(images)])
+    with pytest.raises(LoaderFailure):
+        for _ in images:
+            loader.next_loaded()
+    started = time.monotonic()
+    lost = loader.restart()
+    restart_s = time.monotonic() - started
+
+    assert lost, "requests held by the dead loader are reported, so they can be given back"
+    assert not psutil.pid_exists(stopped_pid), "the stopped child is killed and reaped"
+    assert restart_s < 5, "teardown is explicit, not torch's 20 s wait on a stopped child"
+    assert stopped_pid not in loader.child_pids()
+    loaded = load_all(loader, images, first_key=1000)
+    assert all(item.image is not None for item in loaded.values())
+
+
+def test_restarts_leak_no_descriptors_and_no_children(loader, images):
+    load_all(loader, images)
+    loader.restart()
+    fds, children = open_fds(), len(psutil.Process().children(recursive=True))
+    for n in range(5):
+        loader.restart()
+        load_all(loader, images[:2], first_key=10 * (n + 1))
+    assert open_fds() == fds
+    assert len(psutil.Process().children(recursive=True)) == children
+    assert loader.restarts == 6
+
+
+def test_close_reaps_every_child(images):
+    loader = StreamingLoader(LoaderConfig(num_workers=2, timeout_s=2.0, image_size=64))
+    loader.start()
+    load_all(loader, images[:2])
+    pids = loader.child_pids()
+    loader.close()
+    assert not any(psutil.pid_exists(pid) for pid in pids)

@@ -1,0 +1,85 @@
+"""Settings: the SPEC's names from the environment, and combinations that cannot work refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from config.settings import KNOWN_PIPELINES, ConfigError, load_settings
+
+
+@pytest.fixture
+def weights(tmp_path):
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"x")
+    return str(path)
+
+
+def test_spec_names_are_read_from_the_environment(monkeypatch, weights):
+    monkeypatch.setenv("WORKER_NATS__URL", "nats://10.0.0.5:4222")
+    monkeypatch.setenv("WORKER_NATS__ACK_WAIT_S", "600")
+    monkeypatch.setenv("WORKER_NATS__MAX_DELIVER", "2")
+    monkeypatch.setenv("WORKER_LOADER__NUM_WORKERS", "6")
+    monkeypatch.setenv("WORKER_LOADER__MP_CONTEXT", "spawn")
+    monkeypatch.setenv("WORKER_MODEL__WEIGHTS", weights)
+    monkeypatch.setenv("WORKER_MODEL__DEVICE", "cuda:1")
+    monkeypatch.setenv("WORKER_METRICS__PORT", "0")
+    s = load_settings()
+    assert (s.nats.url, s.nats.ack_wait_s, s.nats.max_deliver) == ("nats://10.0.0.5:4222", 600, 2)
+    assert (s.loader.num_workers, s.loader.mp_context) == (6, "spawn")
+    assert (s.model.device, s.metrics.port) == ("cuda:1", 0)
+
+
+def test_defaults_match_the_spec(monkeypatch, weights):
+    monkeypatch.setenv("WORKER_MODEL__WEIGHTS", weights)
+    s = load_settings()
+    assert s.nats.url == "nats://127.0.0.1:4222"
+    assert (s.nats.tasks_stream, s.nats.results_stream) == ("INFERENCE_TASKS", "INFERENCE_RESULTS")
+    assert (s.nats.consumer, s.nats.ack_wait_s, s.nats.max_deliver) == ("inference-worker", 300, 5)
+    assert s.nats.dead_letter_subject == "dead.tasks"
+    assert (s.loader.mp_context, s.model.device, s.metrics.port) == ("forkserver", "auto", 9464)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        (
+            {"loader": {"timeout_s": 120}, "health": {"stall_timeout_s": 120}},
+            ["WORKER_LOADER__TIMEOUT_S", "WORKER_HEALTH__STALL_TIMEOUT_S"],
+        ),
+        (
+            {"health": {"stall_timeout_s": 300}},
+            ["WORKER_HEALTH__STALL_TIMEOUT_S", "WORKER_NATS__ACK_WAIT_S"],
+        ),
+        ({"loader": {"batch_size": 0}}, ["WORKER_LOADER__BATCH_SIZE"]),
+        ({"loader": {"num_workers": -1}}, ["WORKER_LOADER__NUM_WORKERS"]),
+        ({"model": {"pipeline": "no-such-pipeline"}}, ["WORKER_MODEL__PIPELINE"]),
+        ({"model": {"device": "tpu"}}, ["WORKER_MODEL__DEVICE"]),
+        ({"s3": {"read_timeout_s": 50}}, ["WORKER_S3__READ_TIMEOUT_S", "WORKER_LOADER__TIMEOUT_S"]),
+    ],
+)
+def test_impossible_settings_are_refused_naming_the_fields(weights, overrides, names):
+    with pytest.raises(ConfigError) as refused:
+        load_settings(model={"weights": weights, **overrides.pop("model", {})}, **overrides)
+    message = str(refused.value)
+    for name in names:
+        assert name in message
+
+
+def test_missing_weights_are_refused_for_a_worker_but_not_for_a_client():
+    with pytest.raises(ConfigError, match=r"WORKER_MODEL__WEIGHTS.*no such file"):
+        load_settings(model={"weights": "/nonexistent/model.pt"})
+    with pytest.raises(ConfigError, match="WORKER_MODEL__WEIGHTS is not set"):
+        load_settings()
+    assert load_settings(for_worker=False).model.weights == ""
+
+
+def test_every_problem_is_its_own_line(weights):
+    with pytest.raises(ConfigError) as refused:
+        load_settings(model={"weights": weights}, loader={"batch_size": 0, "num_workers": 0})
+    assert len(str(refused.value).splitlines()) == 2
+
+
+def test_the_registry_serves_every_pipeline_settings_accept():
+    from worker.pipelines import PIPELINES
+
+    assert set(PIPELINES) == set(KNOWN_PIPELINES)
