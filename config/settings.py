@@ -64,22 +64,32 @@ class LoaderSettings(BaseModel):
         "forkserver", description="multiprocessing start method of the loader workers"
     )
     prefetch_batches: int = Field(2, description="batches held at once (fetched, not yet settled)")
+    max_consecutive_failures: int = Field(
+        3, description="loader timeouts/deaths in a row before the process exits (code 3)"
+    )
 
 
 class ModelSettings(BaseModel):
     pipeline: str = Field("resnet18-classifier", description="pipeline name from the registry")
     weights: str = Field("", description="state_dict path or s3:// URI; labels.txt lies beside it")
-    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    device: str = Field(
+        "auto",
+        description="auto, cpu, cuda, cuda:N, or a GPU/MIG UUID; a comma-separated list gives "
+        "process WORKER_PROCESS_INDEX the entry at that index (modulo its length)",
+    )
     top_k: int = Field(5, description="predictions per image")
 
     @field_validator("device")
     @classmethod
     def _device_form(cls, value: str) -> str:
-        head, _, index = value.partition(":")
-        if head not in ("auto", "cpu", "cuda") or (
-            index and (head != "cuda" or not index.isdigit())
-        ):
-            raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {value!r}")
+        for entry in (part.strip() for part in value.split(",")):
+            if entry.startswith(("MIG-", "GPU-")):
+                continue
+            head, _, index = entry.partition(":")
+            if head not in ("auto", "cpu", "cuda") or (
+                index and (head != "cuda" or not index.isdigit())
+            ):
+                raise ValueError(f"expected auto, cpu, cuda, cuda:N or GPU/MIG UUID, not {entry!r}")
         return value
 
 
@@ -88,11 +98,36 @@ class HealthSettings(BaseModel):
         120.0, description="held work and no batch for this long = stalled"
     )
     drain_timeout_s: float = Field(30.0, description="SIGTERM: time to finish or give back work")
+    watchdog_timeout_s: float = Field(
+        180.0,
+        description="held work and no batch for this long: dump every thread's stack and exit 1, "
+        "even if the main thread is stuck in C code or holding the GIL; 0 turns it off",
+    )
 
 
 class MetricsSettings(BaseModel):
     port: int = Field(9464, description="port for /metrics and /healthz; 0 turns it off")
     host: str = Field("0.0.0.0", description="address the metrics server binds")
+
+
+class FaultSettings(BaseModel):
+    """Fault hooks for chaos tests. Off (empty) unless a test turns them on; free when off."""
+
+    drop_once_file: str = Field(
+        "",
+        description="testing only: the first loader child to create this file loses its next "
+        "result in the queue's feeder thread (a pickling error), as seen in production",
+    )
+    wedge_once_file: str = Field(
+        "",
+        description="testing only: the first process to create this file wedges its engine "
+        "thread at its next batch (see WORKER_FAULTS__WEDGE_MODE)",
+    )
+    wedge_mode: Literal["gil", "sleep"] = Field(
+        "gil",
+        description="testing only: gil = spin holding the GIL (only the watchdog can act), "
+        "sleep = block without it (/healthz reports the stall)",
+    )
 
 
 class Settings(BaseSettings):
@@ -109,6 +144,10 @@ class Settings(BaseSettings):
     model: ModelSettings = Field(default_factory=ModelSettings)
     health: HealthSettings = Field(default_factory=HealthSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    faults: FaultSettings = Field(default_factory=FaultSettings)
+    process_index: int = Field(
+        0, description="this process's number among its siblings (supervisord's process_num)"
+    )
 
     @model_validator(mode="after")
     def _fits_together(self) -> Settings:
@@ -137,6 +176,7 @@ def settings_problems(s: Settings) -> list[str]:
         ("WORKER_HEALTH__STALL_TIMEOUT_S", s.health.stall_timeout_s),
         ("WORKER_MODEL__TOP_K", s.model.top_k),
         ("WORKER_S3__MAX_ATTEMPTS", s.s3.max_attempts),
+        ("WORKER_LOADER__MAX_CONSECUTIVE_FAILURES", s.loader.max_consecutive_failures),
     ):
         _positive(problems, name, value)
     if problems:
@@ -165,6 +205,13 @@ def settings_problems(s: Settings) -> list[str]:
             f"WORKER_NATS__FETCH_TIMEOUT_S ({s.nats.fetch_timeout_s}) must be shorter than "
             f"WORKER_HEALTH__STALL_TIMEOUT_S ({s.health.stall_timeout_s})"
         )
+    watchdog_s = s.health.watchdog_timeout_s
+    if watchdog_s and not s.health.stall_timeout_s < watchdog_s < s.nats.ack_wait_s:
+        problems.append(
+            f"WORKER_HEALTH__WATCHDOG_TIMEOUT_S ({watchdog_s}) must lie between "
+            f"WORKER_HEALTH__STALL_TIMEOUT_S ({s.health.stall_timeout_s}) and "
+            f"WORKER_NATS__ACK_WAIT_S ({s.nats.ack_wait_s}), or 0 to turn it off"
+        )
     if s.health.drain_timeout_s >= s.nats.ack_wait_s:
         problems.append(
             f"WORKER_HEALTH__DRAIN_TIMEOUT_S ({s.health.drain_timeout_s}) must be shorter than "
@@ -178,6 +225,12 @@ def settings_problems(s: Settings) -> list[str]:
     if not 0 <= s.metrics.port <= 65535:
         problems.append(f"WORKER_METRICS__PORT={s.metrics.port} must be 0 (off) or a TCP port")
     return problems
+
+
+def chosen_device(s: Settings) -> str:
+    """This process's entry of WORKER_MODEL__DEVICE (a list gives one entry per process)."""
+    entries = [entry.strip() for entry in s.model.device.split(",") if entry.strip()]
+    return entries[s.process_index % len(entries)]
 
 
 def worker_problems(s: Settings) -> list[str]:

@@ -63,6 +63,7 @@ class LoaderConfig:
     image_size: int
     sources: SourceConfig = field(default_factory=SourceConfig)
     mp_context: str = "forkserver"
+    drop_once_file: str = ""  # fault hook for tests; empty = off
 
 
 def load_one(request: LoadRequest, size: int, sources: SourceConfig) -> Loaded:
@@ -79,7 +80,7 @@ def load_one(request: LoadRequest, size: int, sources: SourceConfig) -> Loaded:
             time.perf_counter() - started,
             os.getpid(),
         )
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - one bad image must not kill a loader child
         return Loaded(
             request.key,
             None,
@@ -98,10 +99,13 @@ class RequestStream(IterableDataset[Loaded]):
     Picklable (its queue travels to the children when they are started).
     """
 
-    def __init__(self, requests: Any, size: int, sources: SourceConfig) -> None:
+    def __init__(
+        self, requests: Any, size: int, sources: SourceConfig, drop_once_file: str = ""
+    ) -> None:
         self.requests = requests
         self.size = size
         self.sources = sources
+        self.drop_once_file = drop_once_file
 
     def __iter__(self) -> Iterator[Loaded]:
         parent = os.getppid()
@@ -114,7 +118,21 @@ class RequestStream(IterableDataset[Loaded]):
                 continue
             if request is None:
                 return
-            yield load_one(request, self.size, self.sources)
+            loaded = load_one(request, self.size, self.sources)
+            if self.drop_once_file and claim_once(self.drop_once_file):
+                # The production failure: the result cannot be pickled, the queue's feeder
+                # thread drops it, and the child lives on as if it had been sent.
+                loaded = loaded._replace(error_message=threading.Lock())  # type: ignore[arg-type]
+            yield loaded
+
+
+def claim_once(path: str) -> bool:
+    """True for the one caller that creates ``path``."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _init_child(_worker_id: int) -> None:
@@ -153,7 +171,12 @@ class StreamingLoader:
     def start(self) -> None:
         with self._lock:
             self._requests = self._ctx.Queue()
-            dataset = RequestStream(self._requests, self.config.image_size, self.config.sources)
+            dataset = RequestStream(
+                self._requests,
+                self.config.image_size,
+                self.config.sources,
+                self.config.drop_once_file,
+            )
             loader = DataLoader(
                 dataset,
                 batch_size=None,

@@ -56,7 +56,7 @@ def s3_server() -> Iterator[S3Server]:
     server = S3Server()
     try:
         server.start()
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - any start failure means no S3 endpoint
         _unavailable("S3 endpoint (moto server)", error)
     yield server
     server.stop()
@@ -98,7 +98,8 @@ def settings_for(model_path: str, s3_server: S3Server) -> Any:
             },
             "loader": {"num_workers": 2, "batch_size": 4, "timeout_s": 10},
             "model": {"pipeline": PIPELINE, "weights": model_path, "device": "cpu", "top_k": 3},
-            "health": {"stall_timeout_s": 30, "drain_timeout_s": 10},
+            # The watchdog is process-wide: never let it kill the test runner.
+            "health": {"stall_timeout_s": 30, "drain_timeout_s": 10, "watchdog_timeout_s": 0},
             "metrics": {"port": 0},
         }
         for group, values in groups.items():

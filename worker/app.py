@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry
 
-from config.settings import S3Settings, Settings
+from config.settings import S3Settings, Settings, chosen_device
 from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.sources import SourceConfig
 from worker.engine import Engine
-from worker.health import HealthServer, Liveness, Metrics
+from worker.health import PREFIX, HealthServer, Liveness, Metrics
+from worker.procstats import ProcessTreeCollector
 from worker.results import ResultStore
 from worker.service import Services, Worker
 from worker.settle import Settler
 from worker.transport import TaskFeed, connect, provision
+from worker.watchdog import Watchdog
 
 log = structlog.get_logger(__name__)
 _CLOSE_WAIT_S = 10.0
@@ -54,14 +57,13 @@ class WorkerApp:
         loop = asyncio.get_running_loop()
         sources = source_config(s.s3)
         spec = get_pipeline(s.model.pipeline)
+        device = chosen_device(s)
+        if device.startswith(("MIG-", "GPU-")):
+            # A MIG slice or a GPU by UUID: make it the only visible device, before CUDA starts.
+            os.environ["CUDA_VISIBLE_DEVICES"] = device
+            device = "cuda:0"
         classifier = await loop.run_in_executor(
-            self.engine_thread,
-            Classifier,
-            spec,
-            s.model.weights,
-            sources,
-            s.model.device,
-            s.model.top_k,
+            self.engine_thread, Classifier, spec, s.model.weights, sources, device, s.model.top_k
         )
         loader = StreamingLoader(
             LoaderConfig(
@@ -70,9 +72,16 @@ class WorkerApp:
                 image_size=spec.input_size,
                 sources=sources,
                 mp_context=s.loader.mp_context,
+                drop_once_file=s.faults.drop_once_file,
             )
         )
-        self.engine = Engine(loader, classifier)
+        self.engine = Engine(
+            loader,
+            classifier,
+            max_consecutive_failures=s.loader.max_consecutive_failures,
+            wedge_once_file=s.faults.wedge_once_file,
+            wedge_mode=s.faults.wedge_mode,
+        )
         await loop.run_in_executor(self.engine_thread, self.engine.start)
 
         self.nc = await connect(s.nats)
@@ -82,8 +91,11 @@ class WorkerApp:
         await self.feed.open()
         max_deliver = await self.feed.max_deliver()
 
-        liveness = Liveness(s.health.stall_timeout_s)
-        metrics = Metrics(CollectorRegistry(), liveness)
+        watchdog = Watchdog(s.health.watchdog_timeout_s) if s.health.watchdog_timeout_s else None
+        liveness = Liveness(s.health.stall_timeout_s, watchdog=watchdog)
+        registry = CollectorRegistry()
+        metrics = Metrics(registry, liveness)
+        registry.register(ProcessTreeCollector(PREFIX, loader.child_pids))
         if s.metrics.port:
             self.health = HealthServer(s.metrics.host, s.metrics.port, metrics, liveness)
             self.health.start()
@@ -136,6 +148,6 @@ class WorkerApp:
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.drain(), _CLOSE_WAIT_S)
-            except Exception:
+            except Exception:  # noqa: BLE001 - closing anyway
                 await self.nc.close()
         log.info("worker_stopped")

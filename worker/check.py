@@ -24,7 +24,7 @@ async def _nats_problems(settings: Settings) -> list[str]:
             ),
             _CHECK_TIMEOUT_S,
         )
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - any failure is the answer here
         return [f"NATS at {settings.nats.url} unreachable: {type(error).__name__} {error}"]
     problems = []
     try:
@@ -34,7 +34,7 @@ async def _nats_problems(settings: Settings) -> list[str]:
                 await js.stream_info(stream)
             except NotFoundError:
                 problems.append(f"stream {stream} missing; run `inference-worker provision`")
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - reported as a problem line
         problems.append(f"JetStream not available at {settings.nats.url}: {error}")
     finally:
         await nc.close()
@@ -56,7 +56,7 @@ def _model_problems(settings: Settings) -> list[str]:
         )
     except WorkerError as error:
         return [f"model: {error}"]
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - reported as a problem line
         return [f"model: cannot load {settings.model.weights}: {type(error).__name__} {error}"]
     return []
 

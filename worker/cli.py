@@ -17,6 +17,7 @@ from config.settings import ConfigError, Settings, load_settings
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
+EXIT_LOADER_FAILING = 3  # the DataLoader failed WORKER_LOADER__MAX_CONSECUTIVE_FAILURES in a row
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,11 +34,25 @@ def _parser() -> argparse.ArgumentParser:
     results.add_argument("--job", required=True, help="job id")
     commands.add_parser("check", help="validate settings and reach NATS, S3 and the model")
     commands.add_parser("provision", help="create or update streams and the durable consumer")
+    watch = commands.add_parser(
+        "healthwatch", help="supervisord event listener: restart workers that stall or go silent"
+    )
+    watch.add_argument("--group", default="inference-worker", help="supervisord program name")
+    watch.add_argument("--port-base", type=int, default=9460, help="metrics port of process 0")
+    watch.add_argument("--failures", type=int, default=2, help="bad ticks in a row to restart")
+    watch.add_argument("--startup-grace-s", type=float, default=120.0)
+    watch.add_argument("--timeout-s", type=float, default=5.0, help="wait for /healthz")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "healthwatch":
+        from worker import healthwatch
+
+        return healthwatch.main(
+            args.group, args.port_base, args.failures, args.startup_grace_s, args.timeout_s
+        )
     if args.command == "demo":
         configure_logging("WARNING")
         from worker.demo import run_demo
@@ -61,7 +76,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _run(settings: Settings, _args: argparse.Namespace) -> int:
+    import structlog
+
     from worker.app import WorkerApp
+    from worker.engine import LoaderGaveUp
+
+    log = structlog.get_logger("worker.cli")
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -79,6 +99,11 @@ async def _run(settings: Settings, _args: argparse.Namespace) -> int:
     try:
         await app.start()
         await app.run(stop)
+    except RuntimeError as error:
+        if isinstance(error.__cause__, LoaderGaveUp):
+            log.error("exiting_for_a_restart", reason=str(error.__cause__), exit_code=3)
+            return EXIT_LOADER_FAILING
+        raise
     finally:
         await app.close()
     return EXIT_OK

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import structlog
 import torch
 
-from datasets.loader import Loaded, LoaderFailure, LoadRequest, StreamingLoader
+from datasets.loader import Loaded, LoaderFailure, LoadRequest, StreamingLoader, claim_once
 from worker.schemas import Verdict
 
 log = structlog.get_logger(__name__)
@@ -28,12 +28,27 @@ class BatchReport:
     loader_restarted: bool
 
 
+class LoaderGaveUp(RuntimeError):
+    """The loader failed too many times in a row; the process should exit and be restarted."""
+
+
 class Engine:
     """Owns the persistent loader and the model. ``run_batch`` is called on one thread only."""
 
-    def __init__(self, loader: StreamingLoader, predictor: Predictor) -> None:
+    def __init__(
+        self,
+        loader: StreamingLoader,
+        predictor: Predictor,
+        max_consecutive_failures: int = 3,
+        wedge_once_file: str = "",
+        wedge_mode: str = "gil",
+    ) -> None:
         self.loader = loader
         self.predictor = predictor
+        self.max_consecutive_failures = max_consecutive_failures
+        self.consecutive_failures = 0
+        self._wedge_once_file = wedge_once_file
+        self._wedge_mode = wedge_mode
         self._stash: dict[int, Loaded] = {}
 
     def start(self) -> None:
@@ -53,8 +68,18 @@ class Engine:
             self._stash.pop(key, None)
 
     def run_batch(self, keys: Sequence[int]) -> BatchReport:
+        if self._wedge_once_file:
+            _wedge_once(self._wedge_once_file, self._wedge_mode)
         started = time.perf_counter()
         loaded, failure = self._collect(keys)
+        if failure is None:
+            self.consecutive_failures = 0
+        else:
+            self.consecutive_failures += 1
+            if self.consecutive_failures >= self.max_consecutive_failures:
+                raise LoaderGaveUp(
+                    f"the loader failed {self.consecutive_failures} times in a row; last: {failure}"
+                )
         load_s = time.perf_counter() - started
         outcomes: dict[int, Verdict] = {}
         for key in keys:
@@ -129,3 +154,18 @@ class Engine:
             )
             for key, prediction in zip(keys, predictions, strict=True)
         }
+
+
+def _wedge_once(path: str, mode: str) -> None:
+    """Fault hook for tests: the first process to create ``path`` hangs its engine thread."""
+    import sys
+
+    if not claim_once(path):
+        return
+    log.error("fault_hook_wedging_engine_thread", path=path, mode=mode)
+    if mode == "sleep":
+        while True:  # blocked, GIL released: the rest of the process still answers
+            time.sleep(3600)
+    sys.setswitchinterval(1e6)  # no other Python thread gets the GIL back
+    while True:
+        pass

@@ -10,6 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from worker.watchdog import Watchdog
+
 PREFIX = "inference_worker"
 
 
@@ -19,9 +21,15 @@ class Liveness:
     An idle worker is never stalled: while nothing is held, "last progress" keeps moving.
     """
 
-    def __init__(self, stall_timeout_s: float, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        stall_timeout_s: float,
+        clock: Callable[[], float] = time.time,
+        watchdog: Watchdog | None = None,
+    ) -> None:
         self.stall_timeout_s = stall_timeout_s
         self._clock = clock
+        self._watchdog = watchdog
         self._lock = threading.Lock()
         self._held = 0
         self._last_progress = clock()
@@ -31,11 +39,17 @@ class Liveness:
             if self._held == 0 or held == 0:
                 # Work taken on by an idle worker, or the last of it settled: the clock starts now.
                 self._last_progress = self._clock()
+                if self._watchdog is not None and held:
+                    self._watchdog.arm()  # armed only while work is held
+                elif self._watchdog is not None:
+                    self._watchdog.disarm()  # an idle worker is never killed
             self._held = held
 
     def batch_completed(self) -> None:
         with self._lock:
             self._last_progress = self._clock()
+            if self._watchdog is not None and self._held:
+                self._watchdog.arm()
 
     @property
     def held(self) -> int:

@@ -1,0 +1,79 @@
+"""The engine turns loader failures into retryable outcomes, and gives up after too many."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from datasets.loader import Loaded, LoaderFailure
+from worker.engine import Engine, LoaderGaveUp
+
+
+class FlakyLoader:
+    """Fails every ``next_loaded`` while ``failing``; otherwise returns what was submitted."""
+
+    def __init__(self):
+        self.failing = False
+        self.queue = []
+        self.restarts = 0
+
+    def submit(self, requests):
+        self.queue.extend(requests)
+
+    def next_loaded(self):
+        if self.failing or not self.queue:
+            raise LoaderFailure("DataLoader timed out after 1 seconds")
+        request = self.queue.pop(0)
+        return Loaded(request.key, torch.zeros(3, 8, 8, dtype=torch.uint8), None, None, False, 0.0, 1)
+
+    def restart(self):
+        self.restarts += 1
+        lost, self.queue = self.queue, []
+        return lost
+
+    def child_pids(self):
+        return [1]
+
+
+class Echo:
+    def predict(self, images):
+        return [[{"label": "x", "score": 1.0}] for _ in range(len(images))]
+
+
+def submit(engine, keys):
+    from datasets.loader import LoadRequest
+
+    engine.submit([LoadRequest(key, f"file:///{key}.jpg") for key in keys])
+
+
+def test_a_hung_loader_gives_the_batch_back_and_keeps_later_batches():
+    loader = FlakyLoader()
+    engine = Engine(loader, Echo(), max_consecutive_failures=3)  # type: ignore[arg-type]
+    submit(engine, [1, 2])
+    submit(engine, [3, 4])  # a later batch, already submitted
+    loader.failing = True
+    report = engine.run_batch([1, 2])
+    assert report.loader_restarted
+    assert all(v.retryable and v.error_kind == "loader_failed" for v in report.outcomes.values())
+    loader.failing = False
+    # The later batch's requests were lost with the old loader and submitted to the new one.
+    assert [request.key for request in loader.queue] == [3, 4]
+    assert all(v.ok for v in engine.run_batch([3, 4]).outcomes.values())
+    assert loader.restarts == 1
+
+
+def test_too_many_failures_in_a_row_end_the_process_but_a_good_batch_resets_the_count():
+    loader = FlakyLoader()
+    engine = Engine(loader, Echo(), max_consecutive_failures=2)  # type: ignore[arg-type]
+    loader.failing = True
+    submit(engine, [1])
+    engine.run_batch([1])
+    loader.failing = False
+    submit(engine, [2])
+    assert engine.run_batch([2]).outcomes[2].ok
+    loader.failing = True
+    submit(engine, [3])
+    engine.run_batch([3])
+    submit(engine, [4])
+    with pytest.raises(LoaderGaveUp, match="2 times in a row"):
+        engine.run_batch([4])
