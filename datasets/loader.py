@@ -249,6 +249,20 @@ class StreamingLoader:
         with self._lock:
             return len(self._outstanding)
 
+    def unhealthy_children(self) -> list[str]:
+        """Children that are stopped, dead or zombies; read from /proc, cheap enough per batch."""
+        found = []
+        for pid in self.child_pids():
+            try:
+                with open(f"/proc/{pid}/stat") as stat:
+                    state = stat.read().rpartition(")")[2].split()[0]
+            except (OSError, IndexError):
+                found.append(f"{pid}:gone")
+                continue
+            if state in ("T", "t", "Z", "X"):
+                found.append(f"{pid}:{state}")
+        return found
+
     def child_pids(self) -> list[int]:
         it = self._iter
         if it is None:

@@ -25,7 +25,7 @@ class BatchReport:
     outcomes: dict[int, Verdict]
     load_s: float
     infer_s: float
-    loader_restarted: bool
+    loader_restarts: int
 
 
 class LoaderGaveUp(RuntimeError):
@@ -70,6 +70,12 @@ class Engine:
     def run_batch(self, keys: Sequence[int]) -> BatchReport:
         if self._wedge_once_file:
             _wedge_once(self._wedge_once_file, self._wedge_mode)
+        restarts_before = self.loader.restarts
+        unhealthy = self.loader.unhealthy_children()
+        if unhealthy:
+            # A stopped or dead child that holds no request would never trip the timeout,
+            # yet it is lost capacity (or a trap for the next request): replace it now.
+            self._recover(set(), f"loader children unhealthy: {', '.join(unhealthy)}")
         started = time.perf_counter()
         loaded, failure = self._collect(keys)
         if failure is None:
@@ -99,7 +105,7 @@ class Engine:
         infer_started = time.perf_counter()
         outcomes.update(self._infer(ready, loaded))
         infer_s = time.perf_counter() - infer_started
-        return BatchReport(outcomes, load_s, infer_s, failure is not None)
+        return BatchReport(outcomes, load_s, infer_s, self.loader.restarts - restarts_before)
 
     def _collect(self, keys: Sequence[int]) -> tuple[dict[int, Loaded], str | None]:
         wanted = set(keys)

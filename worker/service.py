@@ -146,15 +146,15 @@ class Worker:
         m.images.inc(sum(1 for v in report.outcomes.values() if v.ok))
         m.batch_seconds.labels("load").observe(report.load_s)
         m.batch_seconds.labels("infer").observe(report.infer_s)
-        if report.loader_restarted:
-            m.loader_restarts.inc()
+        if report.loader_restarts:
+            m.loader_restarts.inc(report.loader_restarts)
         log.info(
             "batch_done",
             size=len(batch),
             ok=sum(1 for v in report.outcomes.values() if v.ok),
             load_s=round(report.load_s, 4),
             infer_s=round(report.infer_s, 4),
-            loader_restarted=report.loader_restarted,
+            loader_restarts=report.loader_restarts,
         )
 
     async def _settle_batch(self, batch: list[Held], report: BatchReport) -> None:

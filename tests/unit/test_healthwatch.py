@@ -39,15 +39,25 @@ def watch_with(processes, answers):
         asked.append(url)
         return answers[url]
 
-    watch = HealthWatch(rpc, "inference-worker", 9460, failures=2, startup_grace_s=60,
-                        probe=probe, log=io.StringIO())
+    watch = HealthWatch(
+        rpc,
+        "inference-worker",
+        9460,
+        failures=2,
+        startup_grace_s=60,
+        probe=probe,
+        log=io.StringIO(),
+    )
     return watch, rpc.supervisor.calls, asked
 
 
 def test_a_stalled_or_silent_process_is_restarted_after_two_bad_ticks_and_a_healthy_one_is_not():
     ok, stalled, silent = Probe(True, "200"), Probe(False, "HTTP 503"), Probe(False, "no answer")
-    answers = {"http://127.0.0.1:9460/healthz": ok, "http://127.0.0.1:9461/healthz": stalled,
-               "http://127.0.0.1:9462/healthz": silent}
+    answers = {
+        "http://127.0.0.1:9460/healthz": ok,
+        "http://127.0.0.1:9461/healthz": stalled,
+        "http://127.0.0.1:9462/healthz": silent,
+    }
     procs = [proc("inference-worker_00"), proc("inference-worker_01"), proc("inference-worker_02")]
     watch, calls, _ = watch_with(procs, answers)
 
@@ -74,8 +84,11 @@ def test_a_recovering_process_loses_its_strikes():
 
 
 def test_starting_stopped_and_foreign_processes_are_left_alone():
-    procs = [proc("inference-worker_00", start=990), proc("inference-worker_01", state=0),
-             proc("other_00", group="other")]
+    procs = [
+        proc("inference-worker_00", start=990),
+        proc("inference-worker_01", state=0),
+        proc("other_00", group="other"),
+    ]
     watch, calls, asked = watch_with(procs, {})
     for now in (1000, 1005, 1010):
         watch.tick(now=now)

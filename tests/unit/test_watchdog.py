@@ -26,8 +26,9 @@ WEDGED = textwrap.dedent(
 
 def test_a_process_wedged_holding_the_gil_dumps_every_stack_and_exits_1(tmp_path):
     script = WEDGED.format(path=str(tmp_path / "wedge-once"))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
     assert done.returncode == 1
     assert "still alive" not in done.stdout
     assert "Timeout" in done.stderr

@@ -1,0 +1,168 @@
+"""Run the project's own deploy/supervisor config under a real supervisord, paths filled in."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+DEPLOY = Path(__file__).parents[2] / "deploy" / "supervisor"
+GROUP = "inference-worker"
+
+
+def free_port_base() -> int:
+    """A free port ending in 0, so process N listens on base + N as the config says."""
+    for _ in range(200):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        base = port - port % 10
+        if 20000 < base < 60000 and all(_free(base + n) for n in range(3)):
+            return base
+    raise RuntimeError("no free port range found")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class Supervisord:
+    """supervisord with deploy/supervisor/*.conf, tightened timings for a test run."""
+
+    def __init__(self, run_dir: Path, worker_env: dict[str, str], *, stopwaitsecs: int = 8) -> None:
+        self.run_dir = run_dir
+        self.port_base = free_port_base()
+        self.conf_dir = run_dir / "conf"
+        self.conf_dir.mkdir(parents=True)
+        shutil.copy(DEPLOY / "supervisord.conf", self.conf_dir / "supervisord.conf")
+        program = (DEPLOY / "inference-worker.conf").read_text()
+        for old, new in (
+            ("946%(process_num)d", f"{self.port_base // 10}%(process_num)d"),
+            ("--port-base 9460", f"--port-base {self.port_base} --timeout-s 2"),
+            ("--startup-grace-s 120", "--startup-grace-s 5"),
+            ("stopwaitsecs=60", f"stopwaitsecs={stopwaitsecs}"),
+            ("startsecs=10", "startsecs=2"),
+        ):
+            assert old in program, f"deploy config changed: {old!r} not found"
+            program = program.replace(old, new)
+        (self.conf_dir / "inference-worker.conf").write_text(program)
+        work_dir = run_dir / "work"
+        work_dir.mkdir()
+        (work_dir / ".env").write_text("".join(f"{k}={v}\n" for k, v in worker_env.items()))
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("WORKER_")},
+            "IW_BIN": str(Path(sys.executable).parent),
+            "IW_RUN_DIR": str(run_dir),
+            "IW_ENV_FILE": str(work_dir),
+            "IW_NUMPROCS": "1",
+            "IW_DEVICES": "cpu",
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Supervisord:
+        self.proc = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "supervisord"),
+                "-c",
+                str(self.conf_dir / "supervisord.conf"),
+            ],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        return self
+
+    def rpc(self) -> Any:
+        from supervisor import childutils
+
+        return childutils.getRPCInterface(
+            {"SUPERVISOR_SERVER_URL": f"unix://{self.run_dir}/supervisor.sock"}
+        )
+
+    def worker_pid(self, timeout_s: float = 60) -> int:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                info = self.rpc().supervisor.getProcessInfo(f"{GROUP}:{GROUP}_00")
+                if info["statename"] == "RUNNING" and info["pid"]:
+                    return int(info["pid"])
+            except (OSError, Exception):  # noqa: BLE001 - not up yet
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"worker not RUNNING within {timeout_s}s:\n{self.logs()}")
+
+    def health_url(self) -> str:
+        return f"http://127.0.0.1:{self.port_base}/healthz"
+
+    def get(self, path: str, timeout_s: float = 2) -> tuple[int, str]:
+        url = f"http://127.0.0.1:{self.port_base}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
+    def wait_healthy(self, timeout_s: float = 90) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if self.get("/healthz")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"worker never healthy:\n{self.logs()}")
+
+    def logs(self) -> str:
+        out = []
+        for path in sorted(self.run_dir.glob("*.log")):
+            out.append(f"--- {path.name}\n{path.read_text(errors='replace')[-4000:]}")
+        return "\n".join(out)
+
+    def worker_log(self) -> str:
+        path = self.run_dir / f"{GROUP}_00.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop(self) -> list[int]:
+        """Stop supervisord and everything under it; returns pids still alive (should be none)."""
+        if self.proc is None:
+            return []
+        tree = [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.proc = None
+        deadline = time.monotonic() + 10
+        alive = tree
+        while alive and time.monotonic() < deadline:
+            alive = [pid for pid in alive if _alive(pid)]
+            time.sleep(0.2)
+        for pid in alive:
+            os.kill(pid, signal.SIGKILL)
+        return alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
