@@ -12,13 +12,13 @@ class FakeSupervisor:
         self.processes = processes
         self.calls = []
 
-    def getAllProcessInfo(self):  # noqa: N802 - supervisor's XML-RPC name
+    def getAllProcessInfo(self):
         return self.processes
 
-    def stopProcess(self, name, wait):  # noqa: N802
+    def stopProcess(self, name, wait):
         self.calls.append(("stop", name, wait))
 
-    def startProcess(self, name, wait):  # noqa: N802
+    def startProcess(self, name, wait):
         self.calls.append(("start", name, wait))
 
 
