@@ -12,7 +12,16 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-KNOWN_PIPELINES = ("resnet18-classifier", "mobilenet-v3-small-classifier")
+# Pipeline name -> input size (pixels a side); worker.pipelines builds them, a test keeps
+# the two in step. Known here so settings can be checked without importing torch.
+PIPELINE_INPUT_SIZES = {"resnet18-classifier": 224, "mobilenet-v3-small-classifier": 224}
+KNOWN_PIPELINES = tuple(PIPELINE_INPUT_SIZES)
+
+
+def image_bytes(pipeline: str) -> int:
+    """Host bytes of one loaded image: uint8, 3 channels, at the pipeline's input size."""
+    side = PIPELINE_INPUT_SIZES.get(pipeline, 224)
+    return 3 * side * side
 
 
 class ConfigError(Exception):
@@ -27,6 +36,9 @@ class NatsSettings(BaseModel):
         "INFERENCE_DEAD_LETTER", description="stream keeping dead letters"
     )
     dead_letter_subject: str = Field("dead.tasks", description="subject for unparseable tasks")
+    advisory_stream: str = Field(
+        "INFERENCE_ADVISORIES", description="keeps the consumer's max-deliveries advisories"
+    )
     consumer: str = Field("inference-worker", description="durable pull consumer shared by workers")
     ack_wait_s: float = Field(300.0, description="JetStream ack wait of the consumer")
     max_deliver: int = Field(5, description="deliveries per task before it gives up")
@@ -64,6 +76,11 @@ class LoaderSettings(BaseModel):
         "forkserver", description="multiprocessing start method of the loader workers"
     )
     prefetch_batches: int = Field(2, description="batches held at once (fetched, not yet settled)")
+    max_inflight_bytes: int = Field(
+        0,
+        description="cap on loaded image bytes held at once (tasks held x 3 x side x side); "
+        "0 = batch_size x prefetch_batches",
+    )
     max_consecutive_failures: int = Field(
         3, description="loader timeouts/deaths in a row before the process exits (code 3)"
     )
@@ -110,6 +127,16 @@ class MetricsSettings(BaseModel):
     host: str = Field("0.0.0.0", description="address the metrics server binds")
 
 
+class GuardSettings(BaseModel):
+    """Resource guards: crossing one drains the worker and exits 4 for a fresh process."""
+
+    max_tree_rss_bytes: int = Field(
+        0, description="resident memory of main + loader children + forkserver; 0 = off"
+    )
+    max_open_fds: int = Field(0, description="open descriptors of any one process; 0 = off")
+    check_interval_s: float = Field(5.0, description="how often the guards are read")
+
+
 class FaultSettings(BaseModel):
     """Fault hooks for chaos tests. Off (empty) unless a test turns them on; free when off."""
 
@@ -144,6 +171,7 @@ class Settings(BaseSettings):
     model: ModelSettings = Field(default_factory=ModelSettings)
     health: HealthSettings = Field(default_factory=HealthSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    guards: GuardSettings = Field(default_factory=GuardSettings)
     faults: FaultSettings = Field(default_factory=FaultSettings)
     process_index: int = Field(
         0, description="this process's number among its siblings (supervisord's process_num)"
@@ -217,6 +245,13 @@ def settings_problems(s: Settings) -> list[str]:
             f"WORKER_HEALTH__DRAIN_TIMEOUT_S ({s.health.drain_timeout_s}) must be shorter than "
             f"WORKER_NATS__ACK_WAIT_S ({s.nats.ack_wait_s})"
         )
+    one_batch = s.loader.batch_size * image_bytes(s.model.pipeline)
+    if s.loader.max_inflight_bytes and s.loader.max_inflight_bytes < one_batch:
+        problems.append(
+            f"WORKER_LOADER__MAX_INFLIGHT_BYTES ({s.loader.max_inflight_bytes}) must hold at "
+            f"least one batch: WORKER_LOADER__BATCH_SIZE ({s.loader.batch_size}) x "
+            f"{image_bytes(s.model.pipeline)} bytes = {one_batch}"
+        )
     if s.model.pipeline not in KNOWN_PIPELINES:
         problems.append(
             f"WORKER_MODEL__PIPELINE={s.model.pipeline!r} is not a known pipeline; "
@@ -225,6 +260,14 @@ def settings_problems(s: Settings) -> list[str]:
     if not 0 <= s.metrics.port <= 65535:
         problems.append(f"WORKER_METRICS__PORT={s.metrics.port} must be 0 (off) or a TCP port")
     return problems
+
+
+def max_held_tasks(s: Settings) -> int:
+    """Tasks held at once; this bounds host memory for loaded images by construction."""
+    held = s.loader.batch_size * s.loader.prefetch_batches
+    if s.loader.max_inflight_bytes:
+        held = min(held, s.loader.max_inflight_bytes // image_bytes(s.model.pipeline))
+    return max(held, s.loader.batch_size)
 
 
 def chosen_device(s: Settings) -> str:

@@ -13,7 +13,9 @@ from prometheus_client import CollectorRegistry
 from config.settings import S3Settings, Settings, chosen_device
 from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.sources import SourceConfig
+from worker.advisories import ExhaustedTasks
 from worker.engine import Engine
+from worker.guards import ResourceGuard
 from worker.health import PREFIX, HealthServer, Liveness, Metrics
 from worker.procstats import ProcessTreeCollector
 from worker.results import ResultStore
@@ -109,8 +111,18 @@ class WorkerApp:
             max_deliver,
             count=lambda outcome: metrics.tasks.labels(outcome).inc(),
         )
+        exhausted = ExhaustedTasks(js, s.nats, settler)
+        guard = ResourceGuard(s.guards, loader.child_pids)
         services = Services(
-            self.feed, store, settler, self.engine, self.engine_thread, liveness, metrics
+            self.feed,
+            store,
+            settler,
+            self.engine,
+            self.engine_thread,
+            liveness,
+            metrics,
+            exhausted,
+            guard,
         )
         self.worker = Worker(s, services)
         log.info(

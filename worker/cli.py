@@ -18,6 +18,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_LOADER_FAILING = 3  # the DataLoader failed WORKER_LOADER__MAX_CONSECUTIVE_FAILURES in a row
+EXIT_RESOURCE_LIMIT = 4  # a WORKER_GUARDS__* limit was crossed; drained, wants a fresh process
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -99,6 +100,8 @@ async def _run(settings: Settings, _args: argparse.Namespace) -> int:
     try:
         await app.start()
         await app.run(stop)
+        if app.worker is not None and app.worker.exit_reason:
+            return EXIT_RESOURCE_LIMIT
     except RuntimeError as error:
         if isinstance(error.__cause__, LoaderGaveUp):
             log.error("exiting_for_a_restart", reason=str(error.__cause__), exit_code=3)

@@ -16,9 +16,11 @@ import nats
 import structlog
 from nats.aio.msg import Msg
 
-from config.settings import Settings
+from config.settings import Settings, max_held_tasks
 from datasets.loader import LoadRequest
+from worker.advisories import ExhaustedTasks
 from worker.engine import BatchReport, Engine
+from worker.guards import ResourceGuard
 from worker.health import Liveness, Metrics
 from worker.results import ResultStore, ResultsUnavailable
 from worker.schemas import InvalidTask, Task, Undeliverable, Verdict, parse_task
@@ -39,6 +41,8 @@ class Services:
     engine_thread: ThreadPoolExecutor
     liveness: Liveness
     metrics: Metrics
+    exhausted: ExhaustedTasks | None = None
+    guard: ResourceGuard | None = None
 
 
 class Worker:
@@ -49,20 +53,35 @@ class Worker:
         self._keys = itertools.count()
         self._batches: asyncio.Queue[list[Held] | None] = asyncio.Queue()
         self._space = asyncio.Event()
-        self._max_held = settings.loader.batch_size * settings.loader.prefetch_batches
+        self._max_held = max_held_tasks(settings)
+        self._stop = asyncio.Event()
+        self.exit_reason: str | None = None  # set when a resource guard asks for a fresh process
 
     # -- the two loops --------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
         """Work until ``stop`` is set, then drain: finish the batch in hand, give back the rest."""
+        self._stop = stop
         fetcher = asyncio.create_task(self._fetch_loop(stop), name="fetch-loop")
         processor = asyncio.create_task(self._process_loop(), name="process-loop")
         stopped = asyncio.create_task(stop.wait(), name="stop-wait")
+        helpers = []
+        if self.s.exhausted is not None:
+            helpers.append(asyncio.create_task(self.s.exhausted.run(stop), name="max-deliveries"))
         try:
             await asyncio.wait({fetcher, processor, stopped}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopped.cancel()
-            fetcher.cancel()
-            await asyncio.gather(fetcher, stopped, return_exceptions=True)
+            # Let a fetch in flight finish: cancelling it would strand the messages the server
+            # already delivered to us until their ack wait runs out.
+            try:
+                await asyncio.wait_for(
+                    asyncio.shield(fetcher), self.settings.nats.fetch_timeout_s + 5
+                )
+            except (TimeoutError, Exception):  # noqa: BLE001 - reported below if it failed
+                fetcher.cancel()
+            for helper in helpers:
+                helper.cancel()
+            await asyncio.gather(fetcher, stopped, *helpers, return_exceptions=True)
             broken = processor.done() and processor.exception() is not None
             await self._drain(processor)
         for task in (fetcher, processor):
@@ -148,6 +167,7 @@ class Worker:
         m.batch_seconds.labels("infer").observe(report.infer_s)
         if report.loader_restarts:
             m.loader_restarts.inc(report.loader_restarts)
+        self._check_guards()
         log.info(
             "batch_done",
             size=len(batch),
@@ -156,6 +176,17 @@ class Worker:
             infer_s=round(report.infer_s, 4),
             loader_restarts=report.loader_restarts,
         )
+
+    def _check_guards(self) -> None:
+        reason = self.s.guard.check() if self.s.guard is not None else None
+        if reason and self.exit_reason is None:
+            log.error(
+                "resource_limit_exceeded",
+                reason=reason,
+                action="finishing this batch, giving back the rest, exiting 4",
+            )
+            self.exit_reason = reason
+            self._stop.set()
 
     async def _settle_batch(self, batch: list[Held], report: BatchReport) -> None:
         started = time.perf_counter()
@@ -196,10 +227,17 @@ class Worker:
     # -- shutdown ---------------------------------------------------------------------------
     async def _drain(self, processor: asyncio.Task[None]) -> None:
         """Finish the batch in hand within the drain timeout; give back everything else now."""
+        leftovers = await self.s.feed.close()
         queued: list[Held] = []
         while not self._batches.empty():
             queued.extend(self._batches.get_nowait() or [])
         await self._give_back(queued, "shutting down")
+        for msg in leftovers:
+            await _nak_quietly(msg)
+        if leftovers:
+            log.info(
+                "tasks_given_back", count=len(leftovers), reason="delivered after the last fetch"
+            )
         self._batches.put_nowait(None)
         try:
             await asyncio.wait_for(processor, self.settings.health.drain_timeout_s)
@@ -213,10 +251,15 @@ class Worker:
         if not held:
             return
         for h in held:
-            try:
-                await h.msg.nak()
-            except nats.errors.Error:
-                pass
+            await _nak_quietly(h.msg)
         self.s.engine.forget([h.key for h in held])
         self._release(held)
         log.info("tasks_given_back", count=len(held), reason=reason)
+
+
+async def _nak_quietly(msg: Msg) -> None:
+    """Give a message back now; if the connection is gone, its ack wait brings it back."""
+    try:
+        await msg.nak()
+    except nats.errors.Error:
+        pass

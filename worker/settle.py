@@ -12,7 +12,7 @@ import json
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import nats
@@ -60,25 +60,12 @@ class Settler:
         bound = log.bind(task_id=task.id, job_id=task.job_id, attempt=delivered)
         if verdict.retryable and delivered < self.max_deliver:
             return await self._retry(msg, delivered, bound, verdict)
-        error = None
-        if verdict.error_kind is not None:
-            message = verdict.error_message or verdict.error_kind
-            if verdict.retryable:
-                message = f"deliveries ran out after {delivered} attempts; last error: {message}"
-            error = error_info(verdict.error_kind, message, verdict.retryable)
-        result = make_result(
-            task_id=task.id,
-            job_id=task.job_id,
-            image_id=task.image_id,
-            pipeline=self.pipeline,
-            status="error" if error else "ok",
-            predictions=verdict.predictions,
-            error=error,
-            model=self.model,
-            timings_s=verdict.timings_s,
-            worker=self.worker_id,
-            attempt=delivered,
-        )
+        if verdict.retryable:
+            last = verdict.error_message or verdict.error_kind
+            message = f"deliveries ran out after {delivered} attempts; last error: {last}"
+            verdict = replace(verdict, error_message=message)
+        result = self.result(task, delivered, verdict)
+        error = result["error"]
         try:
             await self.store.store(result)
         except ResultsUnavailable as failure:
@@ -93,6 +80,25 @@ class Settler:
         else:
             bound.debug("task_done")
         return str(outcome)
+
+    def result(self, task: Task, delivered: int, verdict: Verdict) -> dict[str, Any]:
+        error = None
+        if verdict.error_kind is not None:
+            message = verdict.error_message or verdict.error_kind
+            error = error_info(verdict.error_kind, message, verdict.retryable)
+        return make_result(
+            task_id=task.id,
+            job_id=task.job_id,
+            image_id=task.image_id,
+            pipeline=self.pipeline,
+            status="error" if error else "ok",
+            predictions=verdict.predictions,
+            error=error,
+            model=self.model,
+            timings_s=verdict.timings_s,
+            worker=self.worker_id,
+            attempt=delivered,
+        )
 
     async def _retry(self, msg: Msg, delivered: int, bound: Any, verdict: Verdict) -> str:
         delay_s = backoff_s(

@@ -99,10 +99,41 @@ def consumer_config(settings: NatsSettings, pipeline: str) -> api.ConsumerConfig
     )
 
 
+def advisory_subject(settings: NatsSettings) -> str:
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{settings.tasks_stream}.{settings.consumer}"
+
+
+def advisory_consumer(settings: NatsSettings) -> str:
+    return f"{settings.consumer}-max-deliveries"
+
+
+def advisory_stream_config(settings: NatsSettings) -> api.StreamConfig:
+    return api.StreamConfig(
+        name=settings.advisory_stream,
+        subjects=[advisory_subject(settings)],
+        retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE,
+        max_age=settings.tasks_max_age_s,
+        num_replicas=settings.replicas,
+    )
+
+
+def advisory_consumer_config(settings: NatsSettings) -> api.ConsumerConfig:
+    name = advisory_consumer(settings)
+    return api.ConsumerConfig(
+        name=name,
+        durable_name=name,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        deliver_policy=api.DeliverPolicy.ALL,
+        ack_wait=60.0,
+        num_replicas=settings.replicas if settings.replicas > 1 else None,
+    )
+
+
 async def provision(js: JetStreamContext, settings: NatsSettings, pipeline: str) -> list[str]:
     """Create or update the streams and the durable consumer; safe to run any number of times."""
     done: list[str] = []
-    for config in stream_configs(settings):
+    for config in [*stream_configs(settings), advisory_stream_config(settings)]:
         try:
             await js.stream_info(config.name)  # type: ignore[arg-type]
         except NotFoundError:
@@ -115,6 +146,9 @@ async def provision(js: JetStreamContext, settings: NatsSettings, pipeline: str)
     # creates it or updates it in place.
     await js.add_consumer(settings.tasks_stream, consumer_config(settings, pipeline))
     done.append(f"created or updated consumer {settings.consumer} on {tasks_subject(pipeline)}")
+    watcher = advisory_consumer_config(settings)
+    await js.add_consumer(settings.advisory_stream, watcher)
+    done.append(f"created or updated consumer {watcher.name} on max-deliveries advisories")
     return done
 
 
@@ -154,10 +188,24 @@ class TaskFeed:
             await asyncio.sleep(self._settings.fetch_timeout_s)
             return []
 
-    async def close(self) -> None:
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except nats.errors.Error:
-                pass
-            self._sub = None
+    async def close(self) -> list[Msg]:
+        """Stop fetching for good; return messages delivered after the last fetch gave up.
+
+        The subscription goes first, so the server drops our open pull requests: tasks given
+        back afterwards are redelivered to other workers, not straight back to us.
+        """
+        if self._sub is None:
+            return []
+        pending = self._sub._sub._pending_queue  # nats-py keeps late deliveries here
+        try:
+            await self._sub.unsubscribe()
+            await self._js._nc.flush(timeout=5)
+        except (nats.errors.Error, TimeoutError):
+            pass
+        self._sub = None
+        found: list[Msg] = []
+        while not pending.empty():
+            msg = pending.get_nowait()
+            if not JetStreamContext.is_status_msg(msg):
+                found.append(msg)
+        return found

@@ -25,9 +25,19 @@ def promtool() -> str:
 
 def test_alert_rules_are_valid_and_fire_as_their_tests_say():
     tool = promtool()
-    check = subprocess.run([tool, "check", "rules", str(ROOT / "deploy/prometheus/alerts.yml")],
-                           capture_output=True, text=True, timeout=60, check=False)
+    check = subprocess.run(
+        [tool, "check", "rules", str(ROOT / "deploy/prometheus/alerts.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert check.returncode == 0, check.stdout + check.stderr
-    tested = subprocess.run([tool, "test", "rules", str(ROOT / "tests/prometheus/alerts_test.yml")],
-                            capture_output=True, text=True, timeout=60, check=False)
+    tested = subprocess.run(
+        [tool, "test", "rules", str(ROOT / "tests/prometheus/alerts_test.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert tested.returncode == 0, tested.stdout + tested.stderr

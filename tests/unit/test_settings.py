@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from config.settings import KNOWN_PIPELINES, ConfigError, load_settings
+from config.settings import KNOWN_PIPELINES, PIPELINE_INPUT_SIZES, ConfigError, load_settings
 
 
 @pytest.fixture
@@ -83,3 +83,22 @@ def test_the_registry_serves_every_pipeline_settings_accept():
     from worker.pipelines import PIPELINES
 
     assert set(PIPELINES) == set(KNOWN_PIPELINES)
+    assert {name: spec.input_size for name, spec in PIPELINES.items()} == PIPELINE_INPUT_SIZES
+
+
+def test_the_inflight_byte_cap_bounds_the_tasks_held(weights):
+    from config.settings import max_held_tasks
+
+    per_image = 3 * 224 * 224
+    s = load_settings(model={"weights": weights}, loader={"batch_size": 8, "prefetch_batches": 4})
+    assert max_held_tasks(s) == 32
+    capped = load_settings(
+        model={"weights": weights},
+        loader={"batch_size": 8, "prefetch_batches": 4, "max_inflight_bytes": 12 * per_image},
+    )
+    assert max_held_tasks(capped) == 12
+    with pytest.raises(ConfigError, match="MAX_INFLIGHT_BYTES"):
+        load_settings(
+            model={"weights": weights},
+            loader={"batch_size": 8, "max_inflight_bytes": 7 * per_image},
+        )

@@ -1,0 +1,156 @@
+"""Nothing lost: exhausted deliveries, resource guards, and a drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from tests.helpers import (
+    client,
+    consumer_idle,
+    running_worker,
+    submit,
+    upload_images,
+    wait_results,
+)
+from tests.integration.test_cli import worker_env
+from worker.client import job_results
+from worker.transport import TaskFeed, connect, provision
+
+pytestmark = pytest.mark.integration
+
+
+def short_ack_settings(settings_for, url, **groups):
+    """A 3 s ack wait, with every other timeout tightened to fit under it."""
+    return settings_for(
+        url,
+        nats={"ack_wait_s": 3, "max_deliver": 2, "fetch_timeout_s": 0.3, **groups.pop("nats", {})},
+        loader={"timeout_s": 1.5},
+        s3={"connect_timeout_s": 0.3, "read_timeout_s": 0.4, "max_attempts": 1},
+        health={"stall_timeout_s": 2, "drain_timeout_s": 1},
+        **groups,
+    )
+
+
+async def test_a_task_whose_last_delivery_died_with_its_worker_still_gets_one_error_result(
+    nats_server, s3_server, bucket, settings_for
+):
+    settings = short_ack_settings(settings_for, nats_server.url)
+    uris = upload_images(s3_server.client(), bucket, 3)
+    nc = await connect(settings.nats)
+    js = nc.jetstream()
+    await provision(js, settings.nats, settings.model.pipeline)
+    [doomed] = await submit(js, settings, "job-exhausted", uris[:1])
+    # Two workers take the task in turn and die holding it: nobody acks, nobody naks.
+    feed = TaskFeed(js, settings.nats)
+    await feed.open()
+    delivered = []
+    for _ in range(2):
+        msgs = []
+        for _ in range(20):
+            msgs = await feed.fetch(1)
+            if msgs:
+                break
+        delivered.append(msgs[0].metadata.num_delivered)
+    await feed.close()
+    assert delivered == [1, 2]
+
+    async with running_worker(settings):
+        others = await submit(js, settings, "job-exhausted-others", uris[1:])
+        [result] = await wait_results(js, settings, "job-exhausted", 1, timeout_s=30)
+        await wait_results(js, settings, "job-exhausted-others", len(others))
+        await asyncio.sleep(1.0)
+        again = await job_results(js, settings.nats, "job-exhausted")
+    await nc.close()
+
+    assert result["task_id"] == doomed.id
+    assert result["status"] == "error"
+    assert result["error"]["type"] == "deliveries_exhausted"
+    assert "deliveries ran out" in result["error"]["message"]
+    assert result["attempt"] == 2
+    assert len(again) == 1
+
+
+async def test_crossing_a_resource_limit_drains_the_worker_and_loses_nothing(
+    nats_server, s3_server, bucket, settings_for
+):
+    limited = settings_for(nats_server.url, guards={"max_tree_rss_bytes": 1, "check_interval_s": 0})
+    uris = upload_images(s3_server.client(), bucket, 12)
+    async with client(limited) as js:
+        from worker.app import WorkerApp
+
+        app = WorkerApp(limited)
+        await app.start()
+        tasks = await submit(js, limited, "job-guarded", uris)
+        try:
+            await asyncio.wait_for(app.run(asyncio.Event()), 60)  # it stops by itself
+        finally:
+            await app.close()
+        assert app.worker is not None and "MAX_TREE_RSS_BYTES" in (app.worker.exit_reason or "")
+        done_first = await job_results(js, limited.nats, "job-guarded")
+        # A fresh process (no limit) takes what was given back.
+        async with running_worker(settings_for(nats_server.url)):
+            results = await wait_results(js, limited, "job-guarded", len(tasks))
+            await consumer_idle(js, limited)
+
+    assert 0 < len(done_first) < len(tasks), "the batch in hand finished, the rest was given back"
+    assert sorted(r["task_id"] for r in results) == sorted(t.id for t in tasks)
+    assert {r["status"] for r in results} == {"ok"}
+
+
+async def test_sigterm_mid_job_finishes_the_batch_gives_back_the_rest_and_exits_0(
+    nats_server, s3_server, bucket, settings_for, tmp_path
+):
+    settings = settings_for(nats_server.url)
+    uris = upload_images(s3_server.client(), bucket, 40)
+    log_path = tmp_path / "worker.log"
+    env = worker_env(
+        settings,
+        WORKER_METRICS__PORT="0",
+        WORKER_LOADER__BATCH_SIZE="4",
+        WORKER_LOADER__PREFETCH_BATCHES="4",
+        WORKER_HEALTH__DRAIN_TIMEOUT_S="20",
+    )
+    async with client(settings) as js:
+        await provision(js, settings.nats, settings.model.pipeline)
+        with open(log_path, "w") as log_file:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "worker", "run"],
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            tasks = await submit(js, settings, "job-sigterm", uris)
+            await wait_results(js, settings, "job-sigterm", 4, timeout_s=60)
+            tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+            proc.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(proc.wait, 30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        partial = await job_results(js, settings.nats, "job-sigterm")
+        async with running_worker(settings):
+            results = await wait_results(js, settings, "job-sigterm", len(tasks))
+            await consumer_idle(js, settings)
+
+    log = log_path.read_text()
+    assert code == 0, log[-3000:]
+    assert "tasks_given_back" in log
+    assert len(partial) < len(tasks)
+    # Given back with nak, not left to time out: the next worker gets every task well inside
+    # the 300 s ack wait (wait_results gives up after 60 s).
+    assert settings.nats.ack_wait_s > 60
+    await asyncio.sleep(1)
+    assert not [
+        pid
+        for pid in tree
+        if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    ]
+    assert sorted(r["task_id"] for r in results) == sorted(t.id for t in tasks)
+    assert max(r["attempt"] for r in results) <= 2

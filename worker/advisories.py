@@ -1,0 +1,110 @@
+"""Tasks whose deliveries ran out with their worker still get exactly one result.
+
+When the last delivery of a task dies with its worker (killed, wedged, restarted), no live
+worker sees the task again. JetStream then publishes a max-deliveries advisory; provision
+keeps those advisories in a stream, and every worker pulls them from one shared durable
+consumer, reads the original task by its stream sequence, and stores an ``error`` result for
+it (create-if-absent: if the dying worker had stored one, that one stands).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import nats
+import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from config.settings import NatsSettings
+from worker.results import ResultsUnavailable
+from worker.schemas import InvalidTask, Task, Undeliverable, Verdict, parse_task
+from worker.settle import Settler
+from worker.transport import advisory_consumer
+
+log = structlog.get_logger(__name__)
+EXHAUSTED_KIND = "deliveries_exhausted"
+
+
+class ExhaustedTasks:
+    """Pulls max-deliveries advisories and stores the results nobody else will."""
+
+    def __init__(self, js: JetStreamContext, settings: NatsSettings, settler: Settler) -> None:
+        self._js = js
+        self._settings = settings
+        self._settler = settler
+        self._sub: object | None = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        sub = await self._js.pull_subscribe_bind(
+            durable=advisory_consumer(self._settings), stream=self._settings.advisory_stream
+        )
+        try:
+            while not stop.is_set():
+                try:
+                    msgs = await sub.fetch(16, timeout=self._settings.fetch_timeout_s)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    continue
+                except nats.errors.Error as error:
+                    log.warning("advisory_fetch_failed", error=str(error))
+                    await asyncio.sleep(self._settings.fetch_timeout_s)
+                    continue
+                for msg in msgs:
+                    await self.handle(msg)
+        finally:
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+
+    async def handle(self, msg: Msg) -> None:
+        try:
+            advisory = json.loads(msg.data)
+            seq, deliveries = int(advisory["stream_seq"]), int(advisory["deliveries"])
+        except (ValueError, KeyError, TypeError):
+            log.error("advisory_unreadable", data=msg.data[:200])
+            await msg.term()
+            return
+        try:
+            original = await self._js.get_msg(self._settings.tasks_stream, seq)
+        except NotFoundError:
+            log.error("exhausted_task_gone", stream_seq=seq, hint="raise the tasks stream max_age")
+            await msg.ack()
+            return
+        except nats.errors.Error:
+            await msg.nak(delay=self._settings.nak_backoff_base_s)
+            return
+        try:
+            task = parse_task(original.data or b"")
+        except Undeliverable:
+            await msg.ack()  # the worker dead-lettered it, or will on its own delivery
+            return
+        except InvalidTask as invalid:
+            task = Task(invalid.task_id, invalid.job_id, invalid.image_id, "")
+        verdict = Verdict(
+            error_kind=EXHAUSTED_KIND,
+            error_message=(
+                f"deliveries ran out: all {deliveries} deliveries ended without a result "
+                "(the worker holding it died, was killed or stopped answering)"
+            ),
+            retryable=True,
+        )
+        try:
+            stored = await self._settler.store.store(
+                self._settler.result(task, deliveries, verdict)
+            )
+        except ResultsUnavailable:
+            await msg.nak(delay=self._settings.nak_backoff_base_s)
+            return
+        await msg.ack()
+        if stored:
+            self._settler.count("error")
+        log.warning(
+            "task_deliveries_exhausted",
+            task_id=task.id,
+            job_id=task.job_id,
+            deliveries=deliveries,
+            result_stored=stored,
+        )
