@@ -170,24 +170,27 @@ class StreamingLoader:
     # -- life cycle ---------------------------------------------------------------------
     def start(self) -> None:
         with self._lock:
-            self._requests = self._ctx.Queue()
-            dataset = RequestStream(
-                self._requests,
-                self.config.image_size,
-                self.config.sources,
-                self.config.drop_once_file,
-            )
-            loader = DataLoader(
-                dataset,
-                batch_size=None,
-                num_workers=self.config.num_workers,
-                multiprocessing_context=self._ctx,
-                timeout=self.config.timeout_s,
-                worker_init_fn=_init_child,
-                prefetch_factor=2,
-                in_order=False,
-            )
-            self._iter = iter(loader)
+            self._start_locked()
+
+    def _start_locked(self) -> None:
+        self._requests = self._ctx.Queue()
+        dataset = RequestStream(
+            self._requests,
+            self.config.image_size,
+            self.config.sources,
+            self.config.drop_once_file,
+        )
+        loader = DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=self.config.num_workers,
+            multiprocessing_context=self._ctx,
+            timeout=self.config.timeout_s,
+            worker_init_fn=_init_child,
+            prefetch_factor=2,
+            in_order=False,
+        )
+        self._iter = iter(loader)
 
     def close(self) -> None:
         """Stop every child (SIGKILL; they hold nothing we still need), reap it, close queues."""
@@ -196,13 +199,16 @@ class StreamingLoader:
             self._outstanding.clear()
 
     def restart(self) -> list[LoadRequest]:
-        """Replace the loader; return the requests that were submitted and never came back."""
+        """Replace the loader; return the requests that were submitted and never came back.
+
+        Holds the lock throughout, so a concurrent ``submit`` lands in the new loader.
+        """
         with self._lock:
             lost = list(self._outstanding.values())
             self._outstanding.clear()
             self._teardown()
             self.restarts += 1
-        self.start()
+            self._start_locked()
         return lost
 
     def _teardown(self) -> None:

@@ -1,0 +1,148 @@
+"""Chaos fixtures: a three-node JetStream cluster, and an S3 proxy that fails on request."""
+
+from __future__ import annotations
+
+import http.client
+import shutil
+import subprocess
+import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from worker.localservers import _wait_port, find_nats_server, free_port
+
+
+class NatsCluster:
+    """Three nats-server processes routed into one JetStream cluster on 127.0.0.1."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="iw-cluster-"))
+        self.ports = [free_port() for _ in range(3)]
+        self.routes = [free_port() for _ in range(3)]
+        self.procs: list[subprocess.Popen[bytes] | None] = [None, None, None]
+
+    @property
+    def url(self) -> str:
+        return ",".join(f"nats://127.0.0.1:{port}" for port in self.ports)
+
+    def _conf(self, i: int) -> Path:
+        routes = ", ".join(
+            f"nats-route://127.0.0.1:{p}" for j, p in enumerate(self.routes) if j != i
+        )
+        conf = self.dir / f"n{i}.conf"
+        conf.write_text(
+            f"server_name: n{i}\nlisten: 127.0.0.1:{self.ports[i]}\n"
+            f"jetstream {{ store_dir: {self.dir / f'store{i}'} }}\n"
+            f"cluster {{ name: chaos, listen: 127.0.0.1:{self.routes[i]}, routes: [{routes}] }}\n"
+        )
+        return conf
+
+    def start_node(self, i: int) -> None:
+        log = open(self.dir / f"n{i}.log", "ab")  # noqa: SIM115 - closed with the process
+        self.procs[i] = subprocess.Popen(
+            [find_nats_server(), "-c", str(self._conf(i))],
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+        )
+        _wait_port(self.ports[i], self.procs[i], f"nats-server n{i}")
+
+    def start(self) -> NatsCluster:
+        for i in range(3):
+            self.start_node(i)
+        return self
+
+    def kill_node(self, i: int) -> None:
+        proc = self.procs[i]
+        if proc is not None:
+            proc.kill()
+            proc.wait(timeout=10)
+            self.procs[i] = None
+
+    def stop(self) -> None:
+        for i in range(3):
+            proc = self.procs[i]
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=10)
+                self.procs[i] = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class FlakyS3Proxy:
+    """Forwards to a real S3 endpoint; ``fail_next(n, status)`` answers n requests with status."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self._lock = threading.Lock()
+        self._failures: list[int] = []
+        self.failed = 0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _any(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                status = proxy._take_failure()
+                if status is not None:
+                    payload = b"<Error><Code>ServiceUnavailable</Code></Error>"
+                    self.send_response(status)
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)
+                try:
+                    upstream.request(self.command, self.path, body=body, headers=dict(self.headers))
+                    response = upstream.getresponse()
+                    data = response.read()
+                finally:
+                    upstream.close()
+                self.send_response(response.status)
+                for key, value in response.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _any
+
+            def log_message(self, format: str, *args: object) -> None:
+                return
+
+        self.port = free_port()
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _take_failure(self) -> int | None:
+        with self._lock:
+            if self._failures:
+                self.failed += 1
+                return self._failures.pop(0)
+        return None
+
+    def fail_next(self, count: int, statuses: tuple[int, ...] = (503, 500)) -> None:
+        with self._lock:
+            self._failures = [statuses[i % len(statuses)] for i in range(count)]
+
+    def start(self) -> FlakyS3Proxy:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
