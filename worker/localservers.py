@@ -129,8 +129,11 @@ class S3Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> S3Server:
+        import logging
+
         from moto.server import ThreadedMotoServer
 
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self._server.start()
         _wait_port(self.port, None, "S3 endpoint")

@@ -1,0 +1,172 @@
+"""Shared pieces of the benchmarks: local servers, a model, images, a worker process, sampling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from datasets.synthetic import image_bytes
+from worker.localservers import NatsServer, S3Server
+
+PIPELINE = "mobilenet-v3-small-classifier"
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass
+class World:
+    nats: NatsServer
+    s3: S3Server
+    weights: str
+    workdir: Path
+
+
+@contextmanager
+def world() -> Iterator[World]:
+    from worker.model import save_classifier
+    from worker.pipelines import get_pipeline
+
+    workdir = Path(tempfile.mkdtemp(prefix="iw-bench-"))
+    nats = NatsServer(store_dir=str(workdir / "nats")).start()
+    s3 = S3Server().start()
+    os.environ.update(s3.credentials_env())
+    weights = save_classifier(
+        get_pipeline(PIPELINE), [f"c{i}" for i in range(10)], str(workdir / "model")
+    )
+    try:
+        yield World(nats, s3, weights, workdir)
+    finally:
+        s3.stop()
+        nats.stop()
+
+
+def upload(s3: Any, bucket: str, sizes: list[tuple[int, int]], count: int) -> list[str]:
+    s3.create_bucket(Bucket=bucket)
+    uris = []
+    for i in range(count):
+        width, height = sizes[i % len(sizes)]
+        key = f"img/{i:05d}-{width}x{height}.jpg"
+        s3.put_object(Bucket=bucket, Key=key, Body=image_bytes(width, height, seed=i, quality=90))
+        uris.append(f"s3://{bucket}/{key}")
+    return uris
+
+
+def worker_env(w: World, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    env.update(
+        {
+            "WORKER_NATS__URL": w.nats.url,
+            "WORKER_S3__ENDPOINT_URL": w.s3.endpoint_url,
+            "WORKER_MODEL__PIPELINE": PIPELINE,
+            "WORKER_MODEL__WEIGHTS": w.weights,
+            "WORKER_MODEL__DEVICE": "cpu",
+            "WORKER_METRICS__PORT": "0",
+            "WORKER_LOG_LEVEL": "WARNING",
+        }
+    )
+    env.update(extra)
+    return env
+
+
+def start_worker(w: World, log_name: str, **extra: str) -> subprocess.Popen[bytes]:
+    log = open(w.workdir / log_name, "ab")  # noqa: SIM115 - lives as long as the process
+    return subprocess.Popen(
+        [sys.executable, "-m", "worker", "run"],
+        env=worker_env(w, **extra),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def stop_worker(proc: subprocess.Popen[bytes]) -> int:
+    proc.terminate()
+    try:
+        return proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(timeout=10)
+
+
+async def results_stored(js: Any, stream: str) -> int:
+    info = await js.stream_info(stream)
+    return int(info.state.messages)
+
+
+async def wait_stored(js: Any, stream: str, count: int, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while await results_stored(js, stream) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fewer than {count} results after {timeout_s}s")
+        await asyncio.sleep(0.05)
+
+
+class PeakRss:
+    """Samples the resident memory of a process tree every 50 ms; ``peak_bytes`` when done."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                root = psutil.Process(self.pid)
+                procs = [root, *root.children(recursive=True)]
+                total = 0
+                for proc in procs:
+                    try:
+                        total += proc.memory_info().rss
+                    except psutil.Error:
+                        pass
+                self.peak_bytes = max(self.peak_bytes, total)
+            except psutil.Error:
+                pass
+            self._stop.wait(0.05)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def save(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path

@@ -1,0 +1,107 @@
+"""The DataLoader patterns in use today, for comparison (run by bench/throughput.py).
+
+    python -m bench.patterns {fork_rebuilt|no_workers|forkserver_rebuilt} URIS_FILE ENDPOINT WEIGHTS
+
+(a) fork_rebuilt: a DataLoader rebuilt per job with the fork context, full-resolution float32
+    tensors, batches collated in the workers, no timeout;
+(b) no_workers: num_workers=0, the usual workaround;
+(c) forkserver_rebuilt: rebuilt per job with forkserver and no preload.
+Prints one JSON line: images/s over all jobs, model included.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+
+JOB_SIZE = 16
+_clients: dict[int, Any] = {}
+
+
+class FullResolution(Dataset[torch.Tensor]):
+    def __init__(self, uris: list[str], endpoint: str) -> None:
+        self.uris = uris
+        self.endpoint = endpoint
+
+    def __len__(self) -> int:
+        return len(self.uris)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        import boto3
+
+        client = _clients.get(os.getpid())
+        if client is None:
+            client = _clients[os.getpid()] = boto3.client("s3", endpoint_url=self.endpoint)
+        bucket, _, key = self.uris[index][len("s3://") :].partition("/")
+        data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        array = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.float32) / 255.0
+        return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+def as_list(batch: list[torch.Tensor]) -> list[torch.Tensor]:
+    return batch
+
+
+def loader_for(pattern: str, job: list[str], endpoint: str) -> DataLoader[Any]:
+    dataset = FullResolution(job, endpoint)
+    if pattern == "no_workers":
+        return DataLoader(dataset, batch_size=JOB_SIZE, num_workers=0, collate_fn=as_list)
+    context = "fork" if pattern == "fork_rebuilt" else "forkserver"
+    return DataLoader(
+        dataset,
+        batch_size=JOB_SIZE,
+        num_workers=2,
+        collate_fn=as_list,
+        multiprocessing_context=mp.get_context(context),
+    )
+
+
+def main() -> None:
+    pattern, uris_file, endpoint, weights = sys.argv[1:5]
+    from datasets.sources import SourceConfig
+    from worker.model import Classifier
+    from worker.pipelines import get_pipeline
+
+    with open(uris_file) as handle:
+        uris = json.loads(handle.read())
+    model = Classifier(
+        get_pipeline("mobilenet-v3-small-classifier"),
+        weights,
+        SourceConfig(s3_endpoint_url=endpoint),
+        "cpu",
+        5,
+    )
+    jobs = [uris[i : i + JOB_SIZE] for i in range(0, len(uris), JOB_SIZE)]
+    started = time.perf_counter()
+    for job in jobs:
+        for batch in loader_for(pattern, job, endpoint):
+            small = torch.cat(
+                [F.interpolate(t[None], size=(224, 224), mode="bilinear") for t in batch]
+            )
+            model.predict((small * 255).clamp(0, 255).to(torch.uint8))
+    elapsed = time.perf_counter() - started
+    print(
+        json.dumps(
+            {
+                "pattern": pattern,
+                "images": len(uris),
+                "seconds": elapsed,
+                "images_per_s": len(uris) / elapsed,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

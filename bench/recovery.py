@@ -1,0 +1,97 @@
+"""Recovery from a stopped loader child: our explicit teardown against torch's own.
+
+    .venv/bin/python -m bench.recovery [--runs 3]
+
+Each run starts a forkserver DataLoader with two children, SIGSTOPs one, then tears the
+loader down: ours (SIGKILL and reap every child, close the queues) or torch's
+(``_shutdown_workers``, what ``del iterator`` does). Reports seconds and children left alive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from typing import Any
+
+import psutil
+from torch.utils.data import DataLoader
+
+from bench.common import machine, median, save
+from datasets.loader import LoaderConfig, StreamingLoader, _init_child
+
+
+def alive(pids: list[int]) -> list[int]:
+    left = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                left.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def ours() -> tuple[float, int]:
+    loader = StreamingLoader(LoaderConfig(num_workers=2, timeout_s=5, image_size=64))
+    loader.start()
+    pids = loader.child_pids()
+    os.kill(pids[0], signal.SIGSTOP)
+    started = time.perf_counter()
+    loader.close()
+    elapsed = time.perf_counter() - started
+    return elapsed, len(alive(pids))
+
+
+def torchs() -> tuple[float, int]:
+    import multiprocessing as mp
+
+    from datasets.loader import RequestStream
+    from datasets.sources import SourceConfig
+
+    ctx = mp.get_context("forkserver")
+    dataset = RequestStream(ctx.Queue(), 64, SourceConfig())
+    it: Any = iter(
+        DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=2,
+            multiprocessing_context=ctx,
+            timeout=5,
+            worker_init_fn=_init_child,
+        )
+    )
+    pids = [w.pid for w in it._workers]
+    os.kill(pids[0], signal.SIGSTOP)
+    started = time.perf_counter()
+    it._shutdown_workers()
+    elapsed = time.perf_counter() - started
+    left = alive(pids)
+    for pid in left:  # clean up after torch
+        os.kill(pid, signal.SIGKILL)
+    return elapsed, len(left)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    result: dict[str, Any] = {"machine": machine(), "runs": args.runs}
+    for name, teardown in (("ours", ours), ("torch_shutdown_workers", torchs)):
+        times, left = [], []
+        for _ in range(args.runs):
+            seconds, alive_after = teardown()
+            times.append(seconds)
+            left.append(alive_after)
+        result[name] = {
+            "median_s": round(median(times), 3),
+            "max_s": round(max(times), 3),
+            "children_left_alive": left,
+        }
+        print(name, result[name], flush=True)
+    print("saved", save("recovery", result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Leak soak: 10,000 tasks through one worker, sampling its whole process tree every 1,000.
+
+    .venv/bin/python -m bench.soak [--tasks 10000] [--every 1000] [--batch-size 8]
+
+Samples: resident memory of the main process and of each loader child, open descriptors of
+every process in the tree, bytes of /dev/shm the tree holds, entries in /dev/shm, and the
+loader child pids. The goal is flat: descriptors and /dev/shm entries do not grow, pids do not
+change, and resident memory grows less than 1 MB per 1,000 batches after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from typing import Any
+
+import psutil
+
+from bench.common import PIPELINE, save, start_worker, stop_worker, upload, wait_stored, world
+from worker.client import make_tasks, publish_tasks
+from worker.procstats import shm_bytes
+from worker.transport import connect, provision
+
+
+def sample(worker_pid: int, done: int, started: float) -> dict[str, Any]:
+    root = psutil.Process(worker_pid)
+    forkserver_children = [c for c in root.children() if c.children()]
+    loaders = [g for c in forkserver_children for g in c.children()]
+    tree = [root, *root.children(recursive=True)]
+    seen: set[int] = set()
+    return {
+        "tasks_done": done,
+        "elapsed_s": round(time.monotonic() - started, 1),
+        "main_rss_mb": round(root.memory_info().rss / 2**20, 1),
+        "loader_rss_mb": [round(p.memory_info().rss / 2**20, 1) for p in loaders],
+        "loader_pids": sorted(p.pid for p in loaders),
+        "fds": {f"{p.pid}:{'main' if p.pid == worker_pid else 'child'}": p.num_fds() for p in tree},
+        "fds_total": sum(p.num_fds() for p in tree),
+        "shm_bytes": sum(shm_bytes(p.pid, seen) for p in tree),
+        "dev_shm_entries": len(os.listdir("/dev/shm")),
+    }
+
+
+async def soak(tasks_total: int, every: int, batch_size: int) -> dict[str, Any]:
+    with world() as w:
+        uris = upload(w.s3.client(), "soak", [(640, 480), (1280, 720)], 64)
+        proc = start_worker(
+            w,
+            "soak-worker.log",
+            WORKER_LOADER__BATCH_SIZE=str(batch_size),
+            WORKER_LOADER__NUM_WORKERS="2",
+        )
+        nc = await connect(load_nats(w))
+        js = nc.jetstream()
+        settings = load_nats(w)
+        await provision(js, settings, PIPELINE)
+        samples = []
+        started = time.monotonic()
+        try:
+            await wait_stored(js, settings.results_stream, 0)
+            submitted = 0
+            for mark in range(every, tasks_total + 1, every):
+                chunk = [uris[i % len(uris)] for i in range(submitted, mark)]
+                batch = make_tasks(f"soak-{mark}", chunk)
+                await publish_tasks(js, settings, PIPELINE, batch)
+                submitted = mark
+                await wait_stored(js, settings.results_stream, mark)
+                samples.append(sample(proc.pid, mark, started))
+                print(
+                    samples[-1]["tasks_done"],
+                    samples[-1]["main_rss_mb"],
+                    samples[-1]["loader_rss_mb"],
+                    samples[-1]["fds_total"],
+                    samples[-1]["dev_shm_entries"],
+                    samples[-1]["loader_pids"],
+                    flush=True,
+                )
+        finally:
+            await nc.close()
+            code = stop_worker(proc)
+    warm = samples[1:]  # the first 1,000 are warm-up
+    batches_per_sample = every / batch_size
+    rss_growth = (warm[-1]["main_rss_mb"] - warm[0]["main_rss_mb"]) if len(warm) > 1 else 0.0
+    per_1000_batches = (
+        rss_growth / ((len(warm) - 1) * batches_per_sample / 1000) if len(warm) > 1 else 0.0
+    )
+    return {
+        "tasks": tasks_total,
+        "batch_size": batch_size,
+        "samples": samples,
+        "exit_code": code,
+        "summary": {
+            "main_rss_growth_mb_after_warmup": round(rss_growth, 2),
+            "main_rss_mb_per_1000_batches": round(per_1000_batches, 3),
+            "fds_total_first_last": [samples[0]["fds_total"], samples[-1]["fds_total"]],
+            "dev_shm_entries_first_last": [
+                samples[0]["dev_shm_entries"],
+                samples[-1]["dev_shm_entries"],
+            ],
+            "loader_pids_constant": len({tuple(s["loader_pids"]) for s in samples}) == 1,
+            "images_per_s": round(tasks_total / samples[-1]["elapsed_s"], 1),
+        },
+    }
+
+
+def load_nats(w: Any) -> Any:
+    from config.settings import load_settings
+
+    return load_settings(for_worker=False, nats={"url": w.nats.url}).nats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tasks", type=int, default=10_000)
+    parser.add_argument("--every", type=int, default=1_000)
+    parser.add_argument("--batch-size", type=int, default=8)
+    args = parser.parse_args()
+    result = asyncio.run(soak(args.tasks, args.every, args.batch_size))
+    print(result["summary"])
+    print("saved", save("soak", result))
+
+
+if __name__ == "__main__":
+    main()

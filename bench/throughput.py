@@ -1,0 +1,227 @@
+"""Throughput against the pipeline's limit, today's patterns, and per-job overhead, in one run.
+
+    .venv/bin/python -m bench.throughput [--images 48] [--runs 3]
+
+Writes bench/results/throughput.json and bench/results/throughput.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from bench.common import (
+    PIPELINE,
+    PeakRss,
+    World,
+    machine,
+    median,
+    save,
+    start_worker,
+    stop_worker,
+    upload,
+    wait_stored,
+    world,
+)
+from config.settings import NatsSettings, load_settings
+from worker.client import make_tasks, publish_tasks
+from worker.results import job_results_subject
+from worker.transport import connect, provision
+
+BATCH = 16
+WORKERS = 2
+SIZES = [(1920, 1080), (4096, 2160)]
+
+
+def nats_settings(w: World) -> NatsSettings:
+    return load_settings(for_worker=False, nats={"url": w.nats.url}).nats
+
+
+def loader_alone(w: World, uris: list[str], runs: int) -> float:
+    from datasets.loader import LoaderConfig, LoadRequest, StreamingLoader
+    from datasets.sources import SourceConfig
+
+    loader = StreamingLoader(
+        LoaderConfig(WORKERS, 60.0, 224, SourceConfig(s3_endpoint_url=w.s3.endpoint_url))
+    )
+    loader.start()
+    rates = []
+    try:
+        for run in range(runs + 1):  # the first pass warms up
+            started = time.perf_counter()
+            loader.submit([LoadRequest(run * 10_000 + i, uri) for i, uri in enumerate(uris)])
+            for _ in uris:
+                loader.next_loaded()
+            if run:
+                rates.append(len(uris) / (time.perf_counter() - started))
+    finally:
+        loader.close()
+    return median(rates)
+
+
+def model_alone(w: World, images: int, runs: int) -> float:
+    from datasets.sources import SourceConfig
+    from worker.model import Classifier
+    from worker.pipelines import get_pipeline
+
+    model = Classifier(get_pipeline(PIPELINE), w.weights, SourceConfig(), "cpu", 5)
+    batch = torch.randint(0, 256, (BATCH, 3, 224, 224), dtype=torch.uint8)
+    model.predict(batch)
+    rates = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        for _ in range(images // BATCH):
+            model.predict(batch)
+        rates.append(images // BATCH * BATCH / (time.perf_counter() - started))
+    return median(rates)
+
+
+async def end_to_end(w: World, uris: list[str], runs: int) -> dict[str, float]:
+    settings = nats_settings(w)
+    nc = await connect(settings)
+    js = nc.jetstream()
+    await provision(js, settings, PIPELINE)
+    proc = start_worker(
+        w,
+        "throughput-worker.log",
+        WORKER_LOADER__BATCH_SIZE=str(BATCH),
+        WORKER_LOADER__NUM_WORKERS=str(WORKERS),
+    )
+    rates, stored = [], 0
+    try:
+        with PeakRss(proc.pid) as peak:
+            for run in range(runs + 1):  # the first job warms up
+                started = time.perf_counter()
+                await publish_tasks(js, settings, PIPELINE, make_tasks(f"tp-{run}", uris))
+                stored += len(uris)
+                await wait_stored(js, settings.results_stream, stored)
+                if run:
+                    rates.append(len(uris) / (time.perf_counter() - started))
+            overhead = await per_job_overhead(js, settings, uris[0])
+    finally:
+        stop_worker(proc)
+        await nc.close()
+    return {"images_per_s": median(rates), "peak_rss_bytes": peak.peak_bytes, **overhead}
+
+
+async def per_job_overhead(
+    js: Any, settings: NatsSettings, uri: str, jobs: int = 30
+) -> dict[str, float]:
+    """One-image jobs: publish -> stored result, minus the time spent decoding and inferring."""
+    nc = js._nc
+    overheads, latencies = [], []
+    for n in range(jobs):
+        job = f"one-{n}"
+        got: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        async def on_result(msg: Any, fut: asyncio.Future[Any] = got) -> None:
+            if not fut.done():
+                fut.set_result((time.perf_counter(), json.loads(msg.data)))
+
+        sub = await nc.subscribe(job_results_subject(job), cb=on_result)
+        started = time.perf_counter()
+        await publish_tasks(js, settings, PIPELINE, make_tasks(job, [uri]))
+        stored_at, result = await asyncio.wait_for(got, 30)
+        await sub.unsubscribe()
+        latency = stored_at - started
+        work = result["timings_s"].get("load_s", 0) + result["timings_s"].get("infer_s", 0)
+        latencies.append(latency)
+        overheads.append(latency - work)
+        await asyncio.sleep(0.05)
+    return {"one_image_latency_s": median(latencies), "per_job_overhead_s": median(overheads)}
+
+
+def pattern(w: World, name: str, uris_file: str) -> dict[str, float]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.patterns", name, uris_file, w.s3.endpoint_url, w.weights],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    with PeakRss(proc.pid) as peak:
+        out, _ = proc.communicate(timeout=1800)
+    result = json.loads(out.decode().strip().splitlines()[-1])
+    return {"images_per_s": result["images_per_s"], "peak_rss_bytes": peak.peak_bytes}
+
+
+def chart(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [
+        "loader alone",
+        "model alone",
+        "worker (e2e)",
+        "(a) fork rebuilt\nfull-res f32",
+        "(b) num_workers=0",
+        "(c) forkserver rebuilt\nno preload",
+    ]
+    values = [
+        result["loader_alone_images_per_s"],
+        result["model_alone_images_per_s"],
+        result["end_to_end"]["images_per_s"],
+        result["patterns"]["fork_rebuilt"]["images_per_s"],
+        result["patterns"]["no_workers"]["images_per_s"],
+        result["patterns"]["forkserver_rebuilt"]["images_per_s"],
+    ]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    bars = ax.bar(names, values, color=["#999", "#999", "#2a7", "#c55", "#c55", "#c55"])
+    ax.bar_label(bars, fmt="%.1f")
+    ax.set_ylabel("images/s (median)")
+    ax.set_title(
+        f"{result['images']} JPEGs, 1920x1080 and 4096x2160; "
+        f"{result['machine']['cores']} cores, CPU"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+async def run(images: int, runs: int) -> dict[str, Any]:
+    with world() as w:
+        uris = upload(w.s3.client(), "throughput", SIZES, images)
+        uris_file = w.workdir / "uris.json"
+        uris_file.write_text(json.dumps(uris))
+        result: dict[str, Any] = {
+            "machine": machine(),
+            "images": images,
+            "runs": runs,
+            "batch_size": BATCH,
+            "loader_workers": WORKERS,
+        }
+        result["loader_alone_images_per_s"] = loader_alone(w, uris, runs)
+        result["model_alone_images_per_s"] = model_alone(w, images, runs)
+        result["end_to_end"] = await end_to_end(w, uris, runs)
+        slower = min(result["loader_alone_images_per_s"], result["model_alone_images_per_s"])
+        result["ratio_end_to_end_to_slower_stage"] = result["end_to_end"]["images_per_s"] / slower
+        result["patterns"] = {}
+        for name in ("fork_rebuilt", "no_workers", "forkserver_rebuilt"):
+            rates, peaks = [], []
+            for _ in range(runs):
+                one = pattern(w, name, str(uris_file))
+                rates.append(one["images_per_s"])
+                peaks.append(one["peak_rss_bytes"])
+            result["patterns"][name] = {"images_per_s": median(rates), "peak_rss_bytes": max(peaks)}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--images", type=int, default=48)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    result = asyncio.run(run(args.images, args.runs))
+    path = save("throughput", result)
+    chart(result, str(path.with_suffix(".png")))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
