@@ -40,7 +40,7 @@ def summarize(raw: Path, top: int = 25) -> str:
     lines = [f"{samples} samples", "", "self time (top frames):"]
     lines += [f"{100 * n / samples:6.1f}%  {frame}" for frame, n in own.most_common(top)]
     lines += ["", "total time (anywhere on the stack), our modules:"]
-    ours = [(f, n) for f, n in total.most_common() if "/worker/" in f or "/datasets/" in f]
+    ours = [(f, n) for f, n in total.most_common() if "(worker/" in f or "(datasets/" in f]
     lines += [f"{100 * n / samples:6.1f}%  {frame}" for frame, n in ours[:top]]
     return "\n".join(lines)
 

@@ -95,6 +95,11 @@ class ModelSettings(BaseModel):
         "process WORKER_PROCESS_INDEX the entry at that index (modulo its length)",
     )
     top_k: int = Field(5, description="predictions per image")
+    torch_threads: int = Field(
+        0,
+        description="intra-op threads for the forward pass; 0 = the cores left over by the "
+        "loader children (at least 1), so inference does not fight decoding for the CPU",
+    )
 
     @field_validator("device")
     @classmethod
@@ -268,6 +273,12 @@ def max_held_tasks(s: Settings) -> int:
     if s.loader.max_inflight_bytes:
         held = min(held, s.loader.max_inflight_bytes // image_bytes(s.model.pipeline))
     return max(held, s.loader.batch_size)
+
+
+def torch_threads(s: Settings, cores: int | None) -> int:
+    if s.model.torch_threads > 0:
+        return s.model.torch_threads
+    return max(1, (cores or 1) - s.loader.num_workers)
 
 
 def chosen_device(s: Settings) -> str:

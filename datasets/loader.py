@@ -64,6 +64,9 @@ class LoaderConfig:
     sources: SourceConfig = field(default_factory=SourceConfig)
     mp_context: str = "forkserver"
     drop_once_file: str = ""  # fault hook for tests; empty = off
+    # Requests a child may run ahead of the main thread's ``next`` calls. It must cover every
+    # request the worker can hold, or children idle while the main thread runs the model.
+    prefetch_per_worker: int = 2
 
 
 def load_one(request: LoadRequest, size: int, sources: SourceConfig) -> Loaded:
@@ -187,7 +190,7 @@ class StreamingLoader:
             multiprocessing_context=self._ctx,
             timeout=self.config.timeout_s,
             worker_init_fn=_init_child,
-            prefetch_factor=2,
+            prefetch_factor=self.config.prefetch_per_worker,
             in_order=False,
         )
         self._iter = iter(loader)

@@ -10,7 +10,13 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry
 
-from config.settings import S3Settings, Settings, chosen_device
+from config.settings import (
+    S3Settings,
+    Settings,
+    chosen_device,
+    max_held_tasks,
+    torch_threads,
+)
 from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.sources import SourceConfig
 from worker.advisories import ExhaustedTasks
@@ -59,6 +65,9 @@ class WorkerApp:
         loop = asyncio.get_running_loop()
         sources = source_config(s.s3)
         spec = get_pipeline(s.model.pipeline)
+        import torch
+
+        torch.set_num_threads(torch_threads(s, os.cpu_count()))
         device = chosen_device(s)
         if device.startswith(("MIG-", "GPU-")):
             # A MIG slice or a GPU by UUID: make it the only visible device, before CUDA starts.
@@ -75,6 +84,7 @@ class WorkerApp:
                 sources=sources,
                 mp_context=s.loader.mp_context,
                 drop_once_file=s.faults.drop_once_file,
+                prefetch_per_worker=-(-max_held_tasks(s) // s.loader.num_workers) + 1,
             )
         )
         self.engine = Engine(
