@@ -15,22 +15,11 @@ import signal
 import time
 from typing import Any
 
-import psutil
 from torch.utils.data import DataLoader
 
 from bench.common import machine, median, save
 from datasets.loader import LoaderConfig, StreamingLoader, _init_child
-
-
-def alive(pids: list[int]) -> list[int]:
-    left = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                left.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return left
+from worker.procstats import living
 
 
 def ours() -> tuple[float, int]:
@@ -41,7 +30,7 @@ def ours() -> tuple[float, int]:
     started = time.perf_counter()
     loader.close()
     elapsed = time.perf_counter() - started
-    return elapsed, len(alive(pids))
+    return elapsed, len(living(pids))
 
 
 def torchs() -> tuple[float, int]:
@@ -67,7 +56,7 @@ def torchs() -> tuple[float, int]:
     started = time.perf_counter()
     it._shutdown_workers()
     elapsed = time.perf_counter() - started
-    left = alive(pids)
+    left = living(pids)
     for pid in left:  # clean up after torch
         os.kill(pid, signal.SIGKILL)
     return elapsed, len(left)

@@ -145,3 +145,15 @@ def _fd_limit() -> int:
 
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     return soft if soft != resource.RLIM_INFINITY else 0
+
+
+def living(pids: list[int]) -> list[int]:
+    """The pids among ``pids`` that are still running (zombies count as gone)."""
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive

@@ -27,6 +27,7 @@ from datasets.synthetic import corrupt_bytes, image_bytes, truncated_bytes
 from tests.chaos.servers import FlakyS3Proxy, NatsCluster
 from worker.client import job_results, make_tasks, publish_tasks
 from worker.localservers import NatsServer, S3Server
+from worker.procstats import living
 from worker.transport import connect, provision
 
 PIPELINE = "mobilenet-v3-small-classifier"
@@ -136,14 +137,7 @@ class WorkerProc:
         return self.proc.returncode
 
     def leftovers(self) -> list[int]:
-        alive = []
-        for pid in self.tree:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        return alive
+        return living(self.tree)
 
 
 @dataclass

@@ -16,6 +16,8 @@ from typing import Any
 
 import psutil
 
+from worker.procstats import living
+
 DEPLOY = Path(__file__).parents[2] / "deploy" / "supervisor"
 GROUP = "inference-worker"
 
@@ -154,15 +156,8 @@ class Supervisord:
         deadline = time.monotonic() + 10
         alive = tree
         while alive and time.monotonic() < deadline:
-            alive = [pid for pid in alive if _alive(pid)]
+            alive = living(alive)
             time.sleep(0.2)
         for pid in alive:
             os.kill(pid, signal.SIGKILL)
         return alive
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

@@ -14,6 +14,7 @@ import pytest
 
 from tests.helpers import client, consumer_idle, submit, upload_images, wait_results
 from worker.localservers import free_port
+from worker.procstats import living
 
 pytestmark = pytest.mark.integration
 
@@ -107,11 +108,7 @@ async def test_run_serves_a_job_reports_metrics_and_exits_0_on_sigterm_leaving_n
     assert code == 0, stderr[-3000:]
     assert len(descendants) >= 2  # loader children (and the forkserver)
     time.sleep(1.0)  # let the forkserver notice its parent is gone
-    assert not [
-        pid
-        for pid in descendants
-        if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    ]
+    assert living(descendants) == []
 
 
 def test_run_refuses_impossible_settings_with_one_line_naming_the_fields(settings_for, nats_server):

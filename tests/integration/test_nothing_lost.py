@@ -20,6 +20,7 @@ from tests.helpers import (
 )
 from tests.integration.test_cli import worker_env
 from worker.client import job_results
+from worker.procstats import living
 from worker.transport import TaskFeed, connect, provision
 
 pytestmark = pytest.mark.integration
@@ -147,10 +148,6 @@ async def test_sigterm_mid_job_finishes_the_batch_gives_back_the_rest_and_exits_
     # the 300 s ack wait (wait_results gives up after 60 s).
     assert settings.nats.ack_wait_s > 60
     await asyncio.sleep(1)
-    assert not [
-        pid
-        for pid in tree
-        if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    ]
+    assert living(tree) == []
     assert sorted(r["task_id"] for r in results) == sorted(t.id for t in tasks)
     assert max(r["attempt"] for r in results) <= 2

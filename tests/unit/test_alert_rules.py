@@ -25,19 +25,15 @@ def promtool() -> str:
 
 def test_alert_rules_are_valid_and_fire_as_their_tests_say():
     tool = promtool()
-    check = subprocess.run(
-        [tool, "check", "rules", str(ROOT / "deploy/prometheus/alerts.yml")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert check.returncode == 0, check.stdout + check.stderr
-    tested = subprocess.run(
-        [tool, "test", "rules", str(ROOT / "tests/prometheus/alerts_test.yml")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert tested.returncode == 0, tested.stdout + tested.stderr
+    for command, path in (
+        ("check", "deploy/prometheus/alerts.yml"),
+        ("test", "tests/prometheus/alerts_test.yml"),
+    ):
+        done = subprocess.run(
+            [tool, command, "rules", str(ROOT / path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, f"promtool {command} rules {path}:\n{done.stdout}{done.stderr}"
