@@ -23,6 +23,7 @@ from bench.common import (
     World,
     machine,
     median,
+    results_stored,
     save,
     start_worker,
     stop_worker,
@@ -83,30 +84,39 @@ def model_alone(w: World, images: int, runs: int) -> float:
     return median(rates)
 
 
-async def end_to_end(w: World, uris: list[str], runs: int) -> dict[str, float]:
+async def end_to_end(
+    w: World, uris: list[str], runs: int, processes: int = 1, loader_workers: int = WORKERS
+) -> dict[str, float]:
+    """Images/s from publish to stored results through ``processes`` workers on one consumer."""
     settings = nats_settings(w)
     nc = await connect(settings)
     js = nc.jetstream()
     await provision(js, settings, PIPELINE)
-    proc = start_worker(
-        w,
-        "throughput-worker.log",
-        WORKER_LOADER__BATCH_SIZE=str(BATCH),
-        WORKER_LOADER__NUM_WORKERS=str(WORKERS),
-    )
-    rates, stored = [], 0
+    procs = [
+        start_worker(
+            w,
+            f"throughput-worker-{n}.log",
+            WORKER_LOADER__BATCH_SIZE=str(BATCH),
+            WORKER_LOADER__NUM_WORKERS=str(loader_workers),
+        )
+        for n in range(processes)
+    ]
+    rates, stored = [], await results_stored(js, settings.results_stream)
     try:
-        with PeakRss(proc.pid) as peak:
+        with PeakRss(procs[0].pid) as peak:
             for run in range(runs + 1):  # the first job warms up
                 started = time.perf_counter()
-                await publish_tasks(js, settings, PIPELINE, make_tasks(f"tp-{run}", uris))
+                await publish_tasks(
+                    js, settings, PIPELINE, make_tasks(f"tp-{processes}-{run}", uris)
+                )
                 stored += len(uris)
                 await wait_stored(js, settings.results_stream, stored)
                 if run:
                     rates.append(len(uris) / (time.perf_counter() - started))
-            overhead = await per_job_overhead(js, settings, uris[0])
+            overhead = await per_job_overhead(js, settings, uris[0]) if processes == 1 else {}
     finally:
-        stop_worker(proc)
+        for proc in procs:
+            stop_worker(proc)
         await nc.close()
     return {"images_per_s": median(rates), "peak_rss_bytes": peak.peak_bytes, **overhead}
 
@@ -118,7 +128,7 @@ async def per_job_overhead(
     nc = js._nc
     overheads, latencies = [], []
     for n in range(jobs):
-        job = f"one-{n}"
+        job = f"one-{n}-{time.time_ns()}"
         got: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
         async def on_result(msg: Any, fut: asyncio.Future[Any] = got) -> None:

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from datasets.errors import TransientError, WorkerError
 from datasets.images import decode_resized
+from datasets.semaphores import semlock_names, unlink_names, wait_until_mapped
 from datasets.sources import SourceConfig, read_bytes
 
 FORKSERVER_PRELOAD = ["torch", "numpy", "PIL.Image", "boto3", "botocore.config", "datasets.loader"]
@@ -194,6 +195,7 @@ class StreamingLoader:
             in_order=False,
         )
         self._iter = iter(loader)
+        self._unlink_semaphores()
 
     def close(self) -> None:
         """Stop every child (SIGKILL; they hold nothing we still need), reap it, close queues."""
@@ -213,6 +215,18 @@ class StreamingLoader:
             self.restarts += 1
             self._start_locked()
         return lost
+
+    def _unlink_semaphores(self) -> None:
+        """Once the children have opened them, unlink this generation's semaphore names."""
+        it = self._iter
+        shared = semlock_names(self._requests) | semlock_names(it._worker_result_queue)
+        shared |= semlock_names(it._workers_done_event)
+        own = [semlock_names(q) for q in it._index_queues]
+        wanted = {
+            w.pid: {name.lstrip("/") for name in shared | own[i]} for i, w in enumerate(it._workers)
+        }
+        if wait_until_mapped(wanted, timeout_s=self.config.timeout_s):
+            unlink_names(shared.union(*own))
 
     def _teardown(self) -> None:
         it, self._iter = self._iter, None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import psutil
 import pytest
@@ -88,3 +89,51 @@ def test_close_reaps_every_child(images):
     pids = loader.child_pids()
     loader.close()
     assert not any(psutil.pid_exists(pid) for pid in pids)
+
+
+KILLED_WITH_ITS_GROUP = """
+import os, signal, sys
+from datasets.loader import LoaderConfig, StreamingLoader
+if __name__ == "__main__":
+    loader = StreamingLoader(LoaderConfig(num_workers=2, timeout_s=10, image_size=64))
+    loader.start()
+    loader.restart()
+    print("started", flush=True)
+    os.killpg(0, signal.SIGKILL)  # as supervisord's killasgroup does: the tracker dies too
+"""
+
+
+def sem_entries() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("sem.mp-")}
+
+
+def test_no_semaphore_is_left_in_dev_shm_even_when_the_whole_group_is_sigkilled(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_WITH_ITS_GROUP)
+    before = sem_entries()
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+        check=False,
+        cwd=str(Path(__file__).parents[2]),
+    )
+    assert "started" in done.stdout, done.stderr
+    assert done.returncode == -9
+    assert sem_entries() - before == set()
+
+
+def test_a_running_loader_keeps_no_semaphore_names(loader, images):
+    from datasets.semaphores import semlock_names
+
+    load_all(loader, images[:2])
+    loader.restart()
+    load_all(loader, images[:2], first_key=100)
+    ours = {f"sem.{name.lstrip('/')}" for name in semlock_names(loader._requests)}
+    assert ours, "the request queue has named semaphores"
+    assert not ours & sem_entries(), "their names are unlinked while the loader works"

@@ -1,0 +1,45 @@
+"""Scaling out on one host: one worker process against two sharing the durable consumer.
+
+    .venv/bin/python -m bench.scale [--images 48] [--runs 3]
+
+Same cores, same loader children in total (2): 1 process x 2 loader workers, then 2 processes
+x 1 loader worker each. Writes bench/results/scale.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from typing import Any
+
+from bench.common import machine, save, upload, world
+from bench.throughput import SIZES, end_to_end
+
+
+async def run(images: int, runs: int) -> dict[str, Any]:
+    with world() as w:
+        uris = upload(w.s3.client(), "scale", SIZES, images)
+        one = await end_to_end(w, uris, runs, processes=1, loader_workers=2)
+        two = await end_to_end(w, uris, runs, processes=2, loader_workers=1)
+    return {
+        "machine": machine(),
+        "images": images,
+        "runs": runs,
+        "one_process_two_loader_workers": one["images_per_s"],
+        "two_processes_one_loader_worker_each": two["images_per_s"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--images", type=int, default=48)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    result = asyncio.run(run(args.images, args.runs))
+    save("scale", result)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
