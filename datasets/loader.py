@@ -110,15 +110,20 @@ class RequestStream(IterableDataset[Loaded]):
         self.size = size
         self.sources = sources
         self.drop_once_file = drop_once_file
+        # The worker's main process. Our parent is the fork server, which lives on as long as
+        # any of its children do, so "parent gone" never fires when the main process dies.
+        self.owner_pid = os.getpid()
+        self.owner_started = process_start_time(self.owner_pid)
 
     def __iter__(self) -> Iterator[Loaded]:
-        parent = os.getppid()
         while True:
             try:
                 request = self.requests.get(timeout=_POLL_S)
             except queue.Empty:
-                if os.getppid() != parent:  # our parent is gone: stop, do not linger
-                    return
+                if process_start_time(self.owner_pid) != self.owner_started:
+                    # The main process died (SIGKILL, watchdog): leave now. Returning would
+                    # only put us back in torch's loop, which waits for the fork server.
+                    os._exit(0)
                 continue
             if request is None:
                 return
@@ -137,6 +142,17 @@ def claim_once(path: str) -> bool:
     except FileExistsError:
         return False
     return True
+
+
+def process_start_time(pid: int) -> int | None:
+    """The kernel's start time of ``pid``; None once it is gone or a zombie. With the start
+    time, a reused pid is not mistaken for the process we knew."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+        return None if fields[0] in ("Z", "X") else int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _init_child(_worker_id: int) -> None:

@@ -137,3 +137,40 @@ def test_a_running_loader_keeps_no_semaphore_names(loader, images):
     ours = {f"sem.{name.lstrip('/')}" for name in semlock_names(loader._requests)}
     assert ours, "the request queue has named semaphores"
     assert not ours & sem_entries(), "their names are unlinked while the loader works"
+
+
+OWNER_DIES_ALONE = """
+import os, sys
+from datasets.loader import LoaderConfig, StreamingLoader
+if __name__ == "__main__":
+    loader = StreamingLoader(LoaderConfig(num_workers=2, timeout_s=10, image_size=64))
+    loader.start()
+    print(*loader.child_pids(), flush=True)
+    os._exit(1)  # as the watchdog does: no finalisers, children not reaped
+"""
+
+
+def test_loader_children_and_the_fork_server_exit_when_the_main_process_dies_alone(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from worker.procstats import living
+
+    script = tmp_path / "dies.py"
+    script.write_text(OWNER_DIES_ALONE)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(Path(__file__).parents[2]),
+        check=False,
+    )
+    children = [int(pid) for pid in done.stdout.split()]
+    assert len(children) == 2, done.stderr
+    forkservers = {psutil.Process(pid).ppid() for pid in living(children)}
+    deadline = time.monotonic() + 15
+    while living(children + list(forkservers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert living(children + list(forkservers)) == []
