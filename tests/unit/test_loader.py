@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import psutil
@@ -56,7 +57,12 @@ def test_stopped_children_time_out_and_are_killed_and_reaped_and_the_loader_carr
     stopped = loader.child_pids()
     for pid in stopped:
         os.kill(pid, signal.SIGSTOP)
-    assert sorted(loader.unhealthy_children()) == sorted(f"{pid}:T" for pid in stopped)
+    expected = sorted(f"{pid}:T" for pid in stopped)
+    for _ in range(100):  # a signal takes effect asynchronously; wait up to 5 s
+        if sorted(loader.unhealthy_children()) == expected:
+            break
+        time.sleep(0.05)
+    assert sorted(loader.unhealthy_children()) == expected
     loader.submit([LoadRequest(i, uri) for i, uri in enumerate(images)])
     with pytest.raises(LoaderFailure, match="timed out"):
         loader.next_loaded()
