@@ -32,6 +32,10 @@ async def test_a_loader_child_stopped_mid_job_is_recovered_and_every_task_ends_o
         first_pids = app.engine.loader.child_pids()
         stopped = first_pids[0]
         os.kill(stopped, signal.SIGSTOP)
+        for _ in range(100):  # let the stop take effect before the job starts
+            if psutil.Process(stopped).status() == psutil.STATUS_STOPPED:
+                break
+            await asyncio.sleep(0.05)
         await submit(js, settings, "job-stopped-child", uris)
         results = await wait_results(js, settings, "job-stopped-child", 16, timeout_s=90)
         await consumer_idle(js, settings)
