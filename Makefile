@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test promtool clean
+.PHONY: demo test promtool chaos bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,18 @@ test: $(STAMP) promtool
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
+
+# By hand, not in CI: the full chaos table, and the benchmarks behind BENCHMARKS.md.
+chaos: $(STAMP)
+	$(BIN)/python -m tests.chaos
+
+bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	$(BIN)/python -m bench.throughput
+	$(BIN)/python -m bench.scale
+	$(BIN)/python -m bench.recovery
+	$(BIN)/python -m bench.profile
+	$(BIN)/python -m bench.soak
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
