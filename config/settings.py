@@ -44,6 +44,11 @@ class NatsSettings(BaseModel):
     max_deliver: int = Field(5, description="deliveries per task before it gives up")
     fetch_timeout_s: float = Field(1.0, description="expiry of one pull request")
     publish_timeout_s: float = Field(5.0, description="wait for the results stream's PubAck")
+    store_retry_s: float = Field(
+        30.0,
+        description="keep retrying a result the results stream did not confirm for this long "
+        "before giving the task back with nak",
+    )
     nak_backoff_base_s: float = Field(2.0, description="first nak delay for transient failures")
     nak_backoff_max_s: float = Field(60.0, description="largest nak delay")
     tasks_max_age_s: float = Field(7 * 24 * 3600.0, description="how long task messages are kept")
@@ -244,6 +249,11 @@ def settings_problems(s: Settings) -> list[str]:
             f"WORKER_HEALTH__WATCHDOG_TIMEOUT_S ({watchdog_s}) must lie between "
             f"WORKER_HEALTH__STALL_TIMEOUT_S ({s.health.stall_timeout_s}) and "
             f"WORKER_NATS__ACK_WAIT_S ({s.nats.ack_wait_s}), or 0 to turn it off"
+        )
+    if s.nats.store_retry_s >= s.nats.ack_wait_s:
+        problems.append(
+            f"WORKER_NATS__STORE_RETRY_S ({s.nats.store_retry_s}) must be shorter than "
+            f"WORKER_NATS__ACK_WAIT_S ({s.nats.ack_wait_s})"
         )
     if s.health.drain_timeout_s >= s.nats.ack_wait_s:
         problems.append(

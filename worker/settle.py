@@ -8,9 +8,11 @@ server's ``num_delivered``, never in memory.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -25,6 +27,8 @@ from worker.results import ResultStore, ResultsUnavailable
 from worker.schemas import Task, Verdict, error_info, make_result
 
 log = structlog.get_logger(__name__)
+_STORE_RETRY_FIRST_S = 0.2
+_STORE_RETRY_MAX_S = 5.0
 
 
 def backoff_s(delivered: int, base_s: float, max_s: float) -> float:
@@ -67,7 +71,7 @@ class Settler:
         result = self.result(task, delivered, verdict)
         error = result["error"]
         try:
-            await self.store.store(result)
+            await self._store_patiently(result)
         except ResultsUnavailable as failure:
             if delivered >= self.max_deliver:
                 bound.error("result_not_stored_on_last_delivery", error=str(failure))
@@ -80,6 +84,21 @@ class Settler:
         else:
             bound.debug("task_done")
         return str(outcome)
+
+    async def _store_patiently(self, result: dict[str, Any]) -> None:
+        """Store, retrying in-process for ``store_retry_s``: the result is already computed, and
+        an outage of the results stream is no reason to spend one of the task's deliveries."""
+        deadline = time.monotonic() + self.settings.store_retry_s
+        delay_s = _STORE_RETRY_FIRST_S
+        while True:
+            try:
+                await self.store.store(result)
+                return
+            except ResultsUnavailable:
+                if time.monotonic() + delay_s > deadline:
+                    raise
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, _STORE_RETRY_MAX_S)
 
     def result(self, task: Task, delivered: int, verdict: Verdict) -> dict[str, Any]:
         error = None

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -75,12 +76,13 @@ class NatsCluster:
 
 
 class FlakyS3Proxy:
-    """Forwards to a real S3 endpoint; ``fail_next(n, status)`` answers n requests with status."""
+    """Forwards to a real S3 endpoint; ``fail_for(seconds)`` answers 503/500 until it ends."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
         self._lock = threading.Lock()
-        self._failures: list[int] = []
+        self._fail_until = 0.0
+        self._statuses: tuple[int, ...] = (503, 500)
         self.failed = 0
         proxy = self
 
@@ -129,14 +131,15 @@ class FlakyS3Proxy:
 
     def _take_failure(self) -> int | None:
         with self._lock:
-            if self._failures:
+            if time.monotonic() < self._fail_until:
                 self.failed += 1
-                return self._failures.pop(0)
+                return self._statuses[self.failed % len(self._statuses)]
         return None
 
-    def fail_next(self, count: int, statuses: tuple[int, ...] = (503, 500)) -> None:
+    def fail_for(self, seconds: float, statuses: tuple[int, ...] = (503, 500)) -> None:
         with self._lock:
-            self._failures = [statuses[i % len(statuses)] for i in range(count)]
+            self._statuses = statuses
+            self._fail_until = time.monotonic() + seconds
 
     def start(self) -> FlakyS3Proxy:
         self._thread.start()

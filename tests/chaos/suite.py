@@ -60,16 +60,17 @@ def worker_env(nats_url: str, s3_url: str, weights: str, **extra: str) -> dict[s
             "WORKER_NATS__ACK_WAIT_S": "8",
             "WORKER_NATS__MAX_DELIVER": "4",
             "WORKER_NATS__FETCH_TIMEOUT_S": "0.5",
-            "WORKER_NATS__NAK_BACKOFF_BASE_S": "0.3",
-            "WORKER_NATS__NAK_BACKOFF_MAX_S": "2",
+            "WORKER_NATS__NAK_BACKOFF_BASE_S": "0.5",
+            "WORKER_NATS__NAK_BACKOFF_MAX_S": "4",
             "WORKER_NATS__PUBLISH_TIMEOUT_S": "2",
+            "WORKER_NATS__STORE_RETRY_S": "6",
             "WORKER_S3__ENDPOINT_URL": s3_url,
             "WORKER_S3__CONNECT_TIMEOUT_S": "0.5",
             "WORKER_S3__READ_TIMEOUT_S": "1",
-            "WORKER_S3__MAX_ATTEMPTS": "1",
+            "WORKER_S3__MAX_ATTEMPTS": "2",
             "WORKER_LOADER__NUM_WORKERS": "2",
             "WORKER_LOADER__BATCH_SIZE": "4",
-            "WORKER_LOADER__TIMEOUT_S": "3",
+            "WORKER_LOADER__TIMEOUT_S": "4",
             "WORKER_MODEL__PIPELINE": PIPELINE,
             "WORKER_MODEL__WEIGHTS": weights,
             "WORKER_MODEL__DEVICE": "cpu",
@@ -286,8 +287,9 @@ async def nothing(_ctx: Chaos, _js: Any) -> str:
 
 async def s3_errors(ctx: Chaos, _js: Any) -> str:
     assert ctx.proxy is not None
-    ctx.proxy.fail_next(30)
-    return "next 30 S3 requests answered 503/500"
+    ctx.proxy.fail_for(1.5)
+    await asyncio.sleep(1.5)
+    return f"S3 answered 503/500 for 1.5 s ({ctx.proxy.failed} requests)"
 
 
 async def results_unavailable(ctx: Chaos, js: Any) -> str:

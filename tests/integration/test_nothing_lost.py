@@ -30,7 +30,13 @@ def short_ack_settings(settings_for, url, **groups):
     """A 3 s ack wait, with every other timeout tightened to fit under it."""
     return settings_for(
         url,
-        nats={"ack_wait_s": 3, "max_deliver": 2, "fetch_timeout_s": 0.3, **groups.pop("nats", {})},
+        nats={
+            "ack_wait_s": 3,
+            "max_deliver": 2,
+            "fetch_timeout_s": 0.3,
+            "store_retry_s": 1,
+            **groups.pop("nats", {}),
+        },
         loader={"timeout_s": 1.5},
         s3={"connect_timeout_s": 0.3, "read_timeout_s": 0.4, "max_attempts": 1},
         health={"stall_timeout_s": 2, "drain_timeout_s": 1},

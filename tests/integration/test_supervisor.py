@@ -26,6 +26,7 @@ def worker_env(settings, **extra: str) -> dict[str, str]:
     return {
         "WORKER_NATS__URL": settings.nats.url,
         "WORKER_NATS__ACK_WAIT_S": "20",
+        "WORKER_NATS__STORE_RETRY_S": "5",
         "WORKER_NATS__MAX_DELIVER": "2",
         "WORKER_NATS__FETCH_TIMEOUT_S": "0.5",
         "WORKER_NATS__NAK_BACKOFF_BASE_S": "0.2",
