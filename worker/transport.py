@@ -26,17 +26,19 @@ def tasks_subject(pipeline: str) -> str:
 
 async def connect(settings: NatsSettings, *, name: str = "inference-worker") -> NATS:
     """Connect with unlimited reconnects; the worker survives a server restart."""
+    client = NATS()
 
     async def on_error(error: Exception) -> None:
         log.warning("nats_error", error=str(error))
 
     async def on_disconnect() -> None:
-        log.warning("nats_disconnected")
+        if not (client.is_closed or client.is_draining):  # our own close is not news
+            log.warning("nats_disconnected", hint="reconnecting; work continues when it is back")
 
     async def on_reconnect() -> None:
         log.info("nats_reconnected")
 
-    return await nats.connect(
+    await client.connect(
         servers=[url.strip() for url in settings.url.split(",")],
         name=name,
         connect_timeout=5,
@@ -47,6 +49,7 @@ async def connect(settings: NatsSettings, *, name: str = "inference-worker") -> 
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
     )
+    return client
 
 
 def stream_configs(settings: NatsSettings) -> list[api.StreamConfig]:
