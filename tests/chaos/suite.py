@@ -345,6 +345,7 @@ class Scenario:
     inject: Inject
     bad: bool = False
     workers: int = 1
+    images: int = 24
     nats: str = "single"  # single | cluster
     s3: str = "direct"  # direct | flaky
     env: dict[str, str] = field(default_factory=dict)
@@ -367,7 +368,7 @@ def scenarios(workdir: Path) -> list[Scenario]:
         Scenario("nats_server_restart", nats_restart),
         Scenario("cluster_node_killed_r3", cluster_node_killed, nats="cluster"),
         Scenario("sigterm_mid_batch", worker_sigterm),
-        Scenario("two_workers_one_killed", one_of_two_killed, workers=2),
+        Scenario("two_workers_one_killed", one_of_two_killed, workers=2, images=96),
     ]
 
 
@@ -404,7 +405,12 @@ async def run_scenario(
         if cluster is not None:
             await _wait_jetstream(ctx)
         row = await run_job(
-            ctx, scenario.name, scenario.inject, bad=scenario.bad, workers=scenario.workers
+            ctx,
+            scenario.name,
+            scenario.inject,
+            images=scenario.images,
+            bad=scenario.bad,
+            workers=scenario.workers,
         )
     finally:
         for proc in ctx.workers:
