@@ -170,3 +170,17 @@ def save(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def run_benchmark(name: str, run: Any) -> tuple[dict[str, Any], Path]:
+    """``--images N --runs R``, run ``run(images, runs)``, save and print the result."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--images", type=int, default=48)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    result = asyncio.run(run(args.images, args.runs))
+    path = save(name, result)
+    print(json.dumps(result, indent=2))
+    return result, path

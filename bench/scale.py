@@ -8,12 +8,9 @@ x 1 loader worker each. Writes bench/results/scale.json.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
 from typing import Any
 
-from bench.common import machine, save, upload, world
+from bench.common import machine, run_benchmark, upload, world
 from bench.throughput import SIZES, end_to_end
 
 
@@ -32,13 +29,7 @@ async def run(images: int, runs: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--images", type=int, default=48)
-    parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args()
-    result = asyncio.run(run(args.images, args.runs))
-    save("scale", result)
-    print(json.dumps(result, indent=2))
+    run_benchmark("scale", run)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ Writes bench/results/throughput.json and bench/results/throughput.png.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import subprocess
@@ -24,7 +23,7 @@ from bench.common import (
     machine,
     median,
     results_stored,
-    save,
+    run_benchmark,
     start_worker,
     stop_worker,
     upload,
@@ -223,14 +222,8 @@ async def run(images: int, runs: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--images", type=int, default=48)
-    parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args()
-    result = asyncio.run(run(args.images, args.runs))
-    path = save("throughput", result)
+    result, path = run_benchmark("throughput", run)
     chart(result, str(path.with_suffix(".png")))
-    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
