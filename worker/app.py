@@ -87,12 +87,15 @@ class WorkerApp:
                 prefetch_per_worker=-(-max_held_tasks(s) // s.loader.num_workers) + 1,
             )
         )
+        watchdog = Watchdog(s.health.watchdog_timeout_s) if s.health.watchdog_timeout_s else None
+        liveness = Liveness(s.health.stall_timeout_s, watchdog=watchdog)
         self.engine = Engine(
             loader,
             classifier,
             max_consecutive_failures=s.loader.max_consecutive_failures,
             wedge_once_file=s.faults.wedge_once_file,
             wedge_mode=s.faults.wedge_mode,
+            heartbeat=liveness.still_working,
         )
         await loop.run_in_executor(self.engine_thread, self.engine.start)
 
@@ -103,8 +106,6 @@ class WorkerApp:
         await self.feed.open()
         max_deliver = await self.feed.max_deliver()
 
-        watchdog = Watchdog(s.health.watchdog_timeout_s) if s.health.watchdog_timeout_s else None
-        liveness = Liveness(s.health.stall_timeout_s, watchdog=watchdog)
         registry = CollectorRegistry()
         metrics = Metrics(registry, liveness)
         registry.register(ProcessTreeCollector(PREFIX, loader.child_pids))

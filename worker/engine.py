@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,6 +42,7 @@ class Engine:
         max_consecutive_failures: int = 3,
         wedge_once_file: str = "",
         wedge_mode: str = "gil",
+        heartbeat: Callable[[], None] = lambda: None,
     ) -> None:
         self.loader = loader
         self.predictor = predictor
@@ -49,6 +50,7 @@ class Engine:
         self.consecutive_failures = 0
         self._wedge_once_file = wedge_once_file
         self._wedge_mode = wedge_mode
+        self._heartbeat = heartbeat
         self._stash: dict[int, Loaded] = {}
 
     def start(self) -> None:
@@ -125,7 +127,9 @@ class Engine:
     def _recover(self, wanted: set[int], reason: str) -> None:
         """Rebuild the loader; reload what later batches still need, the rest is given back."""
         started = time.perf_counter()
+        self._heartbeat()  # recovering is not being wedged: the watchdog gets a fresh window
         lost = self.loader.restart()
+        self._heartbeat()
         again = [request for request in lost if request.key not in wanted]
         if again:
             self.loader.submit(again)

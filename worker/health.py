@@ -51,6 +51,13 @@ class Liveness:
             if self._watchdog is not None and self._held:
                 self._watchdog.arm()
 
+    def still_working(self) -> None:
+        """The worker is acting (e.g. rebuilding its loader) without completing a batch: give
+        the watchdog a fresh window, but leave the stall clock alone."""
+        with self._lock:
+            if self._watchdog is not None and self._held:
+                self._watchdog.arm()
+
     @property
     def held(self) -> int:
         return self._held

@@ -75,7 +75,7 @@ def worker_env(nats_url: str, s3_url: str, weights: str, **extra: str) -> dict[s
             "WORKER_MODEL__WEIGHTS": weights,
             "WORKER_MODEL__DEVICE": "cpu",
             "WORKER_HEALTH__STALL_TIMEOUT_S": "5",
-            "WORKER_HEALTH__WATCHDOG_TIMEOUT_S": "6.5",
+            "WORKER_HEALTH__WATCHDOG_TIMEOUT_S": "7.5",
             "WORKER_HEALTH__DRAIN_TIMEOUT_S": "3",
             "WORKER_METRICS__PORT": "0",
         }

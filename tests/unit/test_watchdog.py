@@ -51,8 +51,10 @@ def test_it_is_armed_only_while_work_is_held_and_rearmed_by_each_batch():
     dog = FakeWatchdog()
     live = Liveness(10, watchdog=dog)  # type: ignore[arg-type]
     live.batch_completed()  # idle: nothing to guard
+    live.still_working()
     live.set_held(4)
     live.set_held(8)  # more work: the countdown keeps running
+    live.still_working()  # rebuilding the loader: a fresh window, no progress recorded
     live.batch_completed()
     live.set_held(0)
-    assert dog.events == ["arm", "arm", "disarm"]
+    assert dog.events == ["arm", "arm", "arm", "disarm"]
