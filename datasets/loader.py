@@ -278,8 +278,12 @@ class StreamingLoader:
             raise LoaderFailure("the loader is not running", kind="loader_stopped")
         try:
             loaded: Loaded = next(it)
-        except (RuntimeError, StopIteration) as error:
-            raise LoaderFailure(f"DataLoader failed: {error}", kind="loader_failed") from None
+        except Exception as error:  # noqa: BLE001 - any failure here means a broken loader
+            # A timeout, a dead child (RuntimeError), or a child killed between sending a
+            # tensor and sharing its memory (ConnectionResetError while unpickling): rebuild.
+            raise LoaderFailure(
+                f"DataLoader failed: {type(error).__name__}: {error}", kind="loader_failed"
+            ) from None
         with self._lock:
             self._outstanding.pop(loaded.key, None)
         return loaded
