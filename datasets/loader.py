@@ -120,10 +120,6 @@ class RequestStream(IterableDataset[Loaded]):
             try:
                 request = self.requests.get(timeout=_POLL_S)
             except queue.Empty:
-                if process_start_time(self.owner_pid) != self.owner_started:
-                    # The main process died (SIGKILL, watchdog): leave now. Returning would
-                    # only put us back in torch's loop, which waits for the fork server.
-                    os._exit(0)
                 continue
             if request is None:
                 return
@@ -155,12 +151,33 @@ def process_start_time(pid: int) -> int | None:
         return None
 
 
+def _exit_with_owner(owner_pid: int, owner_started: int | None) -> None:
+    """Leave as soon as the worker's main process is gone (SIGKILL, watchdog exit).
+
+    A thread, because the child's main thread may be anywhere: in our dataset, or in torch's
+    worker loop, which only watches the parent, i.e. the fork server, and that lives on as
+    long as any of its children do.
+    """
+    while process_start_time(owner_pid) == owner_started:
+        time.sleep(_POLL_S)
+    os._exit(0)
+
+
 def _init_child(_worker_id: int) -> None:
     # supervisord signals the whole group on stop; the main process decides when children
     # end, so a drain can finish the batch in hand.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
+    info = torch.utils.data.get_worker_info()
+    dataset = info.dataset if info is not None else None
+    if isinstance(dataset, RequestStream):
+        threading.Thread(
+            target=_exit_with_owner,
+            args=(dataset.owner_pid, dataset.owner_started),
+            name="owner-watch",
+            daemon=True,
+        ).start()
 
 
 def _close_mp_queue(q: Any) -> None:
