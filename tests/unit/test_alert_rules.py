@@ -6,9 +6,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
-
-from tests.conftest import IN_CI
+from tests.conftest import _unavailable
 
 ROOT = Path(__file__).parents[2]
 
@@ -16,10 +14,8 @@ ROOT = Path(__file__).parents[2]
 def promtool() -> str:
     found = shutil.which("promtool")
     if found is None:
-        message = "promtool not found: apt-get install prometheus"
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
+        _unavailable("promtool", FileNotFoundError("not on PATH: apt-get install prometheus"))
+    assert found is not None
     return found
 
 
