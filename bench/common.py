@@ -75,7 +75,7 @@ def worker_env(w: World, **extra: str) -> dict[str, str]:
             "WORKER_MODEL__WEIGHTS": w.weights,
             "WORKER_MODEL__DEVICE": "cpu",
             "WORKER_METRICS__PORT": "0",
-            "WORKER_LOG_LEVEL": "WARNING",
+            "WORKER_LOG_LEVEL": os.environ.get("BENCH_LOG_LEVEL", "WARNING"),
         }
     )
     env.update(extra)

@@ -1,4 +1,4 @@
-"""Decode JPEG/PNG bytes and resize to the pipeline's input size as a uint8 CHW tensor."""
+"""Decode JPEG/PNG bytes and resize to the pipeline's input size as a uint8 CHW array."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import io
 import warnings
 
 import numpy as np
-import torch
 from PIL import Image
 
 from datasets.errors import PermanentError
@@ -15,8 +14,8 @@ SUPPORTED_FORMATS = frozenset({"JPEG", "PNG"})
 MAX_PIXELS = 64_000_000
 
 
-def decode_resized(data: bytes, size: int) -> torch.Tensor:
-    """``data`` as a (3, size, size) uint8 tensor; PermanentError for anything not a sound image.
+def decode_resized(data: bytes, size: int) -> np.ndarray:
+    """``data`` as a (3, size, size) uint8 array; PermanentError for anything not a sound image.
 
     JPEGs are decoded at a reduced scale (``draft``) when the source is much larger than the
     target, so a 4096x2160 image never exists at full resolution in memory.
@@ -44,5 +43,4 @@ def decode_resized(data: bytes, size: int) -> torch.Tensor:
         raise
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning) as error:
         raise PermanentError(f"cannot decode image: {error}", kind="corrupt_image") from None
-    array = np.asarray(resized, dtype=np.uint8)
-    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+    return np.ascontiguousarray(np.asarray(resized, dtype=np.uint8).transpose(2, 0, 1))

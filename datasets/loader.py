@@ -1,10 +1,13 @@
 """A DataLoader whose worker processes persist for the life of the worker process.
 
 The dataset is an endless stream: loader workers take load requests from a multiprocessing
-queue, fetch, decode and resize each image, and hand back one uint8 tensor (or an error)
-per request. The main process keeps a single iterator open, so the same children serve job
-after job, and calls ``next`` only for requests it has submitted, each bounded by the
-DataLoader ``timeout``.
+queue, fetch, decode and resize each image, and hand back one uint8 array (or an error)
+per request. Arrays travel pickled through the result pipe, not as torch tensors in shared
+memory: for an image of the pipeline's input size the copy is cheaper than torch's
+per-tensor /dev/shm file and descriptor hand-over, and a child that dies mid-send leaves
+no shared-memory file behind. The main process keeps a single iterator open, so the same
+children serve job after job, and calls ``next`` only for requests it has submitted, each
+bounded by the DataLoader ``timeout``.
 
 When a child dies, stops or loses a batch, the timeout fires; ``restart`` then SIGKILLs and
 reaps every child (stopped ones included), closes every queue, and builds a fresh loader.
@@ -23,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -45,7 +49,7 @@ class Loaded(NamedTuple):
     """One request's outcome, made in a loader child."""
 
     key: int
-    image: torch.Tensor | None
+    image: np.ndarray | None  # (3, size, size) uint8
     error_kind: str | None
     error_message: str | None
     retryable: bool
@@ -163,6 +167,11 @@ def _exit_with_owner(owner_pid: int, owner_started: int | None) -> None:
     os._exit(0)
 
 
+def _as_is(item: Any) -> Any:
+    """The DataLoader's collate step: none (its default turns arrays into shared tensors)."""
+    return item
+
+
 def _init_child(_worker_id: int) -> None:
     # supervisord signals the whole group on stop; the main process decides when children
     # end, so a drain can finish the batch in hand.
@@ -224,6 +233,7 @@ class StreamingLoader:
             multiprocessing_context=self._ctx,
             timeout=self.config.timeout_s,
             worker_init_fn=_init_child,
+            collate_fn=_as_is,
             prefetch_factor=self.config.prefetch_per_worker,
             in_order=False,
         )

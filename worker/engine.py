@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import structlog
 import torch
 
@@ -147,7 +148,8 @@ class Engine:
             return {}
         started = time.perf_counter()
         try:
-            images = torch.stack([loaded[key].image for key in keys])  # type: ignore[misc]
+            arrays = [loaded[key].image for key in keys]
+            images = torch.from_numpy(np.stack(arrays))  # type: ignore[arg-type]
             predictions = self.predictor.predict(images)
         except Exception as error:
             log.exception("inference_failed", batch=len(keys))

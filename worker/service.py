@@ -2,6 +2,10 @@
 
 The event loop only orchestrates; loader iteration and forward passes run on the engine's
 dedicated thread. At most ``batch_size * prefetch_batches`` tasks are held at once.
+
+Batches are formed when the engine is free, from every admitted task not yet in a batch (up
+to ``batch_size``), not from what one fetch happened to return: tasks trickling in while a
+job is published would otherwise lock the worker into batches of one or two.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ class Worker:
         self.s = services
         self.held: dict[int, Held] = {}
         self._keys = itertools.count()
-        self._batches: asyncio.Queue[list[Held] | None] = asyncio.Queue()
+        self._waiting: asyncio.Queue[Held | None] = asyncio.Queue()  # admitted, not in a batch
         self._space = asyncio.Event()
         self._max_held = max_held_tasks(settings)
         self._stop = asyncio.Event()
@@ -98,18 +102,19 @@ class Worker:
                     pass
                 continue
             msgs = await self.s.feed.fetch(min(self.settings.loader.batch_size, room))
-            batch = [held for held in [await self._admit(msg) for msg in msgs] if held]
-            if batch:
-                self.s.engine.submit([LoadRequest(h.key, h.task.image_url) for h in batch])
-                self._batches.put_nowait(batch)
+            admitted = [held for held in [await self._admit(msg) for msg in msgs] if held]
+            if admitted:
+                self.s.engine.submit([LoadRequest(h.key, h.task.image_url) for h in admitted])
+                for held in admitted:
+                    self._waiting.put_nowait(held)
 
     async def _process_loop(self) -> None:
         loop = asyncio.get_running_loop()
         settling: asyncio.Task[None] | None = None
         try:
             while True:
-                batch = await self._batches.get()
-                if batch is None:  # drain: no new batches
+                batch = await self._next_batch()
+                if not batch:  # drain: no new batches
                     return
                 keys = [h.key for h in batch]
                 running = loop.run_in_executor(self.s.engine_thread, self.s.engine.run_batch, keys)
@@ -121,6 +126,20 @@ class Worker:
         finally:
             if settling is not None:
                 await asyncio.shield(settling)
+
+    async def _next_batch(self) -> list[Held]:
+        """Every waiting task, up to ``batch_size``, once at least one waits; [] to stop."""
+        first = await self._waiting.get()
+        if first is None:
+            return []
+        batch = [first]
+        while len(batch) < self.settings.loader.batch_size and not self._waiting.empty():
+            held = self._waiting.get_nowait()
+            if held is None:
+                self._waiting.put_nowait(None)  # the next call stops
+                break
+            batch.append(held)
+        return batch
 
     # -- admission ------------------------------------------------------------------------
     async def _admit(self, msg: Msg) -> Held | None:
@@ -226,8 +245,10 @@ class Worker:
         """Finish the batch in hand within the drain timeout; give back everything else now."""
         leftovers = await self.s.feed.close()
         queued: list[Held] = []
-        while not self._batches.empty():
-            queued.extend(self._batches.get_nowait() or [])
+        while not self._waiting.empty():
+            held = self._waiting.get_nowait()
+            if held is not None:
+                queued.append(held)
         await self._give_back(queued, "shutting down")
         for msg in leftovers:
             await _nak_quietly(msg)
@@ -235,7 +256,7 @@ class Worker:
             log.info(
                 "tasks_given_back", count=len(leftovers), reason="delivered after the last fetch"
             )
-        self._batches.put_nowait(None)
+        self._waiting.put_nowait(None)
         try:
             await asyncio.wait_for(processor, self.settings.health.drain_timeout_s)
         except TimeoutError:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-import torch
 
 from datasets.loader import Loaded, LoaderFailure
 from worker.engine import Engine, LoaderGaveUp
@@ -24,9 +24,7 @@ class FlakyLoader:
         if self.failing or not self.queue:
             raise LoaderFailure("DataLoader timed out after 1 seconds")
         request = self.queue.pop(0)
-        return Loaded(
-            request.key, torch.zeros(3, 8, 8, dtype=torch.uint8), None, None, False, 0.0, 1
-        )
+        return Loaded(request.key, np.zeros((3, 8, 8), dtype=np.uint8), None, None, False, 0.0, 1)
 
     def restart(self):
         self.restarts += 1

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from datasets.errors import PermanentError, TransientError
@@ -16,9 +16,17 @@ from datasets.synthetic import corrupt_bytes, image_bytes, truncated_bytes
     ("size", "fmt"), [((4096, 2160), "JPEG"), ((640, 480), "PNG"), ((200, 900), "JPEG")]
 )
 def test_images_of_any_resolution_become_uint8_at_the_pipeline_size(size, fmt):
-    tensor = decode_resized(image_bytes(*size, seed=1, fmt=fmt), 224)
-    assert tensor.dtype == torch.uint8
-    assert tuple(tensor.shape) == (3, 224, 224)
+    array = decode_resized(image_bytes(*size, seed=1, fmt=fmt), 224)
+    assert array.dtype == np.uint8
+    assert array.shape == (3, 224, 224)
+
+
+def test_channels_come_first_in_rgb_order():
+    out = io.BytesIO()
+    Image.new("RGB", (300, 200), (250, 120, 10)).save(out, format="JPEG", quality=95)
+    array = decode_resized(out.getvalue(), 64)
+    means = [round(float(array[channel].mean())) for channel in range(3)]
+    assert means == pytest.approx([250, 120, 10], abs=3)
 
 
 def test_grayscale_and_alpha_images_become_rgb():
