@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
 
 import pytest
 
@@ -16,7 +19,7 @@ from tests.helpers import (
     upload_images,
     wait_results,
 )
-from worker.client import job_results
+from worker.client import job_results, make_tasks, publish_tasks
 
 pytestmark = pytest.mark.integration
 
@@ -192,6 +195,52 @@ async def test_the_loader_children_serve_job_after_job(
 
     assert len(before) == settings.loader.num_workers
     assert after == before
+
+
+class GatedPredictor:
+    """Wraps the real model: records batch sizes; the first batch waits for ``release``."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.sizes = []
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def predict(self, images):
+        self.sizes.append(len(images))
+        self.entered.set()
+        if not self.release.wait(30):
+            raise TimeoutError("the test never released the first batch")
+        return self.inner.predict(images)
+
+
+async def _until(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_tasks_arriving_one_by_one_while_the_model_is_busy_run_as_full_batches(
+    nats_server, s3_server, bucket, settings_for
+):
+    settings = settings_for(nats_server.url, loader={"batch_size": 4, "prefetch_batches": 4})
+    uris = upload_images(s3_server.client(), bucket, 9)
+    async with running_worker(settings) as app, client(settings) as js:
+        assert app.engine is not None and app.worker is not None
+        gate = GatedPredictor(app.engine.predictor)
+        app.engine.predictor = gate
+        tasks = make_tasks("job-trickle", uris)
+        await publish_tasks(js, settings.nats, settings.model.pipeline, tasks[:1])
+        await asyncio.get_running_loop().run_in_executor(None, gate.entered.wait, 10)
+        for n in range(1, len(tasks)):  # each one fetched on its own before the next is sent
+            await publish_tasks(js, settings.nats, settings.model.pipeline, tasks[n : n + 1])
+            await _until(lambda n=n: len(app.worker.held) == n + 1)
+        gate.release.set()
+        results = await wait_results(js, settings, "job-trickle", len(tasks))
+
+    assert {r["status"] for r in results} == {"ok"}
+    assert gate.sizes == [1, 4, 4]
 
 
 async def test_weights_load_from_s3_and_their_sha256_is_in_every_result(
