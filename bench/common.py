@@ -161,6 +161,38 @@ def machine() -> dict[str, Any]:
     }
 
 
+def cycle(uris: list[str], count: int) -> list[str]:
+    """``count`` task URIs cycling over ``uris``."""
+    return [uris[i % len(uris)] for i in range(count)]
+
+
+class CpuMeter:
+    """Machine-wide busy CPU seconds over a ``with`` block (all processes, every core)."""
+
+    busy_s = 0.0
+    wall_s = 0.0
+
+    @staticmethod
+    def _busy() -> float:
+        t = psutil.cpu_times()
+        return float(t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0))
+
+    def __enter__(self) -> CpuMeter:
+        self._busy0, self._wall0 = self._busy(), time.perf_counter()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.busy_s += self._busy() - self._busy0
+        self.wall_s += time.perf_counter() - self._wall0
+
+    def summary(self, images: int) -> dict[str, float]:
+        cores = os.cpu_count() or 1
+        return {
+            "cpu_busy_fraction": self.busy_s / (self.wall_s * cores),
+            "cpu_ms_per_image": 1000 * self.busy_s / images,
+        }
+
+
 def median(values: list[float]) -> float:
     return float(statistics.median(values))
 
@@ -173,14 +205,20 @@ def save(name: str, payload: dict[str, Any]) -> Path:
 
 
 def run_benchmark(name: str, run: Any) -> tuple[dict[str, Any], Path]:
-    """``--images N --runs R``, run ``run(images, runs)``, save and print the result."""
+    """``--images N --tasks T --runs R``: run ``run(images, tasks, runs)``, save, print.
+
+    ``images`` distinct images are generated and uploaded; each job has ``tasks`` tasks that
+    cycle over them (the loader keeps no cache, so a repeated image costs what a new one does).
+    Jobs much longer than a batch keep the pipeline's fill and drain out of the rate.
+    """
     import argparse
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--images", type=int, default=48)
+    parser.add_argument("--tasks", type=int, default=192)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    result = asyncio.run(run(args.images, args.runs))
+    result = asyncio.run(run(args.images, args.tasks, args.runs))
     path = save(name, result)
     print(json.dumps(result, indent=2))
     return result, path

@@ -1,6 +1,6 @@
 """Scaling out on one host: one worker process against two sharing the durable consumer.
 
-    .venv/bin/python -m bench.scale [--images 48] [--runs 3]
+    .venv/bin/python -m bench.scale [--images 48] [--tasks 192] [--runs 3]
 
 Same cores, same loader children in total (2): 1 process x 2 loader workers, then 2 processes
 x 1 loader worker each. Writes bench/results/scale.json.
@@ -10,18 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.common import machine, run_benchmark, upload, world
+from bench.common import cycle, machine, run_benchmark, upload, world
 from bench.throughput import SIZES, end_to_end
 
 
-async def run(images: int, runs: int) -> dict[str, Any]:
+async def run(images: int, tasks: int, runs: int) -> dict[str, Any]:
     with world() as w:
-        uris = upload(w.s3.client(), "scale", SIZES, images)
+        uris = cycle(upload(w.s3.client(), "scale", SIZES, images), tasks)
         one = await end_to_end(w, uris, runs, processes=1, loader_workers=2)
         two = await end_to_end(w, uris, runs, processes=2, loader_workers=1)
     return {
         "machine": machine(),
         "images": images,
+        "tasks_per_job": tasks,
         "runs": runs,
         "one_process_two_loader_workers": one["images_per_s"],
         "two_processes_one_loader_worker_each": two["images_per_s"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
 from collections.abc import Iterable
@@ -18,6 +19,7 @@ from worker.schemas import Task
 from worker.transport import tasks_subject
 
 _READ_BATCH = 256
+_PUBLISH_WINDOW = 64
 
 
 def make_tasks(job_id: str, uris: Iterable[str]) -> list[Task]:
@@ -40,17 +42,37 @@ def list_s3_prefix(s3_client: Any, uri: str) -> list[str]:
 async def publish_tasks(
     js: JetStreamContext, settings: NatsSettings, pipeline: str, tasks: Iterable[Task]
 ) -> int:
-    """One message per image on tasks.<pipeline>; the task id is the dedupe id."""
+    """One message per image on tasks.<pipeline>; the task id is the dedupe id.
+
+    Up to ``_PUBLISH_WINDOW`` publishes wait for their acknowledgement at once, so a large job
+    is not paced by one round trip per image. A failure raises; publishing the job again is
+    safe, the stream drops task ids it already has.
+    """
     count = 0
+    window: list[Task] = []
     for task in tasks:
-        await js.publish(
-            tasks_subject(pipeline),
-            json.dumps(task.as_dict()).encode(),
-            stream=settings.tasks_stream,
-            headers={"Nats-Msg-Id": task.id},
+        window.append(task)
+        if len(window) == _PUBLISH_WINDOW:
+            count += await _publish_window(js, settings, pipeline, window)
+            window = []
+    return count + await _publish_window(js, settings, pipeline, window)
+
+
+async def _publish_window(
+    js: JetStreamContext, settings: NatsSettings, pipeline: str, tasks: list[Task]
+) -> int:
+    await asyncio.gather(
+        *(
+            js.publish(
+                tasks_subject(pipeline),
+                json.dumps(task.as_dict()).encode(),
+                stream=settings.tasks_stream,
+                headers={"Nats-Msg-Id": task.id},
+            )
+            for task in tasks
         )
-        count += 1
-    return count
+    )
+    return len(tasks)
 
 
 async def _read_all(js: JetStreamContext, stream: str, subject: str) -> list[bytes]:
