@@ -236,11 +236,6 @@ async def run(images: int, tasks: int, runs: int) -> dict[str, Any]:
         model_rate = result["model_alone_images_per_s"]
         e2e_rate = result["end_to_end"]["images_per_s"]
         result["ratio_end_to_end_to_slower_stage"] = e2e_rate / min(loader_rate, model_rate)
-        # Both stages on the same cores: each image costs the CPU its share of both.
-        result["shared_cpu_bound_images_per_s"] = 1 / (1 / loader_rate + 1 / model_rate)
-        result["ratio_end_to_end_to_shared_cpu_bound"] = (
-            e2e_rate / result["shared_cpu_bound_images_per_s"]
-        )
         result["patterns"] = {}
         for name in ("fork_rebuilt", "no_workers", "forkserver_rebuilt"):
             rates, peaks = [], []

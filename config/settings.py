@@ -75,7 +75,7 @@ class S3Settings(BaseModel):
 
 class LoaderSettings(BaseModel):
     num_workers: int = Field(2, description="DataLoader worker processes (persist for the process)")
-    batch_size: int = Field(16, description="tasks per fetch and per forward pass")
+    batch_size: int = Field(16, description="most tasks per fetch and per forward pass")
     timeout_s: float = Field(60.0, description="DataLoader timeout: longest wait for one image")
     mp_context: Literal["forkserver", "spawn", "fork"] = Field(
         "forkserver", description="multiprocessing start method of the loader workers"

@@ -77,8 +77,9 @@ class Classifier:
                 f"{len(self.labels)} labels: {str(error).splitlines()[0]}"
             ) from None
         self.model = prepare_for_inference(model, self.device)
-        self._mean = torch.tensor(_MEAN, device=self.device).view(1, 3, 1, 1) * 255.0
-        self._std = torch.tensor(_STD, device=self.device).view(1, 3, 1, 1) * 255.0
+        mean = torch.tensor(_MEAN, device=self.device).view(1, 3, 1, 1) * 255.0
+        std = torch.tensor(_STD, device=self.device).view(1, 3, 1, 1) * 255.0
+        self._scale, self._shift = 1.0 / std, -mean / std
 
     def predict(self, images: torch.Tensor) -> list[list[dict[str, Any]]]:
         """``images``: (N, 3, H, W) uint8. Returns N lists of {label, score}, best first."""
@@ -88,7 +89,7 @@ class Classifier:
         with torch.inference_mode():
             batch = images.to(self.device, non_blocking=on_gpu)
             batch = batch.to(dtype=torch.float32, memory_format=torch.channels_last)
-            batch = (batch - self._mean) / self._std
+            batch = torch.addcmul(self._shift, batch, self._scale)  # (x - mean) / std, one pass
             probs = torch.softmax(self.model(batch), dim=1)
             scores, indices = probs.topk(self.top_k, dim=1)
         scores_list = scores.cpu().tolist()
