@@ -12,6 +12,8 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import torch
@@ -38,56 +40,67 @@ from worker.transport import connect, provision
 BATCH = 16
 WORKERS = 2
 SIZES = [(1920, 1080), (4096, 2160)]
+PATTERN_RUNS = 3
 
 
 def nats_settings(w: World) -> NatsSettings:
     return load_settings(for_worker=False, nats={"url": w.nats.url}).nats
 
 
-def loader_alone(w: World, uris: list[str], runs: int) -> dict[str, float]:
-    from datasets.loader import LoaderConfig, LoadRequest, StreamingLoader
-    from datasets.sources import SourceConfig
+class LoaderAlone:
+    """The worker's loader with nothing after it: submit a job's requests, take every image."""
 
-    loader = StreamingLoader(
-        LoaderConfig(WORKERS, 60.0, 224, SourceConfig(s3_endpoint_url=w.s3.endpoint_url))
-    )
-    loader.start()
-    rates, cpu = [], CpuMeter()
-    try:
-        for run in range(runs + 1):  # the first pass warms up
-            with CpuMeter() if run == 0 else cpu:
-                started = time.perf_counter()
-                loader.submit([LoadRequest(run * 100_000 + i, uri) for i, uri in enumerate(uris)])
-                for _ in uris:
-                    loader.next_loaded()
-            if run:
-                rates.append(len(uris) / (time.perf_counter() - started))
-    finally:
-        loader.close()
-    return {"images_per_s": median(rates), **cpu.summary(len(uris) * runs)}
+    def __init__(self, w: World) -> None:
+        from datasets.loader import LoaderConfig, StreamingLoader
+        from datasets.sources import SourceConfig
+
+        self.loader = StreamingLoader(
+            LoaderConfig(WORKERS, 60.0, 224, SourceConfig(s3_endpoint_url=w.s3.endpoint_url))
+        )
+        self._keys = 0
+
+    def __enter__(self) -> LoaderAlone:
+        self.loader.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.loader.close()
+
+    def seconds(self, uris: list[str]) -> float:
+        from datasets.loader import LoadRequest
+
+        started = time.perf_counter()
+        self.loader.submit([LoadRequest(self._keys + i, uri) for i, uri in enumerate(uris)])
+        self._keys += len(uris)
+        for _ in uris:
+            self.loader.next_loaded()
+        return time.perf_counter() - started
 
 
-def model_alone(w: World, images: int, runs: int) -> float:
-    from datasets.sources import SourceConfig
-    from worker.model import Classifier
-    from worker.pipelines import get_pipeline
+class ModelAlone:
+    """The worker's model on ready uint8 batches, with torch's default threads."""
 
-    model = Classifier(get_pipeline(PIPELINE), w.weights, SourceConfig(), "cpu", 5)
-    batch = torch.randint(0, 256, (BATCH, 3, 224, 224), dtype=torch.uint8)
-    model.predict(batch)
-    rates = []
-    for _ in range(runs):
+    def __init__(self, w: World) -> None:
+        from datasets.sources import SourceConfig
+        from worker.model import Classifier
+        from worker.pipelines import get_pipeline
+
+        self.model = Classifier(get_pipeline(PIPELINE), w.weights, SourceConfig(), "cpu", 5)
+        self.batch = torch.randint(0, 256, (BATCH, 3, 224, 224), dtype=torch.uint8)
+        self.model.predict(self.batch)
+
+    def seconds(self, images: int) -> float:
         started = time.perf_counter()
         for _ in range(images // BATCH):
-            model.predict(batch)
-        rates.append(images // BATCH * BATCH / (time.perf_counter() - started))
-    return median(rates)
+            self.model.predict(self.batch)
+        return (time.perf_counter() - started) * images / (images // BATCH * BATCH)
 
 
-async def end_to_end(
-    w: World, uris: list[str], runs: int, processes: int = 1, loader_workers: int = WORKERS
-) -> dict[str, float]:
-    """Images/s from publish to stored results through ``processes`` workers on one consumer."""
+@asynccontextmanager
+async def workers(
+    w: World, processes: int = 1, loader_workers: int = WORKERS
+) -> AsyncIterator[tuple[Any, NatsSettings, list[subprocess.Popen[bytes]]]]:
+    """``processes`` `inference-worker run` processes on one consumer, and a JetStream client."""
     settings = nats_settings(w)
     nc = await connect(settings)
     js = nc.jetstream()
@@ -101,24 +114,68 @@ async def end_to_end(
         )
         for n in range(processes)
     ]
-    rates, cpu = [], CpuMeter()
     try:
-        with PeakRss(procs[0].pid) as peak:
-            for run in range(runs + 1):  # the first job warms up
-                with CpuMeter() if run == 0 else cpu:
-                    seconds = await run_job(js, settings, f"tp-{processes}-{run}", uris)
-                if run:
-                    rates.append(len(uris) / seconds)
-            overhead = await per_job_overhead(js, settings, uris[0]) if processes == 1 else {}
+        yield js, settings, procs
     finally:
         for proc in procs:
             stop_worker(proc)
         await nc.close()
+
+
+async def end_to_end(
+    w: World, uris: list[str], runs: int, processes: int = 1, loader_workers: int = WORKERS
+) -> dict[str, float]:
+    """Images/s from publish to stored results through ``processes`` workers on one consumer."""
+    rates = []
+    async with workers(w, processes, loader_workers) as (js, settings, _procs):
+        for run in range(runs + 1):  # the first job warms up
+            seconds = await run_job(js, settings, f"scale-{processes}-{run}", uris)
+            if run:
+                rates.append(len(uris) / seconds)
+    return {"images_per_s": median(rates)}
+
+
+async def stages_and_worker(w: World, uris: list[str], runs: int) -> dict[str, Any]:
+    """The loader alone, the model alone and the worker end to end, interleaved round by
+    round, so that a machine whose speed drifts (shared cores) skews all three alike; the
+    ratio is taken per round, then the median."""
+    n = len(uris)
+    loader_cpu, worker_cpu = CpuMeter(), CpuMeter()
+    rounds: list[dict[str, float]] = []
+    with LoaderAlone(w) as loader:
+        model = ModelAlone(w)
+        async with workers(w) as (js, settings, procs):
+            with PeakRss(procs[0].pid) as peak:
+                for run in range(runs + 1):  # the first round warms up
+                    with loader_cpu if run else CpuMeter():
+                        loader_s = loader.seconds(uris)
+                    model_s = model.seconds(n)
+                    with worker_cpu if run else CpuMeter():
+                        worker_s = await run_job(js, settings, f"tp-{run}", uris)
+                    if run:
+                        rounds.append(
+                            {
+                                "loader_images_per_s": n / loader_s,
+                                "model_images_per_s": n / model_s,
+                                "end_to_end_images_per_s": n / worker_s,
+                                "ratio": min(loader_s, model_s) / worker_s,
+                            }
+                        )
+                overhead = await per_job_overhead(js, settings, uris[0])
     return {
-        "images_per_s": median(rates),
-        "peak_rss_bytes": peak.peak_bytes,
-        **cpu.summary(len(uris) * runs),
-        **overhead,
+        "rounds": rounds,
+        "loader_alone": {
+            "images_per_s": median([r["loader_images_per_s"] for r in rounds]),
+            **loader_cpu.summary(n * runs),
+        },
+        "model_alone_images_per_s": median([r["model_images_per_s"] for r in rounds]),
+        "end_to_end": {
+            "images_per_s": median([r["end_to_end_images_per_s"] for r in rounds]),
+            "peak_rss_bytes": peak.peak_bytes,
+            **worker_cpu.summary(n * runs),
+            **overhead,
+        },
+        "ratio_end_to_end_to_slower_stage": median([r["ratio"] for r in rounds]),
     }
 
 
@@ -229,17 +286,11 @@ async def run(images: int, tasks: int, runs: int) -> dict[str, Any]:
             "batch_size": BATCH,
             "loader_workers": WORKERS,
         }
-        result["loader_alone"] = loader_alone(w, uris, runs)
-        result["model_alone_images_per_s"] = model_alone(w, tasks, runs)
-        result["end_to_end"] = await end_to_end(w, uris, runs)
-        loader_rate = result["loader_alone"]["images_per_s"]
-        model_rate = result["model_alone_images_per_s"]
-        e2e_rate = result["end_to_end"]["images_per_s"]
-        result["ratio_end_to_end_to_slower_stage"] = e2e_rate / min(loader_rate, model_rate)
+        result.update(await stages_and_worker(w, uris, runs))
         result["patterns"] = {}
         for name in ("fork_rebuilt", "no_workers", "forkserver_rebuilt"):
             rates, peaks = [], []
-            for _ in range(runs):
+            for _ in range(min(runs, PATTERN_RUNS)):  # minutes each; three are plenty
                 one = pattern(w, name, str(uris_file))
                 rates.append(one["images_per_s"])
                 peaks.append(one["peak_rss_bytes"])

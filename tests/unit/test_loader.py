@@ -51,6 +51,28 @@ def test_the_same_children_serve_every_request(loader, images):
     assert loader.outstanding() == 0
 
 
+def test_loaded_images_held_by_the_worker_take_no_shared_memory(tmp_path):
+    """Images come back through the pipe: a container's small /dev/shm (Docker's 64 MB by
+    default) does not bound how many images the worker can hold, and none is left behind."""
+    from worker.procstats import shm_bytes
+
+    path = tmp_path / "big.jpg"
+    path.write_bytes(image_bytes(1024, 768, seed=3))
+    loader = StreamingLoader(LoaderConfig(num_workers=2, timeout_s=5.0, image_size=512))
+    loader.start()
+    try:
+        before = shm_bytes(os.getpid(), set())
+        held = load_all(loader, [f"file://{path}"] * 24)  # 24 x 786 KB, all kept
+        during = shm_bytes(os.getpid(), set())
+    finally:
+        loader.close()
+
+    assert all(
+        item.image is not None and item.image.shape == (3, 512, 512) for item in held.values()
+    )
+    assert during - before < 512 * 512 * 3, "no loaded image is mapped from /dev/shm"
+
+
 def test_stopped_children_time_out_and_are_killed_and_reaped_and_the_loader_carries_on(
     loader, images
 ):
