@@ -35,7 +35,7 @@ chaos: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
-	$(BIN)/python -m bench.throughput
+	$(BIN)/python -m bench.throughput --runs 5
 	$(BIN)/python -m bench.scale
 	$(BIN)/python -m bench.recovery
 	$(BIN)/python -m bench.profile

@@ -158,7 +158,7 @@ async def stages_and_worker(w: World, uris: list[str], runs: int) -> dict[str, A
                                 "loader_images_per_s": n / loader_s,
                                 "model_images_per_s": n / model_s,
                                 "end_to_end_images_per_s": n / worker_s,
-                                "ratio": min(loader_s, model_s) / worker_s,
+                                "ratio": max(loader_s, model_s) / worker_s,
                             }
                         )
                 overhead = await per_job_overhead(js, settings, uris[0])
