@@ -119,7 +119,9 @@ def main() -> None:
     args = parser.parse_args()
     result = asyncio.run(soak(args.tasks, args.every, args.batch_size))
     print(result["summary"])
-    print("saved", save("soak", result))
+    arenas = os.environ.get("MALLOC_ARENA_MAX")  # the allocator setting is part of the result
+    result["malloc_arena_max"] = arenas
+    print("saved", save(f"soak-malloc-arena-max-{arenas}" if arenas else "soak", result))
 
 
 if __name__ == "__main__":

@@ -266,7 +266,8 @@ def chart(result: dict[str, Any], path: str) -> None:
     ax.set_title(
         f"{result['tasks_per_job']}-task jobs over {result['images']} JPEGs, "
         "1920x1080 and 4096x2160; "
-        f"{result['machine']['cores']} cores, CPU"
+        f"{result['machine']['cores']} cores, CPU\nworker / slower stage = "
+        f"{result['ratio_end_to_end_to_slower_stage']:.2f} (median of rounds)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
