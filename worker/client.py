@@ -61,7 +61,7 @@ async def publish_tasks(
 async def _publish_window(
     js: JetStreamContext, settings: NatsSettings, pipeline: str, tasks: list[Task]
 ) -> int:
-    await asyncio.gather(
+    outcomes = await asyncio.gather(
         *(
             js.publish(
                 tasks_subject(pipeline),
@@ -70,8 +70,12 @@ async def _publish_window(
                 headers={"Nats-Msg-Id": task.id},
             )
             for task in tasks
-        )
+        ),
+        return_exceptions=True,  # every publish of the window has ended before we raise
     )
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
     return len(tasks)
 
 

@@ -115,8 +115,8 @@ def prepare_for_inference(model: nn.Module, device: torch.device) -> nn.Module:
 
 def fold_batch_norms(module: nn.Module) -> nn.Module:
     """Fold every BatchNorm2d that directly follows a Conv2d inside a Sequential into that
-    convolution (eval mode only). Models that keep their layers as named attributes (ResNet's
-    conv1/bn1) are left as they are."""
+    convolution (eval mode only). Pairs held as named attributes (ResNet's conv1/bn1) stay as
+    they are; its downsample branches, which are Sequentials, are folded."""
     for child in module.children():
         if isinstance(child, nn.Sequential):
             for i in range(len(child) - 1):

@@ -159,3 +159,25 @@ async def test_submit_and_results_commands(nats_server, s3_server, bucket, setti
     shown = cli("results", "--job", "job-listed", env=env)
     assert shown.returncode == 0
     assert "ok=0 error=0 missing=3" in shown.stderr
+
+
+async def test_a_job_larger_than_the_publish_window_is_stored_once_and_a_failure_raises(
+    nats_server, settings_for
+):
+    import nats
+
+    from worker.client import make_tasks, publish_tasks
+    from worker.transport import provision
+
+    settings = settings_for(nats_server.url)
+    tasks = make_tasks("job-window", [f"s3://b/{i}.jpg" for i in range(150)])
+    async with client(settings) as js:
+        with pytest.raises(nats.errors.Error):  # no stream takes tasks.<pipeline> yet
+            await publish_tasks(js, settings.nats, settings.model.pipeline, tasks)
+        await provision(js, settings.nats, settings.model.pipeline)
+        first = await publish_tasks(js, settings.nats, settings.model.pipeline, tasks)
+        again = await publish_tasks(js, settings.nats, settings.model.pipeline, tasks)
+        info = await js.stream_info(settings.nats.tasks_stream)
+
+    assert first == again == 150
+    assert info.state.messages == 150, "a republished job is dropped by its task ids"
