@@ -48,15 +48,18 @@ class Liveness:
     def batch_completed(self) -> None:
         with self._lock:
             self._last_progress = self._clock()
-            if self._watchdog is not None and self._held:
-                self._watchdog.arm()
+            self._rearm_locked()
 
     def still_working(self) -> None:
         """The worker is acting (e.g. rebuilding its loader) without completing a batch: give
         the watchdog a fresh window, but leave the stall clock alone."""
         with self._lock:
-            if self._watchdog is not None and self._held:
-                self._watchdog.arm()
+            self._rearm_locked()
+
+    def _rearm_locked(self) -> None:
+        """A fresh watchdog window, while work is held (the watchdog is disarmed otherwise)."""
+        if self._watchdog is not None and self._held:
+            self._watchdog.arm()
 
     @property
     def held(self) -> int:
