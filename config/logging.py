@@ -7,6 +7,8 @@ import sys
 
 import structlog
 
+from config.redact import scrub
+
 
 def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
     use_json = (not sys.stderr.isatty()) if json is None else json
@@ -16,6 +18,7 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         structlog.processors.StackInfoRenderer(),
+        _scrub_secrets,
     ]
     renderer: structlog.types.Processor = (
         structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer()
@@ -31,6 +34,7 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             structlog.processors.format_exc_info if use_json else _identity,
+            _scrub_secrets,  # again: a formatted traceback may quote a URL
             renderer,
         ],
     )
@@ -47,4 +51,14 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
 def _identity(
     _logger: object, _name: str, event_dict: structlog.types.EventDict
 ) -> structlog.types.EventDict:
+    return event_dict
+
+
+def _scrub_secrets(
+    _logger: object, _name: str, event_dict: structlog.types.EventDict
+) -> structlog.types.EventDict:
+    """No URL query string, credential or password reaches a log line, whoever wrote it."""
+    for key, value in event_dict.items():
+        if isinstance(value, str):
+            event_dict[key] = scrub(value)
     return event_dict

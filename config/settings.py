@@ -125,6 +125,11 @@ class HealthSettings(BaseModel):
         120.0, description="held work and no batch for this long = stalled"
     )
     drain_timeout_s: float = Field(30.0, description="SIGTERM: time to finish or give back work")
+    disconnected_timeout_s: float = Field(
+        60.0,
+        description="NATS connection lost for this long: /healthz answers 503 (a connection "
+        "closed for good ends the process with code 5 at once)",
+    )
     watchdog_timeout_s: float = Field(
         180.0,
         description="held work and no batch for this long: dump every thread's stack and exit 1, "

@@ -19,7 +19,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from config.settings import NatsSettings
-from worker.results import ResultsUnavailable
+from worker.results import ResultRefused, ResultsUnavailable
 from worker.schemas import InvalidTask, Task, Undeliverable, Verdict, parse_task
 from worker.settle import Settler
 from worker.transport import advisory_consumer
@@ -52,18 +52,30 @@ class ExhaustedTasks:
                     await asyncio.sleep(self._settings.fetch_timeout_s)
                     continue
                 for msg in msgs:
-                    await self.handle(msg)
+                    await self._handle_safely(msg)
         finally:
             try:
                 await sub.unsubscribe()
             except nats.errors.Error:
                 pass
 
+    async def _handle_safely(self, msg: Msg) -> None:
+        """The per-advisory boundary: a failure is logged and the advisory retried later, up to
+        the consumer's max_deliver; the handler never dies of one advisory."""
+        try:
+            await self.handle(msg)
+        except Exception:
+            log.exception("advisory_handling_failed", data=msg.data[:200])
+            try:
+                await msg.nak(delay=self._settings.nak_backoff_max_s)
+            except nats.errors.Error:
+                pass  # the advisory consumer's ack wait brings it back
+
     async def handle(self, msg: Msg) -> None:
         try:
             advisory = json.loads(msg.data)
             seq, deliveries = int(advisory["stream_seq"]), int(advisory["deliveries"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             log.error("advisory_unreadable", data=msg.data[:200])
             await msg.term()
             return
@@ -78,8 +90,18 @@ class ExhaustedTasks:
             return
         try:
             task = parse_task(original.data or b"")
-        except Undeliverable:
-            await msg.ack()  # the worker dead-lettered it, or will on its own delivery
+        except Undeliverable as error:
+            # Its last delivery failed to dead-letter it (or died first): do it here. The
+            # dead-letter stream keeps one copy if the worker's attempt did land.
+            try:
+                await self._settler.keep_dead_letter(
+                    original.data or b"", original.subject or "", seq, str(error)
+                )
+            except ResultsUnavailable:
+                await msg.nak(delay=self._settings.nak_backoff_base_s)
+                return
+            await msg.ack()
+            log.warning("exhausted_task_dead_lettered", stream_seq=seq, reason=str(error))
             return
         except InvalidTask as invalid:
             task = Task(invalid.task_id, invalid.job_id, invalid.image_id, "")
@@ -98,6 +120,11 @@ class ExhaustedTasks:
         except ResultsUnavailable:
             await msg.nak(delay=self._settings.nak_backoff_base_s)
             return
+        except ResultRefused as refused:
+            await self._settler.keep_dead_letter(
+                original.data or b"", original.subject or "", seq, f"no result fits: {refused}"
+            )
+            stored = False
         await msg.ack()
         if stored:
             self._settler.count("error")

@@ -21,13 +21,14 @@ from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.sources import SourceConfig
 from worker.advisories import ExhaustedTasks
 from worker.engine import Engine
+from worker.exits import Exit
 from worker.guards import ResourceGuard
 from worker.health import PREFIX, HealthServer, Liveness, Metrics
 from worker.procstats import ProcessTreeCollector
 from worker.results import ResultStore
 from worker.service import Services, Worker
 from worker.settle import Settler
-from worker.transport import TaskFeed, connect, provision
+from worker.transport import ConnectionState, TaskFeed, connect, provision
 from worker.watchdog import Watchdog
 
 log = structlog.get_logger(__name__)
@@ -56,6 +57,7 @@ class WorkerApp:
         self.health: HealthServer | None = None
         self.worker: Worker | None = None
         self.feed: TaskFeed | None = None
+        self.connection = ConnectionState()
 
     async def start(self) -> None:
         from worker.model import Classifier
@@ -99,7 +101,8 @@ class WorkerApp:
         )
         await loop.run_in_executor(self.engine_thread, self.engine.start)
 
-        self.nc = await connect(s.nats)
+        self.connection = ConnectionState()
+        self.nc = await connect(s.nats, state=self.connection)
         js = self.nc.jetstream()
         await provision(js, s.nats, s.model.pipeline)
         self.feed = TaskFeed(js, s.nats)
@@ -107,12 +110,21 @@ class WorkerApp:
         max_deliver = await self.feed.max_deliver()
 
         registry = CollectorRegistry()
-        metrics = Metrics(registry, liveness)
+        connection = self.connection
+        metrics = Metrics(registry, liveness, connection.connected)
         registry.register(ProcessTreeCollector(PREFIX, loader.child_pids))
         if s.metrics.port:
-            self.health = HealthServer(s.metrics.host, s.metrics.port, metrics, liveness)
+
+            def unhealthy() -> str | None:
+                stalled = liveness.stalled_reason()
+                if stalled:
+                    return f"stalled: {stalled}"
+                return connection.problem(s.health.disconnected_timeout_s)
+
+            self.health = HealthServer(s.metrics.host, s.metrics.port, registry, unhealthy)
             self.health.start()
-        store = ResultStore(js, s.nats)
+        nc = self.nc
+        store = ResultStore(js, s.nats, lambda: int(nc.max_payload))
         settler = Settler(
             js,
             store,
@@ -134,6 +146,7 @@ class WorkerApp:
             metrics,
             exhausted,
             guard,
+            connection,
         )
         self.worker = Worker(s, services)
         log.info(
@@ -146,9 +159,9 @@ class WorkerApp:
             metrics_port=self.health.port if self.health else 0,
         )
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event) -> Exit:
         assert self.worker is not None, "start() first"
-        await self.worker.run(stop)
+        return await self.worker.run(stop)
 
     async def close(self) -> None:
         """Stop loader children, the health server and the connection; each step bounded."""
@@ -168,6 +181,7 @@ class WorkerApp:
             self.health.close()
         if self.feed is not None:
             await self.feed.close()
+        self.connection.closing = True
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.drain(), _CLOSE_WAIT_S)

@@ -17,8 +17,7 @@ from config.settings import ConfigError, Settings, load_settings
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
-EXIT_LOADER_FAILING = 3  # the DataLoader failed WORKER_LOADER__MAX_CONSECUTIVE_FAILURES in a row
-EXIT_RESOURCE_LIMIT = 4  # a WORKER_GUARDS__* limit was crossed; drained, wants a fresh process
+# 3, 4, 5: see worker.exits.ExitReason (how `run` ends)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -77,12 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _run(settings: Settings, _args: argparse.Namespace) -> int:
-    import structlog
-
     from worker.app import WorkerApp
-    from worker.engine import LoaderGaveUp
-
-    log = structlog.get_logger("worker.cli")
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -99,17 +93,10 @@ async def _run(settings: Settings, _args: argparse.Namespace) -> int:
     app = WorkerApp(settings)
     try:
         await app.start()
-        await app.run(stop)
-        if app.worker is not None and app.worker.exit_reason:
-            return EXIT_RESOURCE_LIMIT
-    except RuntimeError as error:
-        if isinstance(error.__cause__, LoaderGaveUp):
-            log.error("exiting_for_a_restart", reason=str(error.__cause__), exit_code=3)
-            return EXIT_LOADER_FAILING
-        raise
+        exit = await app.run(stop)
     finally:
         await app.close()
-    return EXIT_OK
+    return exit.code
 
 
 async def _submit(settings: Settings, args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ from nats.js import JetStreamContext, api
 
 from config.settings import NatsSettings
 from worker.results import job_results_subject
-from worker.schemas import Task
+from worker.schemas import Task, subject_token
 from worker.transport import tasks_subject
 
 _READ_BATCH = 256
@@ -67,7 +67,8 @@ async def _publish_window(
                 tasks_subject(pipeline),
                 json.dumps(task.as_dict()).encode(),
                 stream=settings.tasks_stream,
-                headers={"Nats-Msg-Id": task.id},
+                # Injective (job, task) -> id: "job/task" joined by hand is not.
+                headers={"Nats-Msg-Id": f"{subject_token(task.job_id)}.{subject_token(task.id)}"},
             )
             for task in tasks
         ),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from typing import Any
 
 import nats
@@ -10,16 +12,26 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
 from config.settings import NatsSettings
-from datasets.errors import TransientError
+from datasets.errors import PermanentError, TransientError
 from worker.schemas import subject_token
 
 # The server's answer when a per-task subject already holds its result.
 _ALREADY_STORED = ("maximum messages per subject exceeded",)
 _ALREADY_STORED_CODES = {10077}
+_TOO_LARGE_CODES = {10054}  # message size exceeds the stream's maximum
+
+
+# Room left in a message for the headers and the protocol line around the payload.
+_HEADER_ROOM_BYTES = 4096
+_SAFE_SUBJECT = re.compile(r"results(\.[A-Za-z0-9_-]{1,400}){2}")
 
 
 class ResultsUnavailable(TransientError):
     """The results stream did not confirm the write; the task must be retried."""
+
+
+class ResultRefused(PermanentError):
+    """No retry can store this result (too large for a message, or no valid subject)."""
 
 
 def result_subject(job_id: str, task_id: str) -> str:
@@ -31,31 +43,58 @@ def job_results_subject(job_id: str) -> str:
 
 
 class ResultStore:
-    def __init__(self, js: JetStreamContext, settings: NatsSettings) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        settings: NatsSettings,
+        max_payload_bytes: Callable[[], int] = lambda: 1024 * 1024,
+    ) -> None:
         self._js = js
         self._settings = settings
+        self._max_payload_bytes = max_payload_bytes
 
     async def store(self, result: dict[str, Any]) -> bool:
         """Store ``result``; True when written now, False when one was already stored.
 
-        Raises ResultsUnavailable when the stream cannot confirm either.
+        Raises ResultsUnavailable when the stream cannot confirm either, ResultRefused when
+        no retry could: a message the server would refuse (and close our connection for).
         """
         subject = result_subject(result["job_id"], result["task_id"])
         payload = json.dumps(result, separators=(",", ":")).encode()
+        if not _SAFE_SUBJECT.fullmatch(subject):
+            raise ResultRefused(
+                f"no valid result subject for this task ({len(subject)} chars)",
+                kind="invalid_result_subject",
+            )
+        limit = self._max_payload_bytes() - _HEADER_ROOM_BYTES
+        if len(payload) > limit:
+            raise ResultRefused(
+                f"the result is {len(payload)} bytes, over the {limit} a message can hold",
+                kind="result_too_large",
+            )
         try:
             ack = await self._js.publish(
                 subject,
                 payload,
                 timeout=self._settings.publish_timeout_s,
                 stream=self._settings.results_stream,
-                headers={"Nats-Msg-Id": f"{result['job_id']}/{result['task_id']}"},
+                # The subject is the dedupe id: injective, unlike "job/task" joined by hand.
+                headers={"Nats-Msg-Id": subject},
             )
         except APIError as error:
             if error.err_code in _ALREADY_STORED_CODES or any(
                 text in (error.description or "") for text in _ALREADY_STORED
             ):
                 return False
+            if error.err_code in _TOO_LARGE_CODES:
+                raise ResultRefused(
+                    f"the results stream refused the size: {error}", kind="result_too_large"
+                ) from None
             raise ResultsUnavailable(f"results stream refused the write: {error}") from None
+        except nats.errors.MaxPayloadError:
+            raise ResultRefused(
+                "the result is over the server's max_payload", kind="result_too_large"
+            ) from None
         except (TimeoutError, nats.errors.Error) as error:
             raise ResultsUnavailable(
                 f"results stream unavailable: {type(error).__name__} {error}"

@@ -23,13 +23,14 @@ from nats.aio.msg import Msg
 from config.settings import Settings, max_held_tasks
 from datasets.loader import LoadRequest
 from worker.advisories import ExhaustedTasks
-from worker.engine import BatchReport, Engine
+from worker.engine import BatchReport, Engine, LoaderGaveUp
+from worker.exits import STOPPED, Exit, ExitReason
 from worker.guards import ResourceGuard
 from worker.health import Liveness, Metrics
 from worker.results import ResultStore, ResultsUnavailable
 from worker.schemas import InvalidTask, Task, Undeliverable, Verdict, parse_task
 from worker.settle import Held, Settler
-from worker.transport import TaskFeed
+from worker.transport import ConnectionState, TaskFeed
 
 log = structlog.get_logger(__name__)
 
@@ -47,6 +48,7 @@ class Services:
     metrics: Metrics
     exhausted: ExhaustedTasks | None = None
     guard: ResourceGuard | None = None
+    connection: ConnectionState | None = None
 
 
 class Worker:
@@ -59,11 +61,12 @@ class Worker:
         self._space = asyncio.Event()
         self._max_held = max_held_tasks(settings)
         self._stop = asyncio.Event()
-        self.exit_reason: str | None = None  # set when a resource guard asks for a fresh process
+        self.exit: Exit = STOPPED  # how the process ends; the first reason to stop wins
 
     # -- the two loops --------------------------------------------------------------------
-    async def run(self, stop: asyncio.Event) -> None:
-        """Work until ``stop`` is set, then drain: finish the batch in hand, give back the rest."""
+    async def run(self, stop: asyncio.Event) -> Exit:
+        """Work until ``stop`` is set or a part fails, then drain: finish the batch in hand,
+        give back the rest. Returns how the process should end."""
         self._stop = stop
         fetcher = asyncio.create_task(self._fetch_loop(stop), name="fetch-loop")
         processor = asyncio.create_task(self._process_loop(), name="process-loop")
@@ -71,8 +74,12 @@ class Worker:
         helpers = []
         if self.s.exhausted is not None:
             helpers.append(asyncio.create_task(self.s.exhausted.run(stop), name="max-deliveries"))
+        if self.s.connection is not None:
+            helpers.append(asyncio.create_task(self._watch_connection(), name="nats-watch"))
         try:
-            await asyncio.wait({fetcher, processor, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {fetcher, processor, stopped, *helpers}, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             stopped.cancel()
             # Let a fetch in flight finish: cancelling it would strand the messages the server
@@ -81,15 +88,38 @@ class Worker:
                 await asyncio.wait_for(
                     asyncio.shield(fetcher), self.settings.nats.fetch_timeout_s + 5
                 )
-            except Exception:  # noqa: BLE001 - a timeout, or a failure raised below
+            except Exception:  # noqa: BLE001 - a timeout, or a failure reported below
                 fetcher.cancel()
             for helper in helpers:
-                helper.cancel()
+                if not helper.done():
+                    helper.cancel()
             await asyncio.gather(fetcher, stopped, *helpers, return_exceptions=True)
             await self._drain(processor)
-        for task in (fetcher, processor):
+        for task in (fetcher, processor, *helpers):
             if task.done() and not task.cancelled() and task.exception() is not None:
-                raise RuntimeError(f"{task.get_name()} failed") from task.exception()
+                self._failed(task.get_name(), task.exception())
+        return self.exit
+
+    def _end(self, exit: Exit) -> None:
+        """Stop working, for ``exit``; the first reason recorded is the one reported."""
+        if self.exit == STOPPED:
+            self.exit = exit
+        self._stop.set()
+
+    def _failed(self, part: str, error: BaseException | None) -> None:
+        if isinstance(error, LoaderGaveUp):
+            log.error("exiting_for_a_restart", reason=str(error), exit_code=3)
+            self._end(Exit(ExitReason.LOADER_FAILING, str(error)))
+            return
+        log.error("worker_part_failed", part=part, exc_info=error, exit_code=1)
+        self._end(Exit(ExitReason.FAILED, f"{part} failed: {type(error).__name__}: {error}"))
+
+    async def _watch_connection(self) -> None:
+        """A NATS client closed for good fetches nothing ever again: end the process."""
+        assert self.s.connection is not None
+        await self.s.connection.closed.wait()
+        if self.s.connection.unexpectedly_closed():
+            self._end(Exit(ExitReason.NATS_CLOSED, "the NATS connection closed for good"))
 
     async def _fetch_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -102,7 +132,7 @@ class Worker:
                     pass
                 continue
             msgs = await self.s.feed.fetch(min(self.settings.loader.batch_size, room))
-            admitted = [held for held in [await self._admit(msg) for msg in msgs] if held]
+            admitted = [held for held in [await self._admit_safely(msg) for msg in msgs] if held]
             if admitted:
                 self.s.engine.submit([LoadRequest(h.key, h.task.image_url) for h in admitted])
                 for held in admitted:
@@ -142,6 +172,16 @@ class Worker:
         return batch
 
     # -- admission ------------------------------------------------------------------------
+    async def _admit_safely(self, msg: Msg) -> Held | None:
+        """The per-message boundary of admission: whatever a message holds, a failure to admit
+        it is logged and the message given back, never the end of the fetch loop."""
+        try:
+            return await self._admit(msg)
+        except Exception:
+            log.exception("admission_failed", subject=msg.subject)
+            await _nak_quietly(msg)
+            return None
+
     async def _admit(self, msg: Msg) -> Held | None:
         """Parse a message; settle the ones that need no loading. Returns what must be loaded."""
         delivered = msg.metadata.num_delivered
@@ -194,15 +234,18 @@ class Worker:
         )
 
     def _check_guards(self) -> None:
-        reason = self.s.guard.check() if self.s.guard is not None else None
-        if reason and self.exit_reason is None:
+        try:
+            reason = self.s.guard.check() if self.s.guard is not None else None
+        except Exception:  # a guard that cannot read /proc this time must not stop the work
+            log.exception("guard_check_failed", hint="checked again after the next batch")
+            return
+        if reason and self.exit == STOPPED:
             log.error(
                 "resource_limit_exceeded",
                 reason=reason,
                 action="finishing this batch, giving back the rest, exiting 4",
             )
-            self.exit_reason = reason
-            self._stop.set()
+            self._end(Exit(ExitReason.RESOURCE_LIMIT, reason))
 
     async def _settle_batch(self, batch: list[Held], report: BatchReport) -> None:
         started = time.perf_counter()

@@ -13,7 +13,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,13 +22,15 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from config.redact import scrub, shorten
 from config.settings import NatsSettings
-from worker.results import ResultStore, ResultsUnavailable
+from worker.results import ResultRefused, ResultStore, ResultsUnavailable
 from worker.schemas import Task, Verdict, error_info, make_result
 
 log = structlog.get_logger(__name__)
 _STORE_RETRY_FIRST_S = 0.2
 _STORE_RETRY_MAX_S = 5.0
+_HEADER_VALUE_CHARS = 1000
 
 
 def backoff_s(delivered: int, base_s: float, max_s: float) -> float:
@@ -60,7 +62,7 @@ class Settler:
     )
 
     async def settle(self, task: Task, msg: Msg, delivered: int, verdict: Verdict) -> str:
-        """Store-then-ack, or nak; returns the outcome counted (ok, error, retried)."""
+        """Store-then-ack, or nak; returns the outcome counted (ok, error, retried, ...)."""
         bound = log.bind(task_id=task.id, job_id=task.job_id, attempt=delivered)
         if verdict.retryable and delivered < self.max_deliver:
             return await self._retry(msg, delivered, bound, verdict)
@@ -69,30 +71,68 @@ class Settler:
             message = f"deliveries ran out after {delivered} attempts; last error: {last}"
             verdict = replace(verdict, error_message=message)
         result = self.result(task, delivered, verdict)
-        error = result["error"]
         try:
-            await self._store_patiently(result)
+            result = await self._store_or_smaller(result, task, delivered)
+        except ResultRefused as refused:
+            return await self.dead_letter(msg, f"no result can be stored for this task: {refused}")
         except ResultsUnavailable as failure:
             if delivered >= self.max_deliver:
-                bound.error("result_not_stored_on_last_delivery", error=str(failure))
+                bound.error(
+                    "result_not_stored_on_last_delivery",
+                    error=str(failure),
+                    hint="the max-deliveries advisory stores an error result for it",
+                )
             return await self._retry(msg, delivered, bound, Verdict(error_message=str(failure)))
-        await msg.ack()
+        await _settle_message(msg.ack, bound)
         outcome = result["status"]
         self.count(outcome)
+        error = result["error"]
         if error:
             bound.warning("task_failed", error_type=error["type"], error=error["message"])
         else:
             bound.debug("task_done")
         return str(outcome)
 
+    async def _store_or_smaller(
+        self, result: dict[str, Any], task: Task, delivered: int
+    ) -> dict[str, Any]:
+        """Store ``result``; if no retry could store it, store a small error result instead.
+
+        Returns what was stored. ResultRefused when not even that fits; ResultsUnavailable
+        when the stream did not confirm.
+        """
+        try:
+            await self._store_patiently(result)
+            return result
+        except ResultRefused as refused:
+            smaller = self.result(
+                task,
+                delivered,
+                Verdict(
+                    error_kind=refused.kind,
+                    error_message=f"the result could not be stored: {refused}",
+                    timings_s=result.get("timings_s") or {},
+                ),
+            )
+            await self._store_patiently(smaller)
+            return smaller
+
     async def _store_patiently(self, result: dict[str, Any]) -> None:
         """Store, retrying in-process for ``store_retry_s``: the result is already computed, and
         an outage of the results stream is no reason to spend one of the task's deliveries."""
+
+        async def store() -> None:
+            await self.store.store(result)
+
+        await self._patiently(store)
+
+    async def _patiently(self, write: Callable[[], Awaitable[None]]) -> None:
+        """Run ``write`` until it does not raise ResultsUnavailable, for ``store_retry_s``."""
         deadline = time.monotonic() + self.settings.store_retry_s
         delay_s = _STORE_RETRY_FIRST_S
         while True:
             try:
-                await self.store.store(result)
+                await write()
                 return
             except ResultsUnavailable:
                 if time.monotonic() + delay_s > deadline:
@@ -131,32 +171,74 @@ class Settler:
         self.count("retried")
         return "retried"
 
-    async def dead_letter(self, msg: Msg, reason: str) -> None:
-        """Keep an unparseable message and the reason on the dead-letter subject; terminate it."""
-        headers = {
-            "Worker-Reason": reason[:1000],
-            "Worker-Original-Subject": msg.subject,
-            "Worker-Original-Sequence": str(msg.metadata.sequence.stream),
-        }
+    async def dead_letter(self, msg: Msg, reason: str) -> str:
+        """Keep a message and the reason on the dead-letter subject, confirmed; then terminate.
+
+        If the dead-letter stream does not confirm, the message is given back (nak); on its
+        last delivery the max-deliveries advisory dead-letters it instead. Nothing is lost.
+        """
+        seq = msg.metadata.sequence.stream
+        delivered = msg.metadata.num_delivered
+        bound = log.bind(stream_seq=seq, attempt=delivered)
         try:
-            await self.js.publish(
-                self.settings.dead_letter_subject,
-                msg.data,
-                timeout=self.settings.publish_timeout_s,
-                stream=self.settings.dead_letter_stream,
-                headers=headers,
-            )
-        except (nats.errors.Error, TimeoutError) as error:
-            delivered = msg.metadata.num_delivered
-            await self._retry(
-                msg, delivered, log.bind(subject=msg.subject), Verdict(error_message=str(error))
-            )
-            return
-        await msg.term()
+            await self.keep_dead_letter(msg.data, msg.subject, seq, reason)
+        except ResultsUnavailable as failure:
+            if delivered >= self.max_deliver:
+                bound.error(
+                    "dead_letter_not_stored_on_last_delivery",
+                    error=str(failure),
+                    hint="the max-deliveries advisory dead-letters it",
+                )
+            return await self._retry(msg, delivered, bound, Verdict(error_message=str(failure)))
+        await _settle_message(msg.term, bound)
         self.count("dead_lettered")
-        log.warning(
+        bound.warning(
             "task_dead_lettered",
             reason=reason,
-            subject=msg.subject,
             preview=json.dumps(msg.data[:200].decode("utf-8", "replace")),
         )
+        return "dead_lettered"
+
+    async def keep_dead_letter(self, data: bytes, subject: str, seq: int, reason: str) -> None:
+        """Publish to the dead-letter stream until it confirms, for ``store_retry_s`` at most.
+
+        The tasks stream's sequence is the dedupe id: the worker and the advisory handler may
+        both dead-letter one message, and the stream keeps it once.
+        """
+        headers = {
+            "Nats-Msg-Id": f"dead-{self.settings.tasks_stream}-{seq}",
+            "Worker-Reason": header_value(reason),
+            "Worker-Original-Subject": header_value(subject),
+            "Worker-Original-Sequence": str(seq),
+        }
+
+        async def publish() -> None:
+            try:
+                await self.js.publish(
+                    self.settings.dead_letter_subject,
+                    data,
+                    timeout=self.settings.publish_timeout_s,
+                    stream=self.settings.dead_letter_stream,
+                    headers=headers,
+                )
+            except (nats.errors.Error, TimeoutError) as error:
+                raise ResultsUnavailable(
+                    f"dead-letter stream unavailable: {type(error).__name__} {error}"
+                ) from None
+
+        await self._patiently(publish)
+
+
+def header_value(text: str) -> str:
+    """``text`` as a header value: one printable line, capped (a newline would break the
+    protocol and the server would close our connection)."""
+    return shorten(scrub(text), _HEADER_VALUE_CHARS)
+
+
+async def _settle_message(action: Callable[[], Awaitable[None]], bound: Any) -> None:
+    """Ack or term; if the connection is gone, the ack wait redelivers the message, and the
+    stored result (or the deduplicated dead letter) makes that harmless."""
+    try:
+        await action()
+    except (nats.errors.Error, TimeoutError) as error:
+        bound.warning("settle_message_failed", action=action.__name__, error=str(error))

@@ -6,6 +6,8 @@ Knows nothing of torch.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from typing import Any
 
 import nats
@@ -18,25 +20,81 @@ from nats.js.errors import NotFoundError
 from config.settings import NatsSettings
 
 log = structlog.get_logger(__name__)
+DEAD_LETTER_DEDUPE_S = 3600.0
+ADVISORY_MAX_DELIVER = 10  # a poison advisory is given up on (and logged), never looped on
 
 
 def tasks_subject(pipeline: str) -> str:
     return f"tasks.{pipeline}"
 
 
-async def connect(settings: NatsSettings, *, name: str = "inference-worker") -> NATS:
+class ConnectionState:
+    """What the NATS client's callbacks said last; read by /healthz and the orchestrator.
+
+    nats-py closes a client for good on any protocol error the server reports, whatever
+    ``max_reconnect_attempts`` says; a closed client fetches nothing ever again, so it must
+    end the process, not leave an idle-looking worker behind.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.disconnected_at: float | None = None
+        self.closed = asyncio.Event()
+        self.closed_reason = ""
+        self.closing = False  # our own close is not a failure
+
+    def down_for_s(self) -> float:
+        """Seconds since the connection was lost (0 while connected)."""
+        since = self.disconnected_at
+        return 0.0 if since is None else self._clock() - since
+
+    def unexpectedly_closed(self) -> bool:
+        return self.closed.is_set() and not self.closing
+
+    def connected(self) -> bool:
+        return self.disconnected_at is None and not self.closed.is_set()
+
+    def problem(self, down_timeout_s: float) -> str | None:
+        """Why the connection makes this process unhealthy, or None."""
+        if self.unexpectedly_closed():
+            return "nats: the connection closed for good; the process exits for a fresh one"
+        down_s = self.down_for_s()
+        if down_s >= down_timeout_s:
+            return f"nats: disconnected for {down_s:.0f}s (timeout {down_timeout_s:g}s)"
+        return None
+
+
+async def connect(
+    settings: NatsSettings, *, name: str = "inference-worker", state: ConnectionState | None = None
+) -> NATS:
     """Connect with unlimited reconnects; the worker survives a server restart."""
     client = NATS()
+    state = state or ConnectionState()
 
     async def on_error(error: Exception) -> None:
         log.warning("nats_error", error=str(error))
+        state.closed_reason = str(error)
 
     async def on_disconnect() -> None:
-        if not (client.is_closed or client.is_draining):  # our own close is not news
+        if state.disconnected_at is None:
+            state.disconnected_at = time.monotonic()
+        if not (client.is_closed or client.is_draining or state.closing):
             log.warning("nats_disconnected", hint="reconnecting; work continues when it is back")
 
     async def on_reconnect() -> None:
+        state.disconnected_at = None
         log.info("nats_reconnected")
+
+    async def on_closed() -> None:
+        if state.disconnected_at is None:
+            state.disconnected_at = time.monotonic()
+        if not state.closing:
+            log.error(
+                "nats_connection_closed",
+                reason=str(client.last_error or state.closed_reason or "unknown"),
+                action="giving back held work and exiting 5 for a fresh process",
+            )
+        state.closed.set()
 
     await client.connect(
         servers=[url.strip() for url in settings.url.split(",")],
@@ -48,6 +106,7 @@ async def connect(settings: NatsSettings, *, name: str = "inference-worker") -> 
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
+        closed_cb=on_closed,
     )
     return client
 
@@ -82,6 +141,9 @@ def stream_configs(settings: NatsSettings) -> list[api.StreamConfig]:
             retention=api.RetentionPolicy.LIMITS,
             storage=api.StorageType.FILE,
             max_age=settings.results_max_age_s,
+            # The worker and the max-deliveries handler may both dead-letter one message
+            # minutes apart; the dedupe id (its tasks-stream sequence) keeps it once.
+            duplicate_window=DEAD_LETTER_DEDUPE_S,
             num_replicas=settings.replicas,
         ),
     ]
@@ -129,6 +191,7 @@ def advisory_consumer_config(settings: NatsSettings) -> api.ConsumerConfig:
         ack_policy=api.AckPolicy.EXPLICIT,
         deliver_policy=api.DeliverPolicy.ALL,
         ack_wait=60.0,
+        max_deliver=ADVISORY_MAX_DELIVER,
         num_replicas=settings.replicas if settings.replicas > 1 else None,
     )
 
