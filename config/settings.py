@@ -73,6 +73,38 @@ class S3Settings(BaseModel):
     http_timeout_s: float = Field(20.0, description="timeout for http(s):// image URLs")
 
 
+class SourceSettings(BaseModel):
+    """The source policy for task URIs: safe by default (README, "Source policy")."""
+
+    file_roots: str = Field(
+        "",
+        description="comma-separated directories a file:// URI must resolve under (symlinks "
+        "resolved, regular files only); empty refuses file://",
+    )
+    allowed_hosts: str = Field(
+        "",
+        description="comma-separated http(s) hosts allowed to resolve to loopback, private or "
+        "link-local addresses (the host of WORKER_S3__ENDPOINT_URL always is)",
+    )
+    max_bytes: int = Field(
+        64 * 1024 * 1024, description="largest object read, enforced while reading, every scheme"
+    )
+    object_deadline_s: float = Field(
+        30.0, description="one deadline for reading a whole object (connect, headers, body)"
+    )
+    max_redirects: int = Field(5, description="http(s) redirects followed, each one re-checked")
+
+    def roots(self) -> tuple[str, ...]:
+        return tuple(part.strip() for part in self.file_roots.split(",") if part.strip())
+
+    def hosts(self) -> frozenset[str]:
+        return frozenset(
+            part.strip().lower().strip("[]")
+            for part in self.allowed_hosts.split(",")
+            if part.strip()
+        )
+
+
 class LoaderSettings(BaseModel):
     num_workers: int = Field(2, description="DataLoader worker processes (persist for the process)")
     batch_size: int = Field(16, description="most tasks per fetch and per forward pass")
@@ -182,6 +214,7 @@ class Settings(BaseSettings):
 
     nats: NatsSettings = Field(default_factory=NatsSettings)
     s3: S3Settings = Field(default_factory=S3Settings)
+    sources: SourceSettings = Field(default_factory=SourceSettings)
     loader: LoaderSettings = Field(default_factory=LoaderSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)
     health: HealthSettings = Field(default_factory=HealthSettings)
@@ -220,6 +253,9 @@ def settings_problems(s: Settings) -> list[str]:
         ("WORKER_MODEL__TOP_K", s.model.top_k),
         ("WORKER_S3__MAX_ATTEMPTS", s.s3.max_attempts),
         ("WORKER_LOADER__MAX_CONSECUTIVE_FAILURES", s.loader.max_consecutive_failures),
+        ("WORKER_SOURCES__MAX_BYTES", s.sources.max_bytes),
+        ("WORKER_SOURCES__OBJECT_DEADLINE_S", s.sources.object_deadline_s),
+        ("WORKER_HEALTH__DISCONNECTED_TIMEOUT_S", s.health.disconnected_timeout_s),
     ):
         _positive(problems, name, value)
     if problems:
@@ -243,6 +279,17 @@ def settings_problems(s: Settings) -> list[str]:
             f"WORKER_S3__MAX_ATTEMPTS ({s3_worst_s:g}s) must be shorter than "
             f"WORKER_LOADER__TIMEOUT_S ({s.loader.timeout_s}), or a slow object looks like a hang"
         )
+    if s.sources.object_deadline_s >= s.loader.timeout_s:
+        problems.append(
+            f"WORKER_SOURCES__OBJECT_DEADLINE_S ({s.sources.object_deadline_s}) must be shorter "
+            f"than WORKER_LOADER__TIMEOUT_S ({s.loader.timeout_s}), or a slow object looks like "
+            "a hung loader"
+        )
+    if s.sources.max_redirects < 0:
+        problems.append(f"WORKER_SOURCES__MAX_REDIRECTS={s.sources.max_redirects} must be >= 0")
+    for root in s.sources.roots():
+        if not root.startswith("/"):
+            problems.append(f"WORKER_SOURCES__FILE_ROOTS: {root!r} is not an absolute path")
     if s.nats.fetch_timeout_s >= s.health.stall_timeout_s:
         problems.append(
             f"WORKER_NATS__FETCH_TIMEOUT_S ({s.nats.fetch_timeout_s}) must be shorter than "

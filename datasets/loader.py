@@ -9,9 +9,21 @@ no shared-memory file behind. The main process keeps a single iterator open, so 
 children serve job after job, and calls ``next`` only for requests it has submitted, each
 bounded by the DataLoader ``timeout``.
 
-When a child dies, stops or loses a batch, the timeout fires; ``restart`` then SIGKILLs and
-reaps every child (stopped ones included), closes every queue, and builds a fresh loader.
-All DataLoader calls happen on one thread; ``submit`` may be called from any thread.
+When a child dies, stops or loses a batch, the timeout fires; ``restart`` then SIGKILLs
+every child (stopped ones included), replaces the fork server if it is stopped or does not
+report its children's exits, closes every queue, and builds a fresh loader. A child that
+cannot be killed (uninterruptible sleep) is abandoned, never waited on.
+
+Threads: every DataLoader call (start, next, restart, close) happens on the engine thread.
+``submit`` may be called from any thread and never waits on a rebuild: requests made while
+one is under way wait in a backlog and go to the new loader.
+
+What of torch this relies on (tested with torch 2.14.1, forkserver, spawn and fork): a
+``DataLoader`` over an ``IterableDataset`` with ``timeout``, ``worker_init_fn``,
+``prefetch_factor`` and ``in_order=False``; and, in ``_Generation`` only, the iterator's
+``_workers``, ``_index_queues``, ``_worker_result_queue``, ``_workers_done_event``,
+``_shutdown`` and ``_worker_pids_set``. torch's own ``_shutdown_workers`` is not used: it
+sets an event whose lock a killed child may hold, and waits 5 s per child it cannot join.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from datasets import processes
 from datasets.errors import TransientError, WorkerError
 from datasets.images import decode_resized
 from datasets.semaphores import semlock_names, unlink_names, wait_until_mapped
@@ -201,27 +214,82 @@ def _close_mp_queue(q: Any) -> None:
     q._writer.close()
 
 
+class _Generation:
+    """One DataLoader iterator, its request queue and its children; the torch adapter."""
+
+    def __init__(self, it: Any, requests: Any) -> None:
+        self.it = it
+        self.requests = requests
+
+    def workers(self) -> list[Any]:
+        return list(self.it._workers)
+
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.it._workers if w.pid is not None]
+
+    def semaphore_names(self) -> tuple[set[str], list[set[str]]]:
+        it = self.it
+        shared = semlock_names(self.requests) | semlock_names(it._worker_result_queue)
+        shared |= semlock_names(it._workers_done_event)
+        return shared, [semlock_names(q) for q in it._index_queues]
+
+    def retire(self) -> list[Any]:
+        """Close every queue and Process object of ours once the children are killed; return
+        the Process objects multiprocessing still thinks are running (kept, closed later)."""
+        it = self.it
+        it._shutdown = True  # torch's __del__ must not run its own (blocking) shutdown
+        if getattr(it, "_worker_pids_set", False):
+            from torch.utils.data import _utils
+
+            _utils.signal_handling._remove_worker_pids(id(it))
+            it._worker_pids_set = False
+        for q in [*it._index_queues, it._worker_result_queue, self.requests]:
+            _close_mp_queue(q)
+        return close_processes(self.workers())
+
+
+def close_processes(workers: list[Any]) -> list[Any]:
+    """Close what can be closed; return the ones multiprocessing still believes alive."""
+    left = []
+    for w in workers:
+        try:
+            w.close()
+        except ValueError:  # "Cannot close a process while it is still running"
+            left.append(w)
+    return left
+
+
+_open_loaders: set[int] = set()  # loaders of this process that are started and not closed
+
+
 class StreamingLoader:
     def __init__(self, config: LoaderConfig) -> None:
         self.config = config
         self._ctx = mp.get_context(config.mp_context)
         if config.mp_context == "forkserver":
             self._ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-        self._lock = threading.Lock()
-        self._requests: Any = None
-        self._iter: Any = None
+        self._lock = threading.Lock()  # guards the request side: _requests, _outstanding
+        self._requests: Any = None  # None while stopped or rebuilding
+        self._gen: _Generation | None = None  # touched by the engine thread only
         self._outstanding: dict[int, LoadRequest] = {}
+        self._backlog: list[LoadRequest] = []
+        self._abandoned: list[Any] = []  # Process objects whose end was never reported
         self.restarts = 0
 
     # -- life cycle ---------------------------------------------------------------------
     def start(self) -> None:
-        with self._lock:
-            self._start_locked()
+        processes.become_subreaper()
+        _open_loaders.add(id(self))
+        self._start_generation()
 
-    def _start_locked(self) -> None:
-        self._requests = self._ctx.Queue()
+    def _start_generation(self) -> None:
+        why = processes.forkserver_unfit() if self.config.mp_context == "forkserver" else None
+        if why:
+            processes.stop_forkserver(_KILL_WAIT_S)
+        processes.replace_stopped_tracker(_KILL_WAIT_S)
+        requests = self._ctx.Queue()
         dataset = RequestStream(
-            self._requests,
+            requests,
             self.config.image_size,
             self.config.sources,
             self.config.drop_once_file,
@@ -237,77 +305,107 @@ class StreamingLoader:
             prefetch_factor=self.config.prefetch_per_worker,
             in_order=False,
         )
-        self._iter = iter(loader)
-        self._unlink_semaphores()
+        gen = _Generation(iter(loader), requests)
+        self._gen = gen
+        self._unlink_semaphores(gen)
+        with self._lock:
+            self._requests = requests
+            for request in self._backlog:
+                requests.put(request)
+            self._backlog.clear()
 
     def close(self) -> None:
-        """Stop every child (SIGKILL; they hold nothing we still need), reap it, close queues."""
+        """Stop every child (SIGKILL; they hold nothing we still need), the fork server too,
+        and reap them all: when the worker's exit status can be read, they are gone."""
         with self._lock:
-            self._teardown()
+            self._requests = None
             self._outstanding.clear()
+            self._backlog.clear()
+        self._teardown()
+        _open_loaders.discard(id(self))
+        if self.config.mp_context == "forkserver" and not _open_loaders:
+            processes.stop_forkserver(_KILL_WAIT_S)  # shared by every loader of the process
+        self._abandoned = close_processes(self._abandoned)
+        processes.replace_stopped_tracker(_KILL_WAIT_S)
 
     def restart(self) -> list[LoadRequest]:
         """Replace the loader; return the requests that were submitted and never came back.
 
-        Holds the lock throughout, so a concurrent ``submit`` lands in the new loader.
+        ``submit`` does not wait meanwhile: what it is given goes to the new loader.
         """
         with self._lock:
             lost = list(self._outstanding.values())
             self._outstanding.clear()
-            self._teardown()
-            self.restarts += 1
-            self._start_locked()
+            self._requests = None
+        self._teardown()
+        self.restarts += 1
+        self._abandoned = close_processes(self._abandoned)
+        try:
+            self._start_generation()
+        except Exception as error:  # noqa: BLE001 - no loader: the caller gives up on it
+            raise LoaderFailure(
+                f"cannot start a new loader: {type(error).__name__}: {error}", kind="loader_failed"
+            ) from None
         return lost
 
-    def _unlink_semaphores(self) -> None:
+    def _unlink_semaphores(self, gen: _Generation) -> None:
         """Once the children have opened them, unlink this generation's semaphore names."""
-        it = self._iter
-        shared = semlock_names(self._requests) | semlock_names(it._worker_result_queue)
-        shared |= semlock_names(it._workers_done_event)
-        own = [semlock_names(q) for q in it._index_queues]
+        shared, own = gen.semaphore_names()
         wanted = {
-            w.pid: {name.lstrip("/") for name in shared | own[i]} for i, w in enumerate(it._workers)
+            w.pid: {name.lstrip("/") for name in shared | own[i]}
+            for i, w in enumerate(gen.workers())
         }
         if wait_until_mapped(wanted, timeout_s=self.config.timeout_s):
             unlink_names(shared.union(*own))
 
     def _teardown(self) -> None:
-        it, self._iter = self._iter, None
-        if it is None:
+        gen, self._gen = self._gen, None
+        if gen is None:
             return
-        workers = list(it._workers)
-        for w in workers:
-            if w.is_alive():
-                w.kill()  # SIGKILL also ends a SIGSTOPped child
+        pids = gen.pids()
+        processes.kill(pids)
+        unkillable = processes.wait_gone(pids, _KILL_WAIT_S)
+        if self.config.mp_context == "forkserver" and (
+            processes.forkserver_unfit() or unkillable or self._exits_unreported(gen)
+        ):
+            # The fork server reports its children's exits; one that does not (stopped) is
+            # replaced, and the children it leaves behind become ours (subreaper) to reap.
+            processes.stop_forkserver(_KILL_WAIT_S)
+            processes.wait_gone(pids, _KILL_WAIT_S, reap_them=True)
+        self._abandoned.extend(gen.retire())
+
+    @staticmethod
+    def _exits_unreported(gen: _Generation) -> bool:
+        """Children dead by /proc whose exit multiprocessing has not heard of in time."""
         deadline = time.monotonic() + _KILL_WAIT_S
-        for w in workers:
-            w.join(timeout=max(0.0, deadline - time.monotonic()))
-        it._shutdown_workers()  # torch's own bookkeeping; children are gone, so it is quick
-        _close_mp_queue(it._worker_result_queue)
-        _close_mp_queue(self._requests)
-        for w in workers:
-            w.close()
-        self._requests = None
+        while any(w.is_alive() for w in gen.workers()):
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(0.02)
+        return False
 
     # -- data path ----------------------------------------------------------------------
     def submit(self, requests: Sequence[LoadRequest]) -> None:
+        """Queue loads, from any thread; never waits on a rebuild."""
         with self._lock:
-            if self._requests is None:
-                raise LoaderFailure("the loader is not running", kind="loader_stopped")
             for request in requests:
                 self._outstanding[request.key] = request
+            if self._requests is None:
+                self._backlog.extend(requests)  # rebuilding: the new loader gets them
+                return
+            for request in requests:
                 self._requests.put(request)
 
     def next_loaded(self) -> Loaded:
         """The next finished request; LoaderFailure when none came within the timeout."""
-        it = self._iter
-        if it is None:
+        gen = self._gen
+        if gen is None:
             raise LoaderFailure("the loader is not running", kind="loader_stopped")
         try:
-            loaded: Loaded = next(it)
+            loaded: Loaded = next(gen.it)
         except Exception as error:  # noqa: BLE001 - any failure here means a broken loader
-            # A timeout, a dead child (RuntimeError), or a child killed between sending a
-            # tensor and sharing its memory (ConnectionResetError while unpickling): rebuild.
+            # A timeout, a dead child (RuntimeError), or a child killed mid-handover
+            # (ConnectionResetError or EOFError while unpickling): rebuild.
             raise LoaderFailure(
                 f"DataLoader failed: {type(error).__name__}: {error}", kind="loader_failed"
             ) from None
@@ -320,29 +418,24 @@ class StreamingLoader:
             return len(self._outstanding)
 
     def unhealthy_children(self) -> list[str]:
-        """Children that are stopped, dead or zombies; read from /proc, cheap enough per batch."""
+        """Children (and the fork server) that are stopped, dead or zombies; from /proc."""
         found = []
         for pid in self.child_pids():
-            try:
-                with open(f"/proc/{pid}/stat") as stat:
-                    state = stat.read().rpartition(")")[2].split()[0]
-            except (OSError, IndexError):
+            current = processes.state(pid)
+            if current is None:
                 found.append(f"{pid}:gone")
-                continue
-            if state in ("T", "t", "Z", "X"):
-                found.append(f"{pid}:{state}")
+            elif current in (*processes.STOPPED_STATES, *processes.DEAD_STATES):
+                found.append(f"{pid}:{current}")
+        if self.config.mp_context == "forkserver":
+            why = processes.forkserver_unfit()
+            if why:
+                found.append(why)
         return found
 
     def child_pids(self) -> list[int]:
-        it = self._iter
-        if it is None:
-            return []
-        return [w.pid for w in it._workers if w.pid is not None]
+        gen = self._gen
+        return gen.pids() if gen is not None else []
 
     def kill_children(self) -> None:
         """Last resort from any thread, when the loader's own thread is wedged: SIGKILL them."""
-        for pid in self.child_pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        processes.kill(self.child_pids())

@@ -1,4 +1,9 @@
-"""Image bytes from s3://, http(s):// and file:// URIs.
+"""Image bytes from s3://, http(s):// and file:// URIs, under the source policy.
+
+Task URIs come from strangers (``read_bytes``): ``file://`` only under the configured roots,
+http(s) never to private addresses unless allowed (see ``datasets.httpget``), every read
+capped at ``max_bytes`` while reading and bounded by one deadline per object. The operator's
+own URIs (weights, labels) are read by ``read_trusted``, without the policy.
 
 One boto3 client per process, made lazily and keyed by pid, so a loader worker never uses a
 client created in its parent.
@@ -7,18 +12,21 @@ client created in its parent.
 from __future__ import annotations
 
 import os
-import urllib.error
-import urllib.request
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
+from urllib.parse import unquote, urlsplit
 
+from config.redact import redact_url
+from datasets.deadline import Cutoff
 from datasets.errors import PermanentError, TransientError
+from datasets.httpget import HttpPolicy, read_http
 
 _MISSING_CODES = {"NoSuchKey", "NoSuchBucket", "404", "NotFound"}
 _DENIED_CODES = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"}
 MAX_IMAGE_BYTES = 64 * 1024 * 1024
+_CHUNK_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,25 @@ class SourceConfig:
     read_timeout_s: float = 20.0
     max_attempts: int = 3
     http_timeout_s: float = 20.0
+    file_roots: tuple[str, ...] = ()  # empty: file:// refused
+    allowed_hosts: frozenset[str] = frozenset()  # http(s) hosts allowed private addresses
+    max_bytes: int = MAX_IMAGE_BYTES
+    object_deadline_s: float = 30.0
+    max_redirects: int = 5
+
+    def http_policy(self) -> HttpPolicy:
+        allowed = set(self.allowed_hosts)
+        if self.s3_endpoint_url:
+            endpoint_host = urlsplit(self.s3_endpoint_url).hostname
+            if endpoint_host:
+                allowed.add(endpoint_host.lower())  # presigned URLs to a private S3 endpoint
+        return HttpPolicy(
+            allowed_hosts=frozenset(allowed),
+            max_bytes=self.max_bytes,
+            deadline_s=self.object_deadline_s,
+            connect_timeout_s=min(self.connect_timeout_s, self.http_timeout_s),
+            max_redirects=self.max_redirects,
+        )
 
 
 _clients: dict[tuple[int, SourceConfig], Any] = {}
@@ -59,76 +86,154 @@ def s3_client(config: SourceConfig) -> Any:
 
 
 def split_s3_uri(uri: str) -> tuple[str, str]:
-    parsed = urlparse(uri)
+    parsed = urlsplit(uri)
     bucket, key = parsed.netloc, parsed.path.lstrip("/")
     if not bucket or not key:
-        raise PermanentError(f"{uri!r} is not s3://bucket/key", kind="invalid_uri")
+        raise PermanentError(f"{redact_url(uri)!r} is not s3://bucket/key", kind="invalid_uri")
     return bucket, key
 
 
 def read_bytes(uri: str, config: SourceConfig) -> bytes:
-    """The object's bytes, or PermanentError / TransientError saying why not."""
-    scheme = urlparse(uri).scheme
+    """A task's object: its bytes, or PermanentError / TransientError saying why not."""
+    scheme = urlsplit(uri).scheme
     if scheme == "s3":
-        return _read_s3(uri, config)
+        return _read_s3(uri, config, config.max_bytes)
     if scheme in ("http", "https"):
-        return _read_http(uri, config)
+        return read_http(uri, config.http_policy())
     if scheme == "file":
-        return _read_file(uri)
-    raise PermanentError(f"unsupported URI scheme {scheme!r} in {uri!r}", kind="invalid_uri")
+        return _read_file(uri, config)
+    raise PermanentError(f"unsupported URI scheme {scheme!r}", kind="invalid_uri")
 
 
-def _read_s3(uri: str, config: SourceConfig) -> bytes:
-    from botocore.exceptions import BotoCoreError, ClientError
+def read_trusted(uri: str, config: SourceConfig) -> bytes:
+    """The operator's own object (weights, labels): s3:// or a local file, no source policy."""
+    if uri.startswith("s3://"):
+        return _read_s3(uri, config, max_bytes=None)
+    path = Path(uri.removeprefix("file://"))
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise PermanentError(f"{path} does not exist", kind="object_missing") from None
+    except OSError as error:
+        raise PermanentError(f"cannot read {path}: {error}", kind="unreadable") from None
+
+
+def _read_s3(uri: str, config: SourceConfig, max_bytes: int | None) -> bytes:
+    from botocore.exceptions import BotoCoreError, ClientError, ParamValidationError
 
     bucket, key = split_s3_uri(uri)
+    shown = redact_url(uri)
     try:
         response = s3_client(config).get_object(Bucket=bucket, Key=key)
         size = int(response.get("ContentLength") or 0)
-        if size > MAX_IMAGE_BYTES:
-            response["Body"].close()
-            raise PermanentError(f"{uri} is {size} bytes, over {MAX_IMAGE_BYTES}", kind="too_large")
-        body: bytes = response["Body"].read()
-        return body
+        body = response["Body"]
+        if max_bytes is not None and size > max_bytes:
+            body.close()
+            raise PermanentError(f"{shown} is {size} bytes, over {max_bytes}", kind="too_large")
+        with Cutoff(config.object_deadline_s) as cutoff:
+            cutoff.watch(body_socket(body))
+            return _read_capped(body, shown, max_bytes, cutoff)
+    except ParamValidationError as error:
+        raise PermanentError(f"invalid S3 location {shown}: {error}", kind="invalid_uri") from None
     except ClientError as error:
         code = str(error.response.get("Error", {}).get("Code", ""))
         status = int(error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
         if code in _MISSING_CODES:
-            raise PermanentError(f"{uri} does not exist ({code})", kind="object_missing") from None
+            raise PermanentError(
+                f"{shown} does not exist ({code})", kind="object_missing"
+            ) from None
         if code in _DENIED_CODES:
-            raise PermanentError(f"{uri}: access denied ({code})", kind="access_denied") from None
+            raise PermanentError(f"{shown}: access denied ({code})", kind="access_denied") from None
         if status >= 500 or code in ("SlowDown", "Throttling", "RequestTimeout"):
             raise TransientError(
-                f"S3 answered {status} {code} for {uri}", kind="s3_unavailable"
+                f"S3 answered {status} {code} for {shown}", kind="s3_unavailable"
             ) from None
-        raise PermanentError(f"S3 refused {uri}: {status} {code}", kind="s3_error") from None
+        raise PermanentError(f"S3 refused {shown}: {status} {code}", kind="s3_error") from None
     except BotoCoreError as error:
-        raise TransientError(f"S3 unreachable for {uri}: {error}", kind="s3_unavailable") from None
+        raise TransientError(
+            f"S3 unreachable for {shown}: {type(error).__name__}", kind="s3_unavailable"
+        ) from None
 
 
-def _read_http(uri: str, config: SourceConfig) -> bytes:
+def _read_capped(body: Any, shown: str, max_bytes: int | None, cutoff: Cutoff) -> bytes:
+    chunks: list[bytes] = []
+    total = 0
     try:
-        with urllib.request.urlopen(uri, timeout=config.http_timeout_s) as response:
-            body: bytes = response.read(MAX_IMAGE_BYTES + 1)
-    except urllib.error.HTTPError as error:
-        if error.code >= 500 or error.code == 429:
-            raise TransientError(f"HTTP {error.code} for {uri}", kind="http_unavailable") from None
-        kind = "object_missing" if error.code in (404, 410) else "http_error"
-        raise PermanentError(f"HTTP {error.code} for {uri}", kind=kind) from None
-    except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
-        raise TransientError(f"cannot reach {uri}: {error}", kind="http_unavailable") from None
-    if len(body) > MAX_IMAGE_BYTES:
-        raise PermanentError(f"{uri} is over {MAX_IMAGE_BYTES} bytes", kind="too_large")
-    return body
+        while chunk := body.read(_CHUNK_BYTES):
+            total += len(chunk)
+            if max_bytes is not None and total > max_bytes:
+                raise PermanentError(f"{shown} is over {max_bytes} bytes", kind="too_large")
+            if cutoff.expired():
+                break
+            chunks.append(chunk)
+    except (OSError, ValueError) as error:
+        if not cutoff.expired():
+            raise TransientError(
+                f"S3 read failed for {shown}: {type(error).__name__}", kind="s3_unavailable"
+            ) from None
+    finally:
+        body.close()
+    if cutoff.expired():
+        raise TransientError(
+            f"{shown}: no whole object within the object deadline", kind="deadline_exceeded"
+        )
+    return b"".join(chunks)
 
 
-def _read_file(uri: str) -> bytes:
-    path = Path(unquote(urlparse(uri).path))
+def body_socket(body: Any) -> Any:
+    """The socket under a botocore StreamingBody, or None if the layout has moved.
+
+    The one place that reaches into botocore and urllib3 internals; botocore's own
+    ``set_socket_timeout`` walks the same path. Without it the deadline is checked between
+    reads only (each read is still bounded by WORKER_S3__READ_TIMEOUT_S).
+    """
     try:
-        if path.stat().st_size > MAX_IMAGE_BYTES:
-            raise PermanentError(f"{uri} is over {MAX_IMAGE_BYTES} bytes", kind="too_large")
-        return path.read_bytes()
+        return body._raw_stream._fp.fp.raw._sock
+    except AttributeError:
+        return None
+
+
+def _read_file(uri: str, config: SourceConfig) -> bytes:
+    parts = urlsplit(uri)
+    shown = redact_url(uri)
+    if not config.file_roots:
+        raise PermanentError(
+            f"{shown}: file:// is off (WORKER_SOURCES__FILE_ROOTS is empty)", kind="file_refused"
+        )
+    if parts.netloc not in ("", "localhost"):
+        raise PermanentError(f"{shown}: file:// on another host is refused", kind="file_refused")
+    try:
+        path = os.path.realpath(unquote(parts.path))
+        if not any(
+            path == root or path.startswith(root.rstrip("/") + "/") for root in _roots(config)
+        ):
+            raise PermanentError(
+                f"{shown}: not under WORKER_SOURCES__FILE_ROOTS", kind="file_refused"
+            )
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise PermanentError(f"{uri} does not exist", kind="object_missing") from None
-    except (IsADirectoryError, PermissionError) as error:
-        raise PermanentError(f"cannot read {uri}: {error}", kind="unreadable") from None
+        raise PermanentError(f"{shown} does not exist", kind="object_missing") from None
+    except (OSError, ValueError) as error:
+        raise PermanentError(
+            f"cannot read {shown}: {type(error).__name__}", kind="unreadable"
+        ) from None
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise PermanentError(f"{shown} is not a regular file", kind="file_refused")
+        if info.st_size > config.max_bytes:
+            raise PermanentError(
+                f"{shown} is {info.st_size} bytes, over {config.max_bytes}", kind="too_large"
+            )
+        data = file.read(config.max_bytes + 1)
+    if len(data) > config.max_bytes:
+        raise PermanentError(f"{shown} is over {config.max_bytes} bytes", kind="too_large")
+    return data
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _roots(config: SourceConfig) -> list[str]:
+    return [os.path.realpath(root) for root in config.file_roots]

@@ -11,7 +11,6 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from config.settings import (
-    S3Settings,
     Settings,
     chosen_device,
     max_held_tasks,
@@ -35,14 +34,19 @@ log = structlog.get_logger(__name__)
 _CLOSE_WAIT_S = 10.0
 
 
-def source_config(s3: S3Settings) -> SourceConfig:
+def source_config(s: Settings) -> SourceConfig:
     return SourceConfig(
-        s3_endpoint_url=s3.endpoint_url,
-        s3_region=s3.region,
-        connect_timeout_s=s3.connect_timeout_s,
-        read_timeout_s=s3.read_timeout_s,
-        max_attempts=s3.max_attempts,
-        http_timeout_s=s3.http_timeout_s,
+        s3_endpoint_url=s.s3.endpoint_url,
+        s3_region=s.s3.region,
+        connect_timeout_s=s.s3.connect_timeout_s,
+        read_timeout_s=s.s3.read_timeout_s,
+        max_attempts=s.s3.max_attempts,
+        http_timeout_s=s.s3.http_timeout_s,
+        file_roots=s.sources.roots(),
+        allowed_hosts=s.sources.hosts(),
+        max_bytes=s.sources.max_bytes,
+        object_deadline_s=s.sources.object_deadline_s,
+        max_redirects=s.sources.max_redirects,
     )
 
 
@@ -65,7 +69,7 @@ class WorkerApp:
 
         s = self.settings
         loop = asyncio.get_running_loop()
-        sources = source_config(s.s3)
+        sources = source_config(s)
         spec = get_pipeline(s.model.pipeline)
         import torch
 

@@ -50,7 +50,7 @@ def _model_problems(settings: Settings) -> list[str]:
         Classifier(
             get_pipeline(settings.model.pipeline),
             settings.model.weights,
-            source_config(settings.s3),
+            source_config(settings),
             settings.model.device,
             settings.model.top_k,
         )

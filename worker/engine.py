@@ -129,7 +129,10 @@ class Engine:
         """Rebuild the loader; reload what later batches still need, the rest is given back."""
         started = time.perf_counter()
         self._heartbeat()  # recovering is not being wedged: the watchdog gets a fresh window
-        lost = self.loader.restart()
+        try:
+            lost = self.loader.restart()
+        except LoaderFailure as error:
+            raise LoaderGaveUp(f"no working loader after: {reason}; {error}") from None
         self._heartbeat()
         again = [request for request in lost if request.key not in wanted]
         if again:

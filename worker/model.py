@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from datasets.errors import PermanentError
-from datasets.sources import SourceConfig, read_bytes
+from datasets.sources import SourceConfig, read_trusted
 from worker.pipelines import PipelineSpec
 
 _MEAN = (0.485, 0.456, 0.406)
@@ -61,8 +61,8 @@ class Classifier:
     def __init__(
         self, spec: PipelineSpec, weights: str, sources: SourceConfig, device: str, top_k: int
     ) -> None:
-        blob = read_bytes(as_uri(weights), sources)
-        self.labels = _parse_labels(read_bytes(labels_uri(weights), sources))
+        blob = read_trusted(as_uri(weights), sources)
+        self.labels = _parse_labels(read_trusted(labels_uri(weights), sources))
         self.info = ModelInfo(spec.name, hashlib.sha256(blob).hexdigest())
         self.input_size = spec.input_size
         self.device = resolve_device(device)

@@ -45,24 +45,33 @@ def test_bad_bytes_are_permanent_errors(data):
     assert error.value.kind in ("corrupt_image", "unsupported_format")
 
 
-def test_formats_other_than_jpeg_and_png_are_refused():
+@pytest.mark.parametrize("fmt", ["GIF", "BMP", "TIFF", "WEBP", "ICO"])
+def test_formats_other_than_jpeg_and_png_are_refused_without_being_parsed(fmt):
     out = io.BytesIO()
-    Image.new("RGB", (10, 10)).save(out, format="GIF")
-    with pytest.raises(PermanentError, match="unsupported image format GIF"):
+    Image.new("RGB", (10, 10)).save(out, format=fmt)
+    with pytest.raises(PermanentError) as refused:
         decode_resized(out.getvalue(), 64)
+    assert refused.value.kind == "unsupported_format"
 
 
-def test_file_sources(tmp_path):
-    path = tmp_path / "a.jpg"
-    path.write_bytes(b"abc")
-    assert read_bytes(f"file://{path}", SourceConfig()) == b"abc"
-    with pytest.raises(PermanentError) as missing:
-        read_bytes(f"file://{tmp_path}/none.jpg", SourceConfig())
-    assert missing.value.kind == "object_missing"
-    with pytest.raises(PermanentError, match="unsupported URI scheme"):
-        read_bytes("gopher://x/y", SourceConfig())
+def test_a_phones_mpo_jpeg_decodes_as_a_jpeg():
+    out = io.BytesIO()
+    first, second = Image.new("RGB", (320, 240), (200, 30, 30)), Image.new("RGB", (320, 240))
+    first.save(out, format="MPO", save_all=True, append_images=[second])
+    assert Image.open(io.BytesIO(out.getvalue())).format == "MPO"
+    array = decode_resized(out.getvalue(), 32)
+    assert array.shape == (3, 32, 32) and round(float(array[0].mean())) == pytest.approx(200, abs=4)
+
+
+def test_a_decompression_bomb_is_too_large_not_decoded():
+    out = io.BytesIO()
+    Image.new("1", (12_000, 12_000)).save(out, format="PNG")  # 144 Mpx in a few kB
+    assert len(out.getvalue()) < 100_000
+    with pytest.raises(PermanentError) as refused:
+        decode_resized(out.getvalue(), 64)
+    assert refused.value.kind == "too_large"
 
 
 def test_an_unreachable_http_source_is_transient():
     with pytest.raises(TransientError):
-        read_bytes("http://127.0.0.1:9/x.jpg", SourceConfig(http_timeout_s=1))
+        read_bytes("http://127.0.0.1:9/x.jpg", SourceConfig(allowed_hosts=frozenset({"127.0.0.1"})))

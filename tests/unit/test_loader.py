@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import signal
 import time
 from pathlib import Path
@@ -11,7 +12,10 @@ import psutil
 import pytest
 
 from datasets.loader import LoaderConfig, LoaderFailure, LoadRequest, StreamingLoader
+from datasets.sources import SourceConfig
 from datasets.synthetic import image_bytes
+
+FILES = SourceConfig(file_roots=(tempfile.gettempdir(),))  # where pytest makes tmp_path
 
 
 @pytest.fixture
@@ -26,7 +30,9 @@ def images(tmp_path):
 
 @pytest.fixture
 def loader():
-    loader = StreamingLoader(LoaderConfig(num_workers=2, timeout_s=2.0, image_size=64))
+    loader = StreamingLoader(
+        LoaderConfig(num_workers=2, timeout_s=2.0, image_size=64, sources=FILES)
+    )
     loader.start()
     yield loader
     loader.close()
@@ -58,7 +64,9 @@ def test_loaded_images_held_by_the_worker_take_no_shared_memory(tmp_path):
 
     path = tmp_path / "big.jpg"
     path.write_bytes(image_bytes(1024, 768, seed=3))
-    loader = StreamingLoader(LoaderConfig(num_workers=2, timeout_s=5.0, image_size=512))
+    loader = StreamingLoader(
+        LoaderConfig(num_workers=2, timeout_s=5.0, image_size=512, sources=FILES)
+    )
     loader.start()
     try:
         before = shm_bytes(os.getpid(), set())
@@ -111,7 +119,9 @@ def test_restarts_leak_no_descriptors_and_no_children(loader, images):
 
 
 def test_close_reaps_every_child(images):
-    loader = StreamingLoader(LoaderConfig(num_workers=2, timeout_s=2.0, image_size=64))
+    loader = StreamingLoader(
+        LoaderConfig(num_workers=2, timeout_s=2.0, image_size=64, sources=FILES)
+    )
     loader.start()
     load_all(loader, images[:2])
     pids = loader.child_pids()

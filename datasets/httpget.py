@@ -1,0 +1,217 @@
+"""http(s):// image reads under the source policy.
+
+- Addresses: a host is resolved once per hop and every address it resolves to is checked;
+  loopback, private, link-local, multicast, reserved and unspecified addresses (also when
+  embedded in an IPv6 address) are refused unless the host is allowed by name. The
+  connection goes to the checked address, so a second resolution cannot swap it.
+- Redirects: followed up to a bound, each one checked like the first; never to another scheme.
+- Size: ``max_bytes`` enforced while reading, whatever Content-Length says.
+- Time: one deadline for the whole object (connect, TLS, headers, body), see ``Cutoff``.
+
+Errors name the URL redacted (scheme, host, path): never a query string or credentials.
+"""
+
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import socket
+import ssl
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urljoin, urlsplit
+
+from config.redact import redact_url
+from datasets.deadline import Cutoff
+from datasets.errors import PermanentError, TransientError
+
+_REDIRECTS = {301, 302, 303, 307, 308}
+_CHUNK_BYTES = 256 * 1024
+_USER_AGENT = "inference-worker"
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+@dataclass(frozen=True)
+class HttpPolicy:
+    allowed_hosts: frozenset[str] = frozenset()  # lower-case host names or IP literals
+    max_bytes: int = 64 * 1024 * 1024
+    deadline_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    max_redirects: int = 5
+
+
+def refused_address(ip: IPAddress) -> bool:
+    """True for every address an image URL from a stranger must not reach."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        embedded = [ip.ipv4_mapped, ip.sixtofour, ip.teredo[1] if ip.teredo else None]
+        if any(inner is not None and refused_address(inner) for inner in embedded):
+            return True
+    return (
+        not ip.is_global
+        or ip.is_private
+        or ip.is_loopback
+        or ip.is_link_local
+        or ip.is_multicast
+        or ip.is_reserved
+        or ip.is_unspecified
+    )
+
+
+def host_allowed(host: str, allowed: frozenset[str]) -> bool:
+    return host.lower().rstrip(".") in allowed
+
+
+Address = tuple[int, tuple[Any, ...]]  # (family, sockaddr)
+
+
+def _resolve(url: str, host: str, port: int, policy: HttpPolicy) -> list[Address]:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        if error.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", -5)):
+            raise PermanentError(
+                f"{redact_url(url)}: host not found", kind="object_missing"
+            ) from None
+        raise TransientError(
+            f"{redact_url(url)}: cannot resolve the host ({error})", kind="http_unavailable"
+        ) from None
+    addresses: list[Address] = [(int(family), sockaddr) for family, _t, _p, _c, sockaddr in infos]
+    if not host_allowed(host, policy.allowed_hosts):
+        for _family, sockaddr in addresses:
+            ip = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0])
+            if refused_address(ip):
+                raise PermanentError(
+                    f"{redact_url(url)}: refused, the host resolves to a loopback, private, "
+                    "link-local, multicast or reserved address (allow it with "
+                    "WORKER_SOURCES__ALLOWED_HOSTS)",
+                    kind="address_refused",
+                )
+    return addresses
+
+
+def _connect(addresses: list[Address], timeout_s: float) -> socket.socket:
+    last: OSError | None = None
+    for family, sockaddr in addresses:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(sockaddr)
+            return sock
+        except OSError as error:
+            sock.close()
+            last = error
+    raise last or OSError("no address to connect to")
+
+
+def read_http(url: str, policy: HttpPolicy) -> bytes:
+    """The object's bytes, or PermanentError / TransientError saying why not."""
+    with Cutoff(policy.deadline_s) as cutoff:
+        for _hop in range(policy.max_redirects + 1):
+            status, location, body = _get_once(url, policy, cutoff)
+            if status not in _REDIRECTS:
+                return _body_or_error(url, status, body)
+            if not location:
+                raise PermanentError(f"{redact_url(url)}: redirect without a Location")
+            target = urljoin(url, location)
+            if urlsplit(target).scheme != urlsplit(url).scheme:
+                raise PermanentError(
+                    f"{redact_url(url)}: refused a redirect to another scheme "
+                    f"({redact_url(target)})",
+                    kind="redirect_refused",
+                )
+            url = target
+    raise PermanentError(
+        f"{redact_url(url)}: more than {policy.max_redirects} redirects", kind="redirect_refused"
+    )
+
+
+def _body_or_error(url: str, status: int, body: bytes) -> bytes:
+    if 200 <= status < 300:
+        return body
+    if status >= 500 or status == 429:
+        raise TransientError(f"HTTP {status} for {redact_url(url)}", kind="http_unavailable")
+    kind = "object_missing" if status in (404, 410) else "http_error"
+    raise PermanentError(f"HTTP {status} for {redact_url(url)}", kind=kind)
+
+
+def _get_once(url: str, policy: HttpPolicy, cutoff: Cutoff) -> tuple[int, str, bytes]:
+    """One GET: (status, Location, body). Bodies of redirects and errors are not kept."""
+    parts = urlsplit(url)
+    host, scheme = parts.hostname or "", parts.scheme
+    if scheme not in ("http", "https") or not host:
+        raise PermanentError(f"{redact_url(url)} is not an http(s) URL", kind="invalid_uri")
+    try:
+        port = parts.port or (443 if scheme == "https" else 80)
+    except ValueError:
+        raise PermanentError(f"{redact_url(url)}: invalid port", kind="invalid_uri") from None
+    addresses = _resolve(url, host, port, policy)
+    try:
+        sock = _connect(addresses, min(policy.connect_timeout_s, cutoff.remaining_s()))
+        cutoff.watch(sock)
+        if scheme == "https":
+            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+            cutoff.watch(sock)
+        connection = http.client.HTTPConnection(host, port, timeout=cutoff.remaining_s())
+        connection.sock = sock
+        try:
+            return _exchange(url, connection, policy, cutoff)
+        finally:
+            connection.close()
+    except ssl.SSLCertVerificationError as error:
+        raise PermanentError(
+            f"{redact_url(url)}: TLS certificate refused ({error.verify_message})",
+            kind="tls_error",
+        ) from None
+    except (http.client.InvalidURL, UnicodeError, ValueError) as error:
+        raise PermanentError(f"{redact_url(url)}: {error}", kind="invalid_uri") from None
+    except (OSError, http.client.HTTPException) as error:
+        if cutoff.expired():
+            raise TransientError(
+                f"{redact_url(url)}: no whole object within {policy.deadline_s:g}s",
+                kind="deadline_exceeded",
+            ) from None
+        raise TransientError(
+            f"cannot read {redact_url(url)}: {type(error).__name__}", kind="http_unavailable"
+        ) from None
+
+
+def _exchange(
+    url: str,
+    connection: http.client.HTTPConnection,
+    policy: HttpPolicy,
+    cutoff: Cutoff,
+) -> tuple[int, str, bytes]:
+    split = urlsplit(url)
+    target = (split.path or "/") + (f"?{split.query}" if split.query else "")
+    netloc = split.netloc.rpartition("@")[2]  # never send userinfo anywhere
+    connection.putrequest("GET", target, skip_host=True, skip_accept_encoding=True)
+    connection.putheader("Host", netloc)
+    connection.putheader("User-Agent", _USER_AGENT)
+    connection.putheader("Accept-Encoding", "identity")
+    connection.putheader("Connection", "close")
+    connection.endheaders()
+    response = connection.getresponse()
+    status = response.status
+    if status in _REDIRECTS or not 200 <= status < 300:
+        return status, response.getheader("Location") or "", b""
+    declared = response.getheader("Content-Length")
+    if declared and declared.isdigit() and int(declared) > policy.max_bytes:
+        raise PermanentError(
+            f"{redact_url(url)} is {declared} bytes, over {policy.max_bytes}", kind="too_large"
+        )
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        chunk = response.read1(_CHUNK_BYTES)  # at most one read of the socket
+        if not chunk:
+            break
+        total += len(chunk)
+        if total > policy.max_bytes:
+            raise PermanentError(
+                f"{redact_url(url)} is over {policy.max_bytes} bytes", kind="too_large"
+            )
+        chunks.append(chunk)
+    if cutoff.expired():
+        raise OSError("cut off at the deadline")
+    return status, "", b"".join(chunks)
