@@ -12,7 +12,7 @@ import re
 from urllib.parse import urlsplit
 
 MAX_SHOWN_CHARS = 300
-_SCHEME_URL = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]{1,15})://[^\s\"'<>]*")
+_SCHEME_URL = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]{1,15})://[^\s\"'<>]*(?:<redacted>)?")
 _SECRET_PARAM = re.compile(
     r"(?i)(x-amz-[a-z-]+|signature|awsaccesskeyid|token|password|secret|sig)=[^&\s\"']*"
 )

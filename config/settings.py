@@ -12,6 +12,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from config.redact import redact_url
+
 # Pipeline name -> input size (pixels a side); worker.pipelines builds them, a test keeps
 # the two in step. Known here so settings can be checked without importing torch.
 PIPELINE_INPUT_SIZES = {"resnet18-classifier": 224, "mobilenet-v3-small-classifier": 224}
@@ -60,7 +62,7 @@ class NatsSettings(BaseModel):
     def _url_scheme(cls, value: str) -> str:
         for url in value.split(","):
             if not url.strip().startswith(("nats://", "tls://", "ws://", "wss://")):
-                raise ValueError(f"expected nats://host:port, got {url!r}")
+                raise ValueError(f"expected nats://host:port, got {redact_url(url)!r}")
         return value
 
 
@@ -83,14 +85,17 @@ class SourceSettings(BaseModel):
     )
     allowed_hosts: str = Field(
         "",
-        description="comma-separated http(s) hosts allowed to resolve to loopback, private or "
-        "link-local addresses (the host of WORKER_S3__ENDPOINT_URL always is)",
+        description="comma-separated http(s) hosts (host, host:port, [v6]:port) allowed to "
+        "resolve to loopback, private or link-local addresses; the host and port of "
+        "WORKER_S3__ENDPOINT_URL always are",
     )
     max_bytes: int = Field(
         64 * 1024 * 1024, description="largest object read, enforced while reading, every scheme"
     )
     object_deadline_s: float = Field(
-        30.0, description="one deadline for reading a whole object (connect, headers, body)"
+        0.0,
+        description="one deadline for reading a whole object (connect, headers, body); "
+        "0 = three quarters of WORKER_LOADER__TIMEOUT_S",
     )
     max_redirects: int = Field(5, description="http(s) redirects followed, each one re-checked")
 
@@ -254,7 +259,6 @@ def settings_problems(s: Settings) -> list[str]:
         ("WORKER_S3__MAX_ATTEMPTS", s.s3.max_attempts),
         ("WORKER_LOADER__MAX_CONSECUTIVE_FAILURES", s.loader.max_consecutive_failures),
         ("WORKER_SOURCES__MAX_BYTES", s.sources.max_bytes),
-        ("WORKER_SOURCES__OBJECT_DEADLINE_S", s.sources.object_deadline_s),
         ("WORKER_HEALTH__DISCONNECTED_TIMEOUT_S", s.health.disconnected_timeout_s),
     ):
         _positive(problems, name, value)
@@ -279,6 +283,8 @@ def settings_problems(s: Settings) -> list[str]:
             f"WORKER_S3__MAX_ATTEMPTS ({s3_worst_s:g}s) must be shorter than "
             f"WORKER_LOADER__TIMEOUT_S ({s.loader.timeout_s}), or a slow object looks like a hang"
         )
+    if s.sources.object_deadline_s < 0:
+        problems.append("WORKER_SOURCES__OBJECT_DEADLINE_S must be 0 (derived) or more")
     if s.sources.object_deadline_s >= s.loader.timeout_s:
         problems.append(
             f"WORKER_SOURCES__OBJECT_DEADLINE_S ({s.sources.object_deadline_s}) must be shorter "
@@ -335,6 +341,11 @@ def max_held_tasks(s: Settings) -> int:
     if s.loader.max_inflight_bytes:
         held = min(held, s.loader.max_inflight_bytes // image_bytes(s.model.pipeline))
     return max(held, s.loader.batch_size)
+
+
+def object_deadline_s(s: Settings) -> float:
+    """The per-object read deadline: as set, or three quarters of the loader timeout."""
+    return s.sources.object_deadline_s or 0.75 * s.loader.timeout_s
 
 
 def torch_threads(s: Settings, cores: int | None) -> int:

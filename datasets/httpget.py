@@ -34,7 +34,7 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 @dataclass(frozen=True)
 class HttpPolicy:
-    allowed_hosts: frozenset[str] = frozenset()  # lower-case host names or IP literals
+    allowed: frozenset[tuple[str, int | None]] = frozenset()  # (host, port or None = any)
     max_bytes: int = 64 * 1024 * 1024
     deadline_s: float = 30.0
     connect_timeout_s: float = 5.0
@@ -58,8 +58,22 @@ def refused_address(ip: IPAddress) -> bool:
     )
 
 
-def host_allowed(host: str, allowed: frozenset[str]) -> bool:
-    return host.lower().rstrip(".") in allowed
+def allowed_entry(entry: str) -> tuple[str, int | None]:
+    """``host``, ``host:port``, ``[v6]`` or ``[v6]:port`` as (host, port or None)."""
+    entry = entry.strip().lower()
+    if entry.startswith("["):
+        host, _, rest = entry[1:].partition("]")
+        port = rest.removeprefix(":")
+    elif entry.count(":") == 1:
+        host, _, port = entry.partition(":")
+    else:
+        host, port = entry, ""
+    return host.rstrip("."), int(port) if port.isdigit() else None
+
+
+def host_allowed(host: str, port: int, allowed: frozenset[tuple[str, int | None]]) -> bool:
+    name = host.lower().rstrip(".")
+    return (name, None) in allowed or (name, port) in allowed
 
 
 Address = tuple[int, tuple[Any, ...]]  # (family, sockaddr)
@@ -77,7 +91,7 @@ def _resolve(url: str, host: str, port: int, policy: HttpPolicy) -> list[Address
             f"{redact_url(url)}: cannot resolve the host ({error})", kind="http_unavailable"
         ) from None
     addresses: list[Address] = [(int(family), sockaddr) for family, _t, _p, _c, sockaddr in infos]
-    if not host_allowed(host, policy.allowed_hosts):
+    if not host_allowed(host, port, policy.allowed):
         for _family, sockaddr in addresses:
             ip = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0])
             if refused_address(ip):

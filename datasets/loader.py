@@ -233,16 +233,22 @@ class _Generation:
         shared |= semlock_names(it._workers_done_event)
         return shared, [semlock_names(q) for q in it._index_queues]
 
-    def retire(self) -> list[Any]:
-        """Close every queue and Process object of ours once the children are killed; return
-        the Process objects multiprocessing still thinks are running (kept, closed later)."""
+    def disown(self) -> None:
+        """Before we kill the children: torch's SIGCHLD check must not take their deaths for
+        a failure (they reach us as orphans once the fork server is replaced), and its
+        ``__del__`` must not run its own, blocking, shutdown."""
         it = self.it
-        it._shutdown = True  # torch's __del__ must not run its own (blocking) shutdown
+        it._shutdown = True
         if getattr(it, "_worker_pids_set", False):
             from torch.utils.data import _utils
 
             _utils.signal_handling._remove_worker_pids(id(it))
             it._worker_pids_set = False
+
+    def retire(self) -> list[Any]:
+        """Close every queue and Process object of ours once the children are killed; return
+        the Process objects multiprocessing still thinks are running (kept, closed later)."""
+        it = self.it
         for q in [*it._index_queues, it._worker_result_queue, self.requests]:
             _close_mp_queue(q)
         return close_processes(self.workers())
@@ -363,6 +369,7 @@ class StreamingLoader:
         if gen is None:
             return
         pids = gen.pids()
+        gen.disown()
         processes.kill(pids)
         unkillable = processes.wait_gone(pids, _KILL_WAIT_S)
         if self.config.mp_context == "forkserver" and (

@@ -21,7 +21,7 @@ from urllib.parse import unquote, urlsplit
 from config.redact import redact_url
 from datasets.deadline import Cutoff
 from datasets.errors import PermanentError, TransientError
-from datasets.httpget import HttpPolicy, read_http
+from datasets.httpget import HttpPolicy, allowed_entry, read_http
 
 _MISSING_CODES = {"NoSuchKey", "NoSuchBucket", "404", "NotFound"}
 _DENIED_CODES = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"}
@@ -40,19 +40,21 @@ class SourceConfig:
     max_attempts: int = 3
     http_timeout_s: float = 20.0
     file_roots: tuple[str, ...] = ()  # empty: file:// refused
-    allowed_hosts: frozenset[str] = frozenset()  # http(s) hosts allowed private addresses
+    allowed_hosts: frozenset[str] = frozenset()  # host or host:port allowed private addresses
     max_bytes: int = MAX_IMAGE_BYTES
     object_deadline_s: float = 30.0
     max_redirects: int = 5
 
     def http_policy(self) -> HttpPolicy:
-        allowed = set(self.allowed_hosts)
+        allowed = {allowed_entry(entry) for entry in self.allowed_hosts}
         if self.s3_endpoint_url:
-            endpoint_host = urlsplit(self.s3_endpoint_url).hostname
-            if endpoint_host:
-                allowed.add(endpoint_host.lower())  # presigned URLs to a private S3 endpoint
+            # Presigned URLs to a private S3 endpoint: that host and port, nothing else on it.
+            endpoint = urlsplit(self.s3_endpoint_url)
+            if endpoint.hostname:
+                default_port = 443 if endpoint.scheme == "https" else 80
+                allowed.add((endpoint.hostname.lower(), endpoint.port or default_port))
         return HttpPolicy(
-            allowed_hosts=frozenset(allowed),
+            allowed=frozenset(allowed),
             max_bytes=self.max_bytes,
             deadline_s=self.object_deadline_s,
             connect_timeout_s=min(self.connect_timeout_s, self.http_timeout_s),

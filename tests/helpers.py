@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 from datasets.synthetic import image_bytes
@@ -90,3 +94,76 @@ async def consumer_idle(js: Any, settings: Any, timeout_s: float = 15.0) -> Any:
     raise AssertionError(
         f"consumer still busy: pending={info.num_pending} ack_pending={info.num_ack_pending}"
     )
+
+
+def worker_env(settings, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    env.update(
+        {
+            "WORKER_NATS__URL": settings.nats.url,
+            "WORKER_NATS__FETCH_TIMEOUT_S": "0.5",
+            "WORKER_S3__ENDPOINT_URL": settings.s3.endpoint_url or "",
+            "WORKER_S3__CONNECT_TIMEOUT_S": "1",
+            "WORKER_S3__READ_TIMEOUT_S": "3",
+            "WORKER_S3__MAX_ATTEMPTS": "2",
+            "WORKER_LOADER__NUM_WORKERS": "2",
+            "WORKER_LOADER__BATCH_SIZE": "4",
+            "WORKER_LOADER__TIMEOUT_S": "20",
+            "WORKER_MODEL__PIPELINE": settings.model.pipeline,
+            "WORKER_MODEL__WEIGHTS": settings.model.weights,
+            "WORKER_MODEL__DEVICE": "cpu",
+            "WORKER_HEALTH__STALL_TIMEOUT_S": "30",
+            "WORKER_LOG_LEVEL": "INFO",
+        }
+    )
+    env.update(extra)
+    return env
+
+
+def cli(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "worker", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def wait_http(url: str, proc, log_path, timeout_s: float = 60) -> tuple[int, str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, (
+            f"worker exited {proc.returncode}: {log_path.read_text()[-3000:]}"
+        )
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return response.status, response.read().decode()
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(
+        f"{url} did not answer within {timeout_s}s: {log_path.read_text()[-3000:]}"
+    )
+
+
+@contextmanager
+def worker_process(env: dict[str, str], log_path: Any) -> Iterator[subprocess.Popen[bytes]]:
+    """``inference-worker run`` as its own process; SIGTERM, then SIGKILL, on exit."""
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", "run"],
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable
 
 import nats
 import structlog
@@ -21,11 +22,20 @@ from nats.js.errors import NotFoundError
 from config.settings import NatsSettings
 from worker.results import ResultRefused, ResultsUnavailable
 from worker.schemas import InvalidTask, Task, Undeliverable, Verdict, parse_task
-from worker.settle import Settler
+from worker.settle import Settler, backoff_s
 from worker.transport import advisory_consumer
 
 log = structlog.get_logger(__name__)
 EXHAUSTED_KIND = "deliveries_exhausted"
+POISON_ATTEMPTS = 10  # an advisory that fails this often for reasons of its own is dropped
+
+
+async def _quietly(action: Awaitable[None]) -> None:
+    """Ack, nak or term; if the connection is gone, the ack wait brings the advisory back."""
+    try:
+        await action
+    except nats.errors.Error:
+        pass
 
 
 class ExhaustedTasks:
@@ -65,11 +75,22 @@ class ExhaustedTasks:
         try:
             await self.handle(msg)
         except Exception:
-            log.exception("advisory_handling_failed", data=msg.data[:200])
-            try:
-                await msg.nak(delay=self._settings.nak_backoff_max_s)
-            except nats.errors.Error:
-                pass  # the advisory consumer's ack wait brings it back
+            attempt = msg.metadata.num_delivered
+            if attempt >= POISON_ATTEMPTS:
+                log.exception("advisory_given_up", attempt=attempt, data=msg.data[:200])
+                await _quietly(msg.term())
+            else:
+                log.exception("advisory_handling_failed", attempt=attempt, data=msg.data[:200])
+                await _quietly(msg.nak(delay=self._settings.nak_backoff_max_s))
+
+    async def _later(self, msg: Msg) -> None:
+        """An outage (store or stream): try again with backoff, as long as it lasts."""
+        delay_s = backoff_s(
+            msg.metadata.num_delivered,
+            self._settings.nak_backoff_base_s,
+            self._settings.nak_backoff_max_s,
+        )
+        await _quietly(msg.nak(delay=delay_s))
 
     async def handle(self, msg: Msg) -> None:
         try:
@@ -86,7 +107,7 @@ class ExhaustedTasks:
             await msg.ack()
             return
         except nats.errors.Error:
-            await msg.nak(delay=self._settings.nak_backoff_base_s)
+            await self._later(msg)
             return
         try:
             task = parse_task(original.data or b"")
@@ -98,7 +119,7 @@ class ExhaustedTasks:
                     original.data or b"", original.subject or "", seq, str(error)
                 )
             except ResultsUnavailable:
-                await msg.nak(delay=self._settings.nak_backoff_base_s)
+                await self._later(msg)
                 return
             await msg.ack()
             log.warning("exhausted_task_dead_lettered", stream_seq=seq, reason=str(error))
@@ -118,7 +139,7 @@ class ExhaustedTasks:
                 self._settler.result(task, deliveries, verdict)
             )
         except ResultsUnavailable:
-            await msg.nak(delay=self._settings.nak_backoff_base_s)
+            await self._later(msg)
             return
         except ResultRefused as refused:
             await self._settler.keep_dead_letter(

@@ -14,6 +14,7 @@ from config.settings import (
     Settings,
     chosen_device,
     max_held_tasks,
+    object_deadline_s,
     torch_threads,
 )
 from datasets.loader import LoaderConfig, StreamingLoader
@@ -45,7 +46,7 @@ def source_config(s: Settings) -> SourceConfig:
         file_roots=s.sources.roots(),
         allowed_hosts=s.sources.hosts(),
         max_bytes=s.sources.max_bytes,
-        object_deadline_s=s.sources.object_deadline_s,
+        object_deadline_s=object_deadline_s(s),
         max_redirects=s.sources.max_redirects,
     )
 

@@ -7,6 +7,7 @@ import asyncio
 import nats
 from nats.js.errors import NotFoundError
 
+from config.redact import redact_url, scrub
 from config.settings import Settings
 from datasets.errors import WorkerError
 
@@ -14,6 +15,7 @@ _CHECK_TIMEOUT_S = 10.0
 
 
 async def _nats_problems(settings: Settings) -> list[str]:
+    shown = ", ".join(redact_url(url.strip()) for url in settings.nats.url.split(","))
     try:
         nc = await asyncio.wait_for(
             nats.connect(
@@ -25,7 +27,7 @@ async def _nats_problems(settings: Settings) -> list[str]:
             _CHECK_TIMEOUT_S,
         )
     except Exception as error:  # noqa: BLE001 - any failure is the answer here
-        return [f"NATS at {settings.nats.url} unreachable: {type(error).__name__} {error}"]
+        return [f"NATS at {shown} unreachable: {type(error).__name__} {scrub(str(error))}"]
     problems = []
     try:
         js = nc.jetstream()
@@ -35,7 +37,7 @@ async def _nats_problems(settings: Settings) -> list[str]:
             except NotFoundError:
                 problems.append(f"stream {stream} missing; run `inference-worker provision`")
     except Exception as error:  # noqa: BLE001 - reported as a problem line
-        problems.append(f"JetStream not available at {settings.nats.url}: {error}")
+        problems.append(f"JetStream not available at {shown}: {scrub(str(error))}")
     finally:
         await nc.close()
     return problems

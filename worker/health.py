@@ -157,8 +157,15 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 64
 
-    def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type,
+        max_connections: int,
+        connection_deadline_s: float,
+    ) -> None:
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._deadline_s = connection_deadline_s
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -172,7 +179,7 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
-        cutoff = threading.Timer(CONNECTION_DEADLINE_S, _cut, args=(request,))
+        cutoff = threading.Timer(self._deadline_s, _cut, args=(request,))
         cutoff.daemon = True
         cutoff.start()
         try:
@@ -206,6 +213,7 @@ class HealthServer:
         registry: CollectorRegistry,
         unhealthy: Callable[[], str | None],
         max_connections: int = MAX_CONNECTIONS,
+        connection_deadline_s: float = CONNECTION_DEADLINE_S,
     ) -> None:
         class Handler(BaseHTTPRequestHandler):
             timeout = READ_TIMEOUT_S  # per read; the server's cutoff bounds the whole exchange
@@ -232,7 +240,9 @@ class HealthServer:
             def log_message(self, format: str, *args: object) -> None:
                 return  # scrapes every few seconds are not news
 
-        self._server = _BoundedHTTPServer((host, port), Handler, max_connections)
+        self._server = _BoundedHTTPServer(
+            (host, port), Handler, max_connections, connection_deadline_s
+        )
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="health-http", daemon=True
         )

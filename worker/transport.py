@@ -21,7 +21,6 @@ from config.settings import NatsSettings
 
 log = structlog.get_logger(__name__)
 DEAD_LETTER_DEDUPE_S = 3600.0
-ADVISORY_MAX_DELIVER = 10  # a poison advisory is given up on (and logged), never looped on
 
 
 def tasks_subject(pipeline: str) -> str:
@@ -88,6 +87,8 @@ async def connect(
     async def on_closed() -> None:
         if state.disconnected_at is None:
             state.disconnected_at = time.monotonic()
+        if client.last_error is None:
+            state.closing = True  # no error: a close we asked for (drain, close)
         if not state.closing:
             log.error(
                 "nats_connection_closed",
@@ -191,7 +192,9 @@ def advisory_consumer_config(settings: NatsSettings) -> api.ConsumerConfig:
         ack_policy=api.AckPolicy.EXPLICIT,
         deliver_policy=api.DeliverPolicy.ALL,
         ack_wait=60.0,
-        max_deliver=ADVISORY_MAX_DELIVER,
+        # Unlimited: an outage of the stores is waited out with backoff; a poison advisory
+        # is terminated by the handler after a few attempts (advisories.POISON_ATTEMPTS).
+        max_deliver=-1,
         num_replicas=settings.replicas if settings.replicas > 1 else None,
     )
 

@@ -2,72 +2,28 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import psutil
 import pytest
 
-from tests.helpers import client, consumer_idle, submit, upload_images, wait_results
+from tests.helpers import (
+    cli,
+    client,
+    consumer_idle,
+    submit,
+    upload_images,
+    wait_http,
+    wait_results,
+    worker_env,
+)
 from worker.localservers import free_port
 from worker.procstats import living
 
 pytestmark = pytest.mark.integration
-
-
-def worker_env(settings, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
-    env.update(
-        {
-            "WORKER_NATS__URL": settings.nats.url,
-            "WORKER_NATS__FETCH_TIMEOUT_S": "0.5",
-            "WORKER_S3__ENDPOINT_URL": settings.s3.endpoint_url or "",
-            "WORKER_S3__CONNECT_TIMEOUT_S": "1",
-            "WORKER_S3__READ_TIMEOUT_S": "3",
-            "WORKER_S3__MAX_ATTEMPTS": "2",
-            "WORKER_LOADER__NUM_WORKERS": "2",
-            "WORKER_LOADER__BATCH_SIZE": "4",
-            "WORKER_LOADER__TIMEOUT_S": "20",
-            "WORKER_MODEL__PIPELINE": settings.model.pipeline,
-            "WORKER_MODEL__WEIGHTS": settings.model.weights,
-            "WORKER_MODEL__DEVICE": "cpu",
-            "WORKER_HEALTH__STALL_TIMEOUT_S": "30",
-            "WORKER_LOG_LEVEL": "INFO",
-        }
-    )
-    env.update(extra)
-    return env
-
-
-def cli(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "worker", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
-def wait_http(url: str, proc, log_path, timeout_s: float = 60) -> tuple[int, str]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, (
-            f"worker exited {proc.returncode}: {log_path.read_text()[-3000:]}"
-        )
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                return response.status, response.read().decode()
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError(
-        f"{url} did not answer within {timeout_s}s: {log_path.read_text()[-3000:]}"
-    )
 
 
 async def test_run_serves_a_job_reports_metrics_and_exits_0_on_sigterm_leaving_no_children(

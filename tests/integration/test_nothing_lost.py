@@ -98,7 +98,7 @@ async def test_crossing_a_resource_limit_drains_the_worker_and_loses_nothing(
             await asyncio.wait_for(app.run(asyncio.Event()), 60)  # it stops by itself
         finally:
             await app.close()
-        assert app.worker is not None and "MAX_TREE_RSS_BYTES" in (app.worker.exit_reason or "")
+        assert app.worker is not None and "MAX_TREE_RSS_BYTES" in app.worker.exit.detail
         done_first = await job_results(js, limited.nats, "job-guarded")
         # A fresh process (no limit) takes what was given back.
         async with running_worker(settings_for(nats_server.url)):

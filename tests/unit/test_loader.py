@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import tempfile
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -212,3 +212,94 @@ def test_loader_children_and_the_fork_server_exit_when_the_main_process_dies_alo
     while living(children + list(forkservers)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert living(children + list(forkservers)) == []
+
+
+def wait_state(pids, states, timeout_s: float = 10.0) -> None:
+    from datasets import processes
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(processes.state(pid) in states for pid in pids):
+            return
+        time.sleep(0.02)
+    raise AssertionError({pid: processes.state(pid) for pid in pids})
+
+
+def test_with_every_process_under_it_stopped_the_loader_replaces_them_all(images):
+    """A cgroup freeze or a debugger stops the children, the fork server and the resource
+    tracker at once; a rebuild must neither raise nor wait on them, and nothing stopped is left."""
+    import threading
+
+    from datasets import processes
+
+    loader = StreamingLoader(
+        LoaderConfig(num_workers=2, timeout_s=2.0, image_size=64, sources=FILES)
+    )
+    loader.start()
+    try:
+        load_all(loader, images[:2])
+        old = [*loader.child_pids(), processes.forkserver_pid(), processes.tracker_pid()]
+        for pid in old:
+            os.kill(pid, signal.SIGSTOP)
+        wait_state(old, ("T", "t"))
+        assert loader.unhealthy_children(), "stopped children and fork server are reported"
+
+        errors: list[BaseException] = []
+
+        def submit_meanwhile() -> None:  # the event loop's thread keeps feeding the loader
+            try:
+                for key in range(200, 204):
+                    loader.submit([LoadRequest(key, images[key % len(images)])])
+                    time.sleep(0.05)
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+
+        feeder = threading.Thread(target=submit_meanwhile)
+        feeder.start()
+        lost = loader.restart()
+        loader.submit([request for request in lost if request.key >= 200])  # as the engine does
+        feeder.join(timeout=10)
+        assert errors == []
+        late = {loader.next_loaded().key for _ in range(4)}
+        assert late == {200, 201, 202, 203}
+        loaded = load_all(loader, images[2:4], first_key=100)
+        assert all(item.image is not None for item in loaded.values())
+        assert processes.forkserver_pid() not in old
+        wait_state(old, (None, "Z", "X"))
+    finally:
+        loader.close()
+    assert [pid for pid in old if processes.state(pid) in ("T", "t")] == []
+
+
+CLOSES_AND_EXITS = """
+from datasets import processes
+from datasets.loader import LoaderConfig, StreamingLoader
+if __name__ == "__main__":
+    loader = StreamingLoader(LoaderConfig(num_workers=2, timeout_s=10, image_size=64))
+    loader.start()
+    print(*loader.child_pids(), processes.forkserver_pid(), flush=True)
+    loader.close()
+"""
+
+
+def test_when_a_closed_loaders_process_exits_its_children_and_fork_server_are_already_gone(
+    tmp_path,
+):
+    import subprocess
+    import sys
+
+    from datasets import processes
+
+    script = tmp_path / "closes.py"
+    script.write_text(CLOSES_AND_EXITS)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(Path(__file__).parents[2]),
+        check=False,
+    )
+    pids = [int(pid) for pid in done.stdout.split()]
+    assert done.returncode == 0 and len(pids) == 3, done.stderr
+    assert {pid: processes.state(pid) for pid in pids} == dict.fromkeys(pids)

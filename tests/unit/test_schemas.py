@@ -68,3 +68,70 @@ def test_subject_tokens_are_valid_and_distinct(value):
 def test_each_task_has_its_own_result_subject():
     assert result_subject("job.1", "t 1") != result_subject("job.1", "t 2")
     assert result_subject("j", "t").split(".") == ["results", "j", "t"]
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (json.dumps({**TASK, "id": "x" * 5000}).encode(), "over the cap"),
+        (b'{"id": "\\ud800", "job_id": "j", "image_id": "i", "image_url": "s3://b/k"}', "Unicode"),
+        (b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+        (b'{"id": ' + b"9" * 5000 + b', "job_id": "j"}', "not JSON"),
+        (json.dumps({**TASK, "id": 10**300}).encode(), "digits"),
+        (json.dumps({**TASK, "job_id": True}).encode(), "job_id"),
+        (json.dumps({**TASK, "id": 1.5}).encode(), "'id'"),
+        (json.dumps({**TASK, "id": ["t"]}).encode(), "'id'"),
+        (b"\x80\x81\x82{", "not JSON"),
+    ],
+)
+def test_ids_too_long_not_unicode_or_not_ids_are_dead_lettered_with_a_reason(data, why):
+    with pytest.raises(Undeliverable, match=why):
+        parse_task(data)
+
+
+def test_an_integer_id_and_its_decimal_string_are_the_same_task():
+    as_int = parse_task(json.dumps({**TASK, "id": 17}).encode())
+    as_str = parse_task(json.dumps({**TASK, "id": "17"}).encode())
+    padded = parse_task(json.dumps({**TASK, "id": " 17"}).encode())
+    assert result_subject(as_int.job_id, as_int.id) == result_subject(as_str.job_id, as_str.id)
+    assert result_subject(padded.job_id, padded.id) != result_subject(as_str.job_id, as_str.id)
+
+
+def test_result_subjects_are_injective_where_joining_by_hand_is_not():
+    assert result_subject("J/x", "y") != result_subject("J", "x/y")
+    assert result_subject("J.x", "y") != result_subject("J", "x.y")
+    assert result_subject("a", "b-c") != result_subject("a-b", "c")
+
+
+@pytest.mark.parametrize("value", ["x\n", "x\r\n", "tab\there", "é", "b64-abc", "a" * 129])
+def test_ids_that_are_not_plain_tokens_are_encoded_into_valid_subject_tokens(value):
+    token = subject_token(value)
+    assert re.fullmatch(r"[A-Za-z0-9_-]+", token) and token.startswith("b64-")
+
+
+def test_the_longest_ids_still_make_a_subject_the_server_accepts():
+    longest = "\U0001f600" * 64  # 256 bytes of UTF-8, the cap
+    task = parse_task(json.dumps({**TASK, "id": longest, "job_id": longest}).encode())
+    assert len(result_subject(task.job_id, task.id)) < 1024
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"image_url": "s3://b/" + "k" * 9000}, "over 8192"),
+        ({"image_id": "i" * 2000}, "image_id"),
+        ({"image_id": {"a": 1}}, "image_id"),
+    ],
+)
+def test_fields_over_their_caps_give_an_invalid_task_naming_the_field(change, why):
+    with pytest.raises(InvalidTask, match=why) as invalid:
+        parse_task(json.dumps({**TASK, **change}).encode())
+    assert invalid.value.task_id == "t1"
+
+
+def test_an_invalid_url_is_named_without_its_query_string():
+    url = "ftp://host/key.jpg?X-Amz-Signature=SECRETSIG&X-Amz-Credential=AKIA"
+    with pytest.raises(InvalidTask) as invalid:
+        parse_task(json.dumps({**TASK, "image_url": url}).encode())
+    assert "ftp://host/key.jpg" in str(invalid.value)
+    assert "SECRETSIG" not in str(invalid.value) and "AKIA" not in str(invalid.value)

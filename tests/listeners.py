@@ -1,0 +1,92 @@
+"""A local HTTP listener that records every request it sees, for tests of the source policy.
+
+Bound to 127.0.0.1 on a free port; routes by path: ``/image`` serves ``body``,
+``/redirect?to=URL`` redirects, ``/drip`` sends a byte every ``drip_interval_s``, ``/endless``
+streams bytes with no Content-Length. Every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+_MAX_DRIP_BYTES = 600
+_ENDLESS_CHUNKS = 4096
+
+
+class Listener:
+    def __init__(self, body: bytes = b"", drip_interval_s: float = 0.1) -> None:
+        self.body = body
+        self.drip_interval_s = drip_interval_s
+        self.requests: list[str] = []
+        self._stop = threading.Event()
+        listener = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                listener.requests.append(self.path)
+                path = urlsplit(self.path).path
+                if path == "/redirect":
+                    target = parse_qs(urlsplit(self.path).query)["to"][0]
+                    self.send_response(302)
+                    self.send_header("Location", target)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                elif path == "/drip":
+                    self._drip()
+                elif path == "/endless":
+                    self._endless()
+                else:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(listener.body)))
+                    self.end_headers()
+                    self.wfile.write(listener.body)
+
+            def _drip(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", str(_MAX_DRIP_BYTES))
+                self.end_headers()
+                for _ in range(_MAX_DRIP_BYTES):
+                    if listener._stop.wait(listener.drip_interval_s):
+                        return
+                    try:
+                        self.wfile.write(b"x")
+                        self.wfile.flush()
+                    except OSError:
+                        return
+
+            def _endless(self) -> None:
+                self.send_response(200)
+                self.end_headers()  # no Content-Length: the body ends when the server closes
+                chunk = b"y" * 65536
+                for _ in range(_ENDLESS_CHUNKS):
+                    try:
+                        self.wfile.write(chunk)
+                    except OSError:
+                        return
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def url(self, path: str, host: str = "127.0.0.1") -> str:
+        return f"http://{host}:{self.port}{path}"
+
+    def __enter__(self) -> Listener:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        self._stop.set()
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

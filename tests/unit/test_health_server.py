@@ -1,0 +1,83 @@
+"""The metrics server: no number of idle or half-open connections exhausts threads or fds."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import urllib.request
+
+from prometheus_client import CollectorRegistry
+
+from worker.health import HealthServer
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def healthz(port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
+        return int(response.status)
+
+
+def until(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def test_three_hundred_idle_connections_hold_neither_threads_nor_descriptors():
+    server = HealthServer(
+        "127.0.0.1",
+        0,
+        CollectorRegistry(),
+        lambda: None,
+        max_connections=8,
+        connection_deadline_s=1.0,
+    )
+    server.start()
+    threads_before, fds_before = threading.active_count(), open_fds()
+    clients = []
+    try:
+        for _ in range(300):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            sock.sendall(b"GET /metr")  # half a request line, then nothing
+            clients.append(sock)
+        # Ours are 300 client sockets; the server keeps at most 8 of its own ends open.
+        assert until(lambda: open_fds() - fds_before - len(clients) <= 8, 5)
+        assert threading.active_count() - threads_before <= 2 * 8
+        # The slow ones are cut at their deadline and the server answers again.
+        assert until(lambda: _answers(server.port), 10)
+    finally:
+        for sock in clients:
+            sock.close()
+        server.close()
+
+
+def _answers(port: int) -> bool:
+    try:
+        return healthz(port) == 200
+    except OSError:
+        return False
+
+
+def test_healthz_says_why_the_process_is_unhealthy():
+    reason: list[str | None] = [None]
+    server = HealthServer("127.0.0.1", 0, CollectorRegistry(), lambda: reason[0])
+    server.start()
+    try:
+        assert healthz(server.port) == 200
+        reason[0] = "nats: disconnected for 61s (timeout 60s)"
+        try:
+            healthz(server.port)
+        except urllib.error.HTTPError as error:
+            assert error.code == 503 and error.read().decode().startswith("nats: disconnected")
+        else:
+            raise AssertionError("expected 503")
+    finally:
+        server.close()

@@ -1,0 +1,112 @@
+"""Delivery rules when the store or the dead-letter stream says no (in-memory fakes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import nats
+import pytest
+
+from config.settings import NatsSettings
+from worker.results import ResultRefused, ResultsUnavailable
+from worker.schemas import Task, Verdict
+from worker.settle import Settler
+
+
+@dataclass
+class FakeMsg:
+    delivered: int = 1
+    seq: int = 7
+    data: bytes = b"{}"
+    subject: str = "tasks.p"
+    actions: list[str] = field(default_factory=list)
+    fail_term: bool = False
+
+    @property
+    def metadata(self) -> Any:
+        return SimpleNamespace(
+            num_delivered=self.delivered, sequence=SimpleNamespace(stream=self.seq)
+        )
+
+    async def ack(self) -> None:
+        self.actions.append("ack")
+
+    async def nak(self, delay: float | None = None) -> None:
+        self.actions.append("nak")
+
+    async def term(self) -> None:
+        if self.fail_term:
+            raise nats.errors.ConnectionClosedError
+        self.actions.append("term")
+
+
+@dataclass
+class FakeStore:
+    refuse_over_bytes: int | None = None
+    unavailable: bool = False
+    stored: list[dict[str, Any]] = field(default_factory=list)
+
+    async def store(self, result: dict[str, Any]) -> bool:
+        if self.unavailable:
+            raise ResultsUnavailable("down")
+        if self.refuse_over_bytes is not None and len(str(result)) > self.refuse_over_bytes:
+            raise ResultRefused("too big for a message", kind="result_too_large")
+        self.stored.append(result)
+        return True
+
+
+@dataclass
+class FakeJetStream:
+    fail: bool = False
+    published: list[tuple[str, bytes, dict[str, str]]] = field(default_factory=list)
+
+    async def publish(self, subject: str, data: bytes, **kwargs: Any) -> None:
+        if self.fail:
+            raise nats.errors.NoRespondersError
+        self.published.append((subject, data, kwargs["headers"]))
+
+
+def settler(store: FakeStore, js: FakeJetStream, max_deliver: int = 2) -> Settler:
+    nats_settings = NatsSettings(store_retry_s=0.0, nak_backoff_base_s=0.01)
+    return Settler(js, store, nats_settings, "p", {"name": "m"}, max_deliver)  # type: ignore[arg-type]
+
+
+TASK = Task("t", "j", "i", "s3://b/k")
+BIG = Verdict(predictions=[{"label": "x" * 5000, "score": 1.0}])
+
+
+async def test_a_result_too_large_to_store_becomes_a_small_error_result_once():
+    store, msg = FakeStore(refuse_over_bytes=2000), FakeMsg()
+    outcome = await settler(store, FakeJetStream()).settle(TASK, msg, 1, BIG)
+    assert outcome == "error" and msg.actions == ["ack"]
+    assert [r["error"]["type"] for r in store.stored] == ["result_too_large"]
+
+
+async def test_a_task_no_result_fits_for_is_dead_lettered_not_retried_forever():
+    store, js, msg = FakeStore(refuse_over_bytes=10), FakeJetStream(), FakeMsg()
+    outcome = await settler(store, js).settle(TASK, msg, 1, BIG)
+    assert outcome == "dead_lettered" and msg.actions == ["term"]
+    ((subject, _data, headers),) = js.published
+    assert subject == "dead.tasks" and headers["Nats-Msg-Id"] == "dead-INFERENCE_TASKS-7"
+
+
+async def test_a_dead_letter_the_stream_did_not_confirm_is_given_back_never_terminated():
+    msg = FakeMsg(delivered=2)  # the last delivery: the advisory handler takes it from here
+    outcome = await settler(FakeStore(), FakeJetStream(fail=True)).dead_letter(msg, "not JSON")
+    assert outcome == "retried" and msg.actions == ["nak"]
+
+
+async def test_a_failed_term_after_a_stored_dead_letter_is_logged_not_raised():
+    js, msg = FakeJetStream(), FakeMsg(fail_term=True)
+    assert await settler(FakeStore(), js).dead_letter(msg, "not JSON") == "dead_lettered"
+    assert len(js.published) == 1
+
+
+@pytest.mark.parametrize("reason", ["line\r\nInjected: header", "x" * 5000])
+async def test_dead_letter_headers_are_one_capped_line(reason):
+    js = FakeJetStream()
+    await settler(FakeStore(), js).dead_letter(FakeMsg(), reason)
+    value = js.published[0][2]["Worker-Reason"]
+    assert "\n" not in value and "\r" not in value and len(value) <= 1000

@@ -1,0 +1,163 @@
+"""The source policy: what a task's URL may reach, how much it may read, for how long."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+
+import pytest
+
+from datasets.errors import PermanentError, TransientError
+from datasets.httpget import refused_address
+from datasets.sources import SourceConfig, read_bytes
+from tests.listeners import Listener
+
+LOCAL = frozenset({"127.0.0.1"})
+
+
+# -- file:// ---------------------------------------------------------------------------------
+def refused(uri: str, config: SourceConfig) -> str:
+    with pytest.raises(PermanentError) as error:
+        read_bytes(uri, config)
+    return error.value.kind
+
+
+def test_file_urls_are_refused_by_default_even_for_files_that_exist(tmp_path):
+    path = tmp_path / "a.jpg"
+    path.write_bytes(b"abc")
+    assert refused(f"file://{path}", SourceConfig()) == "file_refused"
+    assert refused("file:///proc/self/environ", SourceConfig()) == "file_refused"
+
+
+def test_under_a_root_regular_files_are_read_and_nothing_else_is(tmp_path):
+    root = tmp_path / "images"
+    root.mkdir()
+    (root / "a.jpg").write_bytes(b"abc")
+    (tmp_path / "secret.txt").write_text("AWS_SECRET_ACCESS_KEY=x")
+    (root / "escape.jpg").symlink_to(tmp_path / "secret.txt")
+    os.mkfifo(root / "fifo.jpg")
+    config = SourceConfig(file_roots=(str(root),))
+
+    assert read_bytes(f"file://{root}/a.jpg", config) == b"abc"
+    assert read_bytes(f"file://localhost{root}/a.jpg", config) == b"abc"
+    assert refused(f"file://{root}/escape.jpg", config) == "file_refused"
+    assert refused(f"file://{root}/../secret.txt", config) == "file_refused"
+    assert refused(f"file://{root}/fifo.jpg", config) == "file_refused"  # and did not block
+    assert refused(f"file://otherhost{root}/a.jpg", config) == "file_refused"
+    assert refused("file:///dev/zero", SourceConfig(file_roots=("/dev",))) == "file_refused"
+    assert refused(f"file://{root}/none.jpg", config) == "object_missing"
+
+
+def test_a_file_over_the_byte_cap_is_too_large(tmp_path):
+    (tmp_path / "big.jpg").write_bytes(b"x" * 2048)
+    config = SourceConfig(file_roots=(str(tmp_path),), max_bytes=1024)
+    assert refused(f"file://{tmp_path}/big.jpg", config) == "too_large"
+
+
+# -- http(s):// ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "address",
+    [
+        "127.0.0.1",
+        "10.1.2.3",
+        "172.16.0.1",
+        "192.168.1.1",
+        "169.254.169.254",
+        "100.64.0.1",
+        "0.0.0.0",
+        "224.0.0.1",
+        "255.255.255.255",
+        "::1",
+        "fe80::1",
+        "fc00::1",
+        "::ffff:127.0.0.1",
+        "::ffff:169.254.169.254",
+        "2002:7f00:1::1",
+        "ff02::1",
+    ],
+)
+def test_private_loopback_link_local_multicast_and_reserved_addresses_are_refused(address):
+    assert refused_address(ipaddress.ip_address(address))
+
+
+@pytest.mark.parametrize("address", ["8.8.8.8", "52.216.0.1", "2600:1f18::1"])
+def test_public_addresses_are_not_refused(address):
+    assert not refused_address(ipaddress.ip_address(address))
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["127.0.0.1", "localhost", "127.1", "2130706433", "0x7f000001", "[::1]", "[::ffff:7f00:1]"],
+)
+def test_urls_to_loopback_by_any_spelling_never_reach_the_listener(host):
+    with Listener(b"IMAGE") as listener:
+        url = f"http://{host}:{listener.port}/image?X-Amz-Signature=SECRET"
+        with pytest.raises(PermanentError) as error:
+            read_bytes(url, SourceConfig())
+        assert error.value.kind in ("address_refused", "object_missing", "invalid_uri")
+        assert "SECRET" not in str(error.value)
+    assert listener.requests == []
+
+
+def test_an_allowed_host_is_read_and_so_is_the_s3_endpoints_host():
+    with Listener(b"IMAGE") as listener:
+        assert read_bytes(listener.url("/image"), SourceConfig(allowed_hosts=LOCAL)) == b"IMAGE"
+        endpoint = SourceConfig(s3_endpoint_url=f"http://127.0.0.1:{listener.port}")
+        assert read_bytes(listener.url("/image?X-Amz-Signature=s"), endpoint) == b"IMAGE"
+    assert len(listener.requests) == 2
+
+
+def test_a_redirect_is_checked_again_and_refused_when_it_leads_somewhere_private():
+    with Listener(b"IMAGE") as allowed, Listener(b"METADATA") as internal:
+        target = internal.url("/image", host="localhost")  # not the allowed name
+        with pytest.raises(PermanentError) as error:
+            read_bytes(allowed.url(f"/redirect?to={target}"), SourceConfig(allowed_hosts=LOCAL))
+        assert error.value.kind == "address_refused"
+        assert internal.requests == []
+        ok = allowed.url("/redirect?to=/image")
+        assert read_bytes(ok, SourceConfig(allowed_hosts=LOCAL)) == b"IMAGE"
+
+
+def test_redirects_are_bounded_and_never_change_scheme():
+    with Listener() as listener:
+        loop = listener.url("/redirect?to=/redirect%3Fto%3D/image")
+        config = SourceConfig(allowed_hosts=LOCAL, max_redirects=1)
+        with pytest.raises(PermanentError, match="redirects"):
+            read_bytes(loop, config)
+        to_https = listener.url(f"/redirect?to=https://127.0.0.1:{listener.port}/image")
+        with pytest.raises(PermanentError, match="another scheme"):
+            read_bytes(to_https, SourceConfig(allowed_hosts=LOCAL))
+
+
+def test_the_byte_cap_holds_while_reading_whatever_the_server_declares():
+    with Listener(b"x" * 5000) as listener:
+        config = SourceConfig(allowed_hosts=LOCAL, max_bytes=1000)
+        with pytest.raises(PermanentError) as declared:
+            read_bytes(listener.url("/image"), config)
+        with pytest.raises(PermanentError) as undeclared:
+            read_bytes(listener.url("/endless"), config)
+    assert declared.value.kind == undeclared.value.kind == "too_large"
+
+
+def test_a_server_that_drips_one_byte_at_a_time_is_cut_at_the_object_deadline():
+    with Listener(drip_interval_s=0.05) as listener:
+        config = SourceConfig(allowed_hosts=LOCAL, object_deadline_s=0.5, http_timeout_s=5)
+        with pytest.raises(TransientError) as error:
+            read_bytes(listener.url("/drip"), config)
+    assert error.value.kind == "deadline_exceeded"
+
+
+def test_the_s3_endpoints_allowance_is_its_host_and_port_not_every_port_on_that_host():
+    with Listener(b"IMAGE") as other:
+        config = SourceConfig(s3_endpoint_url=f"http://127.0.0.1:{other.port + 1}")
+        with pytest.raises(PermanentError) as error:
+            read_bytes(other.url("/image"), config)
+        assert error.value.kind == "address_refused"
+        assert (
+            read_bytes(
+                other.url("/image"),
+                SourceConfig(allowed_hosts=frozenset({f"127.0.0.1:{other.port}"})),
+            )
+            == b"IMAGE"
+        )
+    assert len(other.requests) == 1
