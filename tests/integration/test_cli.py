@@ -84,9 +84,11 @@ def test_check_says_ready_or_names_each_problem(settings_for, nats_server):
     ready = cli("check", env=env)
     assert ready.returncode == 0, ready.stderr
     assert "ready" in ready.stdout
-    broken = cli("check", env={**env, "WORKER_NATS__URL": f"nats://127.0.0.1:{free_port()}"})
+    unreachable = f"nats://worker:hunter2@127.0.0.1:{free_port()}"
+    broken = cli("check", env={**env, "WORKER_NATS__URL": unreachable})
     assert broken.returncode == 1
-    assert "NATS at" in broken.stderr and "unreachable" in broken.stderr
+    assert "NATS at nats://127.0.0.1:" in broken.stderr and "unreachable" in broken.stderr
+    assert "hunter2" not in broken.stderr + broken.stdout
 
 
 async def test_provision_is_idempotent_and_updates_an_existing_consumer(settings_for, nats_server):
