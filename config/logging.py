@@ -33,7 +33,7 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
         foreign_pre_chain=shared,
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-            structlog.processors.format_exc_info if use_json else _identity,
+            structlog.processors.format_exc_info,
             _scrub_secrets,  # again: a formatted traceback may quote a URL
             renderer,
         ],
@@ -46,12 +46,6 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
     # Chatty libraries: keep their warnings, drop their debug chatter.
     for name in ("botocore", "boto3", "urllib3", "nats", "s3transfer", "werkzeug"):
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
-
-
-def _identity(
-    _logger: object, _name: str, event_dict: structlog.types.EventDict
-) -> structlog.types.EventDict:
-    return event_dict
 
 
 def _scrub_secrets(

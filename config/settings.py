@@ -6,6 +6,7 @@ and the resulting object is passed down to every layer.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -18,6 +19,9 @@ from config.redact import redact_url
 # the two in step. Known here so settings can be checked without importing torch.
 PIPELINE_INPUT_SIZES = {"resnet18-classifier": 224, "mobilenet-v3-small-classifier": 224}
 KNOWN_PIPELINES = tuple(PIPELINE_INPUT_SIZES)
+
+
+_HOST_ENTRY = re.compile(r"\[[0-9a-fA-F:.]+\](:\d{1,5})?|[^\s:\[\]/]+(:\d{1,5})?|[0-9a-fA-F:]+")
 
 
 def image_bytes(pipeline: str) -> int:
@@ -103,11 +107,7 @@ class SourceSettings(BaseModel):
         return tuple(part.strip() for part in self.file_roots.split(",") if part.strip())
 
     def hosts(self) -> frozenset[str]:
-        return frozenset(
-            part.strip().lower().strip("[]")
-            for part in self.allowed_hosts.split(",")
-            if part.strip()
-        )
+        return frozenset(part.strip() for part in self.allowed_hosts.split(",") if part.strip())
 
 
 class LoaderSettings(BaseModel):
@@ -293,6 +293,11 @@ def settings_problems(s: Settings) -> list[str]:
         )
     if s.sources.max_redirects < 0:
         problems.append(f"WORKER_SOURCES__MAX_REDIRECTS={s.sources.max_redirects} must be >= 0")
+    for entry in s.sources.hosts():
+        if not _HOST_ENTRY.fullmatch(entry):
+            problems.append(
+                f"WORKER_SOURCES__ALLOWED_HOSTS: {entry!r} is not host, host:port or [v6]:port"
+            )
     for root in s.sources.roots():
         if not root.startswith("/"):
             problems.append(f"WORKER_SOURCES__FILE_ROOTS: {root!r} is not an absolute path")

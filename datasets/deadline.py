@@ -37,7 +37,9 @@ class Cutoff:
     def _cut(self, sock: socket.socket) -> None:
         self.fired = True
         try:
-            sock.shutdown(socket.SHUT_RDWR)
+            # The plain socket's shutdown, also for a TLS socket (whose own shutdown would
+            # tear down its TLS state under a reader in another thread).
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
         except OSError:
             pass  # already closed: nothing is blocked on it
 

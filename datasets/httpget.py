@@ -13,10 +13,12 @@ Errors name the URL redacted (scheme, host, path): never a query string or crede
 
 from __future__ import annotations
 
+import functools
 import http.client
 import ipaddress
 import socket
 import ssl
+import threading
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
@@ -30,6 +32,8 @@ _CHUNK_BYTES = 256 * 1024
 _USER_AGENT = "inference-worker"
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # well-known prefix: IPv4 in the low 32 bits
+_NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")
 
 
 @dataclass(frozen=True)
@@ -38,12 +42,17 @@ class HttpPolicy:
     max_bytes: int = 64 * 1024 * 1024
     deadline_s: float = 30.0
     connect_timeout_s: float = 5.0
+    read_timeout_s: float = 20.0  # one read; the deadline bounds them all
     max_redirects: int = 5
 
 
 def refused_address(ip: IPAddress) -> bool:
     """True for every address an image URL from a stranger must not reach."""
     if isinstance(ip, ipaddress.IPv6Address):
+        if ip in _NAT64_LOCAL:
+            return True
+        if ip in _NAT64:  # the IPv4 address it translates to is what it reaches
+            return refused_address(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
         embedded = [ip.ipv4_mapped, ip.sixtofour, ip.teredo[1] if ip.teredo else None]
         if any(inner is not None and refused_address(inner) for inner in embedded):
             return True
@@ -68,7 +77,9 @@ def allowed_entry(entry: str) -> tuple[str, int | None]:
         host, _, port = entry.partition(":")
     else:
         host, port = entry, ""
-    return host.rstrip("."), int(port) if port.isdigit() else None
+    if port and not port.isdigit():
+        return host.rstrip("."), -1  # a malformed port allows nothing (settings refuse it)
+    return host.rstrip("."), int(port) if port else None
 
 
 def host_allowed(host: str, port: int, allowed: frozenset[tuple[str, int | None]]) -> bool:
@@ -79,9 +90,9 @@ def host_allowed(host: str, port: int, allowed: frozenset[tuple[str, int | None]
 Address = tuple[int, tuple[Any, ...]]  # (family, sockaddr)
 
 
-def _resolve(url: str, host: str, port: int, policy: HttpPolicy) -> list[Address]:
+def _resolve(url: str, host: str, port: int, policy: HttpPolicy, cutoff: Cutoff) -> list[Address]:
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = _getaddrinfo_by(host, port, cutoff)
     except socket.gaierror as error:
         if error.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", -5)):
             raise PermanentError(
@@ -104,11 +115,35 @@ def _resolve(url: str, host: str, port: int, policy: HttpPolicy) -> list[Address
     return addresses
 
 
-def _connect(addresses: list[Address], timeout_s: float) -> socket.socket:
+def _getaddrinfo_by(host: str, port: int, cutoff: Cutoff) -> list[Any]:
+    """getaddrinfo, given up at the deadline (the resolver has no timeout of ours)."""
+    answer: list[Any] = []
+
+    def resolve() -> None:
+        try:
+            answer.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except OSError as error:
+            answer.append(error)
+
+    thread = threading.Thread(target=resolve, name="resolve", daemon=True)
+    thread.start()
+    thread.join(cutoff.remaining_s())
+    if not answer:
+        raise TransientError(
+            "the host did not resolve before the object deadline", kind="deadline_exceeded"
+        )
+    if isinstance(answer[0], OSError):
+        raise answer[0]
+    return list(answer[0])
+
+
+def _connect(addresses: list[Address], policy: HttpPolicy, cutoff: Cutoff) -> socket.socket:
     last: OSError | None = None
     for family, sockaddr in addresses:
+        if cutoff.expired():
+            break
         sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.settimeout(timeout_s)
+        sock.settimeout(min(policy.connect_timeout_s, cutoff.remaining_s()))
         try:
             sock.connect(sockaddr)
             return sock
@@ -116,6 +151,11 @@ def _connect(addresses: list[Address], timeout_s: float) -> socket.socket:
             sock.close()
             last = error
     raise last or OSError("no address to connect to")
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    return ssl.create_default_context()
 
 
 def read_http(url: str, policy: HttpPolicy) -> bytes:
@@ -159,12 +199,17 @@ def _get_once(url: str, policy: HttpPolicy, cutoff: Cutoff) -> tuple[int, str, b
         port = parts.port or (443 if scheme == "https" else 80)
     except ValueError:
         raise PermanentError(f"{redact_url(url)}: invalid port", kind="invalid_uri") from None
-    addresses = _resolve(url, host, port, policy)
+    addresses = _resolve(url, host, port, policy, cutoff)
     try:
-        sock = _connect(addresses, min(policy.connect_timeout_s, cutoff.remaining_s()))
-        cutoff.watch(sock)
+        sock = _connect(addresses, policy, cutoff)
+        sock.settimeout(min(policy.read_timeout_s, cutoff.remaining_s()))
         if scheme == "https":
-            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+            sock = _tls_context().wrap_socket(
+                sock, server_hostname=host, do_handshake_on_connect=False
+            )
+            cutoff.watch(sock)
+            sock.do_handshake()  # under the deadline too
+        else:
             cutoff.watch(sock)
         connection = http.client.HTTPConnection(host, port, timeout=cutoff.remaining_s())
         connection.sock = sock
@@ -178,7 +223,10 @@ def _get_once(url: str, policy: HttpPolicy, cutoff: Cutoff) -> tuple[int, str, b
             kind="tls_error",
         ) from None
     except (http.client.InvalidURL, UnicodeError, ValueError) as error:
-        raise PermanentError(f"{redact_url(url)}: {error}", kind="invalid_uri") from None
+        # The error's own text may quote the request target, query string and all.
+        raise PermanentError(
+            f"{redact_url(url)}: invalid URL ({type(error).__name__})", kind="invalid_uri"
+        ) from None
     except (OSError, http.client.HTTPException) as error:
         if cutoff.expired():
             raise TransientError(
@@ -228,4 +276,6 @@ def _exchange(
         chunks.append(chunk)
     if cutoff.expired():
         raise OSError("cut off at the deadline")
+    if response.length:  # the server closed before the Content-Length it declared
+        raise http.client.IncompleteRead(b"".join(chunks), response.length)
     return status, "", b"".join(chunks)

@@ -446,3 +446,13 @@ class StreamingLoader:
     def kill_children(self) -> None:
         """Last resort from any thread, when the loader's own thread is wedged: SIGKILL them."""
         processes.kill(self.child_pids())
+
+    def kill_all(self) -> None:
+        """Last resort before exit when the loader's thread is wedged: the children, then the
+        fork server (killed and reaped), so none outlives the process."""
+        pids = self.child_pids()
+        processes.kill(pids)
+        processes.wait_gone(pids, _KILL_WAIT_S)
+        if self.config.mp_context == "forkserver":
+            processes.stop_forkserver(_KILL_WAIT_S)
+            processes.wait_gone(pids, _KILL_WAIT_S, reap_them=True)

@@ -58,6 +58,7 @@ class SourceConfig:
             max_bytes=self.max_bytes,
             deadline_s=self.object_deadline_s,
             connect_timeout_s=min(self.connect_timeout_s, self.http_timeout_s),
+            read_timeout_s=self.http_timeout_s,
             max_redirects=self.max_redirects,
         )
 
@@ -126,13 +127,13 @@ def _read_s3(uri: str, config: SourceConfig, max_bytes: int | None) -> bytes:
     bucket, key = split_s3_uri(uri)
     shown = redact_url(uri)
     try:
-        response = s3_client(config).get_object(Bucket=bucket, Key=key)
-        size = int(response.get("ContentLength") or 0)
-        body = response["Body"]
-        if max_bytes is not None and size > max_bytes:
-            body.close()
-            raise PermanentError(f"{shown} is {size} bytes, over {max_bytes}", kind="too_large")
         with Cutoff(config.object_deadline_s) as cutoff:
+            response = s3_client(config).get_object(Bucket=bucket, Key=key)
+            size = int(response.get("ContentLength") or 0)
+            body = response["Body"]
+            if max_bytes is not None and size > max_bytes:
+                body.close()
+                raise PermanentError(f"{shown} is {size} bytes, over {max_bytes}", kind="too_large")
             cutoff.watch(body_socket(body))
             return _read_capped(body, shown, max_bytes, cutoff)
     except ParamValidationError as error:
@@ -206,13 +207,18 @@ def _read_file(uri: str, config: SourceConfig) -> bytes:
         raise PermanentError(f"{shown}: file:// on another host is refused", kind="file_refused")
     try:
         path = os.path.realpath(unquote(parts.path))
-        if not any(
-            path == root or path.startswith(root.rstrip("/") + "/") for root in _roots(config)
-        ):
+        roots = _roots(config)
+        if not any(_inside(path, root) for root in roots):
             raise PermanentError(
                 f"{shown}: not under WORKER_SOURCES__FILE_ROOTS", kind="file_refused"
             )
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        opened = os.readlink(f"/proc/self/fd/{fd}")  # what was opened, after any swap
+        if not any(_inside(opened, root) for root in roots):
+            os.close(fd)
+            raise PermanentError(
+                f"{shown}: not under WORKER_SOURCES__FILE_ROOTS", kind="file_refused"
+            )
     except FileNotFoundError:
         raise PermanentError(f"{shown} does not exist", kind="object_missing") from None
     except (OSError, ValueError) as error:

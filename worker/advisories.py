@@ -17,7 +17,7 @@ import nats
 import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from config.settings import NatsSettings
 from worker.results import ResultRefused, ResultsUnavailable
@@ -28,6 +28,7 @@ from worker.transport import advisory_consumer
 log = structlog.get_logger(__name__)
 EXHAUSTED_KIND = "deliveries_exhausted"
 POISON_ATTEMPTS = 10  # an advisory that fails this often for reasons of its own is dropped
+_FAILURES_KEPT = 1000
 
 
 async def _quietly(action: Awaitable[None]) -> None:
@@ -46,6 +47,7 @@ class ExhaustedTasks:
         self._settings = settings
         self._settler = settler
         self._sub: object | None = None
+        self._failures: dict[int, int] = {}  # advisory sequence -> unexpected failures
 
     async def run(self, stop: asyncio.Event) -> None:
         sub = await self._js.pull_subscribe_bind(
@@ -70,17 +72,22 @@ class ExhaustedTasks:
                 pass
 
     async def _handle_safely(self, msg: Msg) -> None:
-        """The per-advisory boundary: a failure is logged and the advisory retried later, up to
-        the consumer's max_deliver; the handler never dies of one advisory."""
+        """The per-advisory boundary: a failure is logged and the advisory retried later; one
+        that fails POISON_ATTEMPTS times (outages not counted) is dropped. The handler never
+        dies of one advisory."""
         try:
             await self.handle(msg)
         except Exception:
-            attempt = msg.metadata.num_delivered
-            if attempt >= POISON_ATTEMPTS:
-                log.exception("advisory_given_up", attempt=attempt, data=msg.data[:200])
+            key = msg.metadata.sequence.stream
+            failures = self._failures[key] = self._failures.get(key, 0) + 1
+            if len(self._failures) > _FAILURES_KEPT:
+                self._failures.pop(next(iter(self._failures)))
+            if failures >= POISON_ATTEMPTS:
+                log.exception("advisory_given_up", failures=failures, data=msg.data[:200])
+                self._failures.pop(key, None)
                 await _quietly(msg.term())
             else:
-                log.exception("advisory_handling_failed", attempt=attempt, data=msg.data[:200])
+                log.exception("advisory_handling_failed", failures=failures, data=msg.data[:200])
                 await _quietly(msg.nak(delay=self._settings.nak_backoff_max_s))
 
     async def _later(self, msg: Msg) -> None:
@@ -96,6 +103,8 @@ class ExhaustedTasks:
         try:
             advisory = json.loads(msg.data)
             seq, deliveries = int(advisory["stream_seq"]), int(advisory["deliveries"])
+            if not 1 <= seq < 2**64:
+                raise ValueError(f"stream_seq {seq} out of range")
         except (ValueError, KeyError, TypeError, RecursionError):
             log.error("advisory_unreadable", data=msg.data[:200])
             await msg.term()
@@ -105,6 +114,13 @@ class ExhaustedTasks:
         except NotFoundError:
             log.error("exhausted_task_gone", stream_seq=seq, hint="raise the tasks stream max_age")
             await msg.ack()
+            return
+        except ServiceUnavailableError:
+            await self._later(msg)
+            return
+        except APIError as error:  # the server refuses this request as such: never retried
+            log.error("advisory_refused_by_server", stream_seq=seq, error=str(error))
+            await msg.term()
             return
         except nats.errors.Error:
             await self._later(msg)
@@ -142,9 +158,13 @@ class ExhaustedTasks:
             await self._later(msg)
             return
         except ResultRefused as refused:
-            await self._settler.keep_dead_letter(
-                original.data or b"", original.subject or "", seq, f"no result fits: {refused}"
-            )
+            try:
+                await self._settler.keep_dead_letter(
+                    original.data or b"", original.subject or "", seq, f"no result fits: {refused}"
+                )
+            except ResultsUnavailable:
+                await self._later(msg)
+                return
             stored = False
         await msg.ack()
         if stored:

@@ -178,9 +178,10 @@ class WorkerApp:
                 )
             except TimeoutError:
                 log.error(
-                    "engine_close_timeout", hint="the engine thread is wedged; killing children"
+                    "engine_close_timeout",
+                    hint="the engine thread is wedged; killing children and the fork server",
                 )
-                self.engine.loader.kill_children()
+                await loop.run_in_executor(None, self.engine.loader.kill_all)
         self.engine_thread.shutdown(wait=False, cancel_futures=True)
         if self.health is not None:
             self.health.close()

@@ -27,7 +27,22 @@ _SAFE_SUBJECT = re.compile(r"results(\.[A-Za-z0-9_-]{1,400}){2}")
 
 
 class ResultsUnavailable(TransientError):
-    """The results stream did not confirm the write; the task must be retried."""
+    """The results stream did not confirm the write; the task must be retried.
+
+    ``connection_closed``: our client is closed for good, so retrying in this process is
+    pointless (the process is ending; the ack wait redelivers the task elsewhere).
+    """
+
+    def __init__(self, message: str, *, connection_closed: bool = False) -> None:
+        super().__init__(message)
+        self.connection_closed = connection_closed
+
+
+def unavailable(what: str, error: BaseException) -> ResultsUnavailable:
+    return ResultsUnavailable(
+        f"{what}: {type(error).__name__} {error}",
+        connection_closed=isinstance(error, nats.errors.ConnectionClosedError),
+    )
 
 
 class ResultRefused(PermanentError):
@@ -43,6 +58,10 @@ def job_results_subject(job_id: str) -> str:
 
 
 class ResultStore:
+    def max_message_bytes(self) -> int:
+        """The largest payload we send: the server's max_payload less room for headers."""
+        return self._max_payload_bytes() - _HEADER_ROOM_BYTES
+
     def __init__(
         self,
         js: JetStreamContext,
@@ -66,7 +85,7 @@ class ResultStore:
                 f"no valid result subject for this task ({len(subject)} chars)",
                 kind="invalid_result_subject",
             )
-        limit = self._max_payload_bytes() - _HEADER_ROOM_BYTES
+        limit = self.max_message_bytes()
         if len(payload) > limit:
             raise ResultRefused(
                 f"the result is {len(payload)} bytes, over the {limit} a message can hold",
@@ -96,9 +115,7 @@ class ResultStore:
                 "the result is over the server's max_payload", kind="result_too_large"
             ) from None
         except (TimeoutError, nats.errors.Error) as error:
-            raise ResultsUnavailable(
-                f"results stream unavailable: {type(error).__name__} {error}"
-            ) from None
+            raise unavailable("results stream unavailable", error) from None
         return not ack.duplicate
 
     async def exists(self, job_id: str, task_id: str) -> bool:
@@ -109,5 +126,5 @@ class ResultStore:
         except NotFoundError:
             return False
         except (TimeoutError, nats.errors.Error) as error:
-            raise ResultsUnavailable(f"cannot read the results stream: {error}") from None
+            raise unavailable("cannot read the results stream", error) from None
         return True

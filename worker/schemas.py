@@ -135,7 +135,11 @@ def parse_task(data: bytes) -> Task:
         raise invalid(f"'image_url' must be a string URI, got {type(url).__name__}")
     if len(url) > MAX_URL_CHARS:
         raise invalid(f"'image_url' is {len(url)} characters long, over {MAX_URL_CHARS}")
-    if not url.startswith(URI_SCHEMES) or _id_text(url, 4 * MAX_URL_CHARS)[0] is None:
+    if (
+        not url.startswith(URI_SCHEMES)
+        or _id_text(url, 4 * MAX_URL_CHARS)[0] is None
+        or any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url)
+    ):
         raise invalid(
             f"'image_url' must be an s3://, http(s):// or file:// URI, got {redact_url(url)!r}"
         )

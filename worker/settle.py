@@ -9,6 +9,7 @@ server's ``num_delivered``, never in memory.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import socket
@@ -24,7 +25,7 @@ from nats.js import JetStreamContext
 
 from config.redact import scrub, shorten
 from config.settings import NatsSettings
-from worker.results import ResultRefused, ResultStore, ResultsUnavailable
+from worker.results import ResultRefused, ResultStore, ResultsUnavailable, unavailable
 from worker.schemas import Task, Verdict, error_info, make_result
 
 log = structlog.get_logger(__name__)
@@ -134,7 +135,9 @@ class Settler:
             try:
                 await write()
                 return
-            except ResultsUnavailable:
+            except ResultsUnavailable as failure:
+                if failure.connection_closed:
+                    raise
                 if time.monotonic() + delay_s > deadline:
                     raise
             await asyncio.sleep(delay_s)
@@ -211,6 +214,13 @@ class Settler:
             "Worker-Original-Subject": header_value(subject),
             "Worker-Original-Sequence": str(seq),
         }
+        limit = self.store.max_message_bytes()
+        if len(data) > limit:
+            # The copy plus our headers must fit the server's max_payload, or the server
+            # drops our connection: keep the head, and say what the whole was.
+            headers["Worker-Truncated-From-Bytes"] = str(len(data))
+            headers["Worker-Original-Sha256"] = hashlib.sha256(data).hexdigest()
+            data = data[:limit]
 
         async def publish() -> None:
             try:
@@ -222,9 +232,7 @@ class Settler:
                     headers=headers,
                 )
             except (nats.errors.Error, TimeoutError) as error:
-                raise ResultsUnavailable(
-                    f"dead-letter stream unavailable: {type(error).__name__} {error}"
-                ) from None
+                raise unavailable("dead-letter stream unavailable", error) from None
 
         await self._patiently(publish)
 

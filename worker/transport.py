@@ -144,7 +144,7 @@ def stream_configs(settings: NatsSettings) -> list[api.StreamConfig]:
             max_age=settings.results_max_age_s,
             # The worker and the max-deliveries handler may both dead-letter one message
             # minutes apart; the dedupe id (its tasks-stream sequence) keeps it once.
-            duplicate_window=DEAD_LETTER_DEDUPE_S,
+            duplicate_window=min(DEAD_LETTER_DEDUPE_S, settings.results_max_age_s),
             num_replicas=settings.replicas,
         ),
     ]

@@ -181,3 +181,20 @@ async def test_a_long_disconnect_is_reported_until_the_server_is_back(nats_serve
         await until(200)
         assert app.connection.connected()
     assert body.startswith("nats: disconnected")
+
+
+def test_the_s3_deadline_finds_the_socket_under_botocores_body(s3_server, bucket):
+    """The deadline shuts the S3 socket down; if botocore's layout moves, this says so."""
+    import socket
+
+    from datasets.sources import SourceConfig, body_socket, s3_client
+
+    (uri,) = upload_images(s3_server.client(), bucket, 1)
+    key = uri.split("/", 3)[3]
+    body = s3_client(SourceConfig(s3_endpoint_url=s3_server.endpoint_url)).get_object(
+        Bucket=bucket, Key=key
+    )["Body"]
+    try:
+        assert isinstance(body_socket(body), socket.socket)
+    finally:
+        body.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +43,20 @@ def loader():
 def load_all(loader, uris, first_key=0):
     loader.submit([LoadRequest(first_key + i, uri) for i, uri in enumerate(uris)])
     return {item.key: item for item in (loader.next_loaded() for _ in uris)}
+
+
+def run_script(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
+    """``text`` as a script in its own Python process, from the repository root."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    return subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(Path(__file__).parents[2]),
+        check=False,
+    )
 
 
 def open_fds() -> int:
@@ -189,22 +205,11 @@ if __name__ == "__main__":
 
 
 def test_loader_children_and_the_fork_server_exit_when_the_main_process_dies_alone(tmp_path):
-    import subprocess
-    import sys
     import time
 
     from worker.procstats import living
 
-    script = tmp_path / "dies.py"
-    script.write_text(OWNER_DIES_ALONE)
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=str(Path(__file__).parents[2]),
-        check=False,
-    )
+    done = run_script(tmp_path, OWNER_DIES_ALONE)
     children = [int(pid) for pid in done.stdout.split()]
     assert len(children) == 2, done.stderr
     forkservers = {psutil.Process(pid).ppid() for pid in living(children)}
@@ -285,21 +290,10 @@ if __name__ == "__main__":
 def test_when_a_closed_loaders_process_exits_its_children_and_fork_server_are_already_gone(
     tmp_path,
 ):
-    import subprocess
-    import sys
 
     from datasets import processes
 
-    script = tmp_path / "closes.py"
-    script.write_text(CLOSES_AND_EXITS)
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=str(Path(__file__).parents[2]),
-        check=False,
-    )
+    done = run_script(tmp_path, CLOSES_AND_EXITS)
     pids = [int(pid) for pid in done.stdout.split()]
     assert done.returncode == 0 and len(pids) == 3, done.stderr
     assert {pid: processes.state(pid) for pid in pids} == dict.fromkeys(pids)

@@ -102,3 +102,17 @@ def test_the_inflight_byte_cap_bounds_the_tasks_held(weights):
             model={"weights": weights},
             loader={"batch_size": 8, "max_inflight_bytes": 7 * per_image},
         )
+
+
+@pytest.mark.parametrize("entry", ["minio:90OO", "a b", "[::1]:x"])
+def test_a_malformed_allowed_host_is_refused_at_start(weights, entry):
+    with pytest.raises(ConfigError, match="WORKER_SOURCES__ALLOWED_HOSTS"):
+        load_settings(model={"weights": weights}, sources={"allowed_hosts": entry})
+
+
+def test_allowed_hosts_take_names_ports_and_bracketed_v6(weights):
+    s = load_settings(
+        model={"weights": weights},
+        sources={"allowed_hosts": "minio.internal:9000, 10.0.0.5, [::1]:9000, fd00::1"},
+    )
+    assert len(s.sources.hosts()) == 4

@@ -48,6 +48,9 @@ class FakeStore:
     unavailable: bool = False
     stored: list[dict[str, Any]] = field(default_factory=list)
 
+    def max_message_bytes(self) -> int:
+        return 1024 * 1024 - 4096
+
     async def store(self, result: dict[str, Any]) -> bool:
         if self.unavailable:
             raise ResultsUnavailable("down")
@@ -110,3 +113,11 @@ async def test_dead_letter_headers_are_one_capped_line(reason):
     await settler(FakeStore(), js).dead_letter(FakeMsg(), reason)
     value = js.published[0][2]["Worker-Reason"]
     assert "\n" not in value and "\r" not in value and len(value) <= 1000
+
+
+async def test_a_dead_letter_of_a_message_near_max_payload_is_cut_to_fit_with_its_size_said():
+    js, huge = FakeJetStream(), FakeMsg(data=b"x" * (1024 * 1024 - 10))
+    assert await settler(FakeStore(), js).dead_letter(huge, "not JSON") == "dead_lettered"
+    ((_subject, data, headers),) = js.published
+    assert len(data) <= 1024 * 1024 - 4096
+    assert headers["Worker-Truncated-From-Bytes"] == str(len(huge.data))

@@ -161,3 +161,48 @@ def test_the_s3_endpoints_allowance_is_its_host_and_port_not_every_port_on_that_
             == b"IMAGE"
         )
     assert len(other.requests) == 1
+
+
+def test_nat64_addresses_are_unwrapped_and_checked():
+    assert refused_address(ipaddress.ip_address("64:ff9b::a9fe:a9fe"))  # 169.254.169.254
+    assert not refused_address(ipaddress.ip_address("64:ff9b::808:808"))  # 8.8.8.8
+
+
+def test_a_tls_server_that_never_finishes_its_handshake_is_cut_at_the_object_deadline():
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, then says nothing
+        port = silent.getsockname()[1]
+        config = SourceConfig(allowed_hosts=LOCAL, object_deadline_s=0.5, http_timeout_s=30)
+        with pytest.raises(TransientError) as error:
+            read_bytes(f"https://127.0.0.1:{port}/x.jpg", config)
+    assert error.value.kind == "deadline_exceeded"
+
+
+def test_a_body_cut_short_of_its_content_length_is_transient_not_a_corrupt_image():
+    import socket
+    import threading
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def answer_half() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + b"x" * 10)
+
+        responder = threading.Thread(target=answer_half, daemon=True)
+        responder.start()
+        with pytest.raises(TransientError):
+            read_bytes(f"http://127.0.0.1:{port}/x.jpg", SourceConfig(allowed_hosts=LOCAL))
+        responder.join(timeout=5)
+
+
+def test_an_invalid_request_target_is_reported_without_its_query():
+    with Listener() as listener:
+        url = listener.url("/a\x01b?key=AIzaSECRET")
+        with pytest.raises(PermanentError) as error:
+            read_bytes(url, SourceConfig(allowed_hosts=LOCAL))
+    assert "AIzaSECRET" not in str(error.value)
+    assert listener.requests == []
