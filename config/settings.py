@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from config.errors import ConfigError
 from config.redact import redact_url
 
 # Pipeline name -> input size (pixels a side); worker.pipelines builds them, a test keeps
@@ -28,10 +29,6 @@ def image_bytes(pipeline: str) -> int:
     """Host bytes of one loaded image: uint8, 3 channels, at the pipeline's input size."""
     side = PIPELINE_INPUT_SIZES.get(pipeline, 224)
     return 3 * side * side
-
-
-class ConfigError(Exception):
-    """Settings that cannot work; the message has one line per problem, naming the fields."""
 
 
 class NatsSettings(BaseModel):

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
+from config.errors import PermanentError, TransientError
 from config.redact import redact_url
 from datasets.deadline import Cutoff
-from datasets.errors import PermanentError, TransientError
 
 _REDIRECTS = {301, 302, 303, 307, 308}
 _CHUNK_BYTES = 256 * 1024

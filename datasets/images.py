@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 from PIL import Image
 
-from datasets.errors import PermanentError
+from config.errors import PermanentError
 
 # Only these decoders ever see task bytes (Image.open would otherwise try every plugin).
 # A phone's MPO (multi-picture JPEG) opens through the JPEG decoder and is read as a JPEG.

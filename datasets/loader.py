@@ -34,7 +34,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -42,8 +42,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from config.errors import Failure, LoaderFailure, WorkerError
 from datasets import processes
-from datasets.errors import TransientError, WorkerError
 from datasets.images import decode_resized
 from datasets.semaphores import semlock_names, unlink_names, wait_until_mapped
 from datasets.sources import SourceConfig, read_bytes
@@ -59,19 +59,13 @@ class LoadRequest(NamedTuple):
 
 
 class Loaded(NamedTuple):
-    """One request's outcome, made in a loader child."""
+    """One request's outcome, made in a loader child: an image, or the failure."""
 
     key: int
     image: np.ndarray | None  # (3, size, size) uint8
-    error_kind: str | None
-    error_message: str | None
-    retryable: bool
+    failure: Failure | None
     load_s: float
     pid: int
-
-
-class LoaderFailure(TransientError):
-    """The loader timed out or a child died; the requests it held are lost."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +75,6 @@ class LoaderConfig:
     image_size: int
     sources: SourceConfig = field(default_factory=SourceConfig)
     mp_context: str = "forkserver"
-    drop_once_file: str = ""  # fault hook for tests; empty = off
     # Requests a child may run ahead of the main thread's ``next`` calls. It must cover every
     # request the worker can hold, or children idle while the main thread runs the model.
     prefetch_per_worker: int = 2
@@ -92,41 +85,26 @@ def load_one(request: LoadRequest, size: int, sources: SourceConfig) -> Loaded:
     try:
         image = decode_resized(read_bytes(request.uri, sources), size)
     except WorkerError as error:
-        return Loaded(
-            request.key,
-            None,
-            error.kind,
-            str(error),
-            error.retryable,
-            time.perf_counter() - started,
-            os.getpid(),
-        )
+        failure = error.failure()
     except Exception as error:  # noqa: BLE001 - one bad image must not kill a loader child
-        return Loaded(
-            request.key,
-            None,
-            "load_failed",
-            f"{type(error).__name__}: {error}",
-            False,
-            time.perf_counter() - started,
-            os.getpid(),
-        )
-    return Loaded(request.key, image, None, None, False, time.perf_counter() - started, os.getpid())
+        failure = Failure("load_failed", f"{type(error).__name__}: {error}")
+    else:
+        return Loaded(request.key, image, None, time.perf_counter() - started, os.getpid())
+    return Loaded(request.key, None, failure, time.perf_counter() - started, os.getpid())
 
 
 class RequestStream(IterableDataset[Loaded]):
     """Endless dataset: yields one Loaded per request taken from ``requests``.
 
-    Picklable (its queue travels to the children when they are started).
+    Picklable (its queues travel to the children when they are started). Each child reports
+    its pid on ``reports`` when it starts, so the worker learns its children from them.
     """
 
-    def __init__(
-        self, requests: Any, size: int, sources: SourceConfig, drop_once_file: str = ""
-    ) -> None:
+    def __init__(self, requests: Any, reports: Any, size: int, sources: SourceConfig) -> None:
         self.requests = requests
+        self.reports = reports
         self.size = size
         self.sources = sources
-        self.drop_once_file = drop_once_file
         # The worker's main process. Our parent is the fork server, which lives on as long as
         # any of its children do, so "parent gone" never fires when the main process dies.
         self.owner_pid = os.getpid()
@@ -140,21 +118,13 @@ class RequestStream(IterableDataset[Loaded]):
                 continue
             if request is None:
                 return
-            loaded = load_one(request, self.size, self.sources)
-            if self.drop_once_file and claim_once(self.drop_once_file):
-                # The production failure: the result cannot be pickled, the queue's feeder
-                # thread drops it, and the child lives on as if it had been sent.
-                loaded = loaded._replace(error_message=threading.Lock())  # type: ignore[arg-type]
-            yield loaded
+            yield self.load(request)
+
+    def load(self, request: LoadRequest) -> Loaded:
+        return load_one(request, self.size, self.sources)
 
 
-def claim_once(path: str) -> bool:
-    """True for the one caller that creates ``path``."""
-    try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    return True
+MakeStream = Callable[[Any, Any, int, SourceConfig], RequestStream]
 
 
 def process_start_time(pid: int) -> int | None:
@@ -194,6 +164,7 @@ def _init_child(_worker_id: int) -> None:
     info = torch.utils.data.get_worker_info()
     dataset = info.dataset if info is not None else None
     if isinstance(dataset, RequestStream):
+        dataset.reports.put((_worker_id, os.getpid()))
         threading.Thread(
             target=_exit_with_owner,
             args=(dataset.owner_pid, dataset.owner_started),
@@ -215,22 +186,44 @@ def _close_mp_queue(q: Any) -> None:
 
 
 class _Generation:
-    """One DataLoader iterator, its request queue and its children; the torch adapter."""
+    """One DataLoader iterator, its queues and its children; the torch adapter."""
 
-    def __init__(self, it: Any, requests: Any) -> None:
+    def __init__(self, it: Any, requests: Any, reports: Any) -> None:
         self.it = it
         self.requests = requests
+        self.reports = reports
+        self.child_pids: list[int] = []  # as the children reported them
+
+    def await_reports(self, count: int, timeout_s: float) -> None:
+        """Learn the children's pids from the children (each reports once it runs)."""
+        deadline = time.monotonic() + timeout_s
+        found: dict[int, int] = {}
+        while len(found) < count and time.monotonic() < deadline:
+            try:
+                worker_id, pid = self.reports.get(timeout=min(_POLL_S, timeout_s))
+            except queue.Empty:
+                continue
+            found[int(worker_id)] = int(pid)
+        if len(found) < count:
+            raise LoaderFailure(
+                f"{count - len(found)} of {count} loader children did not start within "
+                f"{timeout_s:g}s",
+                kind="loader_failed",
+            )
+        self.child_pids = [found[i] for i in sorted(found)]
 
     def workers(self) -> list[Any]:
         return list(self.it._workers)
 
-    def pids(self) -> list[int]:
-        return [w.pid for w in self.it._workers if w.pid is not None]
+    def known_pids(self) -> list[int]:
+        """Every child we know of: reported, or started but silent (a failed start)."""
+        started = {w.pid for w in self.workers() if w.pid is not None}
+        return sorted(started | set(self.child_pids))
 
     def semaphore_names(self) -> tuple[set[str], list[set[str]]]:
         it = self.it
         shared = semlock_names(self.requests) | semlock_names(it._worker_result_queue)
-        shared |= semlock_names(it._workers_done_event)
+        shared |= semlock_names(it._workers_done_event) | semlock_names(self.reports)
         return shared, [semlock_names(q) for q in it._index_queues]
 
     def disown(self) -> None:
@@ -249,7 +242,7 @@ class _Generation:
         """Close every queue and Process object of ours once the children are killed; return
         the Process objects multiprocessing still thinks are running (kept, closed later)."""
         it = self.it
-        for q in [*it._index_queues, it._worker_result_queue, self.requests]:
+        for q in [*it._index_queues, it._worker_result_queue, self.requests, self.reports]:
             _close_mp_queue(q)
         return close_processes(self.workers())
 
@@ -269,8 +262,9 @@ _open_loaders: set[int] = set()  # loaders of this process that are started and 
 
 
 class StreamingLoader:
-    def __init__(self, config: LoaderConfig) -> None:
+    def __init__(self, config: LoaderConfig, make_stream: MakeStream = RequestStream) -> None:
         self.config = config
+        self._make_stream = make_stream  # another only where the wiring installs a fault
         self._ctx = mp.get_context(config.mp_context)
         if config.mp_context == "forkserver":
             self._ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
@@ -293,13 +287,8 @@ class StreamingLoader:
         if why:
             processes.stop_forkserver(_KILL_WAIT_S)
         processes.replace_stopped_tracker(_KILL_WAIT_S)
-        requests = self._ctx.Queue()
-        dataset = RequestStream(
-            requests,
-            self.config.image_size,
-            self.config.sources,
-            self.config.drop_once_file,
-        )
+        requests, reports = self._ctx.Queue(), self._ctx.Queue()
+        dataset = self._make_stream(requests, reports, self.config.image_size, self.config.sources)
         loader = DataLoader(
             dataset,
             batch_size=None,
@@ -311,8 +300,9 @@ class StreamingLoader:
             prefetch_factor=self.config.prefetch_per_worker,
             in_order=False,
         )
-        gen = _Generation(iter(loader), requests)
+        gen = _Generation(iter(loader), requests, reports)
         self._gen = gen
+        gen.await_reports(self.config.num_workers, self.config.timeout_s)
         self._unlink_semaphores(gen)
         with self._lock:
             self._requests = requests
@@ -358,8 +348,8 @@ class StreamingLoader:
         """Once the children have opened them, unlink this generation's semaphore names."""
         shared, own = gen.semaphore_names()
         wanted = {
-            w.pid: {name.lstrip("/") for name in shared | own[i]}
-            for i, w in enumerate(gen.workers())
+            pid: {name.lstrip("/") for name in shared | own[i]}
+            for i, pid in enumerate(gen.child_pids)
         }
         if wait_until_mapped(wanted, timeout_s=self.config.timeout_s):
             unlink_names(shared.union(*own))
@@ -368,7 +358,7 @@ class StreamingLoader:
         gen, self._gen = self._gen, None
         if gen is None:
             return
-        pids = gen.pids()
+        pids = gen.known_pids()
         gen.disown()
         processes.kill(pids)
         unkillable = processes.wait_gone(pids, _KILL_WAIT_S)
@@ -441,7 +431,7 @@ class StreamingLoader:
 
     def child_pids(self) -> list[int]:
         gen = self._gen
-        return gen.pids() if gen is not None else []
+        return list(gen.child_pids) if gen is not None else []
 
     def kill_children(self) -> None:
         """Last resort from any thread, when the loader's own thread is wedged: SIGKILL them."""

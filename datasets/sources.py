@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from config.errors import PermanentError, TransientError
 from config.redact import redact_url
 from datasets.deadline import Cutoff
-from datasets.errors import PermanentError, TransientError
 from datasets.httpget import HttpPolicy, allowed_entry, read_http
 
 _MISSING_CODES = {"NoSuchKey", "NoSuchBucket", "404", "NotFound"}

@@ -19,9 +19,9 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
+from config.errors import Failure, InvalidTask, ResultRefused, ResultsUnavailable, Undeliverable
 from config.settings import NatsSettings
-from worker.results import ResultRefused, ResultsUnavailable
-from worker.schemas import InvalidTask, Task, Undeliverable, Verdict, parse_task
+from worker.schemas import Task, Verdict, parse_task
 from worker.settle import Settler, backoff_s
 from worker.transport import advisory_consumer
 
@@ -143,12 +143,12 @@ class ExhaustedTasks:
         except InvalidTask as invalid:
             task = Task(invalid.task_id, invalid.job_id, invalid.image_id, "")
         verdict = Verdict(
-            error_kind=EXHAUSTED_KIND,
-            error_message=(
+            failure=Failure(
+                EXHAUSTED_KIND,
                 f"deliveries ran out: all {deliveries} deliveries ended without a result "
-                "(the worker holding it died, was killed or stopped answering)"
-            ),
-            retryable=True,
+                "(the worker holding it died, was killed or stopped answering)",
+                retryable=True,
+            )
         )
         try:
             stored = await self._settler.store.store(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -24,6 +25,7 @@ from worker.engine import Engine
 from worker.exits import Exit
 from worker.guards import ResourceGuard
 from worker.health import PREFIX, HealthServer, Liveness, Metrics
+from worker.ports import Loading
 from worker.procstats import ProcessTreeCollector
 from worker.results import ResultStore
 from worker.service import Services, Worker
@@ -52,10 +54,16 @@ def source_config(s: Settings) -> SourceConfig:
 
 
 class WorkerApp:
-    """One worker process's parts. ``start`` -> ``run(stop)`` -> ``close``."""
+    """One worker process's parts. ``start`` -> ``run(stop)`` -> ``close``.
 
-    def __init__(self, settings: Settings) -> None:
+    ``start`` reads as the process map: the engine (model on the engine thread, the loader
+    and its children), the transport (NATS connection, streams, the consumer), the health
+    layer (liveness, metrics, /healthz), and the orchestrator over them.
+    """
+
+    def __init__(self, settings: Settings, *, until_idle: bool = False) -> None:
         self.settings = settings
+        self.until_idle = until_idle
         self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.nc: Any = None
         self.engine: Engine | None = None
@@ -65,6 +73,40 @@ class WorkerApp:
         self.connection = ConnectionState()
 
     async def start(self) -> None:
+        s = self.settings
+        liveness = Liveness(
+            s.health.stall_timeout_s,
+            watchdog=Watchdog(s.health.watchdog_timeout_s) if s.health.watchdog_timeout_s else None,
+        )
+        engine, model = await self._build_engine(liveness)
+        feed, store, settler = await self._build_transport(model.info.as_dict())
+        metrics = self._build_health(liveness, engine.loader.child_pids)
+        settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
+        services = Services(
+            source=feed,
+            store=store,
+            settler=settler,
+            engine=self._with_faults(engine),
+            engine_thread=self.engine_thread,
+            liveness=liveness,
+            metrics=metrics,
+            guard=ResourceGuard(s.guards, engine.loader.child_pids).check,
+            helpers=(("max-deliveries", ExhaustedTasks(self.nc.jetstream(), s.nats, settler).run),),
+            closed=self.connection.closed,
+        )
+        self.worker = Worker(s, services, until_idle=self.until_idle)
+        log.info(
+            "worker_started",
+            pipeline=s.model.pipeline,
+            device=str(model.device),
+            weights_sha256=model.info.weights_sha256,
+            loader_pids=engine.loader.child_pids(),
+            max_deliver=settler.max_deliver,
+            metrics_port=self.health.port if self.health else 0,
+        )
+
+    async def _build_engine(self, liveness: Liveness) -> tuple[Engine, Any]:
+        """The model, loaded on the engine thread; the loader and its children."""
         from worker.model import Classifier
         from worker.pipelines import get_pipeline
 
@@ -80,44 +122,54 @@ class WorkerApp:
             # A MIG slice or a GPU by UUID: make it the only visible device, before CUDA starts.
             os.environ["CUDA_VISIBLE_DEVICES"] = device
             device = "cuda:0"
-        classifier = await loop.run_in_executor(
+        model = await loop.run_in_executor(
             self.engine_thread, Classifier, spec, s.model.weights, sources, device, s.model.top_k
         )
-        loader = StreamingLoader(
-            LoaderConfig(
-                num_workers=s.loader.num_workers,
-                timeout_s=s.loader.timeout_s,
-                image_size=spec.input_size,
-                sources=sources,
-                mp_context=s.loader.mp_context,
-                drop_once_file=s.faults.drop_once_file,
-                prefetch_per_worker=-(-max_held_tasks(s) // s.loader.num_workers) + 1,
-            )
+        config = LoaderConfig(
+            num_workers=s.loader.num_workers,
+            timeout_s=s.loader.timeout_s,
+            image_size=spec.input_size,
+            sources=sources,
+            mp_context=s.loader.mp_context,
+            prefetch_per_worker=-(-max_held_tasks(s) // s.loader.num_workers) + 1,
         )
-        watchdog = Watchdog(s.health.watchdog_timeout_s) if s.health.watchdog_timeout_s else None
-        liveness = Liveness(s.health.stall_timeout_s, watchdog=watchdog)
+        if s.faults.drop_once_file:
+            from datasets.faults import dropping_once
+
+            loader = StreamingLoader(config, dropping_once(s.faults.drop_once_file))
+        else:
+            loader = StreamingLoader(config)
         self.engine = Engine(
             loader,
-            classifier,
+            model,
             max_consecutive_failures=s.loader.max_consecutive_failures,
-            wedge_once_file=s.faults.wedge_once_file,
-            wedge_mode=s.faults.wedge_mode,
             heartbeat=liveness.still_working,
         )
         await loop.run_in_executor(self.engine_thread, self.engine.start)
+        return self.engine, model
 
-        self.connection = ConnectionState()
-        self.nc = await connect(s.nats, state=self.connection)
-        js = self.nc.jetstream()
+    async def _build_transport(
+        self, model: dict[str, str]
+    ) -> tuple[TaskFeed, ResultStore, Settler]:
+        """The connection, the streams and consumer (provisioned), the feed and the stores."""
+        s = self.settings
+        self.nc = nc = await connect(s.nats, state=self.connection)
+        js = nc.jetstream()
         await provision(js, s.nats, s.model.pipeline)
-        self.feed = TaskFeed(js, s.nats)
+        self.feed = TaskFeed(nc, s.nats)
         await self.feed.open()
+        store = ResultStore(js, s.nats, lambda: int(nc.max_payload))
         max_deliver = await self.feed.max_deliver()
+        settler = Settler(js, store, s.nats, s.model.pipeline, model, max_deliver)
+        return self.feed, store, settler
 
+    def _build_health(self, liveness: Liveness, loader_pids: Callable[[], list[int]]) -> Metrics:
+        """Metrics in one registry; /metrics and /healthz when a port is set."""
+        s = self.settings
         registry = CollectorRegistry()
         connection = self.connection
         metrics = Metrics(registry, liveness, connection.connected)
-        registry.register(ProcessTreeCollector(PREFIX, loader.child_pids))
+        registry.register(ProcessTreeCollector(PREFIX, loader_pids))
         if s.metrics.port:
 
             def unhealthy() -> str | None:
@@ -128,41 +180,16 @@ class WorkerApp:
 
             self.health = HealthServer(s.metrics.host, s.metrics.port, registry, unhealthy)
             self.health.start()
-        nc = self.nc
-        store = ResultStore(js, s.nats, lambda: int(nc.max_payload))
-        settler = Settler(
-            js,
-            store,
-            s.nats,
-            s.model.pipeline,
-            classifier.info.as_dict(),
-            max_deliver,
-            count=lambda outcome: metrics.tasks.labels(outcome).inc(),
-        )
-        exhausted = ExhaustedTasks(js, s.nats, settler)
-        guard = ResourceGuard(s.guards, loader.child_pids)
-        services = Services(
-            self.feed,
-            store,
-            settler,
-            self.engine,
-            self.engine_thread,
-            liveness,
-            metrics,
-            exhausted,
-            guard,
-            connection,
-        )
-        self.worker = Worker(s, services)
-        log.info(
-            "worker_started",
-            pipeline=s.model.pipeline,
-            device=str(classifier.device),
-            weights_sha256=classifier.info.weights_sha256,
-            loader_pids=loader.child_pids(),
-            max_deliver=max_deliver,
-            metrics_port=self.health.port if self.health else 0,
-        )
+        return metrics
+
+    def _with_faults(self, engine: Engine) -> Loading:
+        """The engine, or the engine behind a fault a chaos test asked for."""
+        faults = self.settings.faults
+        if not faults.wedge_once_file:
+            return engine
+        from worker.faults import WedgingEngine
+
+        return WedgingEngine(engine, faults.wedge_once_file, faults.wedge_mode)
 
     async def run(self, stop: asyncio.Event) -> Exit:
         assert self.worker is not None, "start() first"

@@ -7,9 +7,9 @@ import asyncio
 import nats
 from nats.js.errors import NotFoundError
 
+from config.errors import WorkerError
 from config.redact import redact_url, scrub
 from config.settings import Settings
-from datasets.errors import WorkerError
 
 _CHECK_TIMEOUT_S = 10.0
 

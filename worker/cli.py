@@ -24,7 +24,15 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inference-worker", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("WORKER_LOG_LEVEL", "INFO"))
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("run", help="run the worker until SIGTERM/SIGINT (settings from env/.env)")
+    run = commands.add_parser(
+        "run", help="run the worker until SIGTERM/SIGINT (settings from env/.env)"
+    )
+    run.add_argument(
+        "--until-idle",
+        action="store_true",
+        help="burst mode: stop (drained, exit 0) once nothing is held and the consumer has "
+        "nothing pending",
+    )
     commands.add_parser("demo", help="a whole job on local servers, with a report; cleans up")
     submit = commands.add_parser("submit", help="publish one task per image for a job")
     submit.add_argument("--job", required=True, help="job id")
@@ -75,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     return asyncio.run(handlers[args.command](settings, args))
 
 
-async def _run(settings: Settings, _args: argparse.Namespace) -> int:
+async def _run(settings: Settings, args: argparse.Namespace) -> int:
     from worker.app import WorkerApp
 
     loop = asyncio.get_running_loop()
@@ -90,7 +98,7 @@ async def _run(settings: Settings, _args: argparse.Namespace) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
-    app = WorkerApp(settings)
+    app = WorkerApp(settings, until_idle=args.until_idle)
     try:
         await app.start()
         exit = await app.run(stop)

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import structlog
 import torch
 
-from datasets.loader import Loaded, LoaderFailure, LoadRequest, StreamingLoader, claim_once
+from config.errors import Failure, LoaderFailure, LoaderGaveUp
+from datasets.loader import Loaded, LoadRequest, StreamingLoader
+from worker.ports import BatchReport
 from worker.schemas import Verdict
 
 log = structlog.get_logger(__name__)
@@ -19,18 +20,6 @@ log = structlog.get_logger(__name__)
 
 class Predictor(Protocol):
     def predict(self, images: torch.Tensor) -> list[list[dict[str, Any]]]: ...
-
-
-@dataclass(frozen=True)
-class BatchReport:
-    outcomes: dict[int, Verdict]
-    load_s: float
-    infer_s: float
-    loader_restarts: int
-
-
-class LoaderGaveUp(RuntimeError):
-    """The loader failed too many times in a row; the process should exit and be restarted."""
 
 
 class Engine:
@@ -41,16 +30,12 @@ class Engine:
         loader: StreamingLoader,
         predictor: Predictor,
         max_consecutive_failures: int = 3,
-        wedge_once_file: str = "",
-        wedge_mode: str = "gil",
         heartbeat: Callable[[], None] = lambda: None,
     ) -> None:
         self.loader = loader
         self.predictor = predictor
         self.max_consecutive_failures = max_consecutive_failures
         self.consecutive_failures = 0
-        self._wedge_once_file = wedge_once_file
-        self._wedge_mode = wedge_mode
         self._heartbeat = heartbeat
         self._stash: dict[int, Loaded] = {}
 
@@ -61,9 +46,9 @@ class Engine:
         self.loader.close()
         self._stash.clear()
 
-    def submit(self, requests: Sequence[LoadRequest]) -> None:
-        """Queue loads; safe from any thread. Loader children start on them at once."""
-        self.loader.submit(requests)
+    def submit(self, requests: Sequence[tuple[int, str]]) -> None:
+        """Queue loads of (key, URI); any thread. Loader children start on them at once."""
+        self.loader.submit([LoadRequest(key, uri) for key, uri in requests])
 
     def forget(self, keys: Sequence[int]) -> None:
         """Drop loads that nobody will collect (tasks given back at shutdown)."""
@@ -71,8 +56,6 @@ class Engine:
             self._stash.pop(key, None)
 
     def run_batch(self, keys: Sequence[int]) -> BatchReport:
-        if self._wedge_once_file:
-            _wedge_once(self._wedge_once_file, self._wedge_mode)
         restarts_before = self.loader.restarts
         unhealthy = self.loader.unhealthy_children()
         if unhealthy:
@@ -94,16 +77,10 @@ class Engine:
         for key in keys:
             item = loaded.get(key)
             if item is None:
-                outcomes[key] = Verdict(
-                    error_kind="loader_failed", error_message=failure, retryable=True
-                )
+                lost = Failure("loader_failed", failure or "the loader lost it", retryable=True)
+                outcomes[key] = Verdict(failure=lost)
             elif item.image is None:
-                outcomes[key] = Verdict(
-                    error_kind=item.error_kind,
-                    error_message=item.error_message,
-                    retryable=item.retryable,
-                    timings_s={"load_s": item.load_s},
-                )
+                outcomes[key] = Verdict(failure=item.failure, timings_s={"load_s": item.load_s})
         ready = [key for key in keys if key not in outcomes]
         infer_started = time.perf_counter()
         outcomes.update(self._infer(ready, loaded))
@@ -157,10 +134,8 @@ class Engine:
         except Exception as error:
             log.exception("inference_failed", batch=len(keys))
             message = f"inference failed: {type(error).__name__}: {error}"
-            return {
-                key: Verdict(error_kind="inference_failed", error_message=message, retryable=True)
-                for key in keys
-            }
+            failed = Failure("inference_failed", message, retryable=True)
+            return {key: Verdict(failure=failed) for key in keys}
         infer_s = time.perf_counter() - started
         return {
             key: Verdict(
@@ -169,18 +144,3 @@ class Engine:
             )
             for key, prediction in zip(keys, predictions, strict=True)
         }
-
-
-def _wedge_once(path: str, mode: str) -> None:
-    """Fault hook for tests: the first process to create ``path`` hangs its engine thread."""
-    import sys
-
-    if not claim_once(path):
-        return
-    log.error("fault_hook_wedging_engine_thread", path=path, mode=mode)
-    if mode == "sleep":
-        while True:  # blocked, GIL released: the rest of the process still answers
-            time.sleep(3600)
-    sys.setswitchinterval(1e6)  # no other Python thread gets the GIL back
-    while True:
-        pass

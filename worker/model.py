@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
-from datasets.errors import PermanentError
+from config.errors import PermanentError
 from datasets.sources import SourceConfig, read_trusted
 from worker.pipelines import PipelineSpec
 

@@ -11,8 +11,8 @@ import nats
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
+from config.errors import ResultRefused, ResultsUnavailable
 from config.settings import NatsSettings
-from datasets.errors import PermanentError, TransientError
 from worker.schemas import subject_token
 
 # The server's answer when a per-task subject already holds its result.
@@ -26,27 +26,11 @@ _HEADER_ROOM_BYTES = 4096
 _SAFE_SUBJECT = re.compile(r"results(\.[A-Za-z0-9_-]{1,400}){2}")
 
 
-class ResultsUnavailable(TransientError):
-    """The results stream did not confirm the write; the task must be retried.
-
-    ``connection_closed``: our client is closed for good, so retrying in this process is
-    pointless (the process is ending; the ack wait redelivers the task elsewhere).
-    """
-
-    def __init__(self, message: str, *, connection_closed: bool = False) -> None:
-        super().__init__(message)
-        self.connection_closed = connection_closed
-
-
 def unavailable(what: str, error: BaseException) -> ResultsUnavailable:
     return ResultsUnavailable(
         f"{what}: {type(error).__name__} {error}",
         connection_closed=isinstance(error, nats.errors.ConnectionClosedError),
     )
-
-
-class ResultRefused(PermanentError):
-    """No retry can store this result (too large for a message, or no valid subject)."""
 
 
 def result_subject(job_id: str, task_id: str) -> str:

@@ -16,7 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from config.redact import redact_url, scrub, shorten
+from config.errors import Failure, InvalidTask, Undeliverable
+from config.redact import redact_url, shorten
 
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _ENCODED_PREFIX = "b64-"
@@ -58,31 +59,19 @@ class Task:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What became of a task's work: predictions, or an error (kind, message, retryable)."""
+    """What became of a task's work: predictions, or the failure that stopped it."""
 
     predictions: list[dict[str, Any]] | None = None
-    error_kind: str | None = None
-    error_message: str | None = None
-    retryable: bool = False
+    failure: Failure | None = None
     timings_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return self.error_kind is None
+        return self.failure is None
 
-
-class Undeliverable(Exception):
-    """Too broken to name its job and task: goes to the dead-letter subject."""
-
-
-class InvalidTask(Exception):
-    """Names its job and task but cannot be processed: gets an ``error`` result."""
-
-    def __init__(self, reason: str, *, task_id: str, job_id: str, image_id: str) -> None:
-        super().__init__(reason)
-        self.task_id = task_id
-        self.job_id = job_id
-        self.image_id = image_id
+    @property
+    def retryable(self) -> bool:
+        return self.failure is not None and self.failure.retryable
 
 
 def _id_text(value: Any, max_bytes: int) -> tuple[str | None, str]:
@@ -147,18 +136,6 @@ def parse_task(data: bytes) -> Task:
     if not isinstance(config, dict):
         raise invalid("'config' must be a JSON object when given")
     return Task(task_id, job_id, image_id, url, config)
-
-
-MAX_ERROR_MESSAGE_CHARS = 1000
-
-
-def error_info(kind: str, message: str, retryable: bool) -> dict[str, Any]:
-    """A result's ``error``: the message capped and with every URL in it redacted."""
-    return {
-        "type": kind,
-        "message": shorten(scrub(message), MAX_ERROR_MESSAGE_CHARS),
-        "retryable": retryable,
-    }
 
 
 def make_result(

@@ -20,13 +20,14 @@ from typing import Any
 
 import nats
 import structlog
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from config.errors import Failure, ResultRefused, ResultsUnavailable
 from config.redact import scrub, shorten
 from config.settings import NatsSettings
-from worker.results import ResultRefused, ResultStore, ResultsUnavailable, unavailable
-from worker.schemas import Task, Verdict, error_info, make_result
+from worker.ports import Delivery
+from worker.results import ResultStore, unavailable
+from worker.schemas import Task, Verdict, make_result
 
 log = structlog.get_logger(__name__)
 _STORE_RETRY_FIRST_S = 0.2
@@ -36,17 +37,6 @@ _HEADER_VALUE_CHARS = 1000
 
 def backoff_s(delivered: int, base_s: float, max_s: float) -> float:
     return float(min(max_s, base_s * (2 ** max(0, delivered - 1))))
-
-
-@dataclass
-class Held:
-    """A task fetched and not yet acked, naked or terminated."""
-
-    msg: Msg
-    task: Task
-    key: int
-    delivered: int
-    fetched_at: float
 
 
 @dataclass
@@ -62,15 +52,15 @@ class Settler:
         default_factory=lambda: {"host": socket.gethostname(), "pid": os.getpid()}
     )
 
-    async def settle(self, task: Task, msg: Msg, delivered: int, verdict: Verdict) -> str:
+    async def settle(self, task: Task, msg: Delivery, delivered: int, verdict: Verdict) -> str:
         """Store-then-ack, or nak; returns the outcome counted (ok, error, retried, ...)."""
         bound = log.bind(task_id=task.id, job_id=task.job_id, attempt=delivered)
         if verdict.retryable and delivered < self.max_deliver:
-            return await self._retry(msg, delivered, bound, verdict)
-        if verdict.retryable:
-            last = verdict.error_message or verdict.error_kind
+            return await self._retry(msg, delivered, bound, verdict.failure)
+        if verdict.failure is not None and verdict.retryable:
+            last = verdict.failure.message or verdict.failure.kind
             message = f"deliveries ran out after {delivered} attempts; last error: {last}"
-            verdict = replace(verdict, error_message=message)
+            verdict = replace(verdict, failure=replace(verdict.failure, message=message))
         result = self.result(task, delivered, verdict)
         try:
             result = await self._store_or_smaller(result, task, delivered)
@@ -83,7 +73,7 @@ class Settler:
                     error=str(failure),
                     hint="the max-deliveries advisory stores an error result for it",
                 )
-            return await self._retry(msg, delivered, bound, Verdict(error_message=str(failure)))
+            return await self._retry(msg, delivered, bound, failure.failure())
         await _settle_message(msg.ack, bound)
         outcome = result["status"]
         self.count(outcome)
@@ -110,8 +100,7 @@ class Settler:
                 task,
                 delivered,
                 Verdict(
-                    error_kind=refused.kind,
-                    error_message=f"the result could not be stored: {refused}",
+                    failure=Failure(refused.kind, f"the result could not be stored: {refused}"),
                     timings_s=result.get("timings_s") or {},
                 ),
             )
@@ -144,10 +133,7 @@ class Settler:
             delay_s = min(delay_s * 2, _STORE_RETRY_MAX_S)
 
     def result(self, task: Task, delivered: int, verdict: Verdict) -> dict[str, Any]:
-        error = None
-        if verdict.error_kind is not None:
-            message = verdict.error_message or verdict.error_kind
-            error = error_info(verdict.error_kind, message, verdict.retryable)
+        error = verdict.failure.as_dict() if verdict.failure is not None else None
         return make_result(
             task_id=task.id,
             job_id=task.job_id,
@@ -162,7 +148,7 @@ class Settler:
             attempt=delivered,
         )
 
-    async def _retry(self, msg: Msg, delivered: int, bound: Any, verdict: Verdict) -> str:
+    async def _retry(self, msg: Delivery, delivered: int, bound: Any, why: Failure | None) -> str:
         delay_s = backoff_s(
             delivered, self.settings.nak_backoff_base_s, self.settings.nak_backoff_max_s
         )
@@ -170,11 +156,11 @@ class Settler:
             await msg.nak(delay=delay_s)
         except nats.errors.Error as error:  # the ack wait will bring it back anyway
             bound.warning("nak_failed", error=str(error))
-        bound.info("task_retried", delay_s=delay_s, reason=verdict.error_message)
+        bound.info("task_retried", delay_s=delay_s, reason=why.message if why else None)
         self.count("retried")
         return "retried"
 
-    async def dead_letter(self, msg: Msg, reason: str) -> str:
+    async def dead_letter(self, msg: Delivery, reason: str) -> str:
         """Keep a message and the reason on the dead-letter subject, confirmed; then terminate.
 
         If the dead-letter stream does not confirm, the message is given back (nak); on its
@@ -192,7 +178,7 @@ class Settler:
                     error=str(failure),
                     hint="the max-deliveries advisory dead-letters it",
                 )
-            return await self._retry(msg, delivered, bound, Verdict(error_message=str(failure)))
+            return await self._retry(msg, delivered, bound, failure.failure())
         await _settle_message(msg.term, bound)
         self.count("dead_lettered")
         bound.warning(

@@ -222,10 +222,11 @@ async def provision(js: JetStreamContext, settings: NatsSettings, pipeline: str)
 
 
 class TaskFeed:
-    """Bounded fetches from the durable pull consumer."""
+    """Bounded fetches from the durable pull consumer (the orchestrator's TaskSource)."""
 
-    def __init__(self, js: JetStreamContext, settings: NatsSettings) -> None:
-        self._js = js
+    def __init__(self, nc: NATS, settings: NatsSettings) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
         self._settings = settings
         self._sub: Any = None
 
@@ -239,6 +240,16 @@ class TaskFeed:
         info = await self._js.consumer_info(self._settings.tasks_stream, self._settings.consumer)
         value = info.config.max_deliver
         return int(value) if value and value > 0 else 1_000_000
+
+    async def idle(self) -> bool:
+        """Nothing pending for the consumer and nothing awaiting an ack, anywhere."""
+        try:
+            info = await self._js.consumer_info(
+                self._settings.tasks_stream, self._settings.consumer
+            )
+        except (nats.errors.Error, TimeoutError):
+            return False
+        return info.num_pending == 0 and info.num_ack_pending == 0
 
     async def fetch(self, batch: int) -> list[Msg]:
         """Up to ``batch`` messages; [] after ``fetch_timeout_s`` or while disconnected."""
@@ -265,16 +276,34 @@ class TaskFeed:
         """
         if self._sub is None:
             return []
-        pending = self._sub._sub._pending_queue  # nats-py keeps late deliveries here
+        pending = late_deliveries(self._sub)
         try:
             await self._sub.unsubscribe()
-            await self._js._nc.flush(timeout=5)
+            await self._nc.flush(timeout=5)
         except (nats.errors.Error, TimeoutError):
             pass
         self._sub = None
         found: list[Msg] = []
-        while not pending.empty():
+        while pending is not None and not pending.empty():
             msg = pending.get_nowait()
             if not JetStreamContext.is_status_msg(msg):
                 found.append(msg)
         return found
+
+
+def late_deliveries(sub: Any) -> asyncio.Queue[Msg] | None:
+    """The queue where nats-py keeps messages delivered to a pull subscription after its
+    last fetch returned (``PullSubscription._sub._pending_queue``, nats-py 2.x; the one
+    private attribute of nats-py we read, tested in ``tests/unit/test_transport.py``).
+
+    If it has moved, None: those messages are then not given back at once but wait out
+    their ack wait, which costs time, never a task.
+    """
+    queue = getattr(getattr(sub, "_sub", None), "_pending_queue", None)
+    if isinstance(queue, asyncio.Queue):
+        return queue
+    log.warning(
+        "nats_internals_moved",
+        hint="late deliveries are left to their ack wait; check the nats-py version",
+    )
+    return None

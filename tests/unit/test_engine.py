@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from datasets.loader import Loaded, LoaderFailure
-from worker.engine import Engine, LoaderGaveUp
+from config.errors import LoaderFailure, LoaderGaveUp
+from datasets.loader import Loaded
+from worker.engine import Engine
 
 
 class FlakyLoader:
@@ -24,7 +25,7 @@ class FlakyLoader:
         if self.failing or not self.queue:
             raise LoaderFailure("DataLoader timed out after 1 seconds")
         request = self.queue.pop(0)
-        return Loaded(request.key, np.zeros((3, 8, 8), dtype=np.uint8), None, None, False, 0.0, 1)
+        return Loaded(request.key, np.zeros((3, 8, 8), dtype=np.uint8), None, 0.0, 1)
 
     def restart(self):
         self.restarts += 1
@@ -44,9 +45,7 @@ class Echo:
 
 
 def submit(engine, keys):
-    from datasets.loader import LoadRequest
-
-    engine.submit([LoadRequest(key, f"file:///{key}.jpg") for key in keys])
+    engine.submit([(key, f"file:///{key}.jpg") for key in keys])
 
 
 def test_a_hung_loader_gives_the_batch_back_and_keeps_later_batches():
@@ -57,7 +56,7 @@ def test_a_hung_loader_gives_the_batch_back_and_keeps_later_batches():
     loader.failing = True
     report = engine.run_batch([1, 2])
     assert report.loader_restarts == 1
-    assert all(v.retryable and v.error_kind == "loader_failed" for v in report.outcomes.values())
+    assert all(v.retryable and v.failure.kind == "loader_failed" for v in report.outcomes.values())
     loader.failing = False
     # The later batch's requests were lost with the old loader and submitted to the new one.
     assert [request.key for request in loader.queue] == [3, 4]

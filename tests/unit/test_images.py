@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from datasets.errors import PermanentError, TransientError
+from config.errors import PermanentError, TransientError
 from datasets.images import decode_resized
 from datasets.sources import SourceConfig, read_bytes
 from datasets.synthetic import corrupt_bytes, image_bytes, truncated_bytes

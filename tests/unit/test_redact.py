@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from config.errors import Failure
 from config.redact import redact_url, scrub
-from worker.schemas import error_info
 
 PRESIGNED = (
     "https://bucket.s3.amazonaws.com/traps/img.jpg?X-Amz-Algorithm=AWS4-HMAC-SHA256"
@@ -28,5 +28,5 @@ def test_urls_inside_any_text_are_scrubbed():
 
 
 def test_stored_error_messages_are_scrubbed_and_capped():
-    error = error_info("http_error", f"HTTP 403 for {PRESIGNED} " + "x" * 5000, False)
+    error = Failure("http_error", f"HTTP 403 for {PRESIGNED} " + "x" * 5000).as_dict()
     assert "deadbeefcafe" not in error["message"] and len(error["message"]) <= 1000

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from datasets.errors import PermanentError, TransientError
+from config.errors import PermanentError, TransientError
 from datasets.httpget import refused_address
 from datasets.sources import SourceConfig, read_bytes
 from tests.listeners import Listener

@@ -11,13 +11,14 @@ from worker.health import Liveness
 WEDGED = textwrap.dedent(
     """
     import threading
-    from worker.engine import _wedge_once
+    from worker.faults import WedgingEngine
     from worker.health import Liveness
     from worker.watchdog import Watchdog
 
     live = Liveness(0.5, watchdog=Watchdog(1.0))
     live.set_held(3)
-    threading.Thread(target=_wedge_once, args=({path!r}, "gil"), name="engine").start()
+    wedged = WedgingEngine(None, {path!r}, "gil")
+    threading.Thread(target=wedged.run_batch, args=([],), name="engine").start()
     threading.Event().wait(60)
     print("still alive")
     """
@@ -32,7 +33,7 @@ def test_a_process_wedged_holding_the_gil_dumps_every_stack_and_exits_1(tmp_path
     assert done.returncode == 1
     assert "still alive" not in done.stdout
     assert "Timeout" in done.stderr
-    assert "_wedge_once" in done.stderr  # the wedged thread's stack is in the log
+    assert "faults.py" in done.stderr  # the wedged thread's stack is in the log
     assert "Thread" in done.stderr
 
 

@@ -1,0 +1,104 @@
+"""Every error this project raises on purpose, and the one value a failed task carries.
+
+A ``Failure`` (kind, message, retryable) is made once, where the failure is understood (a
+loader child, the engine, the store), and travels unchanged to the stored result's
+``error``. The exceptions below are the families: permanent ones are never retried,
+transient ones are, with the server's delivery count as the budget.
+
+Imports nothing of ours but the redaction helper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from config.redact import scrub, shorten
+
+MAX_ERROR_MESSAGE_CHARS = 1000
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a task has no predictions; becomes the result's ``error`` as it is."""
+
+    kind: str
+    message: str
+    retryable: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        """The result's ``error``: the message capped and with every URL in it redacted."""
+        return {
+            "type": self.kind,
+            "message": shorten(scrub(self.message), MAX_ERROR_MESSAGE_CHARS),
+            "retryable": self.retryable,
+        }
+
+
+class WorkerError(Exception):
+    """Base of every error this project raises on purpose."""
+
+    retryable = False
+
+    def __init__(self, message: str, *, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind or type(self).__name__
+
+    def failure(self) -> Failure:
+        return Failure(self.kind, str(self), self.retryable)
+
+
+class PermanentError(WorkerError):
+    """Retrying cannot help: a missing object, corrupt bytes, an invalid task."""
+
+
+class TransientError(WorkerError):
+    """Retrying later may help: S3 5xx or timeouts, results store unavailable, a hung loader."""
+
+    retryable = True
+
+
+class ConfigError(WorkerError):
+    """Settings that cannot work; the message has one line per problem, naming the fields."""
+
+
+# -- tasks ---------------------------------------------------------------------------------
+class Undeliverable(PermanentError):
+    """Too broken to name its job and task: goes to the dead-letter subject."""
+
+
+class InvalidTask(PermanentError):
+    """Names its job and task but cannot be processed: gets an ``error`` result."""
+
+    def __init__(self, reason: str, *, task_id: str, job_id: str, image_id: str) -> None:
+        super().__init__(reason, kind="invalid_task")
+        self.task_id = task_id
+        self.job_id = job_id
+        self.image_id = image_id
+
+
+# -- the loader ------------------------------------------------------------------------------
+class LoaderFailure(TransientError):
+    """The loader timed out or a child died; the requests it held are lost."""
+
+
+class LoaderGaveUp(WorkerError):
+    """The loader failed too many times in a row, or no new one could be started; the
+    process should give back its tasks and exit for a fresh one (code 3)."""
+
+
+# -- results ---------------------------------------------------------------------------------
+class ResultsUnavailable(TransientError):
+    """The results (or dead-letter) stream did not confirm the write; retry the task.
+
+    ``connection_closed``: our client is closed for good, so retrying in this process is
+    pointless (the process is ending; the ack wait redelivers the task elsewhere).
+    """
+
+    def __init__(self, message: str, *, connection_closed: bool = False) -> None:
+        super().__init__(message, kind="results_unavailable")
+        self.connection_closed = connection_closed
+
+
+class ResultRefused(PermanentError):
+    """No retry can store this result (too large for a message, or no valid subject)."""

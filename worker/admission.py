@@ -1,0 +1,63 @@
+"""Admission: what a fetched message becomes. With ``settle.py``, the one home of the
+delivery rules.
+
+A message that cannot name its job and task is dead-lettered; one that names them but
+cannot be run gets an ``error`` result; a redelivered one whose result is already stored is
+only acked; the rest are entered in the book of held tasks, to be loaded.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from config.errors import InvalidTask, ResultsUnavailable, Undeliverable
+from worker.book import Held, HeldTasks, quietly
+from worker.ports import Delivery
+from worker.results import ResultStore
+from worker.schemas import Task, Verdict, parse_task
+from worker.settle import Settler
+
+log = structlog.get_logger(__name__)
+
+
+class Admission:
+    def __init__(self, settler: Settler, store: ResultStore, book: HeldTasks) -> None:
+        self._settler = settler
+        self._store = store
+        self._book = book
+
+    async def admit(self, msg: Delivery) -> Held | None:
+        """The per-message boundary: whatever a message holds, a failure to admit it is
+        logged and the message given back, never the end of the fetch loop."""
+        try:
+            return await self._admit(msg)
+        except Exception:
+            log.exception("admission_failed", subject=msg.subject)
+            await quietly(msg.nak())
+            return None
+
+    async def _admit(self, msg: Delivery) -> Held | None:
+        delivered = msg.metadata.num_delivered
+        try:
+            task = parse_task(msg.data)
+        except Undeliverable as error:
+            await self._settler.dead_letter(msg, str(error))
+            return None
+        except InvalidTask as error:
+            task = Task(error.task_id, error.job_id, error.image_id, "")
+            await self._settler.settle(task, msg, delivered, Verdict(failure=error.failure()))
+            return None
+        if delivered > 1 and await self._already_stored(msg, task):
+            return None
+        return self._book.add(msg, task, delivered)
+
+    async def _already_stored(self, msg: Delivery, task: Task) -> bool:
+        """A redelivered task whose result is stored (its ack was lost) is only acked."""
+        try:
+            stored = await self._store.exists(task.job_id, task.id)
+        except ResultsUnavailable:
+            return False  # the store refuses duplicates anyway
+        if stored:
+            await quietly(msg.ack())
+            log.info("redelivered_task_already_stored", task_id=task.id, job_id=task.job_id)
+        return stored

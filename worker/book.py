@@ -1,0 +1,95 @@
+"""The book of held tasks: fetched, not yet acked, naked or terminated.
+
+It owns the held map, the room left under the cap (``max_held_tasks``, which bounds host
+memory for loaded images), the liveness count, and the ack-wait keep-alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+
+import structlog
+
+from worker.health import Liveness
+from worker.ports import Delivery
+from worker.schemas import Task
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Held:
+    """A task fetched and not yet acked, naked or terminated."""
+
+    msg: Delivery
+    task: Task
+    key: int
+    delivered: int
+    fetched_at: float
+
+
+class HeldTasks:
+    def __init__(self, max_held: int, liveness: Liveness) -> None:
+        self.max_held = max_held
+        self._liveness = liveness
+        self._held: dict[int, Held] = {}
+        self._keys = itertools.count()
+        self._space = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def room(self) -> int:
+        return self.max_held - len(self._held)
+
+    async def wait_for_room(self, timeout_s: float) -> None:
+        """Until a task is released, or ``timeout_s``."""
+        self._space.clear()
+        if self.room() > 0:
+            return
+        try:
+            await asyncio.wait_for(self._space.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
+    def add(self, msg: Delivery, task: Task, delivered: int) -> Held:
+        held = Held(msg, task, next(self._keys), delivered, time.monotonic())
+        self._held[held.key] = held
+        self._liveness.set_held(len(self._held))
+        return held
+
+    def all(self) -> list[Held]:
+        return list(self._held.values())
+
+    def release(self, done: list[Held]) -> None:
+        for held in done:
+            self._held.pop(held.key, None)
+        self._liveness.set_held(len(self._held))
+        self._space.set()
+
+    async def keep_alive(self) -> None:
+        """A batch completed: extend the ack wait of everything still held, and only then."""
+        for held in self.all():
+            await quietly(held.msg.in_progress())
+
+    async def give_back(self, held: list[Held], reason: str) -> None:
+        """Nak now, so the tasks are redelivered at once (to another worker, on a drain)."""
+        if not held:
+            return
+        for h in held:
+            await quietly(h.msg.nak())
+        self.release(held)
+        log.info("tasks_given_back", count=len(held), reason=reason)
+
+
+async def quietly(action: Awaitable[None]) -> None:
+    """Await a nak or in_progress; one that fails can only have failed in the transport
+    (connection gone, timeout), and then the ack wait brings the message back anyway."""
+    try:
+        await action
+    except Exception as error:  # noqa: BLE001 - see above; nothing is lost
+        log.debug("settle_action_failed", error=f"{type(error).__name__}: {error}")

@@ -1,0 +1,40 @@
+"""Faults for chaos tests on the engine, installed by the wiring when a setting asks."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+
+from datasets.faults import claim_once
+from worker.engine import BatchReport, Engine
+
+log = structlog.get_logger(__name__)
+
+
+class WedgingEngine:
+    """The engine, except that the first process to claim ``path`` wedges its engine thread
+    at its next batch: ``gil`` spins holding the GIL (only the watchdog can act), ``sleep``
+    blocks without it (/healthz reports the stall)."""
+
+    def __init__(self, engine: Engine, path: str, mode: str) -> None:
+        self._engine = engine
+        self._path = path
+        self._mode = mode
+
+    def run_batch(self, keys: Sequence[int]) -> BatchReport:
+        if claim_once(self._path):
+            log.error("fault_hook_wedging_engine_thread", path=self._path, mode=self._mode)
+            if self._mode == "sleep":
+                while True:
+                    time.sleep(3600)
+            sys.setswitchinterval(1e6)  # no other Python thread gets the GIL back
+            while True:
+                pass
+        return self._engine.run_batch(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
