@@ -5,6 +5,7 @@ Tests that need a server fail (not skip) when CI=true and the server cannot be f
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from collections.abc import Iterator
@@ -40,15 +41,48 @@ def aws_env() -> Iterator[None]:
             os.environ[key] = value
 
 
-@pytest.fixture
-def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
-    server = NatsServer(store_dir=str(tmp_path / "nats"))
+def _started_nats(store_dir: str) -> NatsServer:
+    server = NatsServer(store_dir=store_dir)
     try:
         server.start()
     except (ServerNotFound, RuntimeError) as error:
         _unavailable("nats-server", error)
+    return server
+
+
+@pytest.fixture(scope="session")
+def shared_nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    server = _started_nats(str(tmp_path_factory.mktemp("nats")))
     yield server
     server.stop()
+
+
+@pytest.fixture
+def nats_server(shared_nats_server: NatsServer) -> Iterator[NatsServer]:
+    """The session's nats-server; every stream a test made is deleted after it (the SPEC's
+    subjects, ``tasks.>`` and ``results.>``, can be held by one stream at a time)."""
+    yield shared_nats_server
+    asyncio.run(_delete_streams(shared_nats_server.url))
+
+
+@pytest.fixture
+def own_nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    """A nats-server of the test's own, for tests that stop and start it."""
+    server = _started_nats(str(tmp_path / "nats"))
+    yield server
+    server.stop()
+
+
+async def _delete_streams(url: str) -> None:
+    import nats
+
+    nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0)
+    try:
+        js = nc.jetstream()
+        for name in await js.streams_info():
+            await js.delete_stream(name.config.name)
+    finally:
+        await nc.close()
 
 
 @pytest.fixture(scope="session")
@@ -82,10 +116,17 @@ def settings_for(model_path: str, s3_server: S3Server) -> Any:
     """Settings for a worker against the given nats server; keyword groups override."""
     from config.settings import load_settings
 
+    unique = uuid.uuid4().hex[:8].upper()
+
     def make(nats_url: str, **groups: dict[str, Any]) -> Any:
         base: dict[str, dict[str, Any]] = {
             "nats": {
                 "url": nats_url,
+                "tasks_stream": f"TASKS_{unique}",
+                "results_stream": f"RESULTS_{unique}",
+                "dead_letter_stream": f"DEAD_{unique}",
+                "advisory_stream": f"ADVISORIES_{unique}",
+                "consumer": f"worker-{unique}",
                 "fetch_timeout_s": 0.5,
                 "nak_backoff_base_s": 0.1,
                 "nak_backoff_max_s": 0.5,

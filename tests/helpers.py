@@ -82,6 +82,33 @@ async def wait_results(
     raise AssertionError(f"job {job_id}: {len(results)} of {count} results after {timeout_s}s")
 
 
+async def quiescent(js: Any, settings: Any, timeout_s: float = 30.0) -> None:
+    """Nothing pending or awaiting an ack on the tasks consumer nor on the max-deliveries
+    consumer: no result can still be on its way, so its absence can be asserted."""
+    from worker.transport import advisory_consumer
+
+    await consumer_idle(js, settings, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = await js.consumer_info(
+            settings.nats.advisory_stream, advisory_consumer(settings.nats)
+        )
+        if info.num_pending == 0 and info.num_ack_pending == 0:
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError("the max-deliveries consumer still has work")
+
+
+def until_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
+    """Poll until none of ``pids`` lives (zombies count as gone); return those still living."""
+    from worker.procstats import living
+
+    deadline = time.monotonic() + timeout_s
+    while living(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return living(pids)
+
+
 async def consumer_idle(js: Any, settings: Any, timeout_s: float = 15.0) -> Any:
     """Wait until the durable consumer has nothing pending and nothing awaiting ack."""
     deadline = time.monotonic() + timeout_s
@@ -96,11 +123,20 @@ async def consumer_idle(js: Any, settings: Any, timeout_s: float = 15.0) -> Any:
     )
 
 
-def worker_env(settings, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+def worker_env(settings, *, inherit: bool = True, **extra: str) -> dict[str, str]:
+    """The one builder of a worker process's environment: ``settings``' server, streams and
+    model, quick timeouts, then ``extra``. ``inherit``: on top of this process's environment
+    (less any ``WORKER_*``), else the ``WORKER_*`` variables alone (for a ``.env`` file)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")} if inherit else {}
+    n = settings.nats
     env.update(
         {
-            "WORKER_NATS__URL": settings.nats.url,
+            "WORKER_NATS__URL": n.url,
+            "WORKER_NATS__TASKS_STREAM": n.tasks_stream,
+            "WORKER_NATS__RESULTS_STREAM": n.results_stream,
+            "WORKER_NATS__DEAD_LETTER_STREAM": n.dead_letter_stream,
+            "WORKER_NATS__ADVISORY_STREAM": n.advisory_stream,
+            "WORKER_NATS__CONSUMER": n.consumer,
             "WORKER_NATS__FETCH_TIMEOUT_S": "0.5",
             "WORKER_S3__ENDPOINT_URL": settings.s3.endpoint_url or "",
             "WORKER_S3__CONNECT_TIMEOUT_S": "1",

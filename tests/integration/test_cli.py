@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
@@ -15,13 +14,13 @@ from tests.helpers import (
     client,
     consumer_idle,
     submit,
+    until_gone,
     upload_images,
     wait_http,
     wait_results,
     worker_env,
 )
 from worker.localservers import free_port
-from worker.procstats import living
 
 pytestmark = pytest.mark.integration
 
@@ -63,8 +62,7 @@ async def test_run_serves_a_job_reports_metrics_and_exits_0_on_sigterm_leaving_n
     assert "inference_worker_inflight_tasks 0.0" in metrics
     assert code == 0, stderr[-3000:]
     assert len(descendants) >= 2  # loader children (and the forkserver)
-    time.sleep(1.0)  # let the forkserver notice its parent is gone
-    assert living(descendants) == []
+    assert until_gone(descendants) == []
 
 
 def test_run_refuses_impossible_settings_with_one_line_naming_the_fields(settings_for, nats_server):
@@ -96,8 +94,8 @@ async def test_provision_is_idempotent_and_updates_an_existing_consumer(settings
     env = worker_env(settings)
     first, again = cli("provision", env=env), cli("provision", env=env)
     assert first.returncode == again.returncode == 0
-    assert "created stream INFERENCE_TASKS" in first.stdout
-    assert "updated stream INFERENCE_TASKS" in again.stdout
+    assert f"created stream {settings.nats.tasks_stream}" in first.stdout
+    assert f"updated stream {settings.nats.tasks_stream}" in again.stdout
     assert cli("provision", env={**env, "WORKER_NATS__MAX_DELIVER": "2"}).returncode == 0
     async with client(settings) as js:
         info = await js.consumer_info(settings.nats.tasks_stream, settings.nats.consumer)
@@ -139,3 +137,21 @@ async def test_a_job_larger_than_the_publish_window_is_stored_once_and_a_failure
 
     assert first == again == 150
     assert info.state.messages == 150, "a republished job is dropped by its task ids"
+
+
+async def test_run_until_idle_serves_what_is_queued_then_exits_0(
+    nats_server, s3_server, bucket, settings_for
+):
+    from worker.client import job_results
+
+    settings = settings_for(nats_server.url)
+    env = worker_env(settings)
+    uris = upload_images(s3_server.client(), bucket, 5, prefix="burst")
+    assert cli("provision", env=env).returncode == 0
+    async with client(settings) as js:
+        await submit(js, settings, "job-burst", uris)
+    done = cli("run", "--until-idle", env=env, timeout=120)  # no polling: it ends by itself
+    assert done.returncode == 0, done.stderr[-3000:]
+    async with client(settings) as js:
+        results = await job_results(js, settings.nats, "job-burst")
+    assert sorted(r["status"] for r in results) == ["ok"] * 5

@@ -146,7 +146,10 @@ async def test_a_connection_the_server_closes_for_good_ends_the_worker_with_code
     assert app.worker.exit.reason is ExitReason.NATS_CLOSED and app.worker.exit.code == 5
 
 
-async def test_a_long_disconnect_is_reported_until_the_server_is_back(nats_server, settings_for):
+async def test_a_long_disconnect_is_reported_until_the_server_is_back(
+    own_nats_server, settings_for
+):
+    nats_server = own_nats_server
     from worker.localservers import free_port
 
     port = free_port()

@@ -13,14 +13,15 @@ import pytest
 from tests.helpers import (
     client,
     consumer_idle,
+    quiescent,
     running_worker,
     submit,
+    until_gone,
     upload_images,
     wait_results,
+    worker_env,
 )
-from tests.integration.test_cli import worker_env
 from worker.client import job_results
-from worker.procstats import living
 from worker.transport import TaskFeed, connect, provision
 
 pytestmark = pytest.mark.integration
@@ -54,7 +55,7 @@ async def test_a_task_whose_last_delivery_died_with_its_worker_still_gets_one_er
     await provision(js, settings.nats, settings.model.pipeline)
     [doomed] = await submit(js, settings, "job-exhausted", uris[:1])
     # Two workers take the task in turn and die holding it: nobody acks, nobody naks.
-    feed = TaskFeed(js, settings.nats)
+    feed = TaskFeed(nc, settings.nats)
     await feed.open()
     delivered = []
     for _ in range(2):
@@ -71,7 +72,7 @@ async def test_a_task_whose_last_delivery_died_with_its_worker_still_gets_one_er
         others = await submit(js, settings, "job-exhausted-others", uris[1:])
         [result] = await wait_results(js, settings, "job-exhausted", 1, timeout_s=30)
         await wait_results(js, settings, "job-exhausted-others", len(others))
-        await asyncio.sleep(1.0)
+        await quiescent(js, settings)
         again = await job_results(js, settings.nats, "job-exhausted")
     await nc.close()
 
@@ -153,7 +154,6 @@ async def test_sigterm_mid_job_finishes_the_batch_gives_back_the_rest_and_exits_
     # Given back with nak, not left to time out: the next worker gets every task well inside
     # the 300 s ack wait (wait_results gives up after 60 s).
     assert settings.nats.ack_wait_s > 60
-    await asyncio.sleep(1)
-    assert living(tree) == []
+    assert until_gone(tree) == []
     assert sorted(r["task_id"] for r in results) == sorted(t.id for t in tasks)
     assert max(r["attempt"] for r in results) <= 2

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.integration
 
 
 def loader_restarts(app) -> float:
-    return app.worker.s.metrics.loader_restarts._value.get()
+    value = app.worker.s.metrics.registry.get_sample_value("inference_worker_loader_restarts_total")
+    return float(value or 0.0)
 
 
 async def test_a_loader_child_stopped_mid_job_is_recovered_and_every_task_ends_ok(

@@ -14,7 +14,15 @@ import time
 
 import pytest
 
-from tests.helpers import client, consumer_idle, submit, upload_images, wait_results
+from tests.helpers import (
+    client,
+    consumer_idle,
+    quiescent,
+    submit,
+    upload_images,
+    wait_results,
+    worker_env,
+)
 from tests.integration.supervisord import Supervisord
 from worker.client import job_results
 
@@ -22,28 +30,23 @@ pytestmark = pytest.mark.integration
 IMAGES = 24
 
 
-def worker_env(settings, **extra: str) -> dict[str, str]:
-    return {
-        "WORKER_NATS__URL": settings.nats.url,
-        "WORKER_NATS__ACK_WAIT_S": "20",
-        "WORKER_NATS__STORE_RETRY_S": "5",
-        "WORKER_NATS__MAX_DELIVER": "2",
-        "WORKER_NATS__FETCH_TIMEOUT_S": "0.5",
-        "WORKER_NATS__NAK_BACKOFF_BASE_S": "0.2",
-        "WORKER_S3__ENDPOINT_URL": settings.s3.endpoint_url,
-        "WORKER_S3__CONNECT_TIMEOUT_S": "1",
-        "WORKER_S3__READ_TIMEOUT_S": "1",
-        "WORKER_S3__MAX_ATTEMPTS": "1",
-        "WORKER_LOADER__NUM_WORKERS": "2",
-        "WORKER_LOADER__BATCH_SIZE": "4",
-        "WORKER_LOADER__TIMEOUT_S": "3",
-        "WORKER_MODEL__PIPELINE": settings.model.pipeline,
-        "WORKER_MODEL__WEIGHTS": settings.model.weights,
-        "WORKER_HEALTH__STALL_TIMEOUT_S": "6",
-        "WORKER_HEALTH__WATCHDOG_TIMEOUT_S": "12",
-        "WORKER_HEALTH__DRAIN_TIMEOUT_S": "3",
+def supervised_env(settings, **extra: str) -> dict[str, str]:
+    """The shared builder's WORKER_* variables, with the short budgets these tests need."""
+    return worker_env(
+        settings,
+        inherit=False,
+        WORKER_NATS__ACK_WAIT_S="20",
+        WORKER_NATS__STORE_RETRY_S="5",
+        WORKER_NATS__MAX_DELIVER="2",
+        WORKER_NATS__NAK_BACKOFF_BASE_S="0.2",
+        WORKER_S3__READ_TIMEOUT_S="1",
+        WORKER_S3__MAX_ATTEMPTS="1",
+        WORKER_LOADER__TIMEOUT_S="3",
+        WORKER_HEALTH__STALL_TIMEOUT_S="6",
+        WORKER_HEALTH__WATCHDOG_TIMEOUT_S="12",
+        WORKER_HEALTH__DRAIN_TIMEOUT_S="3",
         **extra,
-    }
+    )
 
 
 async def run_job_and_wedge(sup, settings, s3, bucket, job, wedge) -> dict:
@@ -63,7 +66,7 @@ async def run_job_and_wedge(sup, settings, s3, bucket, job, wedge) -> dict:
         restarted_s = time.monotonic() - wedged_at
         results = await wait_results(js, settings, job, IMAGES, timeout_s=120)
         await consumer_idle(js, settings, timeout_s=60)
-        await asyncio.sleep(1)  # anything late would show up now
+        await quiescent(js, settings, timeout_s=60)  # nothing can arrive late after this
         results = await job_results(js, settings.nats, job)
     print(
         f"\n{job}: restarted after {restarted_s:.1f}s, all {IMAGES} results after "
@@ -92,7 +95,7 @@ def supervised(tmp_path, nats_server, settings_for):
 
     def start(**extra: str) -> Supervisord:
         settings = settings_for(nats_server.url)
-        sup = Supervisord(tmp_path / "sup", worker_env(settings, **extra)).start()
+        sup = Supervisord(tmp_path / "sup", supervised_env(settings, **extra)).start()
         started.append(sup)
         return sup
 

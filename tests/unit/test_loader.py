@@ -297,3 +297,27 @@ def test_when_a_closed_loaders_process_exits_its_children_and_fork_server_are_al
     pids = [int(pid) for pid in done.stdout.split()]
     assert done.returncode == 0 and len(pids) == 3, done.stderr
     assert {pid: processes.state(pid) for pid in pids} == dict.fromkeys(pids)
+
+
+@pytest.mark.parametrize("mp_context", ["forkserver", "spawn", "fork"])
+def test_every_start_method_serves_recovers_and_leaves_no_child(mp_context, images):
+    loader = StreamingLoader(
+        LoaderConfig(
+            num_workers=2, timeout_s=30.0, image_size=64, sources=FILES, mp_context=mp_context
+        )
+    )
+    loader.start()
+    try:
+        first = loader.child_pids()
+        assert len(first) == 2 and all(psutil.pid_exists(pid) for pid in first)
+        assert all(item.image is not None for item in load_all(loader, images[:3]).values())
+        loader.restart()
+        assert set(loader.child_pids()).isdisjoint(first)
+        loaded = load_all(loader, images[3:6], first_key=10)
+        assert {item.pid for item in loaded.values()} <= set(loader.child_pids())
+        every = first + loader.child_pids()
+    finally:
+        loader.close()
+    from tests.helpers import until_gone
+
+    assert until_gone(every) == []

@@ -2,73 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Any
-
-import nats
 import pytest
 
 from config.settings import NatsSettings
-from worker.results import ResultRefused, ResultsUnavailable
+from tests.fakes import FakeJetStream, FakeMsg, FakeStore
 from worker.schemas import Task, Verdict
 from worker.settle import Settler
-
-
-@dataclass
-class FakeMsg:
-    delivered: int = 1
-    seq: int = 7
-    data: bytes = b"{}"
-    subject: str = "tasks.p"
-    actions: list[str] = field(default_factory=list)
-    fail_term: bool = False
-
-    @property
-    def metadata(self) -> Any:
-        return SimpleNamespace(
-            num_delivered=self.delivered, sequence=SimpleNamespace(stream=self.seq)
-        )
-
-    async def ack(self) -> None:
-        self.actions.append("ack")
-
-    async def nak(self, delay: float | None = None) -> None:
-        self.actions.append("nak")
-
-    async def term(self) -> None:
-        if self.fail_term:
-            raise nats.errors.ConnectionClosedError
-        self.actions.append("term")
-
-
-@dataclass
-class FakeStore:
-    refuse_over_bytes: int | None = None
-    unavailable: bool = False
-    stored: list[dict[str, Any]] = field(default_factory=list)
-
-    def max_message_bytes(self) -> int:
-        return 1024 * 1024 - 4096
-
-    async def store(self, result: dict[str, Any]) -> bool:
-        if self.unavailable:
-            raise ResultsUnavailable("down")
-        if self.refuse_over_bytes is not None and len(str(result)) > self.refuse_over_bytes:
-            raise ResultRefused("too big for a message", kind="result_too_large")
-        self.stored.append(result)
-        return True
-
-
-@dataclass
-class FakeJetStream:
-    fail: bool = False
-    published: list[tuple[str, bytes, dict[str, str]]] = field(default_factory=list)
-
-    async def publish(self, subject: str, data: bytes, **kwargs: Any) -> None:
-        if self.fail:
-            raise nats.errors.NoRespondersError
-        self.published.append((subject, data, kwargs["headers"]))
 
 
 def settler(store: FakeStore, js: FakeJetStream, max_deliver: int = 2) -> Settler:

@@ -1,0 +1,145 @@
+"""In-memory fakes of what the orchestrator talks to: messages, the stores, the source, the
+engine. They keep what was done to them, for tests to read."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import nats
+
+from config.errors import Failure, ResultRefused, ResultsUnavailable
+from worker.ports import BatchReport
+from worker.results import result_subject
+from worker.schemas import Verdict
+
+_seq = iter(range(1, 1_000_000))
+
+
+@dataclass
+class FakeMsg:
+    delivered: int = 1
+    seq: int = 7
+    data: bytes = b"{}"
+    subject: str = "tasks.p"
+    actions: list[str] = field(default_factory=list)
+    fail_term: bool = False
+    kept_alive: int = 0
+
+    @property
+    def metadata(self) -> Any:
+        return SimpleNamespace(
+            num_delivered=self.delivered, sequence=SimpleNamespace(stream=self.seq)
+        )
+
+    async def ack(self) -> None:
+        self.actions.append("ack")
+
+    async def nak(self, delay: float | None = None) -> None:
+        self.actions.append("nak")
+
+    async def in_progress(self) -> None:
+        self.kept_alive += 1
+
+    async def term(self) -> None:
+        if self.fail_term:
+            raise nats.errors.ConnectionClosedError
+        self.actions.append("term")
+
+
+@dataclass
+class FakeStore:
+    refuse_over_bytes: int | None = None
+    unavailable: bool = False
+    stored: list[dict[str, Any]] = field(default_factory=list)
+
+    async def exists(self, job_id: str, task_id: str) -> bool:
+        return any(r["job_id"] == job_id and r["task_id"] == task_id for r in self.stored)
+
+    def max_message_bytes(self) -> int:
+        return 1024 * 1024 - 4096
+
+    async def store(self, result: dict[str, Any]) -> bool:
+        if self.unavailable:
+            raise ResultsUnavailable("down")
+        if self.refuse_over_bytes is not None and len(str(result)) > self.refuse_over_bytes:
+            raise ResultRefused("too big for a message", kind="result_too_large")
+        self.stored.append(result)
+        return True
+
+
+@dataclass
+class FakeJetStream:
+    fail: bool = False
+    published: list[tuple[str, bytes, dict[str, str]]] = field(default_factory=list)
+
+    async def publish(self, subject: str, data: bytes, **kwargs: Any) -> None:
+        if self.fail:
+            raise nats.errors.NoRespondersError
+        self.published.append((subject, data, kwargs["headers"]))
+
+
+def task_msg(task_id: str, job_id: str = "j", url: str = "s3://b/k.jpg", delivered: int = 1):
+    data = json.dumps({"id": task_id, "job_id": job_id, "image_id": "i", "image_url": url})
+    return FakeMsg(delivered=delivered, seq=next(_seq), data=data.encode())
+
+
+@dataclass
+class FakeSource:
+    """A task source that hands out its messages, then nothing."""
+
+    msgs: list[FakeMsg] = field(default_factory=list)
+    fetches: int = 0
+
+    async def fetch(self, batch: int) -> Sequence[FakeMsg]:
+        import asyncio
+
+        self.fetches += 1
+        taken, self.msgs = self.msgs[:batch], self.msgs[batch:]
+        if not taken:
+            await asyncio.sleep(0.01)
+        return taken
+
+    async def close(self) -> Sequence[FakeMsg]:
+        return []
+
+    async def idle(self) -> bool:
+        return not self.msgs
+
+
+@dataclass
+class FakeEngine:
+    """Loads nothing; each batch's tasks get one prediction, or the failure set for a URL."""
+
+    failures: dict[str, Failure] = field(default_factory=dict)
+    gives_up: BaseException | None = None
+    urls: dict[int, str] = field(default_factory=dict)
+    batches: list[list[int]] = field(default_factory=list)
+
+    def submit(self, requests: Sequence[tuple[int, str]]) -> None:
+        self.urls.update(requests)
+
+    def run_batch(self, keys: Sequence[int]) -> BatchReport:
+        if self.gives_up is not None:
+            raise self.gives_up
+        self.batches.append(list(keys))
+        outcomes = {}
+        for key in keys:
+            failure = self.failures.get(self.urls[key])
+            outcomes[key] = (
+                Verdict(failure=failure)
+                if failure
+                else Verdict(predictions=[{"label": "cat", "score": 0.9}])
+            )
+        return BatchReport(outcomes, 0.0, 0.0, 0)
+
+    def forget(self, keys: Sequence[int]) -> None:
+        for key in keys:
+            self.urls.pop(key, None)
+
+
+def stored_by_subject(store: FakeStore) -> dict[str, dict[str, Any]]:
+    return {result_subject(r["job_id"], r["task_id"]): r for r in store.stored}

@@ -1,0 +1,130 @@
+"""The orchestrator with in-memory fakes of its ports: how tasks end, and how it stops."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from prometheus_client import CollectorRegistry
+
+from config.errors import Failure, LoaderGaveUp
+from config.settings import load_settings
+from tests.fakes import FakeEngine, FakeJetStream, FakeSource, FakeStore, task_msg
+from worker.exits import ExitReason
+from worker.health import Liveness, Metrics
+from worker.service import Services, Worker
+from worker.settle import Settler
+
+BATCH = 4
+
+
+def a_worker(source, engine, *, guard=None, closed=None, max_deliver=2):
+    settings = load_settings(
+        for_worker=False,
+        nats={"fetch_timeout_s": 0.05, "store_retry_s": 0.0, "nak_backoff_base_s": 0.01},
+        loader={"batch_size": BATCH, "prefetch_batches": 2},
+        health={"watchdog_timeout_s": 0, "drain_timeout_s": 5},
+        model={"pipeline": "mobilenet-v3-small-classifier"},
+    )
+    store, js = FakeStore(), FakeJetStream()
+    liveness = Liveness(settings.health.stall_timeout_s)
+    metrics = Metrics(CollectorRegistry(), liveness)
+    settler = Settler(js, store, settings.nats, "p", {"name": "m"}, max_deliver)  # type: ignore[arg-type]
+    settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
+    services = Services(
+        source=source,
+        store=store,  # type: ignore[arg-type]
+        settler=settler,
+        engine=engine,
+        engine_thread=ThreadPoolExecutor(1),
+        liveness=liveness,
+        metrics=metrics,
+        guard=guard,
+        closed=closed,
+    )
+    return Worker(settings, services, until_idle=True), store, js, metrics
+
+
+async def run(worker) -> object:
+    return await asyncio.wait_for(worker.run(asyncio.Event()), 30)
+
+
+async def test_every_task_is_stored_then_acked_in_batches_and_burst_mode_ends_with_0():
+    msgs = [task_msg(f"t{i}") for i in range(10)]
+    engine = FakeEngine()
+    worker, store, _js, metrics = a_worker(FakeSource(list(msgs)), engine)
+
+    exit = await run(worker)
+
+    assert exit.reason is ExitReason.STOPPED and exit.code == 0
+    assert sorted(r["task_id"] for r in store.stored) == sorted(f"t{i}" for i in range(10))
+    assert all(m.actions == ["ack"] for m in msgs)
+    assert all(len(batch) <= BATCH for batch in engine.batches)
+    assert (
+        metrics.registry.get_sample_value("inference_worker_tasks_total", {"outcome": "ok"}) == 10
+    )
+    assert len(worker.book) == 0
+
+
+async def test_a_transient_failure_is_retried_and_a_permanent_one_gets_an_error_result():
+    flaky = task_msg("flaky", url="s3://b/flaky.jpg")
+    missing = task_msg("missing", url="s3://b/missing.jpg")
+    engine = FakeEngine(
+        failures={
+            "s3://b/flaky.jpg": Failure("s3_unavailable", "503", retryable=True),
+            "s3://b/missing.jpg": Failure("object_missing", "no such key"),
+        }
+    )
+    worker, store, _js, _m = a_worker(FakeSource([flaky, missing]), engine)
+
+    await run(worker)
+
+    assert flaky.actions == ["nak"] and missing.actions == ["ack"]
+    (result,) = store.stored
+    assert (result["task_id"], result["error"]["type"]) == ("missing", "object_missing")
+
+
+async def test_a_message_that_names_no_task_is_dead_lettered_and_the_rest_run():
+    junk = task_msg("x")
+    junk.data = b"\xff not json"
+    worker, store, js, _m = a_worker(FakeSource([junk, task_msg("fine")]), FakeEngine())
+
+    await run(worker)
+
+    assert junk.actions == ["term"] and len(js.published) == 1
+    assert [r["task_id"] for r in store.stored] == ["fine"]
+
+
+async def test_a_loader_that_gives_up_ends_the_process_with_3_and_gives_every_task_back():
+    msgs = [task_msg(f"t{i}") for i in range(3)]
+    engine = FakeEngine(gives_up=LoaderGaveUp("failed 3 times in a row"))
+    worker, store, _js, _m = a_worker(FakeSource(list(msgs)), engine)
+
+    exit = await run(worker)
+
+    assert exit.reason is ExitReason.LOADER_FAILING and exit.code == 3
+    assert store.stored == [] and all(m.actions == ["nak"] for m in msgs)
+
+
+async def test_a_crossed_resource_limit_drains_and_ends_with_4():
+    msgs = [task_msg(f"t{i}") for i in range(2)]
+    worker, store, _js, _m = a_worker(
+        FakeSource(list(msgs)), FakeEngine(), guard=lambda: "MAX_TREE_RSS_BYTES crossed"
+    )
+
+    exit = await run(worker)
+
+    assert exit.reason is ExitReason.RESOURCE_LIMIT and "MAX_TREE_RSS_BYTES" in exit.detail
+    assert len(store.stored) + sum(m.actions == ["nak"] for m in msgs) == 2
+
+
+async def test_a_transport_closed_for_good_ends_the_process_with_5():
+    closed = asyncio.Event()
+    source = FakeSource([])
+    worker, _store, _js, _m = a_worker(source, FakeEngine(), closed=closed)
+    worker._until_idle = False  # without burst mode, only the closed transport stops it
+    asyncio.get_running_loop().call_later(0.2, closed.set)
+
+    exit = await run(worker)
+
+    assert exit.reason is ExitReason.NATS_CLOSED and exit.code == 5
