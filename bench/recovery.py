@@ -40,7 +40,7 @@ def torchs() -> tuple[float, int]:
     from datasets.sources import SourceConfig
 
     ctx = mp.get_context("forkserver")
-    dataset = RequestStream(ctx.Queue(), 64, SourceConfig())
+    dataset = RequestStream(ctx.Queue(), ctx.Queue(), 64, SourceConfig())
     it: Any = iter(
         DataLoader(
             dataset,

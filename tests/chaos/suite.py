@@ -25,6 +25,7 @@ import psutil
 from config.settings import NatsSettings, load_settings
 from datasets.synthetic import corrupt_bytes, image_bytes, truncated_bytes
 from tests.chaos.servers import FlakyS3Proxy, NatsCluster
+from tests.helpers import worker_env
 from worker.client import job_results, make_tasks, publish_tasks
 from worker.localservers import NatsServer, S3Server
 from worker.procstats import living
@@ -52,36 +53,24 @@ class Row:
         return self.lost == 0 and self.duplicates == 0
 
 
-def worker_env(nats_url: str, s3_url: str, weights: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
-    env.update(
-        {
-            "WORKER_NATS__URL": nats_url,
-            "WORKER_NATS__ACK_WAIT_S": "8",
-            "WORKER_NATS__MAX_DELIVER": "4",
-            "WORKER_NATS__FETCH_TIMEOUT_S": "0.5",
-            "WORKER_NATS__NAK_BACKOFF_BASE_S": "0.5",
-            "WORKER_NATS__NAK_BACKOFF_MAX_S": "4",
-            "WORKER_NATS__PUBLISH_TIMEOUT_S": "2",
-            "WORKER_NATS__STORE_RETRY_S": "6",
-            "WORKER_S3__ENDPOINT_URL": s3_url,
-            "WORKER_S3__CONNECT_TIMEOUT_S": "0.5",
-            "WORKER_S3__READ_TIMEOUT_S": "1",
-            "WORKER_S3__MAX_ATTEMPTS": "2",
-            "WORKER_LOADER__NUM_WORKERS": "2",
-            "WORKER_LOADER__BATCH_SIZE": "4",
-            "WORKER_LOADER__TIMEOUT_S": "4",
-            "WORKER_MODEL__PIPELINE": PIPELINE,
-            "WORKER_MODEL__WEIGHTS": weights,
-            "WORKER_MODEL__DEVICE": "cpu",
-            "WORKER_HEALTH__STALL_TIMEOUT_S": "5",
-            "WORKER_HEALTH__WATCHDOG_TIMEOUT_S": "7.5",
-            "WORKER_HEALTH__DRAIN_TIMEOUT_S": "3",
-            "WORKER_METRICS__PORT": "0",
-        }
-    )
-    env.update(extra)
-    return env
+# Short budgets, so every fault is recovered within a test's time; on top of the suite's one
+# builder of a worker's environment (tests.helpers.worker_env).
+CHAOS_BUDGETS = {
+    "WORKER_NATS__ACK_WAIT_S": "8",
+    "WORKER_NATS__MAX_DELIVER": "4",
+    "WORKER_NATS__NAK_BACKOFF_BASE_S": "0.5",
+    "WORKER_NATS__NAK_BACKOFF_MAX_S": "4",
+    "WORKER_NATS__PUBLISH_TIMEOUT_S": "2",
+    "WORKER_NATS__STORE_RETRY_S": "6",
+    "WORKER_S3__CONNECT_TIMEOUT_S": "0.5",
+    "WORKER_S3__READ_TIMEOUT_S": "1",
+    "WORKER_S3__MAX_ATTEMPTS": "2",
+    "WORKER_LOADER__TIMEOUT_S": "4",
+    "WORKER_HEALTH__STALL_TIMEOUT_S": "5",
+    "WORKER_HEALTH__WATCHDOG_TIMEOUT_S": "7.5",
+    "WORKER_HEALTH__DRAIN_TIMEOUT_S": "3",
+    "WORKER_METRICS__PORT": "0",
+}
 
 
 class WorkerProc:
@@ -164,12 +153,15 @@ class Chaos:
         ).nats
 
     def start_worker(self) -> WorkerProc:
+        settings = load_settings(
+            for_worker=False,
+            nats={"url": self.nats_url, "replicas": self.replicas},
+            s3={"endpoint_url": self.s3_url},
+            model={"pipeline": PIPELINE, "weights": self.weights},
+        )
         env = worker_env(
-            self.nats_url,
-            self.s3_url,
-            self.weights,
-            WORKER_NATS__REPLICAS=str(self.replicas),
-            **self.env_extra,
+            settings,
+            **{**CHAOS_BUDGETS, "WORKER_NATS__REPLICAS": str(self.replicas), **self.env_extra},
         )
         proc = WorkerProc(env, self.workdir / f"worker-{len(self.workers)}.log")
         self.workers.append(proc)

@@ -235,7 +235,7 @@ async def test_tasks_arriving_one_by_one_while_the_model_is_busy_run_as_full_bat
         await asyncio.get_running_loop().run_in_executor(None, gate.entered.wait, 10)
         for n in range(1, len(tasks)):  # each one fetched on its own before the next is sent
             await publish_tasks(js, settings.nats, settings.model.pipeline, tasks[n : n + 1])
-            await _until(lambda n=n: len(app.worker.held) == n + 1)
+            await _until(lambda n=n: len(app.worker.book) == n + 1)
         gate.release.set()
         results = await wait_results(js, settings, "job-trickle", len(tasks))
 
