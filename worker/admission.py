@@ -12,16 +12,14 @@ import structlog
 
 from config.errors import InvalidTask, ResultsUnavailable, Undeliverable
 from worker.book import Held, HeldTasks, quietly
-from worker.ports import Delivery
-from worker.results import ResultStore
+from worker.ports import Delivery, Results, Settling
 from worker.schemas import Task, Verdict, parse_task
-from worker.settle import Settler
 
 log = structlog.get_logger(__name__)
 
 
 class Admission:
-    def __init__(self, settler: Settler, store: ResultStore, book: HeldTasks) -> None:
+    def __init__(self, settler: Settling, store: Results, book: HeldTasks) -> None:
         self._settler = settler
         self._store = store
         self._book = book
@@ -58,6 +56,6 @@ class Admission:
         except ResultsUnavailable:
             return False  # the store refuses duplicates anyway
         if stored:
-            await quietly(msg.ack())
+            await msg.ack()  # if it fails, the admission boundary logs it and gives it back
             log.info("redelivered_task_already_stored", task_id=task.id, job_id=task.job_id)
         return stored

@@ -92,7 +92,7 @@ class WorkerApp:
             metrics=metrics,
             guard=ResourceGuard(s.guards, engine.loader.child_pids).check,
             helpers=(("max-deliveries", ExhaustedTasks(self.nc.jetstream(), s.nats, settler).run),),
-            closed=self.connection.closed,
+            closed=self.connection.lost,
         )
         self.worker = Worker(s, services, until_idle=self.until_idle)
         log.info(

@@ -92,4 +92,4 @@ async def quietly(action: Awaitable[None]) -> None:
     try:
         await action
     except Exception as error:  # noqa: BLE001 - see above; nothing is lost
-        log.debug("settle_action_failed", error=f"{type(error).__name__}: {error}")
+        log.warning("settle_action_failed", error=f"{type(error).__name__}: {error}")

@@ -1,7 +1,8 @@
 """The small interfaces the orchestrator talks to. Imports nothing of ours but the schemas.
 
-A NATS message is a ``Delivery``; the transport is a ``TaskSource``; the engine (loader and
-model on their thread) is a ``Loading``. Tests give the orchestrator in-memory fakes of each.
+A NATS message is a ``Delivery``; the transport is a ``TaskSource``; the results stream is
+``Results``; the delivery rules are ``Settling``; the engine (loader and model on their
+thread) is a ``Loading``. Tests give the orchestrator in-memory fakes of each.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from worker.schemas import Verdict
+from worker.schemas import Task, Verdict
 
 
 class Delivery(Protocol):
@@ -29,6 +30,20 @@ class Delivery(Protocol):
     async def term(self) -> None: ...
 
     async def in_progress(self) -> None: ...
+
+
+class Results(Protocol):
+    async def exists(self, job_id: str, task_id: str) -> bool:
+        """Whether the task's result is stored (ResultsUnavailable when it cannot tell)."""
+        ...
+
+
+class Settling(Protocol):
+    """The delivery rules (``settle.Settler``): store-then-ack, nak, or dead-letter."""
+
+    async def settle(self, task: Task, msg: Delivery, delivered: int, verdict: Verdict) -> str: ...
+
+    async def dead_letter(self, msg: Delivery, reason: str) -> str: ...
 
 
 class TaskSource(Protocol):

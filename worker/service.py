@@ -31,10 +31,8 @@ from worker.batches import Batches
 from worker.book import Held, HeldTasks, quietly
 from worker.exits import STOPPED, Exit, ExitReason
 from worker.health import BatchObserver, Liveness, Metrics
-from worker.ports import BatchReport, Loading, TaskSource
-from worker.results import ResultStore
+from worker.ports import BatchReport, Loading, Results, Settling, TaskSource
 from worker.schemas import Verdict
-from worker.settle import Settler
 
 log = structlog.get_logger(__name__)
 Helper = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
@@ -45,8 +43,8 @@ class Services:
     """What the orchestrator talks to; built by the wiring module."""
 
     source: TaskSource
-    store: ResultStore
-    settler: Settler
+    store: Results
+    settler: Settling
     engine: Loading
     engine_thread: Executor
     liveness: Liveness
@@ -82,24 +80,26 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> Exit:
         """Work until ``stop`` is set or a part fails, then drain: finish the batch in hand,
         give back the rest. Returns how the process should end."""
-        self._stop = stop
+        self._stop = asyncio.Event()  # ours: set by a stop, a failure, a limit, burst mode
         fetcher = asyncio.create_task(self._fetch_loop(), name="fetch-loop")
         processor = asyncio.create_task(self.batches.run(), name="process-loop")
         stopped = asyncio.create_task(stop.wait(), name="stop-wait")
+        halted = asyncio.create_task(self._stop.wait(), name="halt-wait")
         helpers = [asyncio.create_task(self._watch_closed(), name="nats-watch")]
-        helpers += [asyncio.create_task(run(stop), name=name) for name, run in self.s.helpers]
+        helpers += [asyncio.create_task(run(self._stop), name=name) for name, run in self.s.helpers]
         if self._until_idle:
             helpers.append(asyncio.create_task(self._stop_when_idle(), name="until-idle"))
         try:
             await asyncio.wait(
-                {fetcher, processor, stopped, *helpers}, return_when=asyncio.FIRST_COMPLETED
+                {fetcher, processor, stopped, halted, *helpers},
+                return_when=asyncio.FIRST_COMPLETED,
             )
         finally:
-            stop.set()
+            self._stop.set()  # the caller's event stays theirs (a second signal means "now")
             await self._let_fetch_finish(fetcher)
-            for helper in [stopped, *helpers]:
+            for helper in [stopped, halted, *helpers]:
                 helper.cancel()
-            await asyncio.gather(stopped, *helpers, return_exceptions=True)
+            await asyncio.gather(stopped, halted, *helpers, return_exceptions=True)
             await self._drain(processor)
         for task in (fetcher, processor, *helpers):
             if task.done() and not task.cancelled() and task.exception() is not None:

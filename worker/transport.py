@@ -39,6 +39,7 @@ class ConnectionState:
         self._clock = clock
         self.disconnected_at: float | None = None
         self.closed = asyncio.Event()
+        self.lost = asyncio.Event()  # closed for good, and not by us
         self.closed_reason = ""
         self.closing = False  # our own close is not a failure
 
@@ -90,6 +91,7 @@ async def connect(
         if client.last_error is None:
             state.closing = True  # no error: a close we asked for (drain, close)
         if not state.closing:
+            state.lost.set()
             log.error(
                 "nats_connection_closed",
                 reason=str(client.last_error or state.closed_reason or "unknown"),
@@ -242,14 +244,20 @@ class TaskFeed:
         return int(value) if value and value > 0 else 1_000_000
 
     async def idle(self) -> bool:
-        """Nothing pending for the consumer and nothing awaiting an ack, anywhere."""
+        """Nothing pending and nothing awaiting an ack, anywhere: on the tasks consumer, and
+        on the max-deliveries consumer (whose handler may still owe a task its result)."""
+        consumers = [
+            (self._settings.tasks_stream, self._settings.consumer),
+            (self._settings.advisory_stream, advisory_consumer(self._settings)),
+        ]
         try:
-            info = await self._js.consumer_info(
-                self._settings.tasks_stream, self._settings.consumer
-            )
+            for stream, consumer in consumers:
+                info = await self._js.consumer_info(stream, consumer)
+                if info.num_pending or info.num_ack_pending:
+                    return False
         except (nats.errors.Error, TimeoutError):
             return False
-        return info.num_pending == 0 and info.num_ack_pending == 0
+        return True
 
     async def fetch(self, batch: int) -> list[Msg]:
         """Up to ``batch`` messages; [] after ``fetch_timeout_s`` or while disconnected."""

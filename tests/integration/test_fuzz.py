@@ -21,11 +21,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nats.js.errors import NotFoundError
 
+from config.errors import InvalidTask, Undeliverable
 from tests.helpers import client, upload_images, wait_http, worker_env, worker_process
 from tests.listeners import Listener
 from worker.localservers import free_port
 from worker.results import result_subject
-from worker.schemas import InvalidTask, Undeliverable, parse_task
+from worker.schemas import parse_task
 
 pytestmark = pytest.mark.integration
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "12"))

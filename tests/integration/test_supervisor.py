@@ -32,21 +32,19 @@ IMAGES = 24
 
 def supervised_env(settings, **extra: str) -> dict[str, str]:
     """The shared builder's WORKER_* variables, with the short budgets these tests need."""
-    return worker_env(
-        settings,
-        inherit=False,
-        WORKER_NATS__ACK_WAIT_S="20",
-        WORKER_NATS__STORE_RETRY_S="5",
-        WORKER_NATS__MAX_DELIVER="2",
-        WORKER_NATS__NAK_BACKOFF_BASE_S="0.2",
-        WORKER_S3__READ_TIMEOUT_S="1",
-        WORKER_S3__MAX_ATTEMPTS="1",
-        WORKER_LOADER__TIMEOUT_S="3",
-        WORKER_HEALTH__STALL_TIMEOUT_S="6",
-        WORKER_HEALTH__WATCHDOG_TIMEOUT_S="12",
-        WORKER_HEALTH__DRAIN_TIMEOUT_S="3",
-        **extra,
-    )
+    budgets = {
+        "WORKER_NATS__ACK_WAIT_S": "20",
+        "WORKER_NATS__STORE_RETRY_S": "5",
+        "WORKER_NATS__MAX_DELIVER": "2",
+        "WORKER_NATS__NAK_BACKOFF_BASE_S": "0.2",
+        "WORKER_S3__READ_TIMEOUT_S": "1",
+        "WORKER_S3__MAX_ATTEMPTS": "1",
+        "WORKER_LOADER__TIMEOUT_S": "3",
+        "WORKER_HEALTH__STALL_TIMEOUT_S": "6",
+        "WORKER_HEALTH__WATCHDOG_TIMEOUT_S": "12",
+        "WORKER_HEALTH__DRAIN_TIMEOUT_S": "3",
+    }
+    return worker_env(settings, inherit=False, **{**budgets, **extra})
 
 
 async def run_job_and_wedge(sup, settings, s3, bucket, job, wedge) -> dict:

@@ -48,8 +48,8 @@ def test_nak_backoff_doubles_up_to_the_cap():
 
 
 async def test_a_result_the_store_did_not_confirm_is_retried_in_process_before_any_nak():
+    from config.errors import ResultsUnavailable
     from config.settings import NatsSettings
-    from worker.results import ResultsUnavailable
     from worker.schemas import Task, Verdict
     from worker.settle import Settler
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from datasets.loader import LoaderConfig, LoaderFailure, LoadRequest, StreamingLoader
+from config.errors import LoaderFailure
+from datasets.loader import LoaderConfig, LoadRequest, StreamingLoader
 from datasets.sources import SourceConfig
 from datasets.synthetic import image_bytes
 
