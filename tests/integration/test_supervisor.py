@@ -163,4 +163,4 @@ async def test_a_worker_wedged_holding_the_gil_is_ended_by_its_watchdog_and_rest
     assert_nothing_lost(outcome)
     log = sup.worker_log()
     assert "Timeout (0:00:08)!" in log, "faulthandler dumped the stacks"
-    assert "_wedge_once" in log
+    assert "faults.py" in log  # the wedged engine thread's stack: in the fault wrapper
