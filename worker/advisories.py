@@ -17,6 +17,7 @@ import nats
 import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.api import RawStreamMsg
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from config.errors import Failure, InvalidTask, ResultRefused, ResultsUnavailable, Undeliverable
@@ -100,70 +101,47 @@ class ExhaustedTasks:
         await _quietly(msg.nak(delay=delay_s))
 
     async def handle(self, msg: Msg) -> None:
-        try:
-            advisory = json.loads(msg.data)
-            seq, deliveries = int(advisory["stream_seq"]), int(advisory["deliveries"])
-            if not 1 <= seq < 2**64:
-                raise ValueError(f"stream_seq {seq} out of range")
-        except (ValueError, KeyError, TypeError, RecursionError):
+        """One advisory: the original task gets its error result (or its dead letter)."""
+        read = _read_advisory(msg.data)
+        if read is None:
             log.error("advisory_unreadable", data=msg.data[:200])
             await msg.term()
             return
+        seq, deliveries = read
+        original = await self._original(msg, seq)
+        if original is None:
+            return
+        data, subject = original.data or b"", original.subject or ""
         try:
-            original = await self._js.get_msg(self._settings.tasks_stream, seq)
-        except NotFoundError:
-            log.error("exhausted_task_gone", stream_seq=seq, hint="raise the tasks stream max_age")
-            await msg.ack()
-            return
-        except ServiceUnavailableError:
-            await self._later(msg)
-            return
-        except APIError as error:  # the server refuses this request as such: never retried
-            log.error("advisory_refused_by_server", stream_seq=seq, error=str(error))
-            await msg.term()
-            return
-        except nats.errors.Error:
-            await self._later(msg)
-            return
-        try:
-            task = parse_task(original.data or b"")
+            task = parse_task(data)
         except Undeliverable as error:
             # Its last delivery failed to dead-letter it (or died first): do it here. The
             # dead-letter stream keeps one copy if the worker's attempt did land.
-            try:
-                await self._settler.keep_dead_letter(
-                    original.data or b"", original.subject or "", seq, str(error)
-                )
-            except ResultsUnavailable:
-                await self._later(msg)
-                return
-            await msg.ack()
-            log.warning("exhausted_task_dead_lettered", stream_seq=seq, reason=str(error))
+            if await self._or_later(
+                msg, self._settler.keep_dead_letter(data, subject, seq, str(error))
+            ):
+                await msg.ack()
+                log.warning("exhausted_task_dead_lettered", stream_seq=seq, reason=str(error))
             return
         except InvalidTask as invalid:
             task = Task(invalid.task_id, invalid.job_id, invalid.image_id, "")
-        verdict = Verdict(
-            failure=Failure(
-                EXHAUSTED_KIND,
-                f"deliveries ran out: all {deliveries} deliveries ended without a result "
-                "(the worker holding it died, was killed or stopped answering)",
-                retryable=True,
-            )
+        message = (
+            f"deliveries ran out: all {deliveries} deliveries ended without a result "
+            "(the worker holding it died, was killed or stopped answering)"
+        )
+        result = self._settler.result(
+            task, deliveries, Verdict(failure=Failure(EXHAUSTED_KIND, message, retryable=True))
         )
         try:
-            stored = await self._settler.store.store(
-                self._settler.result(task, deliveries, verdict)
-            )
+            stored = await self._settler.store.store(result)
         except ResultsUnavailable:
             await self._later(msg)
             return
         except ResultRefused as refused:
-            try:
-                await self._settler.keep_dead_letter(
-                    original.data or b"", original.subject or "", seq, f"no result fits: {refused}"
-                )
-            except ResultsUnavailable:
-                await self._later(msg)
+            why = f"no result fits: {refused}"
+            if not await self._or_later(
+                msg, self._settler.keep_dead_letter(data, subject, seq, why)
+            ):
                 return
             stored = False
         await msg.ack()
@@ -176,3 +154,38 @@ class ExhaustedTasks:
             deliveries=deliveries,
             result_stored=stored,
         )
+
+    async def _original(self, msg: Msg, seq: int) -> RawStreamMsg | None:
+        """The task message the advisory names; None once the advisory is settled here."""
+        try:
+            return await self._js.get_msg(self._settings.tasks_stream, seq)
+        except NotFoundError:
+            log.error("exhausted_task_gone", stream_seq=seq, hint="raise the tasks stream max_age")
+            await msg.ack()
+        except ServiceUnavailableError:
+            await self._later(msg)
+        except APIError as error:  # the server refuses this request as such: never retried
+            log.error("advisory_refused_by_server", stream_seq=seq, error=str(error))
+            await msg.term()
+        except nats.errors.Error:
+            await self._later(msg)
+        return None
+
+    async def _or_later(self, msg: Msg, write: Awaitable[None]) -> bool:
+        """``write`` done: True; the store did not confirm: the advisory comes back later."""
+        try:
+            await write
+        except ResultsUnavailable:
+            await self._later(msg)
+            return False
+        return True
+
+
+def _read_advisory(data: bytes) -> tuple[int, int] | None:
+    """(stream sequence, deliveries) of a max-deliveries advisory; None if unreadable."""
+    try:
+        advisory = json.loads(data)
+        seq, deliveries = int(advisory["stream_seq"]), int(advisory["deliveries"])
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return None
+    return (seq, deliveries) if 1 <= seq < 2**64 else None
