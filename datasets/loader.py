@@ -194,10 +194,10 @@ class _Generation:
         self.reports = reports
         self.child_pids: list[int] = []  # as the children reported them
 
-    def await_reports(self, count: int, timeout_s: float) -> None:
-        """Learn the children's pids from the children (each reports once it runs). A child
-        that dies or stays silent is not waited for: the pids multiprocessing started stand
-        in, and the DataLoader's timeout deals with the child as with any other failure."""
+    def await_reports(self, count: int, timeout_s: float) -> bool:
+        """Learn the children's pids from the children (each reports once it runs); True when
+        all did. Stops waiting as soon as a child has exited; for a silent one, the pids
+        multiprocessing started stand in."""
         deadline = time.monotonic() + timeout_s
         found: dict[int, int] = {}
         while len(found) < count and time.monotonic() < deadline:
@@ -211,6 +211,11 @@ class _Generation:
         self.child_pids = [found[i] for i in sorted(found)]
         if len(found) < count:
             self.child_pids = self.known_pids()
+            return False
+        return True
+
+    def any_exited(self) -> bool:
+        return any(w.exitcode is not None for w in self.workers())
 
     def workers(self) -> list[Any]:
         return list(self.it._workers)
@@ -301,9 +306,12 @@ class StreamingLoader:
             in_order=False,
         )
         gen = _Generation(iter(loader), requests, reports)
-        self._gen = gen
-        gen.await_reports(self.config.num_workers, self.config.timeout_s)
-        self._unlink_semaphores(gen)
+        self._gen = gen  # from here on, a teardown kills its children whatever happens next
+        if not gen.await_reports(self.config.num_workers, self.config.timeout_s):
+            if gen.any_exited():
+                raise LoaderFailure("a loader child exited as it started", kind="loader_failed")
+        else:
+            self._unlink_semaphores(gen)  # only with every child known by its worker id
         with self._lock:
             self._requests = requests
             for request in self._backlog:

@@ -36,15 +36,17 @@ def upload_images(s3: Any, bucket: str, count: int, prefix: str = "img") -> list
 async def running_worker(settings: Any) -> AsyncIterator[WorkerApp]:
     """A started worker, working in the background; drained and closed on exit."""
     app = WorkerApp(settings)
-    await app.start()
     stop = asyncio.Event()
-    task = asyncio.create_task(app.run(stop))
+    task: asyncio.Task[Any] | None = None
     try:
+        await app.start()  # inside: a start that fails part-way is still closed
+        task = asyncio.create_task(app.run(stop))
         yield app
     finally:
         stop.set()
         try:
-            await asyncio.wait_for(task, 30)
+            if task is not None:
+                await asyncio.wait_for(task, 30)
         finally:
             await app.close()
 

@@ -174,12 +174,16 @@ class Worker:
         self._end(Exit(ExitReason.NATS_CLOSED, "the NATS connection closed for good"))
 
     async def _stop_when_idle(self) -> None:
-        """Burst mode: stop once nothing is held and the consumer has nothing pending."""
+        """Burst mode: stop once nothing is held and the consumers have nothing pending, seen
+        twice in a row (an advisory is stored a moment after its task leaves the consumer)."""
+        idle_before = False
         while not self._stop.is_set():
             await asyncio.sleep(self.settings.nats.fetch_timeout_s)
-            if len(self.book) == 0 and await self.s.source.idle() and len(self.book) == 0:
-                log.info("idle_stopping", reason="--until-idle: the consumer has nothing pending")
+            idle = len(self.book) == 0 and await self.s.source.idle() and len(self.book) == 0
+            if idle and idle_before:
+                log.info("idle_stopping", reason="--until-idle: nothing pending or held")
                 self._stop.set()
+            idle_before = idle
 
     # -- shutdown ---------------------------------------------------------------------------
     async def _drain(self, processor: asyncio.Task[None]) -> None:

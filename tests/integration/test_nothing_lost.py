@@ -93,9 +93,9 @@ async def test_crossing_a_resource_limit_drains_the_worker_and_loses_nothing(
         from worker.app import WorkerApp
 
         app = WorkerApp(limited)
-        await app.start()
-        tasks = await submit(js, limited, "job-guarded", uris)
         try:
+            await app.start()
+            tasks = await submit(js, limited, "job-guarded", uris)
             await asyncio.wait_for(app.run(asyncio.Event()), 60)  # it stops by itself
         finally:
             await app.close()

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from config.errors import LoaderFailure
-from datasets.loader import LoaderConfig, LoadRequest, StreamingLoader
+from datasets.loader import LoaderConfig, LoadRequest, RequestStream, StreamingLoader
 from datasets.sources import SourceConfig
 from datasets.synthetic import image_bytes
 
@@ -322,3 +322,25 @@ def test_every_start_method_serves_recovers_and_leaves_no_child(mp_context, imag
     from tests.helpers import until_gone
 
     assert until_gone(every) == []
+
+
+class DiesOnArrival(RequestStream):
+    """A stream whose children exit as they unpickle it, before they can report."""
+
+    def __setstate__(self, state: dict) -> None:
+        os._exit(3)
+
+
+def test_children_that_exit_as_they_start_make_the_start_fail_and_leave_nothing():
+    loader = StreamingLoader(
+        LoaderConfig(num_workers=2, timeout_s=20.0, image_size=64, sources=FILES), DiesOnArrival
+    )
+    try:
+        with pytest.raises(LoaderFailure, match="exited as it started"):
+            loader.start()
+        started = loader.child_pids()
+    finally:
+        loader.close()
+    from tests.helpers import until_gone
+
+    assert until_gone(started) == []
