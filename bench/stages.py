@@ -9,23 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.common import cycle, machine, run_benchmark, upload, world
-from bench.throughput import BATCH, SIZES, WORKERS, stages_and_worker
+from bench.common import cycle, run_benchmark, upload, world
+from bench.throughput import SIZES, stages
 
 
 async def run(images: int, tasks: int, runs: int) -> dict[str, Any]:
     with world() as w:
         uris = cycle(upload(w.s3.client(), "throughput", SIZES, images), tasks)
-        result: dict[str, Any] = {
-            "machine": machine(),
-            "images": images,
-            "tasks_per_job": tasks,
-            "runs": runs,
-            "batch_size": BATCH,
-            "loader_workers": WORKERS,
-        }
-        result.update(await stages_and_worker(w, uris, runs))
-    return result
+        return await stages(w, uris, images, tasks, runs)
 
 
 def main() -> None:

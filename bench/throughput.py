@@ -273,21 +273,27 @@ def chart(result: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+async def stages(w: World, uris: list[str], images: int, tasks: int, runs: int) -> dict[str, Any]:
+    """The run's settings and the three stages' figures (``bench.stages`` stops here)."""
+    result: dict[str, Any] = {
+        "machine": machine(),
+        "images": images,
+        "tasks_per_job": tasks,
+        "runs": runs,
+        "batch_size": BATCH,
+        "loader_workers": WORKERS,
+    }
+    result.update(await stages_and_worker(w, uris, runs))
+    return result
+
+
 async def run(images: int, tasks: int, runs: int) -> dict[str, Any]:
     with world() as w:
         distinct = upload(w.s3.client(), "throughput", SIZES, images)
         uris = cycle(distinct, tasks)
         uris_file = w.workdir / "uris.json"
         uris_file.write_text(json.dumps(distinct))
-        result: dict[str, Any] = {
-            "machine": machine(),
-            "images": images,
-            "tasks_per_job": tasks,
-            "runs": runs,
-            "batch_size": BATCH,
-            "loader_workers": WORKERS,
-        }
-        result.update(await stages_and_worker(w, uris, runs))
+        result = await stages(w, uris, images, tasks, runs)
         result["patterns"] = {}
         for name in ("fork_rebuilt", "no_workers", "forkserver_rebuilt"):
             rates, peaks = [], []

@@ -108,7 +108,7 @@ class RequestStream(IterableDataset[Loaded]):
         # The worker's main process. Our parent is the fork server, which lives on as long as
         # any of its children do, so "parent gone" never fires when the main process dies.
         self.owner_pid = os.getpid()
-        self.owner_started = process_start_time(self.owner_pid)
+        self.owner_started = processes.start_time(self.owner_pid)
 
     def __iter__(self) -> Iterator[Loaded]:
         while True:
@@ -127,17 +127,6 @@ class RequestStream(IterableDataset[Loaded]):
 MakeStream = Callable[[Any, Any, int, SourceConfig], RequestStream]
 
 
-def process_start_time(pid: int) -> int | None:
-    """The kernel's start time of ``pid``; None once it is gone or a zombie. With the start
-    time, a reused pid is not mistaken for the process we knew."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rpartition(")")[2].split()
-        return None if fields[0] in ("Z", "X") else int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _exit_with_owner(owner_pid: int, owner_started: int | None) -> None:
     """Leave as soon as the worker's main process is gone (SIGKILL, watchdog exit).
 
@@ -145,7 +134,7 @@ def _exit_with_owner(owner_pid: int, owner_started: int | None) -> None:
     worker loop, which only watches the parent, i.e. the fork server, and that lives on as
     long as any of its children do.
     """
-    while process_start_time(owner_pid) == owner_started:
+    while processes.start_time(owner_pid) == owner_started:
         time.sleep(_POLL_S)
     os._exit(0)
 

@@ -25,13 +25,28 @@ DEAD_STATES = ("Z", "X")
 _PR_SET_CHILD_SUBREAPER = 36
 
 
-def state(pid: int) -> str | None:
-    """The kernel's one-letter state of ``pid`` (R, S, D, T, t, Z, ...); None once gone."""
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name; [] once the process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
+            return stat.read().rpartition(")")[2].split()
+    except OSError:
+        return []
+
+
+def state(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (R, S, D, T, t, Z, ...); None once gone."""
+    fields = _stat(pid)
+    return fields[0] if fields else None
+
+
+def start_time(pid: int) -> int | None:
+    """The kernel's start time of ``pid``; None once it is gone or a zombie. With the start
+    time, a reused pid is not mistaken for the process we knew."""
+    fields = _stat(pid)
+    if len(fields) < 20 or fields[0] in DEAD_STATES:
         return None
+    return int(fields[19]) if fields[19].isdigit() else None
 
 
 def gone(pid: int) -> bool:

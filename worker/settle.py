@@ -67,13 +67,9 @@ class Settler:
         except ResultRefused as refused:
             return await self.dead_letter(msg, f"no result can be stored for this task: {refused}")
         except ResultsUnavailable as failure:
-            if delivered >= self.max_deliver:
-                bound.error(
-                    "result_not_stored_on_last_delivery",
-                    error=str(failure),
-                    hint="the max-deliveries advisory stores an error result for it",
-                )
-            return await self._retry(msg, delivered, bound, failure.failure())
+            return await self._unconfirmed(
+                msg, delivered, bound, failure, "result", "stores an error result for it"
+            )
         await _settle_message(msg.ack, bound)
         outcome = result["status"]
         self.count(outcome)
@@ -148,6 +144,25 @@ class Settler:
             attempt=delivered,
         )
 
+    async def _unconfirmed(
+        self,
+        msg: Delivery,
+        delivered: int,
+        bound: Any,
+        failure: ResultsUnavailable,
+        what: str,
+        advisory_does: str,
+    ) -> str:
+        """The store did not confirm ``what``: give the message back. On its last delivery the
+        max-deliveries advisory takes over, and that is said in the log."""
+        if delivered >= self.max_deliver:
+            bound.error(
+                f"{what}_not_stored_on_last_delivery",
+                error=str(failure),
+                hint=f"the max-deliveries advisory {advisory_does}",
+            )
+        return await self._retry(msg, delivered, bound, failure.failure())
+
     async def _retry(self, msg: Delivery, delivered: int, bound: Any, why: Failure | None) -> str:
         delay_s = backoff_s(
             delivered, self.settings.nak_backoff_base_s, self.settings.nak_backoff_max_s
@@ -172,13 +187,9 @@ class Settler:
         try:
             await self.keep_dead_letter(msg.data, msg.subject, seq, reason)
         except ResultsUnavailable as failure:
-            if delivered >= self.max_deliver:
-                bound.error(
-                    "dead_letter_not_stored_on_last_delivery",
-                    error=str(failure),
-                    hint="the max-deliveries advisory dead-letters it",
-                )
-            return await self._retry(msg, delivered, bound, failure.failure())
+            return await self._unconfirmed(
+                msg, delivered, bound, failure, "dead_letter", "dead-letters it"
+            )
         await _settle_message(msg.term, bound)
         self.count("dead_lettered")
         bound.warning(

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
-import sys
 
 import psutil
 import pytest
@@ -20,6 +18,7 @@ from tests.helpers import (
     upload_images,
     wait_results,
     worker_env,
+    worker_process,
 )
 from worker.client import job_results
 from worker.transport import TaskFeed, connect, provision
@@ -126,22 +125,12 @@ async def test_sigterm_mid_job_finishes_the_batch_gives_back_the_rest_and_exits_
     )
     async with client(settings) as js:
         await provision(js, settings.nats, settings.model.pipeline)
-        with open(log_path, "w") as log_file:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "worker", "run"],
-                env=env,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-            )
-        try:
+        with worker_process(env, log_path) as proc:
             tasks = await submit(js, settings, "job-sigterm", uris)
             await wait_results(js, settings, "job-sigterm", 4, timeout_s=60)
             tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
             proc.send_signal(signal.SIGTERM)
             code = await asyncio.to_thread(proc.wait, 30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
         partial = await job_results(js, settings.nats, "job-sigterm")
         async with running_worker(settings):
             results = await wait_results(js, settings, "job-sigterm", len(tasks))
