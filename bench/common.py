@@ -24,6 +24,7 @@ from datasets.synthetic import image_bytes
 from worker.localservers import NatsServer, S3Server
 
 PIPELINE = "mobilenet-v3-small-classifier"
+ARCHITECTURE = "mobilenet_v3_small"
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -37,16 +38,13 @@ class World:
 
 @contextmanager
 def world() -> Iterator[World]:
-    from worker.model import save_classifier
-    from worker.pipelines import get_pipeline
+    from pipelines.models import save_classifier
 
     workdir = Path(tempfile.mkdtemp(prefix="iw-bench-"))
     nats = NatsServer(store_dir=str(workdir / "nats")).start()
     s3 = S3Server().start()
     os.environ.update(s3.credentials_env())
-    weights = save_classifier(
-        get_pipeline(PIPELINE), [f"c{i}" for i in range(10)], str(workdir / "model")
-    )
+    weights = save_classifier(ARCHITECTURE, [f"c{i}" for i in range(10)], str(workdir / "model"))
     try:
         yield World(nats, s3, weights, workdir)
     finally:

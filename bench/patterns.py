@@ -69,9 +69,10 @@ def loader_for(pattern: str, job: list[str], endpoint: str) -> DataLoader[Any]:
 
 def main() -> None:
     pattern, uris_file, endpoint, weights = sys.argv[1:5]
-    from datasets.sources import SourceConfig
     from worker.model import Classifier
     from worker.pipelines import get_pipeline
+
+    from datasets.sources import SourceConfig
 
     with open(uris_file) as handle:
         uris = json.loads(handle.read())

@@ -18,12 +18,15 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from bench.common import machine, median, save
+from datasets.images import DecodePlan
 from datasets.loader import LoaderConfig, StreamingLoader, _init_child
 from worker.procstats import living
 
 
 def ours() -> tuple[float, int]:
-    loader = StreamingLoader(LoaderConfig(num_workers=2, timeout_s=5, image_size=64))
+    loader = StreamingLoader(
+        LoaderConfig(num_workers=2, timeout_s=5, plan=DecodePlan(size=64, fast=True))
+    )
     loader.start()
     pids = loader.child_pids()
     os.kill(pids[0], signal.SIGSTOP)

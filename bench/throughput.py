@@ -81,9 +81,10 @@ class ModelAlone:
     """The worker's model on ready uint8 batches, with torch's default threads."""
 
     def __init__(self, w: World) -> None:
-        from datasets.sources import SourceConfig
         from worker.model import Classifier
         from worker.pipelines import get_pipeline
+
+        from datasets.sources import SourceConfig
 
         self.model = Classifier(get_pipeline(PIPELINE), w.weights, SourceConfig(), "cpu", 5)
         self.batch = torch.randint(0, 256, (BATCH, 3, 224, 224), dtype=torch.uint8)

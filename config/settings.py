@@ -16,19 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from config.errors import ConfigError
 from config.redact import redact_url
 
-# Pipeline name -> input size (pixels a side); worker.pipelines builds them, a test keeps
-# the two in step. Known here so settings can be checked without importing torch.
-PIPELINE_INPUT_SIZES = {"resnet18-classifier": 224, "mobilenet-v3-small-classifier": 224}
-KNOWN_PIPELINES = tuple(PIPELINE_INPUT_SIZES)
-
-
 _HOST_ENTRY = re.compile(r"\[[0-9a-fA-F:.]+\](:\d{1,5})?|[^\s:\[\]/]+(:\d{1,5})?|[0-9a-fA-F:]+")
-
-
-def image_bytes(pipeline: str) -> int:
-    """Host bytes of one loaded image: uint8, 3 channels, at the pipeline's input size."""
-    side = PIPELINE_INPUT_SIZES.get(pipeline, 224)
-    return 3 * side * side
 
 
 class NatsSettings(BaseModel):
@@ -43,6 +31,11 @@ class NatsSettings(BaseModel):
         "INFERENCE_ADVISORIES", description="keeps the consumer's max-deliveries advisories"
     )
     consumer: str = Field("inference-worker", description="durable pull consumer shared by workers")
+    result_objects: str = Field(
+        "INFERENCE_RESULT_OBJECTS",
+        description="JetStream object store for responses too large for one message, and for "
+        "each algorithm's category map (README, Results)",
+    )
     ack_wait_s: float = Field(300.0, description="JetStream ack wait of the consumer")
     max_deliver: int = Field(5, description="deliveries per task before it gives up")
     fetch_timeout_s: float = Field(1.0, description="expiry of one pull request")
@@ -117,8 +110,20 @@ class LoaderSettings(BaseModel):
     prefetch_batches: int = Field(2, description="batches held at once (fetched, not yet settled)")
     max_inflight_bytes: int = Field(
         0,
-        description="cap on loaded image bytes held at once (tasks held x 3 x side x side); "
-        "0 = batch_size x prefetch_batches",
+        description="cap on loaded image bytes held at once (tasks held x the largest image "
+        "the pipeline's decode plan can make); 0 = batch_size x prefetch_batches",
+    )
+    max_side: int = Field(
+        4096,
+        description="pipelines with a detector: longest side of the image handed over (a larger "
+        "source is decoded at a reduced scale; boxes are still reported in source pixels)",
+        ge=64,
+        le=16384,
+    )
+    fast_decode: bool = Field(
+        False,
+        description="classifier-only pipelines: reduced-scale JPEG decode and PIL resize instead "
+        "of full decode and torchvision's resize (README, Preprocessing: it changes labels)",
     )
     max_consecutive_failures: int = Field(
         3, description="loader timeouts/deaths in a row before the process exits (code 3)"
@@ -126,14 +131,33 @@ class LoaderSettings(BaseModel):
 
 
 class ModelSettings(BaseModel):
-    pipeline: str = Field("resnet18-classifier", description="pipeline name from the registry")
-    weights: str = Field("", description="state_dict path or s3:// URI; labels.txt lies beside it")
+    pipeline: str = Field(
+        "resnet18-classifier",
+        description="a built-in pipeline name, a .toml file declaring one, module:attribute, or "
+        "a name from an installed package's inference_worker.pipelines entry points",
+    )
+    weights: str = Field(
+        "",
+        description="built-in single-stage pipelines: state_dict (or .pt2) path or s3:// URI; "
+        "labels.txt lies beside it",
+    )
     device: str = Field(
         "auto",
         description="auto, cpu, cuda, cuda:N, or a GPU/MIG UUID; a comma-separated list gives "
         "process WORKER_PROCESS_INDEX the entry at that index (modulo its length)",
     )
-    top_k: int = Field(5, description="predictions per image")
+    scores: Literal["all", "top_k"] = Field(
+        "all", description="each classification's scores: the full softmax vector, or the top k"
+    )
+    top_k: int = Field(5, description="scores per classification when SCORES=top_k", ge=1)
+    labels_inline_max: int = Field(
+        100,
+        description="class lists up to this long are written in every classification; longer "
+        "ones are published once per algorithm (README, Results)",
+        ge=0,
+    )
+    detector_batch_size: int = Field(4, description="images per detector forward pass", ge=1)
+    crop_batch_size: int = Field(64, description="crops per classifier forward pass", ge=1)
     torch_threads: int = Field(
         0,
         description="intra-op threads for the forward pass; 0 = the cores left over by the "
@@ -320,29 +344,30 @@ def settings_problems(s: Settings) -> list[str]:
             f"WORKER_HEALTH__DRAIN_TIMEOUT_S ({s.health.drain_timeout_s}) must be shorter than "
             f"WORKER_NATS__ACK_WAIT_S ({s.nats.ack_wait_s})"
         )
-    one_batch = s.loader.batch_size * image_bytes(s.model.pipeline)
-    if s.loader.max_inflight_bytes and s.loader.max_inflight_bytes < one_batch:
-        problems.append(
-            f"WORKER_LOADER__MAX_INFLIGHT_BYTES ({s.loader.max_inflight_bytes}) must hold at "
-            f"least one batch: WORKER_LOADER__BATCH_SIZE ({s.loader.batch_size}) x "
-            f"{image_bytes(s.model.pipeline)} bytes = {one_batch}"
-        )
-    if s.model.pipeline not in KNOWN_PIPELINES:
-        problems.append(
-            f"WORKER_MODEL__PIPELINE={s.model.pipeline!r} is not a known pipeline; "
-            f"choose one of: {', '.join(KNOWN_PIPELINES)}"
-        )
     if not 0 <= s.metrics.port <= 65535:
         problems.append(f"WORKER_METRICS__PORT={s.metrics.port} must be 0 (off) or a TCP port")
     return problems
 
 
-def max_held_tasks(s: Settings) -> int:
-    """Tasks held at once; this bounds host memory for loaded images by construction."""
+def max_held_tasks(s: Settings, image_bytes: int) -> int:
+    """Tasks held at once; with ``image_bytes``, the most host bytes one loaded image of the
+    pipeline can take, this bounds host memory for loaded images by construction."""
     held = s.loader.batch_size * s.loader.prefetch_batches
     if s.loader.max_inflight_bytes:
-        held = min(held, s.loader.max_inflight_bytes // image_bytes(s.model.pipeline))
+        held = min(held, s.loader.max_inflight_bytes // image_bytes)
     return max(held, s.loader.batch_size)
+
+
+def memory_problems(s: Settings, image_bytes: int) -> list[str]:
+    """The bytes cap must hold one batch of the largest images the pipeline can load."""
+    one_batch = s.loader.batch_size * image_bytes
+    if s.loader.max_inflight_bytes and s.loader.max_inflight_bytes < one_batch:
+        return [
+            f"WORKER_LOADER__MAX_INFLIGHT_BYTES ({s.loader.max_inflight_bytes}) must hold at "
+            f"least one batch: WORKER_LOADER__BATCH_SIZE ({s.loader.batch_size}) x "
+            f"{image_bytes} bytes = {one_batch}"
+        ]
+    return []
 
 
 def object_deadline_s(s: Settings) -> float:
@@ -363,23 +388,25 @@ def chosen_device(s: Settings) -> str:
 
 
 def worker_problems(s: Settings) -> list[str]:
-    """What a worker process needs beyond a sound combination: weights it can load."""
-    return _weights_problems(s.model.weights)
+    """What a worker process needs beyond a sound combination: weights it can load, when
+    WORKER_MODEL__WEIGHTS is given (which pipelines need it is the pipeline registry's call)."""
+    return weights_problems(s.model.weights, "WORKER_MODEL__WEIGHTS") if s.model.weights else []
 
 
-def _weights_problems(weights: str) -> list[str]:
+def weights_problems(weights: str, where: str) -> list[str]:
+    """Why ``weights`` (named ``where`` in the message) cannot be read; empty when it can."""
     if not weights:
-        return ["WORKER_MODEL__WEIGHTS is not set; give a state_dict path or an s3:// URI"]
+        return [f"{where} is not set; give a state_dict path or an s3:// URI"]
     if weights.startswith("s3://"):
         bucket, _, key = weights[len("s3://") :].partition("/")
         if not bucket or not key:
-            return [f"WORKER_MODEL__WEIGHTS={weights!r} must be s3://bucket/key"]
+            return [f"{where}={weights!r} must be s3://bucket/key"]
         return []
     if "://" in weights and not weights.startswith("file://"):
-        return [f"WORKER_MODEL__WEIGHTS={weights!r}: only a local path or s3:// URI is allowed"]
+        return [f"{where}={weights!r}: only a local path or s3:// URI is allowed"]
     path = Path(weights.removeprefix("file://"))
     if not path.is_file():
-        return [f"WORKER_MODEL__WEIGHTS={weights!r}: no such file"]
+        return [f"{where}={weights!r}: no such file"]
     return []
 
 

@@ -11,6 +11,7 @@ import os
 import threading
 from typing import Any
 
+from datasets.images import DecodePlan
 from datasets.loader import Loaded, LoadRequest, MakeStream, RequestStream
 from datasets.sources import SourceConfig
 
@@ -30,9 +31,14 @@ class DropOnceStream(RequestStream):
     and the child lives on as if it had been sent."""
 
     def __init__(
-        self, requests: Any, reports: Any, size: int, sources: SourceConfig, drop_once_file: str
+        self,
+        requests: Any,
+        reports: Any,
+        plan: DecodePlan,
+        sources: SourceConfig,
+        drop_once_file: str,
     ) -> None:
-        super().__init__(requests, reports, size, sources)
+        super().__init__(requests, reports, plan, sources)
         self.drop_once_file = drop_once_file
 
     def load(self, request: LoadRequest) -> Loaded:

@@ -1,11 +1,25 @@
-"""Decode JPEG/PNG bytes and resize to the pipeline's input size as a uint8 CHW array."""
+"""Decode JPEG/PNG bytes into the uint8 CHW array a pipeline wants, by a ``DecodePlan``.
+
+Two plans: a classifier-only pipeline gets its square input (``size``), made the way the
+model was trained (``squash`` or ``shorter_crop``); a pipeline with a detector gets the
+image itself, its longest side bounded by ``max_side``, with the source's size beside it so
+boxes can be reported in source pixels.
+
+``fast`` decodes JPEGs at a reduced scale (libjpeg's DCT scaling through PIL's ``draft``) and
+resizes with PIL; otherwise the image is decoded whole and resized by torchvision, as
+torchvision's ``Resize``/``CenterCrop`` do in training (README, "Preprocessing").
+"""
 
 from __future__ import annotations
 
 import io
+import math
 import warnings
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
+import torch
 from PIL import Image
 
 from config.errors import PermanentError
@@ -17,31 +31,35 @@ SUPPORTED_FORMATS = frozenset({"JPEG", "MPO", "PNG"})
 MAX_PIXELS = 64_000_000
 
 
-def decode_resized(data: bytes, size: int) -> np.ndarray:
-    """``data`` as a (3, size, size) uint8 array; PermanentError for anything not a sound image.
+@dataclass(frozen=True)
+class DecodePlan:
+    size: int = 0  # > 0: a square of this side; 0: the image, bounded by max_side
+    resize: str = "squash"  # squash | shorter_crop (square plans only)
+    max_side: int = 4096
+    fast: bool = False
 
-    JPEGs are decoded at a reduced scale (``draft``) when the source is much larger than the
-    target, so a 4096x2160 image never exists at full resolution in memory.
-    """
+    def max_image_bytes(self) -> int:
+        """The most host bytes one decoded image can take under this plan."""
+        side = self.size or self.max_side
+        return 3 * side * side
+
+
+class Decoded(NamedTuple):
+    pixels: np.ndarray  # (3, H, W) uint8
+    source_width: int
+    source_height: int
+
+
+def decode(data: bytes, plan: DecodePlan) -> Decoded:
+    """``data`` decoded by ``plan``; PermanentError for anything not a sound image."""
     if not data:
         raise PermanentError("empty image file", kind="corrupt_image")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=DECODERS)
-            if image.format not in SUPPORTED_FORMATS:
-                raise PermanentError(
-                    f"unsupported image format {image.format}; JPEG and PNG are accepted",
-                    kind="unsupported_format",
-                )
-            if image.width * image.height > MAX_PIXELS:
-                raise PermanentError(
-                    f"image is {image.width}x{image.height}, over {MAX_PIXELS} pixels",
-                    kind="too_large",
-                )
-            if image.format in ("JPEG", "MPO"):
-                image.draft("RGB", (size, size))
-            resized = image.convert("RGB").resize((size, size), Image.Resampling.BILINEAR)
+            image = _open(data)
+            source = image.size
+            pixels = _square(image, plan) if plan.size else _bounded(image, plan.max_side)
     except PermanentError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
@@ -52,4 +70,75 @@ def decode_resized(data: bytes, size: int) -> np.ndarray:
         ) from None
     except (OSError, SyntaxError, ValueError) as error:
         raise PermanentError(f"cannot decode image: {error}", kind="corrupt_image") from None
-    return np.ascontiguousarray(np.asarray(resized, dtype=np.uint8).transpose(2, 0, 1))
+    return Decoded(pixels, source[0], source[1])
+
+
+def decode_resized(data: bytes, size: int) -> np.ndarray:
+    """``data`` squashed to (3, size, size) by the fast path (benchmarks and tests)."""
+    return decode(data, DecodePlan(size=size, fast=True)).pixels
+
+
+def _open(data: bytes) -> Image.Image:
+    image = Image.open(io.BytesIO(data), formats=DECODERS)
+    if image.format not in SUPPORTED_FORMATS:
+        raise PermanentError(
+            f"unsupported image format {image.format}; JPEG and PNG are accepted",
+            kind="unsupported_format",
+        )
+    if image.width * image.height > MAX_PIXELS:
+        raise PermanentError(
+            f"image is {image.width}x{image.height}, over {MAX_PIXELS} pixels", kind="too_large"
+        )
+    return image
+
+
+def _chw(image: Image.Image) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(image.convert("RGB"), dtype=np.uint8).transpose(2, 0, 1))
+
+
+def _square(image: Image.Image, plan: DecodePlan) -> np.ndarray:
+    size = plan.size
+    if not plan.fast:
+        return resize_square(torch.from_numpy(_chw(image)), size, plan.resize).numpy()
+    if image.format in ("JPEG", "MPO"):
+        image.draft("RGB", (size, size))  # decodes at the smallest scale still >= size a side
+    image = image.convert("RGB")
+    if plan.resize == "shorter_crop":
+        scale = size / min(image.size)
+        width, height = (
+            max(size, round(image.width * scale)),
+            max(size, round(image.height * scale)),
+        )
+        image = image.resize((width, height), Image.Resampling.BILINEAR)
+        left, top = (width - size) // 2, (height - size) // 2
+        image = image.crop((left, top, left + size, top + size))
+    else:
+        image = image.resize((size, size), Image.Resampling.BILINEAR)
+    return _chw(image)
+
+
+def _bounded(image: Image.Image, max_side: int) -> np.ndarray:
+    longest = max(image.size)
+    if longest <= max_side:
+        return _chw(image)
+    scale = max_side / longest
+    target = (max(1, math.floor(image.width * scale)), max(1, math.floor(image.height * scale)))
+    if image.format in ("JPEG", "MPO"):
+        image.draft("RGB", target)
+    image = image.convert("RGB")
+    if max(image.size) > max_side:
+        image = image.resize(target, Image.Resampling.BILINEAR)
+    return _chw(image)
+
+
+def resize_square(pixels: torch.Tensor, size: int, resize: str) -> torch.Tensor:
+    """(3, H, W) uint8 to (3, size, size) uint8 the way torchvision's transforms do it:
+    ``squash`` is ``Resize((size, size))``; ``shorter_crop`` is ``Resize(size)`` then
+    ``CenterCrop(size)``; bilinear with antialiasing."""
+    from torchvision.transforms.v2 import functional as F
+
+    if pixels.shape[-2:] == (size, size):
+        return pixels
+    if resize == "shorter_crop":
+        return F.center_crop(F.resize(pixels, [size], antialias=True), [size, size])
+    return F.resize(pixels, [size, size], antialias=True)

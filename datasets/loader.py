@@ -1,9 +1,9 @@
 """A DataLoader whose worker processes persist for the life of the worker process.
 
 The dataset is an endless stream: loader workers take load requests from a multiprocessing
-queue, fetch, decode and resize each image, and hand back one uint8 array (or an error)
-per request. Arrays travel pickled through the result pipe, not as torch tensors in shared
-memory: for an image of the pipeline's input size the copy is cheaper than torch's
+queue, fetch and decode each image by the pipeline's ``DecodePlan``, and hand back one uint8
+array (or an error) per request. Arrays travel pickled through the result pipe, not as torch
+tensors in shared memory: for an image of the pipeline's input size the copy is cheaper than torch's
 per-tensor /dev/shm file and descriptor hand-over, and a child that dies mid-send leaves
 no shared-memory file behind. The main process keeps a single iterator open, so the same
 children serve job after job, and calls ``next`` only for requests it has submitted, each
@@ -38,13 +38,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from config.errors import Failure, LoaderFailure, WorkerError
 from datasets import processes
-from datasets.images import decode_resized
+from datasets.images import Decoded, DecodePlan, decode
 from datasets.semaphores import semlock_names, unlink_names, wait_until_mapped
 from datasets.sources import SourceConfig, read_bytes
 
@@ -62,7 +61,7 @@ class Loaded(NamedTuple):
     """One request's outcome, made in a loader child: an image, or the failure."""
 
     key: int
-    image: np.ndarray | None  # (3, size, size) uint8
+    image: Decoded | None  # (3, H, W) uint8 and the source's size
     failure: Failure | None
     load_s: float
     pid: int
@@ -72,7 +71,7 @@ class Loaded(NamedTuple):
 class LoaderConfig:
     num_workers: int
     timeout_s: float
-    image_size: int
+    plan: DecodePlan
     sources: SourceConfig = field(default_factory=SourceConfig)
     mp_context: str = "forkserver"
     # Requests a child may run ahead of the main thread's ``next`` calls. It must cover every
@@ -80,10 +79,10 @@ class LoaderConfig:
     prefetch_per_worker: int = 2
 
 
-def load_one(request: LoadRequest, size: int, sources: SourceConfig) -> Loaded:
+def load_one(request: LoadRequest, plan: DecodePlan, sources: SourceConfig) -> Loaded:
     started = time.perf_counter()
     try:
-        image = decode_resized(read_bytes(request.uri, sources), size)
+        image = decode(read_bytes(request.uri, sources), plan)
     except WorkerError as error:
         failure = error.failure()
     except Exception as error:  # noqa: BLE001 - one bad image must not kill a loader child
@@ -100,10 +99,12 @@ class RequestStream(IterableDataset[Loaded]):
     its pid on ``reports`` when it starts, so the worker learns its children from them.
     """
 
-    def __init__(self, requests: Any, reports: Any, size: int, sources: SourceConfig) -> None:
+    def __init__(
+        self, requests: Any, reports: Any, plan: DecodePlan, sources: SourceConfig
+    ) -> None:
         self.requests = requests
         self.reports = reports
-        self.size = size
+        self.plan = plan
         self.sources = sources
         # The worker's main process. Our parent is the fork server, which lives on as long as
         # any of its children do, so "parent gone" never fires when the main process dies.
@@ -121,10 +122,10 @@ class RequestStream(IterableDataset[Loaded]):
             yield self.load(request)
 
     def load(self, request: LoadRequest) -> Loaded:
-        return load_one(request, self.size, self.sources)
+        return load_one(request, self.plan, self.sources)
 
 
-MakeStream = Callable[[Any, Any, int, SourceConfig], RequestStream]
+MakeStream = Callable[[Any, Any, DecodePlan, SourceConfig], RequestStream]
 
 
 def _exit_with_owner(owner_pid: int, owner_started: int | None) -> None:
@@ -282,7 +283,7 @@ class StreamingLoader:
             processes.stop_forkserver(_KILL_WAIT_S)
         processes.replace_stopped_tracker(_KILL_WAIT_S)
         requests, reports = self._ctx.Queue(), self._ctx.Queue()
-        dataset = self._make_stream(requests, reports, self.config.image_size, self.config.sources)
+        dataset = self._make_stream(requests, reports, self.config.plan, self.config.sources)
         loader = DataLoader(
             dataset,
             batch_size=None,

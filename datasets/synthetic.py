@@ -37,3 +37,22 @@ def corrupt_bytes(seed: int = 0) -> bytes:
 def truncated_bytes(width: int = 640, height: int = 480, seed: int = 0) -> bytes:
     data = image_bytes(width, height, seed)
     return data[: len(data) // 3]
+
+
+RGB = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255)}
+
+
+def rectangles_bytes(
+    width: int,
+    height: int,
+    rectangles: list[tuple[int, int, int, int, str]],
+    fmt: str = "JPEG",
+) -> bytes:
+    """Coloured rectangles (x1, y1, x2, y2 in pixels, end exclusive; colour name) on black:
+    images of known content, for checking boxes and crop labels."""
+    pixels = np.zeros((height, width, 3), dtype=np.uint8)
+    for x1, y1, x2, y2, colour in rectangles:
+        pixels[y1:y2, x1:x2] = RGB[colour]
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format=fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+    return out.getvalue()

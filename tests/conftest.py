@@ -18,6 +18,7 @@ from worker.localservers import NatsServer, S3Server, ServerNotFound
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 PIPELINE = "mobilenet-v3-small-classifier"
+ARCHITECTURE = "mobilenet_v3_small"
 LABELS = ["cat", "dog", "bird", "fish", "horse"]
 
 
@@ -105,10 +106,9 @@ def bucket(s3_server: S3Server) -> str:
 
 @pytest.fixture(scope="session")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from worker.model import save_classifier
-    from worker.pipelines import get_pipeline
+    from pipelines.models import save_classifier
 
-    return save_classifier(get_pipeline(PIPELINE), LABELS, str(tmp_path_factory.mktemp("model")))
+    return save_classifier(ARCHITECTURE, LABELS, str(tmp_path_factory.mktemp("model")))
 
 
 @pytest.fixture

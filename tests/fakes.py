@@ -132,7 +132,7 @@ class FakeEngine:
             outcomes[key] = (
                 Verdict(failure=failure)
                 if failure
-                else Verdict(predictions=[{"label": "cat", "score": 0.9}])
+                else Verdict(detections=[{"bbox": None, "classifications": []}])
             )
         return BatchReport(outcomes, 0.0, 0.0, 0)
 

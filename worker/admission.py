@@ -37,7 +37,7 @@ class Admission:
     async def _admit(self, msg: Delivery) -> Held | None:
         delivered = msg.metadata.num_delivered
         try:
-            task = parse_task(msg.data)
+            task = parse_task(msg.data, msg.subject)
         except Undeliverable as error:
             await self._settler.dead_letter(msg, str(error))
             return None

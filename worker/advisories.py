@@ -113,7 +113,7 @@ class ExhaustedTasks:
             return
         data, subject = original.data or b"", original.subject or ""
         try:
-            task = parse_task(data)
+            task = parse_task(data, subject)
         except Undeliverable as error:
             # Its last delivery failed to dead-letter it (or died first): do it here. The
             # dead-letter stream keeps one copy if the worker's attempt did land.

@@ -20,6 +20,8 @@ from config.settings import (
 )
 from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.sources import SourceConfig
+from pipelines.runner import Runner, load_runner
+from pipelines.setup import Chosen, choose, model_info
 from worker.advisories import ExhaustedTasks
 from worker.engine import Engine
 from worker.exits import Exit
@@ -27,7 +29,7 @@ from worker.guards import ResourceGuard
 from worker.health import PREFIX, HealthServer, Liveness, Metrics
 from worker.ports import Loading
 from worker.procstats import ProcessTreeCollector
-from worker.results import ResultStore
+from worker.results import ResultStore, publish_algorithms
 from worker.service import Services, Worker
 from worker.settle import Settler
 from worker.transport import ConnectionState, TaskFeed, connect, provision
@@ -78,8 +80,12 @@ class WorkerApp:
             s.health.stall_timeout_s,
             watchdog=Watchdog(s.health.watchdog_timeout_s) if s.health.watchdog_timeout_s else None,
         )
-        engine, model = await self._build_engine(liveness)
-        feed, store, settler = await self._build_transport(model.info.as_dict())
+        chosen = choose(s)  # ConfigError before anything starts
+        engine, runner = await self._build_engine(liveness, chosen)
+        feed, store, settler = await self._build_transport(chosen.pipeline.name, model_info(runner))
+        await publish_algorithms(
+            self.nc.jetstream(), s.nats, [a.config() for a in runner.algorithms()]
+        )
         metrics = self._build_health(liveness, engine.loader.child_pids)
         settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
         services = Services(
@@ -93,27 +99,23 @@ class WorkerApp:
             guard=ResourceGuard(s.guards, engine.loader.child_pids).check,
             helpers=(("max-deliveries", ExhaustedTasks(self.nc.jetstream(), s.nats, settler).run),),
             closed=self.connection.lost,
+            image_bytes=chosen.plan.max_image_bytes(),
         )
         self.worker = Worker(s, services, until_idle=self.until_idle)
         log.info(
             "worker_started",
-            pipeline=s.model.pipeline,
-            device=str(model.device),
-            weights_sha256=model.info.weights_sha256,
+            pipeline=chosen.pipeline.name,
+            stages={a.key: a.weights_sha256[:12] for a in runner.algorithms()},
             loader_pids=engine.loader.child_pids(),
             max_deliver=settler.max_deliver,
             metrics_port=self.health.port if self.health else 0,
         )
 
-    async def _build_engine(self, liveness: Liveness) -> tuple[Engine, Any]:
-        """The model, loaded on the engine thread; the loader and its children."""
-        from worker.model import Classifier
-        from worker.pipelines import get_pipeline
-
+    async def _build_engine(self, liveness: Liveness, chosen: Chosen) -> tuple[Engine, Runner]:
+        """The pipeline's models, loaded on the engine thread; the loader and its children."""
         s = self.settings
         loop = asyncio.get_running_loop()
         sources = source_config(s)
-        spec = get_pipeline(s.model.pipeline)
         import torch
 
         torch.set_num_threads(torch_threads(s, os.cpu_count()))
@@ -122,16 +124,17 @@ class WorkerApp:
             # A MIG slice or a GPU by UUID: make it the only visible device, before CUDA starts.
             os.environ["CUDA_VISIBLE_DEVICES"] = device
             device = "cuda:0"
-        model = await loop.run_in_executor(
-            self.engine_thread, Classifier, spec, s.model.weights, sources, device, s.model.top_k
+        runner = await loop.run_in_executor(
+            self.engine_thread, load_runner, chosen.pipeline, sources, device, chosen.output
         )
+        held = max_held_tasks(s, chosen.plan.max_image_bytes())
         config = LoaderConfig(
             num_workers=s.loader.num_workers,
             timeout_s=s.loader.timeout_s,
-            image_size=spec.input_size,
+            plan=chosen.plan,
             sources=sources,
             mp_context=s.loader.mp_context,
-            prefetch_per_worker=-(-max_held_tasks(s) // s.loader.num_workers) + 1,
+            prefetch_per_worker=-(-held // s.loader.num_workers) + 1,
         )
         if s.faults.drop_once_file:
             from datasets.faults import dropping_once
@@ -141,26 +144,26 @@ class WorkerApp:
             loader = StreamingLoader(config)
         self.engine = Engine(
             loader,
-            model,
+            runner,
             max_consecutive_failures=s.loader.max_consecutive_failures,
             heartbeat=liveness.still_working,
         )
         await loop.run_in_executor(self.engine_thread, self.engine.start)
-        return self.engine, model
+        return self.engine, runner
 
     async def _build_transport(
-        self, model: dict[str, str]
+        self, pipeline: str, model: dict[str, Any]
     ) -> tuple[TaskFeed, ResultStore, Settler]:
         """The connection, the streams and consumer (provisioned), the feed and the stores."""
         s = self.settings
         self.nc = nc = await connect(s.nats, state=self.connection)
         js = nc.jetstream()
-        await provision(js, s.nats, s.model.pipeline)
+        await provision(js, s.nats, pipeline)
         self.feed = TaskFeed(nc, s.nats)
         await self.feed.open()
         store = ResultStore(js, s.nats, lambda: int(nc.max_payload))
         max_deliver = await self.feed.max_deliver()
-        settler = Settler(js, store, s.nats, s.model.pipeline, model, max_deliver)
+        settler = Settler(js, store, s.nats, pipeline, model, max_deliver)
         return self.feed, store, settler
 
     def _build_health(self, liveness: Liveness, loader_pids: Callable[[], list[int]]) -> Metrics:

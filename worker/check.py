@@ -44,22 +44,17 @@ async def _nats_problems(settings: Settings) -> list[str]:
 
 
 def _model_problems(settings: Settings) -> list[str]:
+    from pipelines.runner import load_runner
+    from pipelines.setup import choose
     from worker.app import source_config
-    from worker.model import Classifier
-    from worker.pipelines import get_pipeline
 
     try:
-        Classifier(
-            get_pipeline(settings.model.pipeline),
-            settings.model.weights,
-            source_config(settings),
-            settings.model.device,
-            settings.model.top_k,
-        )
+        chosen = choose(settings)
+        load_runner(chosen.pipeline, source_config(settings), settings.model.device, chosen.output)
     except WorkerError as error:
-        return [f"model: {error}"]
+        return [f"model: {line}" for line in str(error).splitlines()]
     except Exception as error:  # noqa: BLE001 - reported as a problem line
-        return [f"model: cannot load {settings.model.weights}: {type(error).__name__} {error}"]
+        return [f"model: cannot load {settings.model.pipeline}: {type(error).__name__} {error}"]
     return []
 
 

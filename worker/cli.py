@@ -80,7 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         "check": _check,
         "provision": _provision,
     }
-    return asyncio.run(handlers[args.command](settings, args))
+    try:
+        return asyncio.run(handlers[args.command](settings, args))
+    except ConfigError as error:  # the pipeline: resolved when a command first needs it
+        for line in str(error).splitlines():
+            print(f"config error: {line}", file=sys.stderr)
+        return EXIT_CONFIG
 
 
 async def _run(settings: Settings, args: argparse.Namespace) -> int:
@@ -125,7 +130,9 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILED
-    pipeline = args.pipeline or settings.model.pipeline
+    from pipelines.registry import name_of
+
+    pipeline = args.pipeline or name_of(settings.model.pipeline)
     nc = await connect(settings.nats, name="inference-worker-submit")
     try:
         count = await publish_tasks(
@@ -133,7 +140,7 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
         )
     finally:
         await nc.close()
-    print(f"submitted {count} tasks for job {args.job} on tasks.{pipeline}")
+    print(f"submitted {count} tasks for job {args.job} on tasks.{pipeline}.<job>")
     return EXIT_OK
 
 
@@ -155,11 +162,13 @@ async def _results(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _provision(settings: Settings, _args: argparse.Namespace) -> int:
+    from pipelines.registry import name_of
     from worker.transport import connect, provision
 
     nc = await connect(settings.nats, name="inference-worker-provision")
     try:
-        for line in await provision(nc.jetstream(), settings.nats, settings.model.pipeline):
+        pipeline = name_of(settings.model.pipeline)
+        for line in await provision(nc.jetstream(), settings.nats, pipeline):
             print(line)
     finally:
         await nc.close()

@@ -14,9 +14,9 @@ import nats
 from nats.js import JetStreamContext, api
 
 from config.settings import NatsSettings
-from worker.results import job_results_subject
+from worker.results import job_results_subject, response_of
 from worker.schemas import Task, subject_token
-from worker.transport import tasks_subject
+from worker.transport import job_tasks_subject
 
 _READ_BATCH = 256
 _PUBLISH_WINDOW = 64
@@ -42,7 +42,7 @@ def list_s3_prefix(s3_client: Any, uri: str) -> list[str]:
 async def publish_tasks(
     js: JetStreamContext, settings: NatsSettings, pipeline: str, tasks: Iterable[Task]
 ) -> int:
-    """One message per image on tasks.<pipeline>; the task id is the dedupe id.
+    """One message per image on tasks.<pipeline>.<job>; (job, task) is the dedupe id.
 
     Up to ``_PUBLISH_WINDOW`` publishes wait for their acknowledgement at once, so a large job
     is not paced by one round trip per image. A failure raises; publishing the job again is
@@ -64,7 +64,7 @@ async def _publish_window(
     outcomes = await asyncio.gather(
         *(
             js.publish(
-                tasks_subject(pipeline),
+                job_tasks_subject(pipeline, subject_token(task.job_id)),
                 json.dumps(task.as_dict()).encode(),
                 stream=settings.tasks_stream,
                 # Injective (job, task) -> id: "job/task" joined by hand is not.
@@ -110,24 +110,27 @@ async def _read_all(js: JetStreamContext, stream: str, subject: str) -> list[byt
 async def job_results(
     js: JetStreamContext, settings: NatsSettings, job_id: str
 ) -> list[dict[str, Any]]:
+    """The job's results, each whole (a response kept in the object store is put back)."""
     raw = await _read_all(js, settings.results_stream, job_results_subject(job_id))
-    return [json.loads(data) for data in raw]
+    return [await response_of(js, json.loads(data)) for data in raw]
 
 
 async def job_task_ids(js: JetStreamContext, settings: NatsSettings, job_id: str) -> set[str]:
-    """Task ids of the job still kept in the tasks stream (scans it; a client-side tool)."""
+    """Task ids of the job still kept in the tasks stream: only the job's own subject
+    (``tasks.*.<job>``) is read. Tasks published with the job in the payload only, on
+    ``tasks.<pipeline>``, are not counted (``submit`` never publishes so)."""
     ids: set[str] = set()
-    for data in await _read_all(js, settings.tasks_stream, "tasks.>"):
+    for data in await _read_all(js, settings.tasks_stream, f"tasks.*.{subject_token(job_id)}"):
         try:
             payload = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             continue
-        if (
-            isinstance(payload, dict)
-            and payload.get("job_id") == job_id
-            and isinstance(payload.get("id"), str)
-        ):
-            ids.add(payload["id"])
+        if isinstance(payload, dict):
+            task_id = payload.get("id")
+            if isinstance(task_id, int) and not isinstance(task_id, bool):
+                task_id = str(task_id)
+            if isinstance(task_id, str):
+                ids.add(task_id)
     return ids
 
 

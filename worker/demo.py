@@ -24,6 +24,7 @@ from worker.localservers import NatsServer, S3Server
 log = structlog.get_logger(__name__)
 
 PIPELINE = "mobilenet-v3-small-classifier"
+ARCHITECTURE = "mobilenet_v3_small"
 LABELS = ["cat", "dog", "bird", "fish", "horse", "sheep", "cow", "bear", "zebra", "giraffe"]
 SIZES = [(640, 480), (1280, 720), (1920, 1080), (800, 800), (3840, 2160), (480, 640)]
 IMAGES = 36
@@ -32,12 +33,11 @@ RESULT_WAIT_S = 300.0
 
 
 def _upload_fixtures(s3: Any, workdir: str) -> list[str]:
-    from worker.model import save_classifier
-    from worker.pipelines import get_pipeline
+    from pipelines.models import save_classifier
 
     s3.create_bucket(Bucket="demo-models")
     s3.create_bucket(Bucket="demo-images")
-    weights = save_classifier(get_pipeline(PIPELINE), LABELS, os.path.join(workdir, "model"))
+    weights = save_classifier(ARCHITECTURE, LABELS, os.path.join(workdir, "model"))
     s3.upload_file(weights, "demo-models", "mobilenet/model.pt")
     s3.upload_file(
         os.path.join(workdir, "model", "labels.txt"), "demo-models", "mobilenet/labels.txt"
@@ -66,8 +66,8 @@ def _print_report(results: list[dict[str, Any]], expected: set[str]) -> int:
             print(f"{task_id:<22} {'?':<28} {'MISSING':<7}")
             continue
         if r["status"] == "ok":
-            top = r["predictions"][0]
-            detail = f"{top['label']} {top['score']:.3f}"
+            best = r["response"]["detections"][0]["classifications"][0]
+            detail = f"{best['classification']} {max(best['scores']):.3f}"
         else:
             detail = f"{r['error']['type']}: {r['error']['message'][:60]}"
         print(f"{task_id:<22} {r['image_id']:<28} {r['status']:<7} {r['attempt']:<8} {detail}")

@@ -6,11 +6,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import numpy as np
 import structlog
-import torch
 
 from config.errors import Failure, LoaderFailure, LoaderGaveUp
+from datasets.images import Decoded
 from datasets.loader import Loaded, LoadRequest, StreamingLoader
 from worker.ports import BatchReport
 from worker.schemas import Verdict
@@ -19,7 +18,9 @@ log = structlog.get_logger(__name__)
 
 
 class Predictor(Protocol):
-    def predict(self, images: torch.Tensor) -> list[list[dict[str, Any]]]: ...
+    """A pipeline's forward pass (``pipelines.runner.Runner``): per image, its detections."""
+
+    def run(self, images: Sequence[Decoded]) -> list[list[dict[str, Any]]]: ...
 
 
 class Engine:
@@ -128,9 +129,8 @@ class Engine:
             return {}
         started = time.perf_counter()
         try:
-            arrays = [loaded[key].image for key in keys]
-            images = torch.from_numpy(np.stack(arrays))  # type: ignore[arg-type]
-            predictions = self.predictor.predict(images)
+            images = [loaded[key].image for key in keys]
+            detections = self.predictor.run(images)  # type: ignore[arg-type]
         except Exception as error:
             log.exception("inference_failed", batch=len(keys))
             message = f"inference failed: {type(error).__name__}: {error}"
@@ -139,8 +139,8 @@ class Engine:
         infer_s = time.perf_counter() - started
         return {
             key: Verdict(
-                predictions=prediction,
+                detections=found,
                 timings_s={"load_s": loaded[key].load_s, "infer_s": infer_s / len(keys)},
             )
-            for key, prediction in zip(keys, predictions, strict=True)
+            for key, found in zip(keys, detections, strict=True)
         }

@@ -1,7 +1,14 @@
-"""The results store: one message per task subject in the results stream, new ones refused."""
+"""The results store: one message per task subject in the results stream, new ones refused.
+
+A result too large for one message (500 detections with 1,000 scores each is about 10 MB)
+is still stored whole: its ``response`` goes into the JetStream object store
+``WORKER_NATS__RESULT_OBJECTS`` under the result's subject, written before the result, and the
+result says where (``response_object``); ``results --job`` puts it back in place.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Callable
@@ -63,13 +70,16 @@ class ResultStore:
         no retry could: a message the server would refuse (and close our connection for).
         """
         subject = result_subject(result["job_id"], result["task_id"])
-        payload = json.dumps(result, separators=(",", ":")).encode()
+        payload = _encoded(result)
         if not _SAFE_SUBJECT.fullmatch(subject):
             raise ResultRefused(
                 f"no valid result subject for this task ({len(subject)} chars)",
                 kind="invalid_result_subject",
             )
         limit = self.max_message_bytes()
+        if len(payload) > limit and result.get("response") is not None:
+            result = await self._response_aside(subject, result)
+            payload = _encoded(result)
         if len(payload) > limit:
             raise ResultRefused(
                 f"the result is {len(payload)} bytes, over the {limit} a message can hold",
@@ -102,6 +112,23 @@ class ResultStore:
             raise unavailable("results stream unavailable", error) from None
         return not ack.duplicate
 
+    async def _response_aside(self, subject: str, result: dict[str, Any]) -> dict[str, Any]:
+        """``result`` with its response written to the object store and a pointer in its place."""
+        body = _encoded(result["response"])
+        bucket = self._settings.result_objects
+        try:
+            objects = await self._js.object_store(bucket)
+            await objects.put(subject, body)
+        except (TimeoutError, nats.errors.Error) as error:
+            raise unavailable(f"object store {bucket} unavailable", error) from None
+        pointer = {
+            "bucket": bucket,
+            "name": subject,
+            "bytes": len(body),
+            "sha256": hashlib.sha256(body).hexdigest(),
+        }
+        return {**result, "response": None, "response_object": pointer}
+
     async def exists(self, job_id: str, task_id: str) -> bool:
         try:
             await self._js.get_last_msg(
@@ -112,3 +139,47 @@ class ResultStore:
         except (TimeoutError, nats.errors.Error) as error:
             raise unavailable("cannot read the results stream", error) from None
         return True
+
+
+def _encoded(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+async def response_of(js: JetStreamContext, result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` with a response kept in the object store put back in place (checked
+    against its sha256)."""
+    pointer = result.get("response_object")
+    if not isinstance(pointer, dict):
+        return result
+    objects = await js.object_store(str(pointer["bucket"]))
+    body = (await objects.get(str(pointer["name"]))).data or b""
+    if hashlib.sha256(body).hexdigest() != pointer.get("sha256"):
+        raise ValueError(f"the response of {pointer['name']} in the object store does not match")
+    return {
+        **{k: v for k, v in result.items() if k != "response_object"},
+        "response": json.loads(body),
+    }
+
+
+def algorithm_object(key: str) -> str:
+    return f"algorithms/{key}"
+
+
+async def publish_algorithms(
+    js: JetStreamContext, settings: NatsSettings, configs: list[dict[str, Any]]
+) -> None:
+    """Each algorithm's Antenna ``AlgorithmConfigResponse`` (its full class list), written once
+    per start to the object store as ``algorithms/<key>``: classifications with a long class
+    list omit ``labels`` and point here through their algorithm key."""
+    objects = await js.object_store(settings.result_objects)
+    for config in configs:
+        await objects.put(algorithm_object(str(config["key"])), _encoded(config))
+
+
+async def algorithm_config(
+    js: JetStreamContext, settings: NatsSettings, key: str
+) -> dict[str, Any]:
+    """An algorithm's published config (its class list in ``category_map.labels``)."""
+    objects = await js.object_store(settings.result_objects)
+    config: dict[str, Any] = json.loads((await objects.get(algorithm_object(key))).data or b"{}")
+    return config

@@ -25,6 +25,8 @@ URI_SCHEMES = ("s3://", "http://", "https://", "file://")
 MAX_ID_BYTES = 256  # task id and job id, UTF-8; longer ids are dead-lettered
 MAX_IMAGE_ID_BYTES = 1024
 MAX_URL_CHARS = 8192
+MAX_REPLY_SUBJECT_CHARS = 1024
+_REPLY_SUBJECT = re.compile(r"[!-~]{1,1024}")  # printable ASCII, no spaces: one NATS subject
 
 
 def subject_token(value: str) -> str:
@@ -39,6 +41,28 @@ def subject_token(value: str) -> str:
     return _ENCODED_PREFIX + encoded
 
 
+def token_value(token: str) -> str | None:
+    """The value ``subject_token`` made ``token`` from; None when no value makes it."""
+    if not _TOKEN.fullmatch(token):
+        return None
+    if not token.startswith(_ENCODED_PREFIX):
+        return token
+    body = token[len(_ENCODED_PREFIX) :]
+    try:
+        value = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return value if subject_token(value) == token else None
+
+
+def subject_job(subject: str) -> str | None:
+    """The job a task's subject names (``tasks.<pipeline>.<job token>``), if it names one."""
+    parts = subject.split(".")
+    if len(parts) != 3 or parts[0] != "tasks":
+        return None
+    return token_value(parts[2])
+
+
 @dataclass(frozen=True)
 class Task:
     id: str
@@ -46,22 +70,27 @@ class Task:
     image_id: str
     image_url: str
     config: dict[str, Any] = field(default_factory=dict)
+    reply_subject: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        payload = {
             "id": self.id,
             "job_id": self.job_id,
             "image_id": self.image_id,
             "image_url": self.image_url,
             "config": self.config,
         }
+        if self.reply_subject is not None:
+            payload["reply_subject"] = self.reply_subject
+        return payload
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """What became of a task's work: predictions, or the failure that stopped it."""
+    """What became of a task's work: its detections (Antenna's shape, ``source_image_id`` still
+    to add), or the failure that stopped it."""
 
-    predictions: list[dict[str, Any]] | None = None
+    detections: list[dict[str, Any]] | None = None
     failure: Failure | None = None
     timings_s: dict[str, float] = field(default_factory=dict)
 
@@ -100,23 +129,36 @@ def _decode_json(data: bytes) -> Any:
         raise Undeliverable(f"not JSON: {shorten(str(error), 200)}") from None
 
 
-def parse_task(data: bytes) -> Task:
-    """The task in ``data``; Undeliverable when it cannot name its job and task, InvalidTask
-    when it can but cannot be run. Never raises anything else, whatever ``data`` holds."""
+def parse_task(data: bytes, subject: str = "") -> Task:
+    """The task in ``data``, published on ``subject``; Undeliverable when it cannot name its job
+    and task, InvalidTask when it can but cannot be run. Never raises anything else, whatever
+    ``data`` holds.
+
+    The job is the subject's (``tasks.<pipeline>.<job>``, Antenna's tasks carry no ``job_id``)
+    or, on ``tasks.<pipeline>``, the task's ``job_id``. A task whose ``job_id`` differs from its
+    subject's job gets an error result under the subject's job, where ``results --job`` looks.
+    """
     payload = _decode_json(data)
     if not isinstance(payload, dict):
         raise Undeliverable(f"expected a JSON object, got {type(payload).__name__}")
     task_id, why_task = _id_text(payload.get("id"), MAX_ID_BYTES)
-    job_id, why_job = _id_text(payload.get("job_id"), MAX_ID_BYTES)
     if task_id is None:
         raise Undeliverable(f"'id' is unusable: {why_task}")
-    if job_id is None:
-        raise Undeliverable(f"'job_id' is unusable: {why_job}")
+    in_subject = subject_job(subject)
+    if in_subject is not None and _id_text(in_subject, MAX_ID_BYTES)[0] is not None:
+        job_id = in_subject
+    else:
+        job_text, why_job = _id_text(payload.get("job_id"), MAX_ID_BYTES)
+        if job_text is None:
+            raise Undeliverable(f"'job_id' is unusable and the subject names no job: {why_job}")
+        job_id = job_text
     image_id, why_image = _id_text(payload.get("image_id"), MAX_IMAGE_ID_BYTES)
 
     def invalid(reason: str) -> InvalidTask:
         return InvalidTask(reason, task_id=task_id, job_id=job_id, image_id=image_id or "")
 
+    if "job_id" in payload and _id_text(payload["job_id"], MAX_ID_BYTES)[0] != job_id:
+        raise invalid("'job_id' differs from the job named by the task's subject")
     if image_id is None:
         raise invalid(f"'image_id' is unusable: {why_image}")
     url = payload.get("image_url")
@@ -135,33 +177,50 @@ def parse_task(data: bytes) -> Task:
     config = payload.get("config") or {}
     if not isinstance(config, dict):
         raise invalid("'config' must be a JSON object when given")
-    return Task(task_id, job_id, image_id, url, config)
+    reply = payload.get("reply_subject")
+    if reply is not None and not (isinstance(reply, str) and _REPLY_SUBJECT.fullmatch(reply)):
+        raise invalid(
+            f"'reply_subject' must be one NATS subject of at most {MAX_REPLY_SUBJECT_CHARS} "
+            "printable characters when given"
+        )
+    return Task(task_id, job_id, image_id, url, config, reply)
 
 
 def make_result(
     *,
-    task_id: str,
-    job_id: str,
-    image_id: str,
+    task: Task,
     pipeline: str,
-    status: str,
-    predictions: list[dict[str, Any]] | None,
+    detections: list[dict[str, Any]] | None,
     error: dict[str, Any] | None,
-    model: dict[str, str],
+    model: dict[str, Any],
     timings_s: dict[str, float],
     worker: dict[str, Any],
     attempt: int,
 ) -> dict[str, Any]:
+    """The stored result; an ``ok`` one carries Antenna's ``PipelineResultsResponse`` for its
+    image in ``response`` (source URL without credentials or query)."""
+    response = None
+    if error is None:
+        response = {
+            "pipeline": pipeline,
+            "total_time": round(sum(timings_s.values()), 6),
+            "source_images": [{"id": task.image_id, "url": redact_url(task.image_url)}],
+            "detections": [
+                {"source_image_id": task.image_id, **detection} for detection in detections or []
+            ],
+            "errors": None,
+        }
     return {
-        "task_id": task_id,
-        "job_id": job_id,
-        "image_id": image_id,
+        "task_id": task.id,
+        "job_id": task.job_id,
+        "image_id": task.image_id,
         "pipeline": pipeline,
-        "status": status,
-        "predictions": predictions or [],
+        "status": "error" if error else "ok",
+        "response": response,
         "error": error,
         "model": model,
         "timings_s": {k: round(v, 6) for k, v in timings_s.items()},
         "worker": worker,
         "attempt": attempt,
+        "reply_subject": task.reply_subject,
     }

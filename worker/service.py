@@ -52,13 +52,14 @@ class Services:
     guard: Callable[[], str | None] | None = None  # why the process must be replaced, or None
     helpers: tuple[tuple[str, Helper], ...] = ()  # run alongside; one that fails ends us
     closed: asyncio.Event | None = None  # set when the transport closed for good
+    image_bytes: int = 3 * 224 * 224  # the most host bytes one loaded image can take
 
 
 class Worker:
     def __init__(self, settings: Settings, services: Services, *, until_idle: bool = False):
         self.settings = settings
         self.s = services
-        self.book = HeldTasks(max_held_tasks(settings), services.liveness)
+        self.book = HeldTasks(max_held_tasks(settings, services.image_bytes), services.liveness)
         self.admission = Admission(services.settler, services.store, self.book)
         observer = BatchObserver(
             services.metrics,
@@ -136,7 +137,7 @@ class Worker:
     async def _settle_one(self, held: Held, verdict: Verdict) -> None:
         total_s = time.monotonic() - held.fetched_at
         timings_s = {**verdict.timings_s, "total_s": total_s}
-        timed = Verdict(verdict.predictions, verdict.failure, timings_s)
+        timed = Verdict(verdict.detections, verdict.failure, timings_s)
         try:
             await self.s.settler.settle(held.task, held.msg, held.delivered, timed)
         except Exception:  # the per-task boundary: logged; its ack wait brings it back

@@ -45,7 +45,7 @@ class Settler:
     store: ResultStore
     settings: NatsSettings
     pipeline: str
-    model: dict[str, str]
+    model: dict[str, Any]
     max_deliver: int
     count: Callable[[str], None] = lambda _outcome: None
     worker_id: dict[str, Any] = field(
@@ -131,12 +131,9 @@ class Settler:
     def result(self, task: Task, delivered: int, verdict: Verdict) -> dict[str, Any]:
         error = verdict.failure.as_dict() if verdict.failure is not None else None
         return make_result(
-            task_id=task.id,
-            job_id=task.job_id,
-            image_id=task.image_id,
+            task=task,
             pipeline=self.pipeline,
-            status="error" if error else "ok",
-            predictions=verdict.predictions,
+            detections=verdict.detections,
             error=error,
             model=self.model,
             timings_s=verdict.timings_s,

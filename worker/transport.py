@@ -27,6 +27,11 @@ def tasks_subject(pipeline: str) -> str:
     return f"tasks.{pipeline}"
 
 
+def job_tasks_subject(pipeline: str, job_token: str) -> str:
+    """Where a job's tasks go: the job in the subject, so a job's tasks can be read alone."""
+    return f"tasks.{pipeline}.{job_token}"
+
+
 class ConnectionState:
     """What the NATS client's callbacks said last; read by /healthz and the orchestrator.
 
@@ -156,7 +161,8 @@ def consumer_config(settings: NatsSettings, pipeline: str) -> api.ConsumerConfig
     return api.ConsumerConfig(
         name=settings.consumer,
         durable_name=settings.consumer,
-        filter_subject=tasks_subject(pipeline),
+        # Tasks with the job in the payload, and tasks with the job in the subject (Antenna's).
+        filter_subjects=[tasks_subject(pipeline), job_tasks_subject(pipeline, "*")],
         ack_policy=api.AckPolicy.EXPLICIT,
         deliver_policy=api.DeliverPolicy.ALL,
         ack_wait=settings.ack_wait_s,
@@ -213,10 +219,25 @@ async def provision(js: JetStreamContext, settings: NatsSettings, pipeline: str)
         else:
             await js.update_stream(config)
             done.append(f"updated stream {config.name}")
+    try:
+        await js.object_store(settings.result_objects)
+    except NotFoundError:
+        await js.create_object_store(
+            settings.result_objects,
+            config=api.ObjectStoreConfig(
+                ttl=settings.results_max_age_s,
+                storage=api.StorageType.FILE,
+                replicas=settings.replicas,
+            ),
+        )
+        done.append(f"created object store {settings.result_objects}")
     # pull_subscribe ignores the config of an existing durable; add_consumer with a name
     # creates it or updates it in place.
     await js.add_consumer(settings.tasks_stream, consumer_config(settings, pipeline))
-    done.append(f"created or updated consumer {settings.consumer} on {tasks_subject(pipeline)}")
+    done.append(
+        f"created or updated consumer {settings.consumer} on {tasks_subject(pipeline)} and "
+        f"{job_tasks_subject(pipeline, '*')}"
+    )
     watcher = advisory_consumer_config(settings)
     await js.add_consumer(settings.advisory_stream, watcher)
     done.append(f"created or updated consumer {watcher.name} on max-deliveries advisories")

@@ -13,15 +13,12 @@ from worker.localservers import S3Server
 
 
 async def main(names: list[str]) -> int:
-    from worker.model import save_classifier
-    from worker.pipelines import get_pipeline
+    from pipelines.models import save_classifier
 
     root = Path(tempfile.mkdtemp(prefix="iw-chaos-"))
     s3 = S3Server().start()
     os.environ.update(s3.credentials_env())
-    weights = save_classifier(
-        get_pipeline("mobilenet-v3-small-classifier"), ["a", "b", "c"], str(root / "model")
-    )
+    weights = save_classifier("mobilenet_v3_small", ["a", "b", "c"], str(root / "model"))
     rows, leftovers = [], []
     try:
         for scenario in scenarios(root):

@@ -36,9 +36,18 @@ async def test_a_job_of_n_images_gives_n_ok_results_and_leaves_nothing_pending(
 
     assert sorted(r["task_id"] for r in results) == sorted(t.id for t in tasks)
     assert {r["status"] for r in results} == {"ok"}
+    uris_by_id = {t.image_id: t.image_url for t in tasks}
     first = results[0]
-    assert len(first["predictions"]) == 3
-    assert first["predictions"][0]["score"] >= first["predictions"][1]["score"]
+    (detection,) = first["response"]["detections"]  # a classifier alone: the whole image
+    assert detection["bbox"] is None and detection["source_image_id"] == first["image_id"]
+    (classification,) = detection["classifications"]
+    assert len(classification["scores"]) == len(classification["labels"]) == 3
+    assert abs(sum(classification["scores"]) - 1.0) < 1e-4
+    best = max(range(3), key=lambda i: classification["scores"][i])
+    assert classification["classification"] == classification["labels"][best]
+    assert first["response"]["source_images"] == [
+        {"id": first["image_id"], "url": uris_by_id[first["image_id"]]}
+    ]
     assert first["model"]["name"] == settings.model.pipeline
     assert len(first["model"]["weights_sha256"]) == 64
     assert first["attempt"] == 1 and first["worker"]["pid"] > 0
@@ -261,5 +270,10 @@ async def test_weights_load_from_s3_and_their_sha256_is_in_every_result(
     expected = hashlib.sha256(Path(model_path).read_bytes()).hexdigest()
     assert {r["model"]["weights_sha256"] for r in results} == {expected}
     labels = set(Path(model_path).parent.joinpath("labels.txt").read_text().split())
-    assert {p["label"] for r in results for p in r["predictions"]} <= labels
+    assert {
+        c["classification"]
+        for r in results
+        for d in r["response"]["detections"]
+        for c in d["classifications"]
+    } <= labels
     assert json.dumps(results)  # results are plain JSON

@@ -40,8 +40,8 @@ class FlakyLoader:
 
 
 class Echo:
-    def predict(self, images):
-        return [[{"label": "x", "score": 1.0}] for _ in range(len(images))]
+    def run(self, images):
+        return [[{"bbox": None, "classifications": []}] for _ in range(len(images))]
 
 
 def submit(engine, keys):

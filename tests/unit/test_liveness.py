@@ -78,10 +78,10 @@ async def test_a_result_the_store_did_not_confirm_is_retried_in_process_before_a
     settings = NatsSettings(store_retry_s=2.0)
     store, msg = FlakyStore(failures=3), Msg()
     settler = Settler(None, store, settings, "p", {"name": "p"}, max_deliver=2)  # type: ignore[arg-type]
-    assert await settler.settle(task, msg, 1, Verdict(predictions=[])) == "ok"
+    assert await settler.settle(task, msg, 1, Verdict(detections=[])) == "ok"
     assert msg.calls == ["ack"] and len(store.stored) == 1
 
     down, msg = FlakyStore(failures=1000), Msg()
     settler = Settler(None, down, NatsSettings(store_retry_s=0.5), "p", {"name": "p"}, 2)  # type: ignore[arg-type]
-    assert await settler.settle(task, msg, 1, Verdict(predictions=[])) == "retried"
+    assert await settler.settle(task, msg, 1, Verdict(detections=[])) == "retried"
     assert msg.calls == ["nak"] and down.stored == []

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from config.errors import LoaderFailure
+from datasets.images import DecodePlan
 from datasets.loader import LoaderConfig, LoadRequest, RequestStream, StreamingLoader
 from datasets.sources import SourceConfig
 from datasets.synthetic import image_bytes
@@ -34,7 +35,9 @@ def images(tmp_path):
 @pytest.fixture
 def loader():
     loader = StreamingLoader(
-        LoaderConfig(num_workers=2, timeout_s=2.0, image_size=64, sources=FILES)
+        LoaderConfig(
+            num_workers=2, timeout_s=2.0, plan=DecodePlan(size=64, fast=True), sources=FILES
+        )
     )
     loader.start()
     yield loader
@@ -82,7 +85,9 @@ def test_loaded_images_held_by_the_worker_take_no_shared_memory(tmp_path):
     path = tmp_path / "big.jpg"
     path.write_bytes(image_bytes(1024, 768, seed=3))
     loader = StreamingLoader(
-        LoaderConfig(num_workers=2, timeout_s=5.0, image_size=512, sources=FILES)
+        LoaderConfig(
+            num_workers=2, timeout_s=5.0, plan=DecodePlan(size=512, fast=True), sources=FILES
+        )
     )
     loader.start()
     try:
@@ -93,7 +98,8 @@ def test_loaded_images_held_by_the_worker_take_no_shared_memory(tmp_path):
         loader.close()
 
     assert all(
-        item.image is not None and item.image.shape == (3, 512, 512) for item in held.values()
+        item.image is not None and item.image.pixels.shape == (3, 512, 512)
+        for item in held.values()
     )
     assert during - before < 512 * 512 * 3, "no loaded image is mapped from /dev/shm"
 
@@ -137,7 +143,9 @@ def test_restarts_leak_no_descriptors_and_no_children(loader, images):
 
 def test_close_reaps_every_child(images):
     loader = StreamingLoader(
-        LoaderConfig(num_workers=2, timeout_s=2.0, image_size=64, sources=FILES)
+        LoaderConfig(
+            num_workers=2, timeout_s=2.0, plan=DecodePlan(size=64, fast=True), sources=FILES
+        )
     )
     loader.start()
     load_all(loader, images[:2])
@@ -148,9 +156,11 @@ def test_close_reaps_every_child(images):
 
 KILLED_WITH_ITS_GROUP = """
 import os, signal, sys
+from datasets.images import DecodePlan
 from datasets.loader import LoaderConfig, StreamingLoader
 if __name__ == "__main__":
-    loader = StreamingLoader(LoaderConfig(num_workers=2, timeout_s=10, image_size=64))
+    plan = DecodePlan(size=64, fast=True)
+    loader = StreamingLoader(LoaderConfig(num_workers=2, timeout_s=10, plan=plan))
     loader.start()
     loader.restart()
     print("started", flush=True)
@@ -196,9 +206,11 @@ def test_a_running_loader_keeps_no_semaphore_names(loader, images):
 
 OWNER_DIES_ALONE = """
 import os, sys
+from datasets.images import DecodePlan
 from datasets.loader import LoaderConfig, StreamingLoader
 if __name__ == "__main__":
-    loader = StreamingLoader(LoaderConfig(num_workers=2, timeout_s=10, image_size=64))
+    plan = DecodePlan(size=64, fast=True)
+    loader = StreamingLoader(LoaderConfig(num_workers=2, timeout_s=10, plan=plan))
     loader.start()
     print(*loader.child_pids(), flush=True)
     os._exit(1)  # as the watchdog does: no finalisers, children not reaped
@@ -239,7 +251,9 @@ def test_with_every_process_under_it_stopped_the_loader_replaces_them_all(images
     from datasets import processes
 
     loader = StreamingLoader(
-        LoaderConfig(num_workers=2, timeout_s=2.0, image_size=64, sources=FILES)
+        LoaderConfig(
+            num_workers=2, timeout_s=2.0, plan=DecodePlan(size=64, fast=True), sources=FILES
+        )
     )
     loader.start()
     try:
@@ -279,9 +293,11 @@ def test_with_every_process_under_it_stopped_the_loader_replaces_them_all(images
 
 CLOSES_AND_EXITS = """
 from datasets import processes
+from datasets.images import DecodePlan
 from datasets.loader import LoaderConfig, StreamingLoader
 if __name__ == "__main__":
-    loader = StreamingLoader(LoaderConfig(num_workers=2, timeout_s=10, image_size=64))
+    plan = DecodePlan(size=64, fast=True)
+    loader = StreamingLoader(LoaderConfig(num_workers=2, timeout_s=10, plan=plan))
     loader.start()
     print(*loader.child_pids(), processes.forkserver_pid(), flush=True)
     loader.close()
@@ -304,7 +320,11 @@ def test_when_a_closed_loaders_process_exits_its_children_and_fork_server_are_al
 def test_every_start_method_serves_recovers_and_leaves_no_child(mp_context, images):
     loader = StreamingLoader(
         LoaderConfig(
-            num_workers=2, timeout_s=30.0, image_size=64, sources=FILES, mp_context=mp_context
+            num_workers=2,
+            timeout_s=30.0,
+            plan=DecodePlan(size=64, fast=True),
+            sources=FILES,
+            mp_context=mp_context,
         )
     )
     loader.start()
@@ -333,7 +353,10 @@ class DiesOnArrival(RequestStream):
 
 def test_children_that_exit_as_they_start_make_the_start_fail_and_leave_nothing():
     loader = StreamingLoader(
-        LoaderConfig(num_workers=2, timeout_s=20.0, image_size=64, sources=FILES), DiesOnArrival
+        LoaderConfig(
+            num_workers=2, timeout_s=20.0, plan=DecodePlan(size=64, fast=True), sources=FILES
+        ),
+        DiesOnArrival,
     )
     try:
         with pytest.raises(LoaderFailure, match="exited as it started"):

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from datasets.sources import SourceConfig
-from worker.model import Classifier, fold_batch_norms, save_classifier
-from worker.pipelines import get_pipeline
+from pipelines.architectures import build_classifier
+from pipelines.declare import Classifier
+from pipelines.models import ClassifierModel, fold_batch_norms, save_classifier
 
 _MEAN = torch.tensor((0.485, 0.456, 0.406)).view(1, 3, 1, 1) * 255.0
 _STD = torch.tensor((0.229, 0.224, 0.225)).view(1, 3, 1, 1) * 255.0
@@ -29,9 +30,9 @@ def _with_trained_looking_norms(model: nn.Module, seed: int = 0) -> nn.Module:
     return model.eval()
 
 
-@pytest.mark.parametrize("pipeline", ["mobilenet-v3-small-classifier", "resnet18-classifier"])
-def test_folding_batch_norms_keeps_the_outputs(pipeline):
-    model = _with_trained_looking_norms(get_pipeline(pipeline).build(10))
+@pytest.mark.parametrize("architecture", ["mobilenet_v3_small", "resnet18"])
+def test_folding_batch_norms_keeps_the_outputs(architecture):
+    model = _with_trained_looking_norms(build_classifier(architecture, 10))
     folded = fold_batch_norms(copy.deepcopy(model))
     images = torch.rand(4, 3, 224, 224, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
@@ -40,29 +41,24 @@ def test_folding_batch_norms_keeps_the_outputs(pipeline):
 
 
 def test_every_batch_norm_after_a_convolution_is_folded_in_mobilenet():
-    model = _with_trained_looking_norms(get_pipeline("mobilenet-v3-small-classifier").build(10))
+    model = _with_trained_looking_norms(build_classifier("mobilenet_v3_small", 10))
     before = sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
     folded = fold_batch_norms(model)
     assert before > 0
     assert not any(isinstance(m, nn.BatchNorm2d) for m in folded.modules())
 
 
-def test_the_classifier_predicts_what_the_saved_model_predicts(tmp_path):
-    spec = get_pipeline("mobilenet-v3-small-classifier")
+def test_the_classifier_gives_the_logits_of_the_saved_model(tmp_path):
     labels = [f"c{i}" for i in range(10)]
-    weights = save_classifier(spec, labels, str(tmp_path))
-    reference = _with_trained_looking_norms(spec.build(len(labels)))
+    weights = save_classifier("mobilenet_v3_small", labels, str(tmp_path))
+    reference = _with_trained_looking_norms(build_classifier("mobilenet_v3_small", len(labels)))
     torch.save(reference.state_dict(), weights)  # trained-looking weights on disk
-    classifier = Classifier(spec, weights, SourceConfig(), "cpu", 3)
+    stage = Classifier("species", architecture="mobilenet_v3_small", weights=weights)
+    classifier = ClassifierModel(stage, SourceConfig(), torch.device("cpu"))
 
     images = torch.randint(0, 256, (5, 3, 224, 224), dtype=torch.uint8)
     with torch.inference_mode():
-        probs = torch.softmax(reference((images.float() - _MEAN) / _STD), dim=1)
-    scores, indices = probs.topk(3, dim=1)
+        expected = reference((images.float() - _MEAN) / _STD)
 
-    predictions = classifier.predict(images)
-    assert [[p["label"] for p in row] for row in predictions] == [
-        [labels[i] for i in row] for row in indices.tolist()
-    ]
-    got = torch.tensor([[p["score"] for p in row] for row in predictions])
-    assert torch.allclose(got, scores, atol=1e-4)
+    assert classifier.algorithm.labels == tuple(labels)
+    assert torch.allclose(classifier.logits(images), expected, atol=1e-3, rtol=1e-3)

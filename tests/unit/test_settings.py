@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from config.settings import KNOWN_PIPELINES, PIPELINE_INPUT_SIZES, ConfigError, load_settings
+from config.settings import ConfigError, load_settings
+from pipelines.setup import choose
 
 
 @pytest.fixture
@@ -52,7 +53,6 @@ def test_defaults_match_the_spec(monkeypatch, weights):
         ),
         ({"loader": {"batch_size": 0}}, ["WORKER_LOADER__BATCH_SIZE"]),
         ({"loader": {"num_workers": -1}}, ["WORKER_LOADER__NUM_WORKERS"]),
-        ({"model": {"pipeline": "no-such-pipeline"}}, ["WORKER_MODEL__PIPELINE"]),
         ({"model": {"device": "tpu"}}, ["WORKER_MODEL__DEVICE"]),
         ({"s3": {"read_timeout_s": 50}}, ["WORKER_S3__READ_TIMEOUT_S", "WORKER_LOADER__TIMEOUT_S"]),
     ],
@@ -69,8 +69,13 @@ def test_missing_weights_are_refused_for_a_worker_but_not_for_a_client():
     with pytest.raises(ConfigError, match=r"WORKER_MODEL__WEIGHTS.*no such file"):
         load_settings(model={"weights": "/nonexistent/model.pt"})
     with pytest.raises(ConfigError, match="WORKER_MODEL__WEIGHTS is not set"):
-        load_settings()
+        choose(load_settings())
     assert load_settings(for_worker=False).model.weights == ""
+
+
+def test_an_unknown_pipeline_is_refused_naming_the_setting(weights):
+    with pytest.raises(ConfigError, match="WORKER_MODEL__PIPELINE='no-such-pipeline'"):
+        choose(load_settings(model={"weights": weights, "pipeline": "no-such-pipeline"}))
 
 
 def test_every_problem_is_its_own_line(weights):
@@ -79,28 +84,23 @@ def test_every_problem_is_its_own_line(weights):
     assert len(str(refused.value).splitlines()) == 2
 
 
-def test_the_registry_serves_every_pipeline_settings_accept():
-    from worker.pipelines import PIPELINES
-
-    assert set(PIPELINES) == set(KNOWN_PIPELINES)
-    assert {name: spec.input_size for name, spec in PIPELINES.items()} == PIPELINE_INPUT_SIZES
-
-
 def test_the_inflight_byte_cap_bounds_the_tasks_held(weights):
     from config.settings import max_held_tasks
 
     per_image = 3 * 224 * 224
     s = load_settings(model={"weights": weights}, loader={"batch_size": 8, "prefetch_batches": 4})
-    assert max_held_tasks(s) == 32
+    assert max_held_tasks(s, per_image) == 32
     capped = load_settings(
         model={"weights": weights},
         loader={"batch_size": 8, "prefetch_batches": 4, "max_inflight_bytes": 12 * per_image},
     )
-    assert max_held_tasks(capped) == 12
+    assert max_held_tasks(capped, per_image) == 12
     with pytest.raises(ConfigError, match="MAX_INFLIGHT_BYTES"):
-        load_settings(
-            model={"weights": weights},
-            loader={"batch_size": 8, "max_inflight_bytes": 7 * per_image},
+        choose(
+            load_settings(
+                model={"weights": weights},
+                loader={"batch_size": 8, "max_inflight_bytes": 7 * per_image},
+            )
         )
 
 

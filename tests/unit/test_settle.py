@@ -16,7 +16,7 @@ def settler(store: FakeStore, js: FakeJetStream, max_deliver: int = 2) -> Settle
 
 
 TASK = Task("t", "j", "i", "s3://b/k")
-BIG = Verdict(predictions=[{"label": "x" * 5000, "score": 1.0}])
+BIG = Verdict(detections=[{"bbox": None, "note": "x" * 5000}])
 
 
 async def test_a_result_too_large_to_store_becomes_a_small_error_result_once():

@@ -1,0 +1,39 @@
+"""Built-in torchvision architectures by name. Never downloads weights: every ``weights`` and
+``weights_backbone`` argument is None, and the stage loads its own ``state_dict``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from config.errors import ConfigError
+
+CLASSIFIERS = ("resnet18", "resnet50", "mobilenet_v3_small", "mobilenet_v3_large", "convnext_tiny")
+DETECTORS = ("fasterrcnn_resnet50_fpn", "fasterrcnn_mobilenet_v3_large_fpn")
+BUILT_IN = CLASSIFIERS + DETECTORS
+
+
+def build_classifier(architecture: str, num_classes: int) -> nn.Module:
+    from torchvision import models
+
+    if architecture not in CLASSIFIERS:
+        raise ConfigError(
+            f"unknown classifier architecture {architecture!r}; built in: {', '.join(CLASSIFIERS)}"
+        )
+    builder: Callable[..., nn.Module] = getattr(models, architecture)
+    return builder(weights=None, num_classes=num_classes)
+
+
+def build_detector(architecture: str, num_classes: int, **options: Any) -> nn.Module:
+    """A torchvision detector; ``options`` (min_size, max_size, box_score_thresh,
+    box_detections_per_img) go to its constructor."""
+    from torchvision.models import detection
+
+    if architecture not in DETECTORS:
+        raise ConfigError(
+            f"unknown detector architecture {architecture!r}; built in: {', '.join(DETECTORS)}"
+        )
+    builder: Callable[..., nn.Module] = getattr(detection, architecture)
+    return builder(weights=None, weights_backbone=None, num_classes=num_classes, **options)

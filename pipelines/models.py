@@ -1,0 +1,250 @@
+"""A declared stage made real: weights read once (path or s3://), the model built and
+prepared for inference on a device. Takes tensors, returns tensors."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils.fusion import fuse_conv_bn_eval
+
+from config.errors import ConfigError, PermanentError
+from datasets.sources import SourceConfig, read_trusted
+from pipelines import architectures
+from pipelines.declare import Classifier, Detector
+
+LABELS_FILE = "labels.txt"
+NO_WEIGHTS = "none"
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One stage as results name it: Antenna's ``AlgorithmReference`` plus what identifies
+    its weights and classes."""
+
+    key: str
+    name: str
+    task_type: str
+    weights_sha256: str
+    labels: tuple[str, ...]
+
+    def reference(self) -> dict[str, str]:
+        return {"name": self.name, "key": self.key}
+
+    def config(self) -> dict[str, Any]:
+        """Antenna's ``AlgorithmConfigResponse``, category map included (published once)."""
+        return {
+            "name": self.name,
+            "key": self.key,
+            "task_type": self.task_type,
+            "version_name": self.weights_sha256[:12],
+            "category_map": {
+                "labels": list(self.labels),
+                "data": [{"label": label, "index": i} for i, label in enumerate(self.labels)],
+            },
+        }
+
+
+def as_uri(weights: str) -> str:
+    if "://" in weights:
+        return weights
+    return "file://" + os.path.abspath(weights)
+
+
+def labels_uri(weights: str) -> str:
+    """labels.txt in the same directory or prefix as the weights."""
+    head, _, _ = as_uri(weights).rpartition("/")
+    return f"{head}/{LABELS_FILE}"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise PermanentError(f"WORKER_MODEL__DEVICE={device} but CUDA is not available")
+    return resolved
+
+
+def _labels(stage: Classifier | Detector, sources: SourceConfig) -> tuple[str, ...]:
+    if isinstance(stage.labels, tuple):
+        labels = stage.labels
+    else:
+        uri = stage.labels if stage.labels else labels_uri(stage.weights or "")
+        text = read_trusted(as_uri(uri), sources).decode("utf-8")
+        labels = tuple(line.strip() for line in text.splitlines() if line.strip())
+    if not labels:
+        raise ConfigError(f"stage {stage.key!r} has no labels")
+    return labels
+
+
+def _load(
+    stage: Classifier | Detector, num_classes: int, sources: SourceConfig, **options: Any
+) -> tuple[nn.Module, str, bool]:
+    """(model, weights sha256, whether it is an exported program)."""
+    if stage.weights is None:
+        assert callable(stage.architecture)  # declare.problems() rules out the rest
+        return stage.architecture(num_classes), NO_WEIGHTS, False
+    blob = read_trusted(as_uri(stage.weights), sources)
+    sha256 = hashlib.sha256(blob).hexdigest()
+    if stage.architecture == "exported":
+        program = torch.export.load(io.BytesIO(blob))
+        return program.module(), sha256, True
+    if callable(stage.architecture):
+        model = stage.architecture(num_classes)
+    elif isinstance(stage, Detector):
+        model = architectures.build_detector(stage.architecture, num_classes, **options)
+    else:
+        model = architectures.build_classifier(stage.architecture, num_classes)
+    state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as error:
+        raise PermanentError(
+            f"weights {stage.weights} do not fit stage {stage.key!r} "
+            f"({stage.architecture}, {num_classes} classes): {str(error).splitlines()[0]}"
+        ) from None
+    return model, sha256, False
+
+
+class ClassifierModel:
+    """Logits for a batch of square uint8 images, normalised as the model was trained."""
+
+    def __init__(self, stage: Classifier, sources: SourceConfig, device: torch.device) -> None:
+        self.stage = stage
+        self.device = device
+        labels = _labels(stage, sources)
+        model, sha256, exported = _load(stage, len(labels), sources)
+        self.model = model.to(device) if exported else prepare_for_inference(model, device)
+        self.algorithm = Algorithm(
+            stage.key, stage.name or stage.key, "classification", sha256, labels
+        )
+        pre = stage.preprocess
+        mean = torch.tensor(pre.mean, device=device).view(1, 3, 1, 1) * 255.0
+        std = torch.tensor(pre.std, device=device).view(1, 3, 1, 1) * 255.0
+        self._scale, self._shift = 1.0 / std, -mean / std
+
+    def logits(self, images: torch.Tensor) -> torch.Tensor:
+        """``images``: (N, 3, S, S) uint8 on the host. Returns (N, classes) float32 on the host."""
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            images = images.pin_memory()
+        with torch.inference_mode():
+            batch = images.to(self.device, non_blocking=on_gpu)
+            batch = batch.to(dtype=torch.float32, memory_format=torch.channels_last)
+            batch = torch.addcmul(self._shift, batch, self._scale)  # (x - mean) / std, one pass
+            out = self.model(batch)
+            if out.shape != (len(images), len(self.algorithm.labels)):
+                raise PermanentError(
+                    f"classifier {self.stage.key!r} gave logits of shape {tuple(out.shape)} for "
+                    f"{len(images)} images and {len(self.algorithm.labels)} labels"
+                )
+            return out.float().cpu()
+
+
+@dataclass(frozen=True)
+class Boxes:
+    """One image's detections in the pixels of the image the detector saw."""
+
+    boxes: torch.Tensor  # (K, 4) x1 y1 x2 y2, float
+    scores: torch.Tensor  # (K,)
+    labels: torch.Tensor  # (K,) int, 1-based (0 is background)
+
+
+class DetectorModel:
+    def __init__(self, stage: Detector, sources: SourceConfig, device: torch.device) -> None:
+        self.stage = stage
+        self.device = device
+        labels = _labels(stage, sources)
+        options = {
+            "min_size": stage.min_size,
+            "max_size": stage.max_size,
+            "box_score_thresh": stage.score_threshold,
+            "box_detections_per_img": stage.max_detections,
+        }
+        model, sha256, _exported = _load(stage, stage.num_classes, sources, **options)
+        self.model = model.eval().to(device)
+        self.algorithm = Algorithm(stage.key, stage.name or stage.key, "detection", sha256, labels)
+
+    def detect(self, images: list[torch.Tensor]) -> list[Boxes]:
+        """``images``: (3, H, W) uint8 on the host, any sizes. Boxes in those images' pixels,
+        at most ``max_detections`` each, best first, at or over the score threshold."""
+        with torch.inference_mode():
+            batch = [image.to(self.device).float().div_(255.0) for image in images]
+            outputs = self.model(batch)
+        found = []
+        for out in outputs:
+            scores = out["scores"].float().cpu()
+            keep = torch.nonzero(scores >= self.stage.score_threshold).flatten()
+            keep = keep[torch.argsort(scores[keep], descending=True)][: self.stage.max_detections]
+            found.append(
+                Boxes(out["boxes"].float().cpu()[keep], scores[keep], out["labels"].cpu()[keep])
+            )
+        return found
+
+    def label(self, index: int) -> str:
+        labels = self.algorithm.labels
+        return labels[index - 1] if 1 <= index <= len(labels) else str(index)
+
+
+def prepare_for_inference(model: nn.Module, device: torch.device) -> nn.Module:
+    """Eval mode, batch norms folded into their convolutions, channels-last weights on ``device``.
+
+    The same outputs (to float rounding) for less work: on this project's benchmark machine a
+    MobileNetV3-Small forward pass on the CPU took about half the time (BENCHMARKS.md).
+    """
+    model = fold_batch_norms(model.eval())
+    return model.to(device).to(memory_format=torch.channels_last)
+
+
+def fold_batch_norms(module: nn.Module) -> nn.Module:
+    """Fold every BatchNorm2d that directly follows a Conv2d inside a Sequential into that
+    convolution (eval mode only). Pairs held as named attributes (ResNet's conv1/bn1) stay as
+    they are; its downsample branches, which are Sequentials, are folded."""
+    for child in module.children():
+        if isinstance(child, nn.Sequential):
+            for i in range(len(child) - 1):
+                conv, norm = child[i], child[i + 1]
+                if (
+                    isinstance(conv, nn.Conv2d)
+                    and isinstance(norm, nn.BatchNorm2d)
+                    and norm.track_running_stats
+                    and not conv.training
+                    and not norm.training
+                ):
+                    child[i] = fuse_conv_bn_eval(conv, norm)
+                    child[i + 1] = nn.Identity()
+        fold_batch_norms(child)
+    return module
+
+
+def save_classifier(architecture: str, labels: list[str], directory: str, seed: int = 0) -> str:
+    """Write a randomly initialised built-in classifier and its labels.txt (demos and tests).
+    Returns the weights' path."""
+    return _save(architectures.build_classifier, architecture, len(labels), labels, directory, seed)
+
+
+def save_detector(architecture: str, labels: list[str], directory: str, seed: int = 0) -> str:
+    """Write a randomly initialised built-in detector (classes: background + ``labels``)."""
+    return _save(
+        architectures.build_detector, architecture, len(labels) + 1, labels, directory, seed
+    )
+
+
+def _save(
+    build: Any, architecture: str, num_classes: int, labels: list[str], directory: str, seed: int
+) -> str:
+    from pathlib import Path
+
+    torch.manual_seed(seed)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "model.pt"
+    torch.save(build(architecture, num_classes).state_dict(), path)
+    (out / LABELS_FILE).write_text("\n".join(labels) + "\n")
+    return str(path)

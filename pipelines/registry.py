@@ -1,0 +1,153 @@
+"""From ``WORKER_MODEL__PIPELINE`` to a ``Pipeline``: a built-in name, a ``.toml`` file that
+declares one, ``module:attribute``, or a name published by an installed package under the
+entry-point group ``inference_worker.pipelines``. Imports no torch (a plugin may)."""
+
+from __future__ import annotations
+
+import importlib
+import tomllib
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+from config.errors import ConfigError
+from pipelines.declare import Classifier, Detector, Pipeline, Preprocess, problems
+
+ENTRY_POINT_GROUP = "inference_worker.pipelines"
+
+# Single-stage pipelines whose weights are WORKER_MODEL__WEIGHTS (labels.txt beside them).
+_CLASSIFIERS = {
+    "resnet18-classifier": "resnet18",
+    "resnet50-classifier": "resnet50",
+    "mobilenet-v3-small-classifier": "mobilenet_v3_small",
+    "mobilenet-v3-large-classifier": "mobilenet_v3_large",
+    "convnext-tiny-classifier": "convnext_tiny",
+    "exported-classifier": "exported",
+}
+_DETECTORS = {
+    "fasterrcnn-mobilenet-detector": "fasterrcnn_mobilenet_v3_large_fpn",
+    "fasterrcnn-resnet50-detector": "fasterrcnn_resnet50_fpn",
+}
+BUILT_IN = (*_CLASSIFIERS, *_DETECTORS)
+
+
+def resolve(name: str, weights: str = "") -> Pipeline:
+    """The pipeline ``name`` stands for; ConfigError saying why when there is none."""
+    if name in BUILT_IN and not weights:
+        raise ConfigError(
+            f"WORKER_MODEL__WEIGHTS is not set; pipeline {name} needs a state_dict path or an "
+            "s3:// URI (labels.txt beside it)"
+        )
+    if name in _CLASSIFIERS:
+        pipeline = Pipeline(
+            name, classifier=Classifier(name, name, _CLASSIFIERS[name], weights or None)
+        )
+    elif name in _DETECTORS:
+        pipeline = Pipeline(
+            name, detector=Detector(name, name, _DETECTORS[name], weights or None, labels=None)
+        )
+    elif name.endswith(".toml"):
+        pipeline = from_toml(Path(name))
+    elif ":" in name:
+        pipeline = _from_attribute(name)
+    else:
+        pipeline = _from_entry_point(name)
+    found = problems(pipeline)
+    if found:
+        raise ConfigError(f"WORKER_MODEL__PIPELINE={name!r}: " + "; ".join(found))
+    return pipeline
+
+
+def name_of(value: str) -> str:
+    """The pipeline name (the ``tasks.<pipeline>`` token) that ``WORKER_MODEL__PIPELINE=value``
+    stands for; loads no weights."""
+    if value in BUILT_IN:
+        return value
+    if value.endswith(".toml"):
+        return from_toml(Path(value)).name
+    pipeline = _from_attribute(value) if ":" in value else _from_entry_point(value)
+    if not isinstance(pipeline, Pipeline):
+        raise ConfigError(f"WORKER_MODEL__PIPELINE={value!r} is not a Pipeline")
+    return pipeline.name
+
+
+def _called(value: Any) -> Any:
+    return value() if callable(value) and not isinstance(value, Pipeline) else value
+
+
+def _from_attribute(name: str) -> Pipeline:
+    module_name, _, attribute = name.partition(":")
+    try:
+        value: Any = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            value = getattr(value, part)
+    except (ImportError, AttributeError) as error:
+        raise ConfigError(f"WORKER_MODEL__PIPELINE={name!r}: cannot import it: {error}") from None
+    return _called(value)
+
+
+def _from_entry_point(name: str) -> Pipeline:
+    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if not found:
+        installed = sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+        raise ConfigError(
+            f"WORKER_MODEL__PIPELINE={name!r} is not a known pipeline; built in: "
+            f"{', '.join(BUILT_IN)}; installed: {', '.join(installed) or 'none'}; "
+            "or a .toml file, or module:attribute"
+        )
+    try:
+        value = found[0].load()
+    except Exception as error:  # noqa: BLE001 - a broken plugin is a configuration problem
+        raise ConfigError(
+            f"WORKER_MODEL__PIPELINE={name!r}: the entry point {found[0].value} failed to "
+            f"load: {type(error).__name__}: {error}"
+        ) from None
+    return _called(value)
+
+
+def from_toml(path: Path) -> Pipeline:
+    """A pipeline declared in TOML (README, "Pipelines"); relative weight and label paths are
+    relative to the file."""
+    try:
+        table = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"WORKER_MODEL__PIPELINE={str(path)!r}: {error}") from None
+    base = path.resolve().parent
+    try:
+        return Pipeline(
+            name=str(table.get("name", path.stem)),
+            description=str(table.get("description", "")),
+            detector=_stage(Detector, table.get("detector"), base),
+            filter=_stage(Classifier, table.get("filter"), base),
+            classifier=_stage(Classifier, table.get("classifier"), base),
+        )
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"WORKER_MODEL__PIPELINE={str(path)!r}: {error}") from None
+
+
+def _stage(kind: Any, table: Any, base: Path) -> Any:
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        raise TypeError(f"[{kind.__name__.lower()}] must be a table")
+    values = dict(table)
+    for field in ("weights", "labels"):
+        if isinstance(values.get(field), str):
+            values[field] = _beside(values[field], base)
+    if isinstance(values.get("labels"), list):
+        values["labels"] = tuple(str(label) for label in values["labels"])
+    if "keep" in values:
+        values["keep"] = tuple(str(label) for label in values["keep"])
+    if "preprocess" in values:
+        pre = dict(values["preprocess"])
+        for field in ("mean", "std"):
+            if field in pre:
+                pre[field] = tuple(float(v) for v in pre[field])
+        values["preprocess"] = Preprocess(**pre)
+    return kind(**values)
+
+
+def _beside(uri: str, base: Path) -> str:
+    if "://" in uri or Path(uri).is_absolute():
+        return uri
+    return str(base / uri)

@@ -1,0 +1,250 @@
+"""One forward pass of a pipeline over a batch of decoded images, into Antenna-shaped
+detections (``DetectionResponse`` without ``source_image_id``, which the result adds).
+
+Memory: the detector sees ``detector_batch`` images at a time; crops are cut from the decoded
+image and classified ``crop_batch`` at a time, never all at once (README, "Memory").
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from datasets.images import Decoded, DecodePlan, resize_square
+from pipelines.declare import Pipeline
+from pipelines.models import Algorithm, ClassifierModel, DetectorModel
+
+Scores = Literal["all", "top_k"]
+
+
+@dataclass(frozen=True)
+class Output:
+    """How classifications are written."""
+
+    scores: Scores = "all"  # the full softmax vector (Antenna's default), or the top k
+    top_k: int = 5
+    labels_inline_max: int = 100  # longer class lists are published once, not per result
+    detector_batch: int = 4
+    crop_batch: int = 64
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+def _rounded(values: torch.Tensor) -> list[float]:
+    return [float(x) for x in np.round(values.numpy().astype(np.float64), 6)]
+
+
+@dataclass(frozen=True)
+class _Crop:
+    image: int  # index in the batch
+    box: tuple[float, float, float, float]  # decoded pixels
+
+
+class Runner:
+    """The loaded stages of one pipeline. Called on the engine thread only."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        detector: DetectorModel | None,
+        filter: ClassifierModel | None,
+        classifier: ClassifierModel | None,
+        output: Output,
+    ) -> None:
+        self.pipeline = pipeline
+        self.detector = detector
+        self.filter = filter
+        self.classifier = classifier
+        self.output = output
+
+    def algorithms(self) -> list[Algorithm]:
+        return [m.algorithm for m in (self.detector, self.filter, self.classifier) if m]
+
+    def run(self, images: Sequence[Decoded]) -> list[list[dict[str, Any]]]:
+        """Per image, its detections (a classifier alone gives one with ``bbox: None``)."""
+        if self.detector is None:
+            assert self.classifier is not None
+            return self._classify_whole(images, self.classifier)
+        return self._detect_and_classify(images, self.detector)
+
+    def _classify_whole(
+        self, images: Sequence[Decoded], classifier: ClassifierModel
+    ) -> list[list[dict[str, Any]]]:
+        size = classifier.stage.preprocess.size
+        squares = [
+            resize_square(torch.from_numpy(image.pixels), size, classifier.stage.preprocess.resize)
+            for image in images
+        ]
+        started = time.perf_counter()
+        logits = classifier.logits(torch.stack(squares))
+        each_s = (time.perf_counter() - started) / len(images)
+        return [
+            [
+                {
+                    "bbox": None,
+                    "inference_time": round(each_s, 6),
+                    "algorithm": classifier.algorithm.reference(),
+                    "timestamp": _now(),
+                    "crop_image_url": None,
+                    "classifications": [self._classification(classifier, row, each_s, True)],
+                }
+            ]
+            for row in logits
+        ]
+
+    def _detect_and_classify(
+        self, images: Sequence[Decoded], detector: DetectorModel
+    ) -> list[list[dict[str, Any]]]:
+        results: list[list[dict[str, Any]]] = [[] for _ in images]
+        crops: list[_Crop] = []
+        step = self.output.detector_batch
+        for start in range(0, len(images), step):
+            chunk = images[start : start + step]
+            started = time.perf_counter()
+            found = detector.detect([torch.from_numpy(image.pixels) for image in chunk])
+            each_s = (time.perf_counter() - started) / len(chunk)
+            for offset, (image, boxes) in enumerate(zip(chunk, found, strict=True)):
+                index = start + offset
+                sx = image.source_width / image.pixels.shape[2]
+                sy = image.source_height / image.pixels.shape[1]
+                for box in boxes.boxes.tolist():
+                    x1, y1, x2, y2 = (float(v) for v in box)
+                    results[index].append(
+                        {
+                            "bbox": {
+                                "x1": round(x1 * sx, 2),
+                                "y1": round(y1 * sy, 2),
+                                "x2": round(x2 * sx, 2),
+                                "y2": round(y2 * sy, 2),
+                            },
+                            "inference_time": round(each_s, 6),
+                            "algorithm": detector.algorithm.reference(),
+                            "timestamp": _now(),
+                            "crop_image_url": None,
+                            "classifications": [],
+                        }
+                    )
+                    crops.append(_Crop(index, (x1, y1, x2, y2)))
+        self._classify_crops(images, crops, results)
+        return results
+
+    def _classify_crops(
+        self,
+        images: Sequence[Decoded],
+        crops: list[_Crop],
+        results: list[list[dict[str, Any]]],
+    ) -> None:
+        """Filter then classifier over every crop, ``crop_batch`` crops in memory at a time."""
+        position = {id(crop): i for i, crop in enumerate(crops)}
+        owner = self._detections_by_crop(crops, results)
+        passed = crops
+        if self.filter is not None:
+            keep = set(self.filter.stage.keep)
+            terminal_alone = self.classifier is None
+            passed = []
+            for chunk, logits, each_s in self._chunks(images, crops, self.filter):
+                labels = self.filter.algorithm.labels
+                for crop, row in zip(chunk, logits, strict=True):
+                    top = labels[int(row.argmax())]
+                    goes_on = top in keep and not terminal_alone
+                    entry = self._classification(self.filter, row, each_s, not goes_on)
+                    owner[position[id(crop)]]["classifications"].append(entry)
+                    if goes_on:
+                        passed.append(crop)
+        if self.classifier is not None:
+            for chunk, logits, each_s in self._chunks(images, passed, self.classifier):
+                for crop, row in zip(chunk, logits, strict=True):
+                    entry = self._classification(self.classifier, row, each_s, True)
+                    owner[position[id(crop)]]["classifications"].append(entry)
+
+    @staticmethod
+    def _detections_by_crop(
+        crops: list[_Crop], results: list[list[dict[str, Any]]]
+    ) -> list[dict[str, Any]]:
+        flat = [detection for per_image in results for detection in per_image]
+        assert len(flat) == len(crops)
+        return flat
+
+    def _chunks(
+        self, images: Sequence[Decoded], crops: list[_Crop], model: ClassifierModel
+    ) -> Iterator[tuple[list[_Crop], torch.Tensor, float]]:
+        pre = model.stage.preprocess
+        step = self.output.crop_batch
+        for start in range(0, len(crops), step):
+            chunk = crops[start : start + step]
+            batch = torch.stack(
+                [
+                    resize_square(_cut(images[c.image].pixels, c.box), pre.size, pre.resize)
+                    for c in chunk
+                ]
+            )
+            started = time.perf_counter()
+            logits = model.logits(batch)
+            yield chunk, logits, (time.perf_counter() - started) / len(chunk)
+
+    def _classification(
+        self, model: ClassifierModel, logits: torch.Tensor, inference_s: float, terminal: bool
+    ) -> dict[str, Any]:
+        labels = model.algorithm.labels
+        probs = torch.softmax(logits, dim=0)
+        entry: dict[str, Any] = {"classification": labels[int(probs.argmax())]}
+        if self.output.scores == "top_k":
+            k = min(self.output.top_k, len(labels))
+            scores, indices = probs.topk(k)
+            entry["labels"] = [labels[i] for i in indices.tolist()]
+            entry["scores"] = _rounded(scores)
+            entry["logits"] = _rounded(logits[indices])
+        else:
+            if len(labels) <= self.output.labels_inline_max:
+                entry["labels"] = list(labels)
+            entry["scores"] = _rounded(probs)
+            entry["logits"] = _rounded(logits)
+        entry.update(
+            inference_time=round(inference_s, 6),
+            algorithm=model.algorithm.reference(),
+            terminal=terminal,
+            timestamp=_now(),
+        )
+        return entry
+
+
+def _cut(pixels: np.ndarray, box: tuple[float, float, float, float]) -> torch.Tensor:
+    """The box's pixels (at least one), clamped to the image."""
+    _, height, width = pixels.shape
+    x1 = min(max(0, math.floor(box[0])), width - 1)
+    y1 = min(max(0, math.floor(box[1])), height - 1)
+    x2 = max(x1 + 1, min(width, math.ceil(box[2])))
+    y2 = max(y1 + 1, min(height, math.ceil(box[3])))
+    return torch.from_numpy(np.ascontiguousarray(pixels[:, y1:y2, x1:x2]))
+
+
+def load_runner(pipeline: Pipeline, sources: Any, device: str, output: Output) -> Runner:
+    """Every stage of ``pipeline`` loaded on ``device`` (weights read once, here)."""
+    from pipelines.models import resolve_device
+
+    where = resolve_device(device)
+    return Runner(
+        pipeline,
+        DetectorModel(pipeline.detector, sources, where) if pipeline.detector else None,
+        ClassifierModel(pipeline.filter, sources, where) if pipeline.filter else None,
+        ClassifierModel(pipeline.classifier, sources, where) if pipeline.classifier else None,
+        output,
+    )
+
+
+def decode_plan(pipeline: Pipeline, max_side: int, fast: bool) -> DecodePlan:
+    """What the loader children make of each image for this pipeline: the classifier's square
+    input when there is no detector, else the image bounded by ``max_side``."""
+    if pipeline.detector is None and pipeline.classifier is not None:
+        pre = pipeline.classifier.preprocess
+        return DecodePlan(size=pre.size, resize=pre.resize, max_side=max_side, fast=fast)
+    return DecodePlan(size=0, max_side=max_side, fast=fast)

@@ -1,0 +1,246 @@
+"""Pipelines of stages: boxes in source pixels, crops classified by the right stages, results
+in Antenna's shape, declared in TOML, by a plugin, or exported without code."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from config.errors import ConfigError
+from datasets.images import DecodePlan, decode
+from datasets.sources import SourceConfig
+from datasets.synthetic import image_bytes, rectangles_bytes
+from pipelines.declare import Classifier, Detector, Pipeline, Preprocess
+from pipelines.models import save_classifier, save_detector
+from pipelines.registry import name_of, resolve
+from pipelines.runner import Output, decode_plan, load_runner
+from tests.antenna import PipelineResults
+from worker.schemas import Task, make_result
+
+PLUGIN = Path(__file__).parents[1] / "plugin"
+# Three rectangles in columns of their own, on a 1600x1000 source.
+TRUTH = [(100, 100, 300, 400, "red"), (500, 200, 700, 300, "green"), (900, 600, 1200, 900, "blue")]
+
+
+@pytest.fixture
+def toy(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(PLUGIN))
+    import toy_moths
+
+    monkeypatch.setenv("TOY_MOTHS_WEIGHTS", toy_moths.colour_weights(str(tmp_path / "colour.pt")))
+    return toy_moths
+
+
+def _response(detections, image_id="img-1"):
+    task = Task("t1", "j1", image_id, "s3://bucket/img.jpg?X-Amz-Signature=secret")
+    result = make_result(
+        task=task,
+        pipeline="p",
+        detections=detections,
+        error=None,
+        model={},
+        timings_s={"load_s": 0.1, "infer_s": 0.2},
+        worker={},
+        attempt=1,
+    )
+    return PipelineResults.model_validate(result["response"]), result
+
+
+def test_boxes_are_reported_in_source_pixels_when_the_image_is_decoded_smaller(toy):
+    pipeline = resolve("toy_moths:moths")
+    plan = decode_plan(pipeline, max_side=800, fast=False)
+    image = decode(rectangles_bytes(1600, 1000, TRUTH), plan)
+    assert image.pixels.shape == (3, 500, 800)  # decoded at half scale
+    runner = load_runner(pipeline, SourceConfig(), "cpu", Output())
+
+    (detections,) = runner.run([image])
+
+    response, result = _response(detections)
+    boxes = sorted((d.bbox.x1, d.bbox.y1, d.bbox.x2, d.bbox.y2) for d in response.detections)
+    for got, (x1, y1, x2, y2, _colour) in zip(boxes, TRUTH, strict=True):
+        assert got == pytest.approx((x1, y1, x2, y2), abs=4.0)  # two decoded pixels
+    assert response.source_images[0].url == "s3://bucket/img.jpg?<redacted>"  # no signature
+    assert "secret" not in str(result)
+
+
+def test_the_filter_decides_which_crops_go_on_to_the_classifier(toy):
+    pipeline = resolve("toy_moths:moths")
+    runner = load_runner(pipeline, SourceConfig(), "cpu", Output())
+    image = decode(rectangles_bytes(1600, 1000, TRUTH, fmt="PNG"), DecodePlan(max_side=4096))
+
+    (detections,) = runner.run([image])
+
+    by_x = sorted(detections, key=lambda d: d["bbox"]["x1"])
+    chains = [
+        [(c["algorithm"]["key"], c["classification"], c["terminal"]) for c in d["classifications"]]
+        for d in by_x
+    ]
+    assert chains == [
+        [("colour-filter", "red", False), ("colour", "reddish", True)],
+        [("colour-filter", "green", False), ("colour", "greenish", True)],
+        [("colour-filter", "blue", True)],  # not kept: the filter's word is final
+    ]
+    assert all(d["algorithm"] == {"name": "Bright boxes", "key": "bright-boxes"} for d in by_x)
+
+
+def test_a_classifier_alone_gives_one_detection_without_a_box(tmp_path):
+    weights = save_classifier("mobilenet_v3_small", ["a", "b", "c"], str(tmp_path))
+    pipeline = resolve("mobilenet-v3-small-classifier", weights)
+    plan = decode_plan(pipeline, max_side=4096, fast=False)
+    assert plan == DecodePlan(size=224, resize="squash", max_side=4096, fast=False)
+    runner = load_runner(pipeline, SourceConfig(), "cpu", Output())
+    images = [decode(image_bytes(640, 480, seed=i), plan) for i in range(2)]
+
+    results = runner.run(images)
+
+    for detections in results:
+        response, _ = _response(detections)
+        (detection,) = response.detections
+        (classification,) = detection.classifications
+        assert detection.bbox is None and classification.terminal
+        assert classification.labels == ["a", "b", "c"]
+        assert sum(classification.scores) == pytest.approx(1.0, abs=1e-5)
+        best = max(range(3), key=lambda i: classification.scores[i])
+        assert classification.classification == classification.labels[best]
+        assert classification.logits is not None and len(classification.logits) == 3
+
+
+def test_top_k_scores_carry_their_labels_and_long_class_lists_are_left_out(toy):
+    many = resolve("toy_moths:many")
+    image = decode(image_bytes(320, 240, seed=1), decode_plan(many, 4096, False))
+    full = load_runner(many, SourceConfig(), "cpu", Output(crop_batch=128)).run([image])[0]
+    top = load_runner(many, SourceConfig(), "cpu", Output(scores="top_k", top_k=3)).run([image])[0]
+
+    assert len(full) == len(top) == 500
+    whole, best = full[0]["classifications"][0], top[0]["classifications"][0]
+    assert "labels" not in whole and len(whole["scores"]) == 1000  # over labels_inline_max
+    assert best["labels"][0] == whole["classification"] == best["classification"]
+    assert best["scores"] == sorted(whole["scores"], reverse=True)[:3]
+
+
+def test_crops_are_classified_a_chunk_at_a_time(toy):
+    runner = load_runner(resolve("toy_moths:many"), SourceConfig(), "cpu", Output(crop_batch=64))
+    assert runner.classifier is not None
+    sizes: list[int] = []
+    logits = runner.classifier.logits
+
+    def counting(batch):
+        sizes.append(len(batch))
+        return logits(batch)
+
+    runner.classifier.logits = counting  # type: ignore[method-assign]
+    runner.run([decode(image_bytes(320, 240, seed=1), DecodePlan(max_side=4096))])
+    assert sum(sizes) == 500 and max(sizes) == 64
+
+
+def test_a_built_in_detector_reports_boxes_inside_the_source_image(tmp_path):
+    weights = save_detector("fasterrcnn_mobilenet_v3_large_fpn", ["moth"], str(tmp_path / "d"))
+    detector = Detector(
+        "moth-detector",
+        architecture="fasterrcnn_mobilenet_v3_large_fpn",
+        weights=weights,
+        labels=None,
+        score_threshold=0.0,
+        max_detections=20,
+        min_size=128,
+        max_size=160,
+    )
+    pipeline = Pipeline("detect", detector=detector)
+    runner = load_runner(pipeline, SourceConfig(), "cpu", Output())
+    plan = decode_plan(pipeline, max_side=400, fast=False)
+    images = [decode(image_bytes(w, h, seed=w), plan) for w, h in [(800, 600), (300, 500)]]
+
+    results = runner.run(images)
+
+    assert runner.detector is not None and runner.detector.algorithm.labels == ("moth",)
+    for image, detections in zip(images, results, strict=True):
+        assert 0 < len(detections) <= 20
+        for d in detections:
+            box = d["bbox"]
+            assert 0 <= box["x1"] <= box["x2"] <= image.source_width + 0.01
+            assert 0 <= box["y1"] <= box["y2"] <= image.source_height + 0.01
+            assert d["classifications"] == []
+
+
+def test_an_exported_classifier_is_served_without_code(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)
+    ).eval()
+    example = torch.rand(2, 3, 32, 32)
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    path = tmp_path / "model.pt2"
+    torch.export.save(program, str(path))
+    (tmp_path / "labels.txt").write_text("a\nb\nc\nd\n")
+    stage = Classifier(
+        "exported", architecture="exported", weights=str(path), preprocess=Preprocess(size=32)
+    )
+    runner = load_runner(Pipeline("exported", classifier=stage), SourceConfig(), "cpu", Output())
+    assert runner.classifier is not None
+
+    images = torch.randint(0, 256, (5, 3, 32, 32), dtype=torch.uint8)
+    mean = torch.tensor(stage.preprocess.mean).view(1, 3, 1, 1) * 255
+    std = torch.tensor(stage.preprocess.std).view(1, 3, 1, 1) * 255
+    with torch.inference_mode():
+        expected = model((images.float() - mean) / std)
+    assert torch.allclose(runner.classifier.logits(images), expected, atol=1e-4)
+    assert runner.classifier.algorithm.weights_sha256 == hashlib.sha256(
+        path.read_bytes()
+    ).hexdigest()
+
+
+def test_a_pipeline_declared_in_toml_resolves_paths_beside_the_file(tmp_path):
+    save_detector("fasterrcnn_mobilenet_v3_large_fpn", ["moth"], str(tmp_path / "det"))
+    save_classifier("resnet18", ["moth", "other"], str(tmp_path / "binary"))
+    declaration = tmp_path / "moths.toml"
+    declaration.write_text(
+        """
+name = "moths"
+[detector]
+key = "detector"
+architecture = "fasterrcnn_mobilenet_v3_large_fpn"
+weights = "det/model.pt"
+labels = ["moth"]
+[filter]
+key = "moth-or-not"
+architecture = "resnet18"
+weights = "binary/model.pt"
+keep = ["moth"]
+preprocess = { size = 128, resize = "shorter_crop", mean = [0.5, 0.5, 0.5], std = [0.5, 0.5, 0.5] }
+"""
+    )
+    pipeline = resolve(str(declaration))
+    assert name_of(str(declaration)) == pipeline.name == "moths"
+    assert pipeline.detector is not None and pipeline.filter is not None
+    assert pipeline.detector.weights == str(tmp_path / "det" / "model.pt")
+    assert pipeline.filter.preprocess == Preprocess(128, "shorter_crop", (0.5,) * 3, (0.5,) * 3)
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ('name = "x"\n[classifier]\nkey = "c"\nweights = "w.pt"\nsize = 3\n', "size"),
+        ('name = "x"\n[filter]\nkey = "f"\nweights = "w.pt"\nkeep = ["a"]\n', "needs a detector"),
+        ('name = "x y"\n[classifier]\nkey = "c"\nweights = "w.pt"\n', "pipeline name"),
+        ('name = "x"\n', "neither a detector nor a classifier"),
+        ("name = ", "Invalid"),
+    ],
+)
+def test_a_bad_declaration_is_refused_naming_the_setting(tmp_path, body, reason):
+    declaration = tmp_path / "bad.toml"
+    declaration.write_text(body)
+    with pytest.raises(ConfigError, match="WORKER_MODEL__PIPELINE") as refused:
+        resolve(str(declaration))
+    assert reason in str(refused.value)
+
+
+def test_weights_that_do_not_fit_the_architecture_are_refused_with_the_stage(tmp_path):
+    weights = save_classifier("resnet18", ["a", "b"], str(tmp_path))
+    stage = Classifier("species", architecture="mobilenet_v3_small", weights=weights)
+    with pytest.raises(Exception, match="do not fit stage 'species'"):
+        load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu", Output())
