@@ -75,3 +75,42 @@ def test_a_decompression_bomb_is_too_large_not_decoded():
 def test_an_unreachable_http_source_is_transient():
     with pytest.raises(TransientError):
         read_bytes("http://127.0.0.1:9/x.jpg", SourceConfig(allowed_hosts=frozenset({"127.0.0.1"})))
+
+
+def test_a_large_jpeg_is_decoded_at_a_reduced_scale_and_keeps_its_source_size():
+    from datasets.images import DecodePlan, decode
+
+    image = decode(image_bytes(4096, 2160, seed=2), DecodePlan(max_side=1024))
+    assert image.pixels.shape == (3, 540, 1024)
+    assert (image.source_width, image.source_height) == (4096, 2160)
+
+
+def test_a_png_over_the_maximum_side_is_resized_and_a_small_one_kept_as_it_is():
+    from datasets.images import DecodePlan, decode
+
+    big = decode(image_bytes(1000, 400, seed=3, fmt="PNG"), DecodePlan(max_side=500))
+    small = decode(image_bytes(300, 200, seed=3, fmt="PNG"), DecodePlan(max_side=500))
+    assert big.pixels.shape == (3, 200, 500) and (big.source_width, big.source_height) == (
+        1000,
+        400,
+    )
+    assert small.pixels.shape == (3, 200, 300)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_shorter_side_then_centre_crop_keeps_the_middle_of_a_wide_image(fast):
+    from datasets.images import DecodePlan, decode
+    from datasets.synthetic import rectangles_bytes
+
+    # 300x100: red on the left third, green in the middle, blue on the right.
+    data = rectangles_bytes(
+        300,
+        100,
+        [(0, 0, 100, 100, "red"), (100, 0, 200, 100, "green"), (200, 0, 300, 100, "blue")],
+        fmt="PNG",
+    )
+    cropped = decode(data, DecodePlan(size=50, resize="shorter_crop", fast=fast)).pixels
+    squashed = decode(data, DecodePlan(size=50, resize="squash", fast=fast)).pixels
+    assert cropped.shape == squashed.shape == (3, 50, 50)
+    assert cropped[1].mean() > 200 and cropped[0].mean() < 30  # all green
+    assert squashed[0, :, :10].mean() > 200 and squashed[2, :, -10:].mean() > 200  # all three

@@ -189,9 +189,9 @@ def test_an_exported_classifier_is_served_without_code(tmp_path):
     with torch.inference_mode():
         expected = model((images.float() - mean) / std)
     assert torch.allclose(runner.classifier.logits(images), expected, atol=1e-4)
-    assert runner.classifier.algorithm.weights_sha256 == hashlib.sha256(
-        path.read_bytes()
-    ).hexdigest()
+    assert (
+        runner.classifier.algorithm.weights_sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    )
 
 
 def test_a_pipeline_declared_in_toml_resolves_paths_beside_the_file(tmp_path):

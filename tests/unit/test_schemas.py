@@ -7,7 +7,7 @@ import pytest
 
 from config.errors import InvalidTask, Undeliverable
 from worker.results import result_subject
-from worker.schemas import parse_task, subject_token
+from worker.schemas import parse_task, subject_token, token_value
 
 TASK = {"id": "t1", "job_id": "j1", "image_id": "i1", "image_url": "s3://b/k.jpg"}
 
@@ -21,6 +21,42 @@ def test_a_task_shaped_like_antennas_parses():
         "s3://b/k.jpg",
     )
     assert task.config == {"top_k": 2}
+
+
+def test_an_antenna_task_takes_its_job_from_the_subject_and_keeps_its_reply_subject():
+    antenna = {"id": 17, "image_id": "42", "image_url": "https://x/a.jpg", "reply_subject": "r.1"}
+    task = parse_task(json.dumps(antenna).encode(), "tasks.moths.1234")
+    assert (task.id, task.job_id, task.reply_subject) == ("17", "1234", "r.1")
+
+
+@pytest.mark.parametrize("job", ["job 7/ü", "b64-x", "a" * 128])
+def test_a_job_encoded_into_a_subject_token_is_read_back(job):
+    assert token_value(subject_token(job)) == job
+    task = parse_task(
+        json.dumps({"id": "t", "image_id": "i", "image_url": "s3://b/k"}).encode(),
+        f"tasks.p.{subject_token(job)}",
+    )
+    assert task.job_id == job
+
+
+def test_a_task_without_a_job_in_payload_or_subject_is_undeliverable():
+    with pytest.raises(Undeliverable, match="job_id"):
+        parse_task(
+            json.dumps({"id": "t", "image_id": "i", "image_url": "s3://b/k"}).encode(), "tasks.p"
+        )
+
+
+def test_a_job_id_that_contradicts_the_subject_gets_an_error_result_under_the_subjects_job():
+    with pytest.raises(InvalidTask, match="differs") as refused:
+        parse_task(json.dumps(TASK).encode(), "tasks.p.other-job")
+    assert refused.value.job_id == "other-job"
+    assert parse_task(json.dumps(TASK).encode(), "tasks.p.j1").job_id == "j1"  # agreeing is fine
+
+
+@pytest.mark.parametrize("reply", ["has space", "", 7, "x" * 1025, "line\nbreak"])
+def test_a_reply_subject_that_is_not_one_subject_gives_an_invalid_task(reply):
+    with pytest.raises(InvalidTask, match="reply_subject"):
+        parse_task(json.dumps({**TASK, "reply_subject": reply}).encode())
 
 
 @pytest.mark.parametrize(
