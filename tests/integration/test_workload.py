@@ -60,6 +60,14 @@ def _env(settings, plugin_path, pipeline, **extra):
     )
 
 
+def _colour_weights(plugin_path, path):
+    """The plugin's own weights for its colour models, written by the installed package."""
+    write = f"import toy_moths; toy_moths.colour_weights({str(path)!r})"
+    env = {"PYTHONPATH": str(plugin_path)}
+    subprocess.run([sys.executable, "-c", write], env=env, check=True, timeout=120)
+    return path
+
+
 def _results(env, job):
     done = cli("results", "--job", job, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -81,14 +89,7 @@ async def test_antenna_tasks_through_a_plugin_pipeline_give_boxes_in_source_pixe
 ):
     settings = settings_for(nats_server.url)
     s3 = s3_server.client()
-    weights = tmp_path / "colour.pt"
-    write = f"import toy_moths; toy_moths.colour_weights({str(weights)!r})"
-    subprocess.run(
-        [sys.executable, "-c", write],
-        env={"PYTHONPATH": str(plugin_path)},
-        check=True,
-        timeout=120,
-    )
+    weights = _colour_weights(plugin_path, tmp_path / "colour.pt")
     s3.upload_file(str(weights), bucket, "models/colour.pt")
     env = _env(
         settings, plugin_path, "toy-moths", TOY_MOTHS_WEIGHTS=f"s3://{bucket}/models/colour.pt"
