@@ -244,3 +244,36 @@ def test_weights_that_do_not_fit_the_architecture_are_refused_with_the_stage(tmp
     stage = Classifier("species", architecture="mobilenet_v3_small", weights=weights)
     with pytest.raises(Exception, match="do not fit stage 'species'"):
         load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu", Output())
+
+
+@pytest.mark.parametrize(
+    "architecture",
+    ["resnet18", "resnet50", "mobilenet_v3_small", "mobilenet_v3_large", "convnext_tiny"],
+)
+def test_every_built_in_classifier_loads_its_saved_weights_and_classifies(tmp_path, architecture):
+    weights = save_classifier(architecture, ["a", "b"], str(tmp_path))
+    stage = Classifier("c", architecture=architecture, weights=weights, preprocess=Preprocess(32))
+    runner = load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu", Output())
+    (detections,) = runner.run([decode(image_bytes(64, 48, seed=1), DecodePlan(size=32))])
+    assert detections[0]["classifications"][0]["classification"] in ("a", "b")
+
+
+def test_the_bytes_cap_counts_the_largest_image_a_detector_pipeline_can_load(tmp_path):
+    from config.settings import load_settings, max_held_tasks
+    from pipelines.setup import choose
+
+    weights = save_detector("fasterrcnn_mobilenet_v3_large_fpn", ["moth"], str(tmp_path))
+    per_image = 3 * 800 * 800
+    settings = load_settings(
+        model={"pipeline": "fasterrcnn-mobilenet-detector", "weights": weights},
+        loader={"max_side": 800, "batch_size": 4, "max_inflight_bytes": 6 * per_image},
+    )
+    chosen = choose(settings)
+    assert chosen.plan.max_image_bytes() == per_image
+    assert max_held_tasks(settings, chosen.plan.max_image_bytes()) == 6
+    with pytest.raises(ConfigError, match="MAX_INFLIGHT_BYTES"):
+        choose(
+            settings.model_copy(
+                update={"loader": settings.loader.model_copy(update={"max_side": 2000})}
+            )
+        )
