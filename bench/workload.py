@@ -5,7 +5,7 @@ pipeline's own code (``pipelines.runner``). Seconds per image by stage and peak 
 Random weights: the detector keeps its top ``--boxes`` boxes whatever their score, so the crop
 stages see a realistic count.
 
-    .venv/bin/python -m bench.workload [--images 4] [--boxes 100] [--detector fasterrcnn_mobilenet_v3_large_fpn]
+    .venv/bin/python -m bench.workload [--images 4] [--boxes 100] [--detector ARCH]
 """
 
 from __future__ import annotations

@@ -70,11 +70,20 @@ class Undeliverable(PermanentError):
 class InvalidTask(PermanentError):
     """Names its job and task but cannot be processed: gets an ``error`` result."""
 
-    def __init__(self, reason: str, *, task_id: str, job_id: str, image_id: str) -> None:
+    def __init__(
+        self,
+        reason: str,
+        *,
+        task_id: str,
+        job_id: str,
+        image_id: str,
+        reply_subject: str | None = None,
+    ) -> None:
         super().__init__(reason, kind="invalid_task")
         self.task_id = task_id
         self.job_id = job_id
         self.image_id = image_id
+        self.reply_subject = reply_subject
 
 
 # -- the loader ------------------------------------------------------------------------------

@@ -33,8 +33,13 @@ class NatsSettings(BaseModel):
     consumer: str = Field("inference-worker", description="durable pull consumer shared by workers")
     result_objects: str = Field(
         "INFERENCE_RESULT_OBJECTS",
-        description="JetStream object store for responses too large for one message, and for "
-        "each algorithm's category map (README, Results)",
+        description="JetStream object store for responses too large for one message (kept as "
+        "long as results)",
+    )
+    algorithms: str = Field(
+        "INFERENCE_ALGORITHMS",
+        description="JetStream object store, no expiry, for each algorithm's category map "
+        "(README, Results)",
     )
     ack_wait_s: float = Field(300.0, description="JetStream ack wait of the consumer")
     max_deliver: int = Field(5, description="deliveries per task before it gives up")

@@ -66,7 +66,7 @@ class Detector:
     architecture: Architecture = "fasterrcnn_mobilenet_v3_large_fpn"
     weights: str | None = None
     labels: str | tuple[str, ...] | None = ("object",)
-    num_classes: int = 2  # torchvision counts the background class
+    num_classes: int | None = None  # None: len(labels) + 1 (torchvision counts the background)
     score_threshold: float = 0.8
     max_detections: int = 500
     # Built-in detectors resize internally so the shorter side is min_size and the longer at

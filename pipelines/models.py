@@ -43,6 +43,7 @@ class Algorithm:
             "key": self.key,
             "task_type": self.task_type,
             "version_name": self.weights_sha256[:12],
+            "weights_sha256": self.weights_sha256,
             "category_map": {
                 "labels": list(self.labels),
                 "data": [{"label": label, "index": i} for i, label in enumerate(self.labels)],
@@ -119,6 +120,9 @@ class ClassifierModel:
         self.stage = stage
         self.device = device
         labels = _labels(stage, sources)
+        unknown = [label for label in stage.keep if label not in labels]
+        if unknown:
+            raise ConfigError(f"stage {stage.key!r} keeps labels it does not have: {unknown}")
         model, sha256, exported = _load(stage, len(labels), sources)
         self.model = model.to(device) if exported else prepare_for_inference(model, device)
         self.algorithm = Algorithm(
@@ -128,6 +132,9 @@ class ClassifierModel:
         mean = torch.tensor(pre.mean, device=device).view(1, 3, 1, 1) * 255.0
         std = torch.tensor(pre.std, device=device).view(1, 3, 1, 1) * 255.0
         self._scale, self._shift = 1.0 / std, -mean / std
+        # One forward pass now: a model whose output does not fit its labels fails the start,
+        # not every task.
+        self.logits(torch.zeros((2, 3, pre.size, pre.size), dtype=torch.uint8))
 
     def logits(self, images: torch.Tensor) -> torch.Tensor:
         """``images``: (N, 3, S, S) uint8 on the host. Returns (N, classes) float32 on the host."""
@@ -139,12 +146,22 @@ class ClassifierModel:
             batch = batch.to(dtype=torch.float32, memory_format=torch.channels_last)
             batch = torch.addcmul(self._shift, batch, self._scale)  # (x - mean) / std, one pass
             out = self.model(batch)
-            if out.shape != (len(images), len(self.algorithm.labels)):
-                raise PermanentError(
-                    f"classifier {self.stage.key!r} gave logits of shape {tuple(out.shape)} for "
+            if not isinstance(out, torch.Tensor) or out.shape != (
+                len(images),
+                len(self.algorithm.labels),
+            ):
+                shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ConfigError(
+                    f"classifier {self.stage.key!r} gave logits of shape {shape} for "
                     f"{len(images)} images and {len(self.algorithm.labels)} labels"
                 )
-            return out.float().cpu()
+            logits = out.float().cpu()
+        if not torch.isfinite(logits).all():
+            raise PermanentError(
+                f"classifier {self.stage.key!r} gave non-finite logits for this image",
+                kind="invalid_model_output",
+            )
+        return logits
 
 
 @dataclass(frozen=True)
@@ -167,7 +184,8 @@ class DetectorModel:
             "box_score_thresh": stage.score_threshold,
             "box_detections_per_img": stage.max_detections,
         }
-        model, sha256, _exported = _load(stage, stage.num_classes, sources, **options)
+        num_classes = stage.num_classes or len(labels) + 1
+        model, sha256, _exported = _load(stage, num_classes, sources, **options)
         self.model = model.eval().to(device)
         self.algorithm = Algorithm(stage.key, stage.name or stage.key, "detection", sha256, labels)
 
@@ -178,13 +196,19 @@ class DetectorModel:
             batch = [image.to(self.device).float().div_(255.0) for image in images]
             outputs = self.model(batch)
         found = []
-        for out in outputs:
-            scores = out["scores"].float().cpu()
-            keep = torch.nonzero(scores >= self.stage.score_threshold).flatten()
+        for image, out in zip(images, outputs, strict=True):
+            _, height, width = image.shape
+            boxes, scores = out["boxes"].float().cpu(), out["scores"].float().cpu()
+            # Boxes clamped to the image; non-finite, empty or under-threshold ones dropped.
+            usable = torch.isfinite(boxes).all(dim=1) & torch.isfinite(scores)
+            boxes = torch.nan_to_num(boxes)
+            boxes[:, 0::2] = boxes[:, 0::2].clamp(0, width)
+            boxes[:, 1::2] = boxes[:, 1::2].clamp(0, height)
+            usable &= (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
+            usable &= scores >= self.stage.score_threshold
+            keep = torch.nonzero(usable).flatten()
             keep = keep[torch.argsort(scores[keep], descending=True)][: self.stage.max_detections]
-            found.append(
-                Boxes(out["boxes"].float().cpu()[keep], scores[keep], out["labels"].cpu()[keep])
-            )
+            found.append(Boxes(boxes[keep], scores[keep], out["labels"].cpu()[keep]))
         return found
 
     def label(self, index: int) -> str:

@@ -71,8 +71,17 @@ def name_of(value: str) -> str:
     return pipeline.name
 
 
-def _called(value: Any) -> Any:
-    return value() if callable(value) and not isinstance(value, Pipeline) else value
+def _called(name: str, value: Any) -> Any:
+    """``value``, or what it returns when it is a function making the pipeline."""
+    if not callable(value) or isinstance(value, Pipeline):
+        return value
+    try:
+        return value()
+    except Exception as error:  # noqa: BLE001 - the user's code: a configuration problem
+        raise ConfigError(
+            f"WORKER_MODEL__PIPELINE={name!r}: making the pipeline failed: "
+            f"{type(error).__name__}: {error}"
+        ) from None
 
 
 def _from_attribute(name: str) -> Pipeline:
@@ -81,9 +90,11 @@ def _from_attribute(name: str) -> Pipeline:
         value: Any = importlib.import_module(module_name)
         for part in attribute.split("."):
             value = getattr(value, part)
-    except (ImportError, AttributeError) as error:
-        raise ConfigError(f"WORKER_MODEL__PIPELINE={name!r}: cannot import it: {error}") from None
-    return _called(value)
+    except Exception as error:  # noqa: BLE001 - an import runs the user's code
+        raise ConfigError(
+            f"WORKER_MODEL__PIPELINE={name!r}: cannot import it: {type(error).__name__}: {error}"
+        ) from None
+    return _called(name, value)
 
 
 def _from_entry_point(name: str) -> Pipeline:
@@ -102,7 +113,7 @@ def _from_entry_point(name: str) -> Pipeline:
             f"WORKER_MODEL__PIPELINE={name!r}: the entry point {found[0].value} failed to "
             f"load: {type(error).__name__}: {error}"
         ) from None
-    return _called(value)
+    return _called(name, value)
 
 
 def from_toml(path: Path) -> Pipeline:
@@ -137,6 +148,8 @@ def _stage(kind: Any, table: Any, base: Path) -> Any:
     if isinstance(values.get("labels"), list):
         values["labels"] = tuple(str(label) for label in values["labels"])
     if "keep" in values:
+        if not isinstance(values["keep"], list):
+            raise TypeError('keep must be a list of labels, e.g. keep = ["moth"]')
         values["keep"] = tuple(str(label) for label in values["keep"])
     if "preprocess" in values:
         pre = dict(values["preprocess"])

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from config.errors import ConfigError, TransientError
 from datasets.images import Decoded, DecodePlan, resize_square
 from pipelines.declare import Pipeline
 from pipelines.models import Algorithm, ClassifierModel, DetectorModel
@@ -116,23 +117,28 @@ class Runner:
                 index = start + offset
                 sx = image.source_width / image.pixels.shape[2]
                 sy = image.source_height / image.pixels.shape[1]
-                for box in boxes.boxes.tolist():
+                for box, score, label in zip(
+                    boxes.boxes.tolist(), boxes.scores.tolist(), boxes.labels.tolist(), strict=True
+                ):
                     x1, y1, x2, y2 = (float(v) for v in box)
-                    results[index].append(
-                        {
-                            "bbox": {
-                                "x1": round(x1 * sx, 2),
-                                "y1": round(y1 * sy, 2),
-                                "x2": round(x2 * sx, 2),
-                                "y2": round(y2 * sy, 2),
-                            },
-                            "inference_time": round(each_s, 6),
-                            "algorithm": detector.algorithm.reference(),
-                            "timestamp": _now(),
-                            "crop_image_url": None,
-                            "classifications": [],
-                        }
-                    )
+                    detection: dict[str, Any] = {
+                        "bbox": {
+                            "x1": round(x1 * sx, 2),
+                            "y1": round(y1 * sy, 2),
+                            "x2": round(x2 * sx, 2),
+                            "y2": round(y2 * sy, 2),
+                        },
+                        "inference_time": round(each_s, 6),
+                        "algorithm": detector.algorithm.reference(),
+                        "timestamp": _now(),
+                        "crop_image_url": None,
+                        "classifications": [],
+                    }
+                    if self.filter is None and self.classifier is None:
+                        detection["classifications"].append(
+                            self._detected(detector, int(label), float(score), each_s)
+                        )
+                    results[index].append(detection)
                     crops.append(_Crop(index, (x1, y1, x2, y2)))
         self._classify_crops(images, crops, results)
         return results
@@ -191,6 +197,22 @@ class Runner:
             logits = model.logits(batch)
             yield chunk, logits, (time.perf_counter() - started) / len(chunk)
 
+    @staticmethod
+    def _detected(
+        detector: DetectorModel, label: int, score: float, inference_s: float
+    ) -> dict[str, Any]:
+        """A detector alone: its class and score for the box, as the box's one classification."""
+        return {
+            "classification": detector.label(label),
+            "labels": [detector.label(label)],
+            "scores": [round(score, 6)],
+            "logits": None,
+            "inference_time": round(inference_s, 6),
+            "algorithm": detector.algorithm.reference(),
+            "terminal": True,
+            "timestamp": _now(),
+        }
+
     def _classification(
         self, model: ClassifierModel, logits: torch.Tensor, inference_s: float, terminal: bool
     ) -> dict[str, Any]:
@@ -228,17 +250,25 @@ def _cut(pixels: np.ndarray, box: tuple[float, float, float, float]) -> torch.Te
 
 
 def load_runner(pipeline: Pipeline, sources: Any, device: str, output: Output) -> Runner:
-    """Every stage of ``pipeline`` loaded on ``device`` (weights read once, here)."""
+    """Every stage of ``pipeline`` loaded on ``device`` (weights read once, here). ConfigError
+    for anything that stops it loading, but a TransientError (its weights' store is down)."""
     from pipelines.models import resolve_device
 
-    where = resolve_device(device)
-    return Runner(
-        pipeline,
-        DetectorModel(pipeline.detector, sources, where) if pipeline.detector else None,
-        ClassifierModel(pipeline.filter, sources, where) if pipeline.filter else None,
-        ClassifierModel(pipeline.classifier, sources, where) if pipeline.classifier else None,
-        output,
-    )
+    try:
+        where = resolve_device(device)
+        return Runner(
+            pipeline,
+            DetectorModel(pipeline.detector, sources, where) if pipeline.detector else None,
+            ClassifierModel(pipeline.filter, sources, where) if pipeline.filter else None,
+            ClassifierModel(pipeline.classifier, sources, where) if pipeline.classifier else None,
+            output,
+        )
+    except (ConfigError, TransientError):
+        raise
+    except Exception as error:  # noqa: BLE001 - weights, plugins and devices: all configuration
+        raise ConfigError(
+            f"pipeline {pipeline.name!r} cannot be loaded: {type(error).__name__}: {error}"
+        ) from None
 
 
 def decode_plan(pipeline: Pipeline, max_side: int, fast: bool) -> DecodePlan:

@@ -128,6 +128,7 @@ def settings_for(model_path: str, s3_server: S3Server) -> Any:
                 "advisory_stream": f"ADVISORIES_{unique}",
                 "consumer": f"worker-{unique}",
                 "result_objects": f"OBJECTS_{unique}",
+                "algorithms": f"ALGORITHMS_{unique}",
                 "fetch_timeout_s": 0.5,
                 "nak_backoff_base_s": 0.1,
                 "nak_backoff_max_s": 0.5,

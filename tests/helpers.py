@@ -140,6 +140,7 @@ def worker_env(settings, *, inherit: bool = True, **extra: str) -> dict[str, str
             "WORKER_NATS__ADVISORY_STREAM": n.advisory_stream,
             "WORKER_NATS__CONSUMER": n.consumer,
             "WORKER_NATS__RESULT_OBJECTS": n.result_objects,
+            "WORKER_NATS__ALGORITHMS": n.algorithms,
             "WORKER_NATS__FETCH_TIMEOUT_S": "0.5",
             "WORKER_S3__ENDPOINT_URL": settings.s3.endpoint_url or "",
             "WORKER_S3__CONNECT_TIMEOUT_S": "1",

@@ -13,7 +13,7 @@ import structlog
 from config.errors import InvalidTask, ResultsUnavailable, Undeliverable
 from worker.book import Held, HeldTasks, quietly
 from worker.ports import Delivery, Results, Settling
-from worker.schemas import Task, Verdict, parse_task
+from worker.schemas import Task, Verdict, invalid_task, parse_task
 
 log = structlog.get_logger(__name__)
 
@@ -42,7 +42,7 @@ class Admission:
             await self._settler.dead_letter(msg, str(error))
             return None
         except InvalidTask as error:
-            task = Task(error.task_id, error.job_id, error.image_id, "")
+            task = invalid_task(error)
             await self._settler.settle(task, msg, delivered, Verdict(failure=error.failure()))
             return None
         if delivered > 1 and await self._already_stored(msg, task):

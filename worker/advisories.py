@@ -22,7 +22,7 @@ from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from config.errors import Failure, InvalidTask, ResultRefused, ResultsUnavailable, Undeliverable
 from config.settings import NatsSettings
-from worker.schemas import Task, Verdict, parse_task
+from worker.schemas import Verdict, invalid_task, parse_task
 from worker.settle import Settler, backoff_s
 from worker.transport import advisory_consumer
 
@@ -124,7 +124,7 @@ class ExhaustedTasks:
                 log.warning("exhausted_task_dead_lettered", stream_seq=seq, reason=str(error))
             return
         except InvalidTask as invalid:
-            task = Task(invalid.task_id, invalid.job_id, invalid.image_id, "")
+            task = invalid_task(invalid)
         message = (
             f"deliveries ran out: all {deliveries} deliveries ended without a result "
             "(the worker holding it died, was killed or stopped answering)"

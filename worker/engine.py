@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from config.errors import Failure, LoaderFailure, LoaderGaveUp
+from config.errors import Failure, LoaderFailure, LoaderGaveUp, PermanentError
 from datasets.images import Decoded
 from datasets.loader import Loaded, LoadRequest, StreamingLoader
 from worker.ports import BatchReport
@@ -125,17 +125,28 @@ class Engine:
         )
 
     def _infer(self, keys: list[int], loaded: dict[int, Loaded]) -> dict[int, Verdict]:
+        """The batch's forward pass; if it fails, each image alone, so one image that breaks
+        the model (or its output) fails alone and its batch-mates keep their deliveries."""
         if not keys:
             return {}
-        started = time.perf_counter()
         try:
-            images = [loaded[key].image for key in keys]
-            detections = self.predictor.run(images)  # type: ignore[arg-type]
-        except Exception as error:
-            log.exception("inference_failed", batch=len(keys))
-            message = f"inference failed: {type(error).__name__}: {error}"
-            failed = Failure("inference_failed", message, retryable=True)
-            return {key: Verdict(failure=failed) for key in keys}
+            return self._forward(keys, loaded)
+        except Exception as error:  # noqa: BLE001 - the model is the user's code: a result each
+            if len(keys) == 1:
+                return {keys[0]: _failed(error)}
+            log.warning("batch_failed_trying_each_image", batch=len(keys), error=repr(error))
+        outcomes: dict[int, Verdict] = {}
+        for key in keys:
+            try:
+                outcomes.update(self._forward([key], loaded))
+            except Exception as error:  # noqa: BLE001 - recorded in the task's result
+                outcomes[key] = _failed(error)
+        return outcomes
+
+    def _forward(self, keys: list[int], loaded: dict[int, Loaded]) -> dict[int, Verdict]:
+        started = time.perf_counter()
+        images = [loaded[key].image for key in keys]
+        detections = self.predictor.run(images)  # type: ignore[arg-type]
         infer_s = time.perf_counter() - started
         return {
             key: Verdict(
@@ -144,3 +155,14 @@ class Engine:
             )
             for key, found in zip(keys, detections, strict=True)
         }
+
+
+def _failed(error: Exception) -> Verdict:
+    """A forward pass that raised: permanent when the pipeline says so (an output it cannot
+    use for this image), else worth another delivery."""
+    if isinstance(error, PermanentError):
+        log.warning("inference_refused_image", error=str(error))
+        return Verdict(failure=error.failure())
+    log.error("inference_failed", error=repr(error), exc_info=error)
+    message = f"inference failed: {type(error).__name__}: {error}"
+    return Verdict(failure=Failure("inference_failed", message, retryable=True))

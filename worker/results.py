@@ -8,6 +8,7 @@ result says where (``response_object``); ``results --job`` puts it back in place
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
@@ -30,6 +31,7 @@ _TOO_LARGE_CODES = {10054}  # message size exceeds the stream's maximum
 
 # Room left in a message for the headers and the protocol line around the payload.
 _HEADER_ROOM_BYTES = 4096
+_OBJECT_TIMEOUT_S = 60.0  # one object-store put or get (megabytes in chunks)
 _SAFE_SUBJECT = re.compile(r"results(\.[A-Za-z0-9_-]{1,400}){2}")
 
 
@@ -113,20 +115,22 @@ class ResultStore:
         return not ack.duplicate
 
     async def _response_aside(self, subject: str, result: dict[str, Any]) -> dict[str, Any]:
-        """``result`` with its response written to the object store and a pointer in its place."""
+        """``result`` with its response written to the object store and a pointer in its place.
+
+        The object's name carries the body's sha256 and is never overwritten: a second run of
+        the task (redelivered, its result already stored) writes a second object and leaves
+        the one the stored result points to as it was.
+        """
         body = _encoded(result["response"])
+        sha256 = hashlib.sha256(body).hexdigest()
         bucket = self._settings.result_objects
+        name = f"{subject}/{sha256}"
         try:
             objects = await self._js.object_store(bucket)
-            await objects.put(subject, body)
+            await asyncio.wait_for(objects.put(name, body), _OBJECT_TIMEOUT_S)
         except (TimeoutError, nats.errors.Error) as error:
             raise unavailable(f"object store {bucket} unavailable", error) from None
-        pointer = {
-            "bucket": bucket,
-            "name": subject,
-            "bytes": len(body),
-            "sha256": hashlib.sha256(body).hexdigest(),
-        }
+        pointer = {"bucket": bucket, "name": name, "bytes": len(body), "sha256": sha256}
         return {**result, "response": None, "response_object": pointer}
 
     async def exists(self, job_id: str, task_id: str) -> bool:
@@ -146,40 +150,51 @@ def _encoded(value: Any) -> bytes:
 
 
 async def response_of(js: JetStreamContext, result: dict[str, Any]) -> dict[str, Any]:
-    """``result`` with a response kept in the object store put back in place (checked
-    against its sha256)."""
+    """``result`` with a response kept in the object store put back in place, checked against
+    its sha256. A response that cannot be read leaves ``response: null`` and says why in
+    ``response_error``, so one unreadable result never hides a job's others."""
     pointer = result.get("response_object")
     if not isinstance(pointer, dict):
         return result
-    objects = await js.object_store(str(pointer["bucket"]))
-    body = (await objects.get(str(pointer["name"]))).data or b""
-    if hashlib.sha256(body).hexdigest() != pointer.get("sha256"):
-        raise ValueError(f"the response of {pointer['name']} in the object store does not match")
-    return {
-        **{k: v for k, v in result.items() if k != "response_object"},
-        "response": json.loads(body),
-    }
+    rest = {k: v for k, v in result.items() if k != "response_object"}
+    try:
+        objects = await js.object_store(str(pointer["bucket"]))
+        found = await asyncio.wait_for(objects.get(str(pointer["name"])), _OBJECT_TIMEOUT_S)
+        body = found.data or b""
+        if hashlib.sha256(body).hexdigest() != pointer.get("sha256"):
+            raise ValueError("its sha256 does not match the result's")
+        return {**rest, "response": json.loads(body)}
+    except (TimeoutError, nats.errors.Error, ValueError, KeyError) as error:
+        why = f"response {pointer.get('name')} unreadable: {type(error).__name__} {error}"
+        return {**rest, "response": None, "response_error": why, "response_object": pointer}
 
 
-def algorithm_object(key: str) -> str:
-    return f"algorithms/{key}"
+def algorithm_objects(key: str, weights_sha256: str) -> tuple[str, str]:
+    """Where an algorithm's config is published: under its key (the latest), and under its
+    key and weights (exact, for results made with older weights under the same key)."""
+    return f"algorithms/{key}", f"algorithms/{key}/{weights_sha256}"
 
 
 async def publish_algorithms(
     js: JetStreamContext, settings: NatsSettings, configs: list[dict[str, Any]]
 ) -> None:
-    """Each algorithm's Antenna ``AlgorithmConfigResponse`` (its full class list), written once
-    per start to the object store as ``algorithms/<key>``: classifications with a long class
-    list omit ``labels`` and point here through their algorithm key."""
-    objects = await js.object_store(settings.result_objects)
+    """Each algorithm's Antenna ``AlgorithmConfigResponse`` (its full class list), written at
+    every start to the object store ``WORKER_NATS__ALGORITHMS`` (kept without expiry):
+    classifications with a long class list omit ``labels`` and point here by their key."""
+    objects = await js.object_store(settings.algorithms)
     for config in configs:
-        await objects.put(algorithm_object(str(config["key"])), _encoded(config))
+        body = _encoded(config)
+        for name in algorithm_objects(str(config["key"]), str(config["weights_sha256"])):
+            await asyncio.wait_for(objects.put(name, body), _OBJECT_TIMEOUT_S)
 
 
 async def algorithm_config(
-    js: JetStreamContext, settings: NatsSettings, key: str
+    js: JetStreamContext, settings: NatsSettings, key: str, weights_sha256: str = ""
 ) -> dict[str, Any]:
-    """An algorithm's published config (its class list in ``category_map.labels``)."""
-    objects = await js.object_store(settings.result_objects)
-    config: dict[str, Any] = json.loads((await objects.get(algorithm_object(key))).data or b"{}")
+    """An algorithm's published config (its class list in ``category_map.labels``): for these
+    weights when given, else the latest under ``key``."""
+    latest, exact = algorithm_objects(key, weights_sha256)
+    objects = await js.object_store(settings.algorithms)
+    found = await objects.get(exact if weights_sha256 else latest)
+    config: dict[str, Any] = json.loads(found.data or b"{}")
     return config

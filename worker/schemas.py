@@ -20,6 +20,7 @@ from config.errors import Failure, InvalidTask, Undeliverable
 from config.redact import redact_url, shorten
 
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_ENCODED_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,400}")  # b64 of up to 256 bytes, and the prefix
 _ENCODED_PREFIX = "b64-"
 URI_SCHEMES = ("s3://", "http://", "https://", "file://")
 MAX_ID_BYTES = 256  # task id and job id, UTF-8; longer ids are dead-lettered
@@ -43,10 +44,10 @@ def subject_token(value: str) -> str:
 
 def token_value(token: str) -> str | None:
     """The value ``subject_token`` made ``token`` from; None when no value makes it."""
-    if not _TOKEN.fullmatch(token):
-        return None
     if not token.startswith(_ENCODED_PREFIX):
-        return token
+        return token if _TOKEN.fullmatch(token) else None
+    if not _ENCODED_TOKEN.fullmatch(token):
+        return None
     body = token[len(_ENCODED_PREFIX) :]
     try:
         value = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode("utf-8")
@@ -83,6 +84,11 @@ class Task:
         if self.reply_subject is not None:
             payload["reply_subject"] = self.reply_subject
         return payload
+
+
+def invalid_task(error: InvalidTask) -> Task:
+    """The task an InvalidTask names, as far as it could be read: enough for its error result."""
+    return Task(error.task_id, error.job_id, error.image_id, "", reply_subject=error.reply_subject)
 
 
 @dataclass(frozen=True)
@@ -153,9 +159,17 @@ def parse_task(data: bytes, subject: str = "") -> Task:
             raise Undeliverable(f"'job_id' is unusable and the subject names no job: {why_job}")
         job_id = job_text
     image_id, why_image = _id_text(payload.get("image_id"), MAX_IMAGE_ID_BYTES)
+    reply = payload.get("reply_subject")
+    reply_ok = reply is None or (isinstance(reply, str) and bool(_REPLY_SUBJECT.fullmatch(reply)))
 
     def invalid(reason: str) -> InvalidTask:
-        return InvalidTask(reason, task_id=task_id, job_id=job_id, image_id=image_id or "")
+        return InvalidTask(
+            reason,
+            task_id=task_id,
+            job_id=job_id,
+            image_id=image_id or "",
+            reply_subject=reply if reply_ok else None,
+        )
 
     if "job_id" in payload and _id_text(payload["job_id"], MAX_ID_BYTES)[0] != job_id:
         raise invalid("'job_id' differs from the job named by the task's subject")
@@ -177,8 +191,7 @@ def parse_task(data: bytes, subject: str = "") -> Task:
     config = payload.get("config") or {}
     if not isinstance(config, dict):
         raise invalid("'config' must be a JSON object when given")
-    reply = payload.get("reply_subject")
-    if reply is not None and not (isinstance(reply, str) and _REPLY_SUBJECT.fullmatch(reply)):
+    if not reply_ok:
         raise invalid(
             f"'reply_subject' must be one NATS subject of at most {MAX_REPLY_SUBJECT_CHARS} "
             "printable characters when given"
@@ -201,9 +214,11 @@ def make_result(
     image in ``response`` (source URL without credentials or query)."""
     response = None
     if error is None:
+        # total_s covers the task from fetch to result; without it, the stages' sum.
+        stages_s = timings_s.get("load_s", 0.0) + timings_s.get("infer_s", 0.0)
         response = {
             "pipeline": pipeline,
-            "total_time": round(sum(timings_s.values()), 6),
+            "total_time": round(timings_s.get("total_s", stages_s), 6),
             "source_images": [{"id": task.image_id, "url": redact_url(task.image_url)}],
             "detections": [
                 {"source_image_id": task.image_id, **detection} for detection in detections or []

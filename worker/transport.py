@@ -219,18 +219,22 @@ async def provision(js: JetStreamContext, settings: NatsSettings, pipeline: str)
         else:
             await js.update_stream(config)
             done.append(f"updated stream {config.name}")
-    try:
-        await js.object_store(settings.result_objects)
-    except NotFoundError:
-        await js.create_object_store(
-            settings.result_objects,
-            config=api.ObjectStoreConfig(
-                ttl=settings.results_max_age_s,
-                storage=api.StorageType.FILE,
-                replicas=settings.replicas,
-            ),
-        )
-        done.append(f"created object store {settings.result_objects}")
+    # Responses outlive their results by a day (written first, they must not expire first);
+    # category maps never expire.
+    for bucket, ttl_s in (
+        (settings.result_objects, settings.results_max_age_s + 86400.0),
+        (settings.algorithms, None),
+    ):
+        try:
+            await js.object_store(bucket)
+        except NotFoundError:
+            await js.create_object_store(
+                bucket,
+                config=api.ObjectStoreConfig(
+                    ttl=ttl_s, storage=api.StorageType.FILE, replicas=settings.replicas
+                ),
+            )
+            done.append(f"created object store {bucket}")
     # pull_subscribe ignores the config of an existing durable; add_consumer with a name
     # creates it or updates it in place.
     await js.add_consumer(settings.tasks_stream, consumer_config(settings, pipeline))

@@ -163,3 +163,36 @@ async def test_a_result_over_the_message_size_is_stored_whole(
     # ... because the class list is published once, under the algorithm's key.
     assert published["category_map"]["labels"][:2] == ["species-0000", "species-0001"]
     assert len(published["category_map"]["labels"]) == 1000
+
+
+async def test_a_second_run_of_a_task_leaves_its_stored_large_response_readable(
+    nats_server, settings_for
+):
+    from worker.client import job_results
+    from worker.results import ResultStore
+    from worker.transport import provision
+
+    settings = settings_for(nats_server.url)
+
+    def result(run: int) -> dict:
+        detections = [{"bbox": None, "run": run, "scores": [0.5] * 10_000}]
+        return {
+            "task_id": "t",
+            "job_id": "j",
+            "status": "ok",
+            "response": {"detections": detections},
+        }
+
+    async with client(settings) as js:
+        await provision(js, settings.nats, "p")
+        store = ResultStore(js, settings.nats, lambda: 16 * 1024)  # every response goes aside
+        assert await store.store(result(1)) is True
+        assert await store.store(result(2)) is False  # redelivered: refused, first one kept
+        (kept,) = await job_results(js, settings.nats, "j")
+        raw = json.loads((await js.get_last_msg(settings.nats.results_stream, "results.j.t")).data)
+        objects = await js.object_store(settings.nats.result_objects)
+        await objects.delete(raw["response_object"]["name"])
+        (lost,) = await job_results(js, settings.nats, "j")
+
+    assert kept["response"]["detections"][0]["run"] == 1
+    assert lost["response"] is None and "unreadable" in lost["response_error"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from config.errors import LoaderFailure, LoaderGaveUp
+from config.errors import LoaderFailure, LoaderGaveUp, PermanentError
+from datasets.images import Decoded
 from datasets.loader import Loaded
 from worker.engine import Engine
 
@@ -25,7 +26,8 @@ class FlakyLoader:
         if self.failing or not self.queue:
             raise LoaderFailure("DataLoader timed out after 1 seconds")
         request = self.queue.pop(0)
-        return Loaded(request.key, np.zeros((3, 8, 8), dtype=np.uint8), None, 0.0, 1)
+        pixels = np.full((3, 8, 8), request.key, dtype=np.uint8)  # the key, readable in the image
+        return Loaded(request.key, Decoded(pixels, 8, 8), None, 0.0, 1)
 
     def restart(self):
         self.restarts += 1
@@ -79,3 +81,42 @@ def test_too_many_failures_in_a_row_end_the_process_but_a_good_batch_resets_the_
     submit(engine, [4])
     with pytest.raises(LoaderGaveUp, match="2 times in a row"):
         engine.run_batch([4])
+
+
+class RefusesImage:
+    """A pipeline whose output for image 3 is unusable, and which crashes on image 4."""
+
+    def __init__(self):
+        self.batches = []
+
+    def run(self, images):
+        keys = [int(image.pixels[0, 0, 0]) for image in images]
+        self.batches.append(keys)
+        if 3 in keys:
+            raise PermanentError("non-finite logits for this image", kind="invalid_model_output")
+        if 4 in keys:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return [[{"bbox": None, "classifications": []}] for _ in images]
+
+
+def test_an_image_that_breaks_the_model_fails_alone_and_its_batch_mates_get_results():
+    loader, pipeline = FlakyLoader(), RefusesImage()
+    engine = Engine(loader, pipeline)  # type: ignore[arg-type]
+    submit(engine, [1, 2, 3, 4, 5])
+
+    outcomes = engine.run_batch([1, 2, 3, 4, 5]).outcomes
+
+    assert [key for key in outcomes if outcomes[key].ok] == [1, 2, 5]
+    refused, crashed = outcomes[3].failure, outcomes[4].failure
+    assert refused is not None and (refused.kind, refused.retryable) == (
+        "invalid_model_output",
+        False,
+    )
+    assert crashed is not None and (crashed.kind, crashed.retryable) == ("inference_failed", True)
+    assert pipeline.batches[0] == [1, 2, 3, 4, 5] and sorted(pipeline.batches[1:]) == [
+        [1],
+        [2],
+        [3],
+        [4],
+        [5],
+    ]

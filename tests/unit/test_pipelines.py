@@ -163,7 +163,8 @@ def test_a_built_in_detector_reports_boxes_inside_the_source_image(tmp_path):
             box = d["bbox"]
             assert 0 <= box["x1"] <= box["x2"] <= image.source_width + 0.01
             assert 0 <= box["y1"] <= box["y2"] <= image.source_height + 0.01
-            assert d["classifications"] == []
+            (only,) = d["classifications"]  # a detector alone: its class and score
+            assert only["classification"] == "moth" and 0.0 <= only["scores"][0] <= 1.0
 
 
 def test_an_exported_classifier_is_served_without_code(tmp_path):
@@ -224,7 +225,16 @@ preprocess = { size = 128, resize = "shorter_crop", mean = [0.5, 0.5, 0.5], std 
 @pytest.mark.parametrize(
     ("body", "reason"),
     [
+        (
+            'name = "x"\n[classifier]\nkey = "c"\nweights = "w.pt"\npreprocess = { size = 3 }\n',
+            "preprocess.size must be at least 8",
+        ),
         ('name = "x"\n[classifier]\nkey = "c"\nweights = "w.pt"\nsize = 3\n', "size"),
+        (
+            'name = "x"\n[detector]\nkey = "d"\nweights = "w.pt"\n[filter]\nkey = "f"\n'
+            'weights = "w.pt"\nkeep = "moth"\n',
+            "keep must be a list",
+        ),
         ('name = "x"\n[filter]\nkey = "f"\nweights = "w.pt"\nkeep = ["a"]\n', "needs a detector"),
         ('name = "x y"\n[classifier]\nkey = "c"\nweights = "w.pt"\n', "pipeline name"),
         ('name = "x"\n', "neither a detector nor a classifier"),
@@ -277,3 +287,50 @@ def test_the_bytes_cap_counts_the_largest_image_a_detector_pipeline_can_load(tmp
                 update={"loader": settings.loader.model_copy(update={"max_side": 2000})}
             )
         )
+
+
+def test_a_detector_alone_reports_each_box_with_its_class_and_score(toy):
+    detector = resolve("toy_moths:moths").detector
+    runner = load_runner(Pipeline("boxes", detector=detector), SourceConfig(), "cpu", Output())
+    image = decode(rectangles_bytes(1600, 1000, TRUTH, fmt="PNG"), DecodePlan(max_side=4096))
+
+    (detections,) = runner.run([image])
+
+    assert len(detections) == 3
+    for d in detections:
+        (only,) = d["classifications"]
+        assert (only["classification"], only["scores"], only["terminal"]) == ("thing", [1.0], True)
+        assert only["algorithm"] == {"name": "Bright boxes", "key": "bright-boxes"}
+
+
+def test_a_filter_keeping_a_label_it_does_not_have_is_refused_at_load(toy):
+    from dataclasses import replace
+
+    pipeline = resolve("toy_moths:moths")
+    assert pipeline.filter is not None
+    broken = replace(pipeline, filter=replace(pipeline.filter, keep=("moth",)))
+    with pytest.raises(ConfigError, match="keeps labels it does not have"):
+        load_runner(broken, SourceConfig(), "cpu", Output())
+
+
+def test_a_classifier_whose_output_does_not_fit_its_labels_fails_the_start(toy):
+    stage = Classifier("c", architecture=toy.seeded_classifier, labels=("a", "b"))
+    wrong = Classifier("c", architecture=lambda _n: toy.seeded_classifier(5), labels=("a", "b"))
+    load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu", Output())
+    with pytest.raises(ConfigError, match=r"logits of shape \(2, 5\) for 2 images and 2 labels"):
+        load_runner(Pipeline("p", classifier=wrong), SourceConfig(), "cpu", Output())
+
+
+def test_total_time_is_the_tasks_time_not_a_sum_of_overlapping_timings():
+    task = Task("t", "j", "i", "s3://b/k")
+    result = make_result(
+        task=task,
+        pipeline="p",
+        detections=[],
+        error=None,
+        model={},
+        timings_s={"load_s": 0.2, "infer_s": 0.3, "total_s": 0.6},
+        worker={},
+        attempt=1,
+    )
+    assert result["response"]["total_time"] == 0.6

@@ -29,7 +29,7 @@ def test_an_antenna_task_takes_its_job_from_the_subject_and_keeps_its_reply_subj
     assert (task.id, task.job_id, task.reply_subject) == ("17", "1234", "r.1")
 
 
-@pytest.mark.parametrize("job", ["job 7/ü", "b64-x", "a" * 128])
+@pytest.mark.parametrize("job", ["job 7/ü", "b64-x", "a" * 128, "x" * 95 + "/", "ü" * 128])
 def test_a_job_encoded_into_a_subject_token_is_read_back(job):
     assert token_value(subject_token(job)) == job
     task = parse_task(
