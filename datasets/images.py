@@ -22,6 +22,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+# At import, so the loader's fork server has it: imported in a fresh child it costs seconds.
+from torchvision.transforms.v2 import functional as F
+
 from config.errors import PermanentError
 
 # Only these decoders ever see task bytes (Image.open would otherwise try every plugin).
@@ -135,8 +138,6 @@ def resize_square(pixels: torch.Tensor, size: int, resize: str) -> torch.Tensor:
     """(3, H, W) uint8 to (3, size, size) uint8 the way torchvision's transforms do it:
     ``squash`` is ``Resize((size, size))``; ``shorter_crop`` is ``Resize(size)`` then
     ``CenterCrop(size)``; bilinear with antialiasing."""
-    from torchvision.transforms.v2 import functional as F
-
     if pixels.shape[-2:] == (size, size):
         return pixels
     if resize == "shorter_crop":

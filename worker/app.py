@@ -112,7 +112,8 @@ class WorkerApp:
         )
 
     async def _build_engine(self, liveness: Liveness, chosen: Chosen) -> tuple[Engine, Runner]:
-        """The pipeline's models, loaded on the engine thread; the loader and its children."""
+        """The pipeline's models, and the loader with its children (started on the engine
+        thread)."""
         s = self.settings
         loop = asyncio.get_running_loop()
         sources = source_config(s)
@@ -124,9 +125,6 @@ class WorkerApp:
             # A MIG slice or a GPU by UUID: make it the only visible device, before CUDA starts.
             os.environ["CUDA_VISIBLE_DEVICES"] = device
             device = "cuda:0"
-        runner = await loop.run_in_executor(
-            self.engine_thread, load_runner, chosen.pipeline, sources, device, chosen.output
-        )
         held = max_held_tasks(s, chosen.plan.max_image_bytes())
         config = LoaderConfig(
             num_workers=s.loader.num_workers,
@@ -142,13 +140,25 @@ class WorkerApp:
             loader = StreamingLoader(config, dropping_once(s.faults.drop_once_file))
         else:
             loader = StreamingLoader(config)
+        # The loader's children start (on the engine thread, which owns the loader) while the
+        # models load: the fork server's imports and the weights overlap, so a restarted
+        # process answers /healthz sooner.
+        started, runner = await asyncio.gather(
+            loop.run_in_executor(self.engine_thread, loader.start),
+            asyncio.to_thread(load_runner, chosen.pipeline, sources, device, chosen.output),
+            return_exceptions=True,
+        )
+        failed = next((r for r in (runner, started) if isinstance(r, BaseException)), None)
+        if failed is not None:
+            await loop.run_in_executor(self.engine_thread, loader.close)
+            raise failed
+        assert isinstance(runner, Runner)
         self.engine = Engine(
             loader,
             runner,
             max_consecutive_failures=s.loader.max_consecutive_failures,
             heartbeat=liveness.still_working,
         )
-        await loop.run_in_executor(self.engine_thread, self.engine.start)
         return self.engine, runner
 
     async def _build_transport(

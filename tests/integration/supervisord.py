@@ -56,7 +56,7 @@ class Supervisord:
         for old, new in (
             ("946%(process_num)d", f"{self.port_base // 10}%(process_num)d"),
             ("--port-base 9460", f"--port-base {self.port_base} --timeout-s 2"),
-            ("--startup-grace-s 120", "--startup-grace-s 5"),
+            ("--startup-grace-s 120", "--startup-grace-s 15"),
             ("stopwaitsecs=60", f"stopwaitsecs={stopwaitsecs}"),
             ("startsecs=10", "startsecs=2"),
         ):

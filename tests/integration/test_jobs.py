@@ -10,6 +10,7 @@ import time
 import pytest
 
 from datasets.synthetic import corrupt_bytes
+from tests.conftest import LABELS
 from tests.helpers import (
     client,
     consumer_idle,
@@ -41,9 +42,10 @@ async def test_a_job_of_n_images_gives_n_ok_results_and_leaves_nothing_pending(
     (detection,) = first["response"]["detections"]  # a classifier alone: the whole image
     assert detection["bbox"] is None and detection["source_image_id"] == first["image_id"]
     (classification,) = detection["classifications"]
-    assert len(classification["scores"]) == len(classification["labels"]) == 3
+    assert classification["labels"] == LABELS  # the full softmax vector, labels inline
+    assert len(classification["scores"]) == len(LABELS)
     assert abs(sum(classification["scores"]) - 1.0) < 1e-4
-    best = max(range(3), key=lambda i: classification["scores"][i])
+    best = max(range(len(LABELS)), key=lambda i: classification["scores"][i])
     assert classification["classification"] == classification["labels"][best]
     assert first["response"]["source_images"] == [
         {"id": first["image_id"], "url": uris_by_id[first["image_id"]]}
@@ -215,12 +217,12 @@ class GatedPredictor:
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def predict(self, images):
+    def run(self, images):
         self.sizes.append(len(images))
         self.entered.set()
         if not self.release.wait(30):
             raise TimeoutError("the test never released the first batch")
-        return self.inner.predict(images)
+        return self.inner.run(images)
 
 
 async def _until(condition, timeout_s=10.0):

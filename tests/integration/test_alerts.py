@@ -1,0 +1,187 @@
+"""The stall alert, proven with a real Prometheus: it scrapes three real workers on 127.0.0.1
+with the project's alert rules, and the page goes pending then firing for the wedged worker
+only; never for an idle worker nor for one recovering in-process from a loader fault.
+
+The rules are deploy/prometheus/alerts.yml as they are, but for their ``for:`` durations,
+shortened to seconds so CI does not wait minutes; scrape and evaluation every second."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections import defaultdict
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import _unavailable
+from tests.helpers import (
+    client,
+    submit,
+    upload_images,
+    wait_http,
+    wait_results,
+    worker_env,
+    worker_process,
+)
+from worker.localservers import free_port
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).parents[2]
+ALERT = "InferenceWorkerStalled"
+WATCH_S = 90.0
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read())
+
+
+@contextmanager
+def prometheus(tmp_path: Path, targets: list[str]):
+    """A Prometheus server (Debian's package) on a free port, its own storage, stopped after."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        _unavailable("prometheus", FileNotFoundError("not on PATH: apt-get install prometheus"))
+    rules = (ROOT / "deploy/prometheus/alerts.yml").read_text()
+    (tmp_path / "alerts.yml").write_text(re.sub(r"(?m)^(\s+for:) \S+$", r"\1 4s", rules))
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
+        "rule_files": [str(tmp_path / "alerts.yml")],
+        "scrape_configs": [
+            {"job_name": "inference-worker", "static_configs": [{"targets": targets}]}
+        ],
+    }
+    (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+    port = free_port()
+    log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
+            try:
+                urllib.request.urlopen(f"{url}/-/ready", timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "Prometheus never became ready"
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+
+
+def _query(url: str, expr: str) -> list[dict]:
+    found = _get(f"{url}/api/v1/query?query={urllib.parse.quote(expr)}")
+    return found["data"]["result"]
+
+
+async def test_the_stall_page_fires_for_a_wedged_worker_only(
+    nats_server, s3_server, bucket, settings_for, tmp_path
+):
+    quick = {
+        "WORKER_LOADER__TIMEOUT_S": "4",
+        "WORKER_S3__CONNECT_TIMEOUT_S": "0.5",
+        "WORKER_S3__READ_TIMEOUT_S": "1",
+        "WORKER_S3__MAX_ATTEMPTS": "2",
+        "WORKER_HEALTH__STALL_TIMEOUT_S": "6",
+        "WORKER_HEALTH__WATCHDOG_TIMEOUT_S": "0",
+    }
+    faults = {
+        "wedged": {
+            "WORKER_FAULTS__WEDGE_ONCE_FILE": str(tmp_path / "wedge"),
+            "WORKER_FAULTS__WEDGE_MODE": "sleep",
+        },
+        "idle": {},
+        "recovering": {"WORKER_FAULTS__DROP_ONCE_FILE": str(tmp_path / "drop")},
+    }
+    settings, ports, envs = {}, {}, {}
+    for name in faults:
+        tag = name.upper()
+        settings[name] = settings_for(
+            nats_server.url,
+            nats={
+                "tasks_stream": f"T_{tag}_{bucket[-6:]}",
+                "results_stream": f"R_{tag}_{bucket[-6:]}",
+                "dead_letter_stream": f"D_{tag}_{bucket[-6:]}",
+                "advisory_stream": f"A_{tag}_{bucket[-6:]}",
+                "consumer": f"c-{name}",
+                "result_objects": f"O_{tag}_{bucket[-6:]}",
+                "algorithms": f"G_{tag}_{bucket[-6:]}",
+            },
+        )
+        ports[name] = free_port()
+        envs[name] = worker_env(
+            settings[name], WORKER_METRICS__PORT=str(ports[name]), **quick, **faults[name]
+        )
+    instance = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+    s3 = s3_server.client()
+    uris = upload_images(s3, bucket, 6)
+
+    with ExitStack() as stack:
+        procs = {
+            name: stack.enter_context(worker_process(envs[name], tmp_path / f"{name}.log"))
+            for name in faults
+        }
+        for name, proc in procs.items():
+            wait_http(f"http://{instance[name]}/healthz", proc, tmp_path / f"{name}.log")
+        url = stack.enter_context(prometheus(tmp_path, list(instance.values())))
+        deadline = time.monotonic() + 30
+        while len([r for r in _query(url, "up == 1")]) < 3:
+            assert time.monotonic() < deadline, "Prometheus did not scrape all three workers"
+            await asyncio.sleep(0.5)
+
+        for name in ("wedged", "recovering"):
+            async with client(settings[name]) as js:
+                await submit(js, settings[name], f"job-{name}", uris)
+
+        states: dict[str, list[str]] = defaultdict(list)
+        recovered = False
+        deadline = time.monotonic() + WATCH_S
+        while time.monotonic() < deadline:
+            for alert in _get(f"{url}/api/v1/alerts")["data"]["alerts"]:
+                if alert["labels"]["alertname"] == ALERT:
+                    seen = states[alert["labels"]["instance"]]
+                    if not seen or seen[-1] != alert["state"]:
+                        seen.append(alert["state"])
+            if not recovered:
+                async with client(settings["recovering"]) as js:
+                    try:
+                        await wait_results(js, settings["recovering"], "job-recovering", 6, 0.1)
+                        recovered = True
+                    except AssertionError:
+                        pass
+            if recovered and states[instance["wedged"]][-1:] == ["firing"]:
+                break
+            await asyncio.sleep(0.5)
+        restarts = _query(url, "inference_worker_loader_restarts_total")
+
+    assert recovered, "the recovering worker did not finish its job"
+    by_instance = {r["metric"]["instance"]: float(r["value"][1]) for r in restarts}
+    assert by_instance[instance["recovering"]] >= 1, "the loader fault happened and was recovered"
+    assert states[instance["wedged"]] == ["pending", "firing"]
+    assert instance["idle"] not in states and instance["recovering"] not in states, dict(states)

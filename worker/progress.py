@@ -1,0 +1,185 @@
+"""Job progress for the person who submits it: ``submit --wait`` and ``watch --job J``.
+
+Counts come from the job's own subjects only: its tasks (``tasks.*.<job>``, counted by the
+server) and its results (``results.<job>.>``, read once each through one ephemeral consumer),
+so a large job costs one pass over its results, not one per refresh. On a terminal the line is
+a redrawn bar; otherwise one plain line per interval. No torch here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import nats
+from nats.js import JetStreamContext, api
+
+from config.settings import NatsSettings
+from worker.results import job_results_subject
+from worker.schemas import subject_token
+
+_READ_BATCH = 512
+_BAR_CELLS = 30
+
+# Exit codes of submit --wait and watch (README, "Command line").
+EXIT_ALL_OK = 0
+EXIT_SOME_ERROR = 4
+EXIT_SOME_MISSING = 5
+
+
+@dataclass
+class Progress:
+    total: int
+    ok: int = 0
+    error: int = 0
+    started_s: float = 0.0
+
+    @property
+    def done(self) -> int:
+        return self.ok + self.error
+
+    @property
+    def missing(self) -> int:
+        return max(0, self.total - self.done)
+
+    def rate(self, now_s: float) -> float:
+        elapsed = now_s - self.started_s
+        return self.done / elapsed if elapsed > 0 else 0.0
+
+    def eta_s(self, now_s: float) -> float | None:
+        rate = self.rate(now_s)
+        return self.missing / rate if rate > 0 else None
+
+    def summary(self) -> str:
+        return f"ok={self.ok} error={self.error} missing={self.missing}"
+
+    def exit_code(self) -> int:
+        if self.missing:
+            return EXIT_SOME_MISSING
+        return EXIT_SOME_ERROR if self.error else EXIT_ALL_OK
+
+
+def render(progress: Progress, now_s: float, tty: bool) -> str:
+    """One status line: a bar on a terminal, plain key=value words otherwise."""
+    total = max(progress.total, 1)
+    eta = progress.eta_s(now_s)
+    eta_text = f"{eta:.0f}s" if eta is not None else "?"
+    words = (
+        f"{progress.done}/{progress.total} {progress.summary()} "
+        f"rate={progress.rate(now_s):.1f}/s eta={eta_text}"
+    )
+    if not tty:
+        return words
+    filled = min(_BAR_CELLS, round(_BAR_CELLS * progress.done / total))
+    return f"[{'#' * filled}{'.' * (_BAR_CELLS - filled)}] {words}"
+
+
+async def job_task_count(js: JetStreamContext, settings: NatsSettings, job_id: str) -> int:
+    """Tasks of the job in the tasks stream (its own subjects), counted by the server."""
+    info = await js.stream_info(settings.tasks_stream, subjects_filter=_tasks_of(job_id))
+    return sum((info.state.subjects or {}).values())
+
+
+def _tasks_of(job_id: str) -> str:
+    return f"tasks.*.{subject_token(job_id)}"
+
+
+class ResultCounter:
+    """Reads each of a job's results once, as they arrive, and counts them by status."""
+
+    def __init__(self, js: JetStreamContext, settings: NatsSettings, job_id: str) -> None:
+        self._js = js
+        self._settings = settings
+        self._job_id = job_id
+        self._sub: Any = None
+        self.seen: set[str] = set()
+
+    async def open(self) -> None:
+        self._sub = await self._js.pull_subscribe(
+            job_results_subject(self._job_id),
+            stream=self._settings.results_stream,
+            config=api.ConsumerConfig(
+                ack_policy=api.AckPolicy.NONE,
+                deliver_policy=api.DeliverPolicy.ALL,
+                inactive_threshold=60.0,
+            ),
+        )
+
+    async def read(self, progress: Progress, wait_s: float) -> None:
+        """Count what arrived, waiting at most ``wait_s`` for something new."""
+        assert self._sub is not None, "open() first"
+        try:
+            msgs = await self._sub.fetch(_READ_BATCH, timeout=wait_s)
+        except (nats.errors.TimeoutError, TimeoutError):
+            return
+        for msg in msgs:
+            try:
+                result = json.loads(msg.data)
+            except ValueError:
+                continue
+            task_id = str(result.get("task_id"))
+            if task_id in self.seen:
+                continue
+            self.seen.add(task_id)
+            if result.get("status") == "ok":
+                progress.ok += 1
+            else:
+                progress.error += 1
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+
+
+async def watch_job(
+    js: JetStreamContext,
+    settings: NatsSettings,
+    job_id: str,
+    out: TextIO,
+    *,
+    timeout_s: float,
+    interval_s: float = 1.0,
+    expected: int | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Progress:
+    """Follow the job until every task has a result or ``timeout_s`` passes; draw progress on
+    ``out`` and end with the summary line. Returns the final counts."""
+    tty = out.isatty()
+    total = expected if expected is not None else await job_task_count(js, settings, job_id)
+    progress = Progress(total=total, started_s=clock())
+    counter = ResultCounter(js, settings, job_id)
+    await counter.open()
+    deadline = clock() + timeout_s
+    last_line = -interval_s
+    try:
+        while True:
+            await counter.read(progress, wait_s=min(interval_s, max(0.05, deadline - clock())))
+            if expected is None:
+                progress.total = max(progress.total, await job_task_count(js, settings, job_id))
+            progress.total = max(progress.total, progress.done)
+            now = clock()
+            finished = progress.missing == 0 and progress.total > 0
+            if tty:
+                out.write("\r" + render(progress, now, tty=True))
+                out.flush()
+            elif now - last_line >= interval_s or finished or now >= deadline:
+                out.write(render(progress, now, tty=False) + "\n")
+                out.flush()
+                last_line = now
+            if finished or now >= deadline:
+                break
+            await asyncio.sleep(0)
+    finally:
+        await counter.close()
+    if tty:
+        out.write("\n")
+    out.write(f"job {job_id}: {progress.summary()}\n")
+    out.flush()
+    return progress
