@@ -201,7 +201,11 @@ class HealthSettings(BaseModel):
 
 
 class MetricsSettings(BaseModel):
-    port: int = Field(9464, description="port for /metrics and /healthz; 0 turns it off")
+    port: int = Field(
+        9464,
+        description="port of process 0 for /metrics and /healthz; process N listens on this "
+        "+ N (WORKER_PROCESS_INDEX); 0 turns it off",
+    )
     host: str = Field("0.0.0.0", description="address the metrics server binds")
 
 
@@ -349,8 +353,11 @@ def settings_problems(s: Settings) -> list[str]:
             f"WORKER_HEALTH__DRAIN_TIMEOUT_S ({s.health.drain_timeout_s}) must be shorter than "
             f"WORKER_NATS__ACK_WAIT_S ({s.nats.ack_wait_s})"
         )
-    if not 0 <= s.metrics.port <= 65535:
-        problems.append(f"WORKER_METRICS__PORT={s.metrics.port} must be 0 (off) or a TCP port")
+    if not 0 <= s.metrics.port <= 65535 or (s.metrics.port and metrics_port(s) > 65535):
+        problems.append(
+            f"WORKER_METRICS__PORT={s.metrics.port} + WORKER_PROCESS_INDEX={s.process_index} "
+            "must be 0 (off) or a TCP port"
+        )
     return problems
 
 
@@ -373,6 +380,17 @@ def memory_problems(s: Settings, image_bytes: int) -> list[str]:
             f"{image_bytes} bytes = {one_batch}"
         ]
     return []
+
+
+def port_for(base: int, index: int) -> int:
+    """Process ``index``'s metrics port: the base plus the index (the rule healthwatch probes
+    by, so 16 processes on a host are 9460..9475, never a port made by pasting digits)."""
+    return base + index
+
+
+def metrics_port(s: Settings) -> int:
+    """This process's /metrics and /healthz port; 0 when turned off."""
+    return port_for(s.metrics.port, s.process_index) if s.metrics.port else 0
 
 
 def object_deadline_s(s: Settings) -> float:

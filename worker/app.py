@@ -15,6 +15,7 @@ from config.settings import (
     Settings,
     chosen_device,
     max_held_tasks,
+    metrics_port,
     object_deadline_s,
     torch_threads,
 )
@@ -183,7 +184,8 @@ class WorkerApp:
         connection = self.connection
         metrics = Metrics(registry, liveness, connection.connected)
         registry.register(ProcessTreeCollector(PREFIX, loader_pids))
-        if s.metrics.port:
+        port = metrics_port(s)
+        if port:
 
             def unhealthy() -> str | None:
                 stalled = liveness.stalled_reason()
@@ -191,7 +193,7 @@ class WorkerApp:
                     return f"stalled: {stalled}"
                 return connection.problem(s.health.disconnected_timeout_s)
 
-            self.health = HealthServer(s.metrics.host, s.metrics.port, registry, unhealthy)
+            self.health = HealthServer(s.metrics.host, port, registry, unhealthy)
             self.health.start()
         return metrics
 

@@ -38,6 +38,22 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--job", required=True, help="job id")
     submit.add_argument("--pipeline", help="pipeline (default: WORKER_MODEL__PIPELINE)")
     submit.add_argument("uris", nargs="*", help="image URIs, or one s3://bucket/prefix/ to list")
+    submit.add_argument(
+        "--wait", action="store_true", help="then follow the job as `watch` does (exit 0/4/5)"
+    )
+    submit.add_argument("--timeout-s", type=float, default=3600.0, help="with --wait")
+    follow = commands.add_parser(
+        "watch",
+        help="follow a job: live progress (ok, error, missing, rate, ETA), then the summary; "
+        "exit 0 all ok, 4 some error, 5 some missing when it ends",
+    )
+    follow.add_argument("--job", required=True, help="job id")
+    follow.add_argument(
+        "--timeout-s", type=float, default=3600.0, help="stop following after this long"
+    )
+    follow.add_argument(
+        "--interval-s", type=float, default=1.0, help="seconds between lines off a terminal"
+    )
     results = commands.add_parser("results", help="print a job's results and a summary")
     results.add_argument("--job", required=True, help="job id")
     commands.add_parser("check", help="validate settings and reach NATS, S3 and the model")
@@ -77,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         "run": _run,
         "submit": _submit,
         "results": _results,
+        "watch": _watch,
         "check": _check,
         "provision": _provision,
     }
@@ -135,13 +152,37 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
     pipeline = args.pipeline or name_of(settings.model.pipeline)
     nc = await connect(settings.nats, name="inference-worker-submit")
     try:
-        count = await publish_tasks(
-            nc.jetstream(), settings.nats, pipeline, make_tasks(args.job, uris)
-        )
+        js = nc.jetstream()
+        count = await publish_tasks(js, settings.nats, pipeline, make_tasks(args.job, uris))
+        print(f"submitted {count} tasks for job {args.job} on tasks.{pipeline}.<job>", flush=True)
+        if not args.wait:
+            return EXIT_OK
+        return await _follow(js, settings, args.job, args.timeout_s, 1.0)
     finally:
         await nc.close()
-    print(f"submitted {count} tasks for job {args.job} on tasks.{pipeline}.<job>")
-    return EXIT_OK
+
+
+async def _watch(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.transport import connect
+
+    nc = await connect(settings.nats, name="inference-worker-watch")
+    try:
+        return await _follow(nc.jetstream(), settings, args.job, args.timeout_s, args.interval_s)
+    finally:
+        await nc.close()
+
+
+async def _follow(
+    js: Any, settings: Settings, job: str, timeout_s: float, interval_s: float
+) -> int:
+    """Progress on stderr (a bar on a terminal, lines otherwise); the exit code says how the
+    job ended: 0 every task ok, 4 some ended in error, 5 some have no result yet."""
+    from worker.progress import watch_job
+
+    progress = await watch_job(
+        js, settings.nats, job, sys.stderr, timeout_s=timeout_s, interval_s=interval_s
+    )
+    return progress.exit_code()
 
 
 async def _results(settings: Settings, args: argparse.Namespace) -> int:

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from config.settings import port_for
+
 RUNNING = 20  # supervisor's ProcessStates.RUNNING
 
 
@@ -39,9 +41,10 @@ def probe(url: str, timeout_s: float) -> Probe:
 
 
 def process_port(name: str, port_base: int) -> int | None:
-    """``inference-worker_03`` -> port_base + 3 (the program's process_name convention)."""
+    """``inference-worker_03`` -> port_base + 3 (the program's process_name convention, and the
+    worker's own rule, ``config.settings.port_for``)."""
     _, _, number = name.rpartition("_")
-    return port_base + int(number) if number.isdigit() else None
+    return port_for(port_base, int(number)) if number.isdigit() else None
 
 
 @dataclass

@@ -73,11 +73,7 @@ class Settler:
         await _settle_message(msg.ack, bound)
         outcome = result["status"]
         self.count(outcome)
-        error = result["error"]
-        if error:
-            bound.warning("task_failed", error_type=error["type"], error=error["message"])
-        else:
-            bound.debug("task_done")
+        _log_done(bound, result)
         return str(outcome)
 
     async def _store_or_smaller(
@@ -244,3 +240,16 @@ async def _settle_message(action: Callable[[], Awaitable[None]], bound: Any) -> 
         await action()
     except (nats.errors.Error, TimeoutError) as error:
         bound.warning("settle_message_failed", action=action.__name__, error=str(error))
+
+
+def _log_done(bound: Any, result: dict[str, Any]) -> None:
+    """The one line per completed task (README, "Logs"): its ids, status, attempt and stage
+    timings; an error's type and scrubbed message. INFO when ok, WARNING when not."""
+    fields: dict[str, Any] = {"status": result["status"], **result["timings_s"]}
+    error = result["error"]
+    if error:
+        bound.warning("task_done", **fields, error_type=error["type"], error=error["message"])
+        return
+    response = result.get("response") or {}
+    detections = response.get("detections")
+    bound.info("task_done", **fields, detections=len(detections) if detections else 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import os
 import shutil
 import signal
@@ -23,7 +24,7 @@ GROUP = "inference-worker"
 
 
 def free_port_base() -> int:
-    """A free port ending in 0, so process N listens on base + N as the config says."""
+    """A free port with two free ones after it: process N listens on base + N."""
     for _ in range(200):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
@@ -54,8 +55,7 @@ class Supervisord:
         shutil.copy(DEPLOY / "supervisord.conf", self.conf_dir / "supervisord.conf")
         program = (DEPLOY / "inference-worker.conf").read_text()
         for old, new in (
-            ("946%(process_num)d", f"{self.port_base // 10}%(process_num)d"),
-            ("--port-base 9460", f"--port-base {self.port_base} --timeout-s 2"),
+            ("--failures 2", "--failures 2 --timeout-s 2"),
             ("--startup-grace-s 120", "--startup-grace-s 15"),
             ("stopwaitsecs=60", f"stopwaitsecs={stopwaitsecs}"),
             ("startsecs=10", "startsecs=2"),
@@ -73,6 +73,8 @@ class Supervisord:
             "IW_ENV_FILE": str(work_dir),
             "IW_NUMPROCS": "1",
             "IW_DEVICES": "cpu",
+            "IW_USER": getpass.getuser(),
+            "IW_METRICS_PORT_BASE": str(self.port_base),
         }
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -101,6 +101,8 @@ async def test_antenna_tasks_through_a_plugin_pipeline_give_boxes_in_source_pixe
             {"id": 100 + i, "image_id": f"img-{i}", "image_url": f"s3://{bucket}/scene/{i}.jpg",
              "reply_subject": f"antenna.reply.{i}"}
         )  # fmt: skip
+    missing = f"s3://{bucket}/scene/gone.jpg?X-Amz-Signature=hunter2"  # a presigned-like URL
+    tasks.append({"id": 199, "image_id": "gone", "image_url": missing})
     job = "8123"
     assert cli("provision", env=env).returncode == 0
     await _publish_antenna_tasks(settings, "toy-moths", job, tasks)
@@ -109,7 +111,28 @@ async def test_antenna_tasks_through_a_plugin_pipeline_give_boxes_in_source_pixe
     assert done.returncode == 0, done.stderr[-3000:]
     results, summary = _results(env, job)
 
-    assert summary == "ok=3 error=0 missing=0"
+    assert summary == "ok=3 error=1 missing=0"
+    # One log line per completed task, with stable fields, and nothing secret in any line.
+    lines = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    done_lines = {line["task_id"]: line for line in lines if line["event"] == "task_done"}
+    assert set(done_lines) == {"100", "101", "102", "199"}
+    for task_id in ("100", "101", "102"):
+        line = done_lines[task_id]
+        assert (line["level"], line["status"], line["job_id"], line["attempt"]) == (
+            "info",
+            "ok",
+            job,
+            1,
+        )
+        assert {"load_s", "infer_s", "total_s", "detections", "timestamp"} <= set(line)
+    failed = done_lines["199"]
+    assert (failed["level"], failed["status"], failed["error_type"]) == (
+        "warning",
+        "error",
+        "object_missing",
+    )
+    assert "hunter2" not in done.stderr
+    results = [r for r in results if r["task_id"] != "199"]
     sha256 = hashlib.sha256(weights.read_bytes()).hexdigest()
     for result in sorted(results, key=lambda r: r["task_id"]):
         i = int(result["task_id"]) - 100
