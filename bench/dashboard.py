@@ -105,9 +105,7 @@ async def run(images: int, out: Path) -> None:
                 WORKER_METRICS__PORT=str(ports[index]),
                 WORKER_LOADER__TIMEOUT_S="10",
                 **(
-                    {"WORKER_FAULTS__DROP_ONCE_FILE": str(w.workdir / "drop")}
-                    if index == 1
-                    else {}
+                    {"WORKER_FAULTS__DROP_ONCE_FILE": str(w.workdir / "drop")} if index == 1 else {}
                 ),
             )
             for index in (0, 1)
@@ -118,7 +116,7 @@ async def run(images: int, out: Path) -> None:
         try:
             start = time.time()
             await asyncio.sleep(20)  # workers start; an idle stretch on the charts
-            nc = await connect_retrying(w)
+            nc = await connect(_nats(w), name="bench-dashboard")
             js = nc.jetstream()
             for wave in range(3):
                 part = uris[wave::3]
@@ -138,10 +136,6 @@ def _nats(w: Any) -> Any:
     from config.settings import load_settings
 
     return load_settings(for_worker=False, nats={"url": w.nats.url}).nats
-
-
-async def connect_retrying(w: Any) -> Any:
-    return await connect(_nats(w), name="bench-dashboard")
 
 
 def main() -> None:

@@ -140,6 +140,8 @@ class Metrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=registry,
         )
+        for stage in ("load", "infer", "store"):  # every series there from the start
+            self.batch_seconds.labels(stage)
         self.loader_restarts = Counter(
             f"{PREFIX}_loader_restarts",
             "DataLoader rebuilds after a timeout or a dead loader child.",

@@ -167,3 +167,72 @@ class S3Server:
 
     def __exit__(self, *_exc: object) -> None:
         self.stop()
+
+
+class PrometheusServer:
+    """A Prometheus (Debian's ``prometheus`` package) scraping ``targets`` every second with
+    the project's alert rules, its ``for:`` durations replaced by ``rule_for`` when given (so a
+    test need not wait minutes). For the alert tests and ``bench.dashboard``."""
+
+    def __init__(self, work_dir: Path, targets: list[str], rule_for: str | None = None) -> None:
+        self.work_dir = Path(work_dir)
+        self.targets = targets
+        self.rule_for = rule_for
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
+
+    def start(self) -> PrometheusServer:
+        import json
+        import re
+
+        binary = shutil.which("prometheus")
+        if binary is None:
+            raise ServerNotFound("prometheus not found: `apt-get install prometheus`")
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        rules = (Path(__file__).parents[1] / "deploy/prometheus/alerts.yml").read_text()
+        if self.rule_for:
+            rules = re.sub(r"(?m)^(\s+for:) \S+$", rf"\1 {self.rule_for}", rules)
+        (self.work_dir / "alerts.yml").write_text(rules)
+        config = {
+            "global": {
+                "scrape_interval": "1s",
+                "evaluation_interval": "1s",
+                "scrape_timeout": "1s",
+            },
+            "rule_files": [str(self.work_dir / "alerts.yml")],
+            "scrape_configs": [
+                {"job_name": "inference-worker", "static_configs": [{"targets": self.targets}]}
+            ],
+        }
+        (self.work_dir / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+        self._log = open(self.work_dir / "prometheus.log", "wb")  # noqa: SIM115 - closed in stop
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={self.work_dir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={self.work_dir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            _wait_port(self.port, self.proc, "prometheus")
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self._log is not None:
+            self._log.close()
+            self._log = None

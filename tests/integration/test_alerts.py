@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
-import shutil
-import subprocess
 import time
 import urllib.parse
 import urllib.request
@@ -31,11 +28,10 @@ from tests.helpers import (
     worker_env,
     worker_process,
 )
-from worker.localservers import free_port
+from worker.localservers import NatsServer, PrometheusServer, ServerNotFound, free_port
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).parents[2]
 ALERT = "InferenceWorkerStalled"
 WATCH_S = 90.0
 
@@ -47,52 +43,24 @@ def _get(url: str) -> dict:
 
 @contextmanager
 def prometheus(tmp_path: Path, targets: list[str]):
-    """A Prometheus server (Debian's package) on a free port, its own storage, stopped after."""
-    binary = shutil.which("prometheus")
-    if binary is None:
-        _unavailable("prometheus", FileNotFoundError("not on PATH: apt-get install prometheus"))
-    rules = (ROOT / "deploy/prometheus/alerts.yml").read_text()
-    (tmp_path / "alerts.yml").write_text(re.sub(r"(?m)^(\s+for:) \S+$", r"\1 4s", rules))
-    config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
-        "rule_files": [str(tmp_path / "alerts.yml")],
-        "scrape_configs": [
-            {"job_name": "inference-worker", "static_configs": [{"targets": targets}]}
-        ],
-    }
-    (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
-    port = free_port()
-    log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [
-            binary,
-            f"--config.file={tmp_path / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
+    """A real Prometheus scraping ``targets``; the rules' ``for:`` shortened to 4 s."""
+    server = PrometheusServer(tmp_path / "prometheus", targets, rule_for="4s")
+    try:
+        server.start()
+    except ServerNotFound as error:
+        _unavailable("prometheus", error)
     try:
         deadline = time.monotonic() + 30
         while True:
-            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
             try:
-                urllib.request.urlopen(f"{url}/-/ready", timeout=1).close()
+                urllib.request.urlopen(f"{server.url}/-/ready", timeout=1).close()
                 break
             except OSError:
                 assert time.monotonic() < deadline, "Prometheus never became ready"
                 time.sleep(0.2)
-        yield url
+        yield server.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        log.close()
+        server.stop()
 
 
 def _query(url: str, expr: str) -> list[dict]:
@@ -101,7 +69,7 @@ def _query(url: str, expr: str) -> list[dict]:
 
 
 async def test_the_stall_page_fires_for_a_wedged_worker_only(
-    nats_server, s3_server, bucket, settings_for, tmp_path
+    s3_server, bucket, settings_for, tmp_path
 ):
     quick = {
         "WORKER_LOADER__TIMEOUT_S": "4",
@@ -120,29 +88,18 @@ async def test_the_stall_page_fires_for_a_wedged_worker_only(
         "recovering": {"WORKER_FAULTS__DROP_ONCE_FILE": str(tmp_path / "drop")},
     }
     settings, ports, envs = {}, {}, {}
-    for name in faults:
-        tag = name.upper()
-        settings[name] = settings_for(
-            nats_server.url,
-            nats={
-                "tasks_stream": f"T_{tag}_{bucket[-6:]}",
-                "results_stream": f"R_{tag}_{bucket[-6:]}",
-                "dead_letter_stream": f"D_{tag}_{bucket[-6:]}",
-                "advisory_stream": f"A_{tag}_{bucket[-6:]}",
-                "consumer": f"c-{name}",
-                "result_objects": f"O_{tag}_{bucket[-6:]}",
-                "algorithms": f"G_{tag}_{bucket[-6:]}",
-            },
-        )
-        ports[name] = free_port()
-        envs[name] = worker_env(
-            settings[name], WORKER_METRICS__PORT=str(ports[name]), **quick, **faults[name]
-        )
-    instance = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
-    s3 = s3_server.client()
-    uris = upload_images(s3, bucket, 6)
+    uris = upload_images(s3_server.client(), bucket, 6)
 
     with ExitStack() as stack:
+        for name in faults:  # a server each: the three workers' streams share their subjects
+            server = NatsServer(store_dir=str(tmp_path / f"nats-{name}")).start()
+            stack.callback(server.stop)
+            settings[name] = settings_for(server.url)
+            ports[name] = free_port()
+            envs[name] = worker_env(
+                settings[name], WORKER_METRICS__PORT=str(ports[name]), **quick, **faults[name]
+            )
+        instance = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
         procs = {
             name: stack.enter_context(worker_process(envs[name], tmp_path / f"{name}.log"))
             for name in faults
