@@ -103,7 +103,10 @@ async def run(images: int, out: Path) -> None:
                 f"worker-{index}.log",
                 WORKER_PROCESS_INDEX=str(index),
                 WORKER_METRICS__PORT=str(ports[index]),
-                WORKER_LOADER__TIMEOUT_S="10",
+                WORKER_LOADER__TIMEOUT_S="10",  # a dropped result shows as a restart soon
+                WORKER_S3__CONNECT_TIMEOUT_S="1",
+                WORKER_S3__READ_TIMEOUT_S="2",
+                WORKER_S3__MAX_ATTEMPTS="2",
                 **(
                     {"WORKER_FAULTS__DROP_ONCE_FILE": str(w.workdir / "drop")} if index == 1 else {}
                 ),
