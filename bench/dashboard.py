@@ -33,6 +33,21 @@ def _get(url: str) -> Any:
         return json.loads(response.read())
 
 
+def free_port_base() -> int:
+    """A free port with a free one after it."""
+    import socket
+
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two free ports in a row")
+
+
 def panels() -> list[dict[str, Any]]:
     def walk(items):
         for item in items:
@@ -96,13 +111,14 @@ async def run(images: int, out: Path) -> None:
         for i in range(0, images, 25):  # one in 25 corrupt: the error outcome has data
             s3.put_object(Bucket="dashboard", Key=f"img/{i:05d}-corrupt.jpg", Body=corrupt_bytes(i))
             uris[i] = f"s3://dashboard/img/{i:05d}-corrupt.jpg"
-        ports = [free_port(), free_port()]
+        base = free_port_base()
+        ports = [base, base + 1]  # process N listens on the base + N
         workers = [
             start_worker(
                 w,
                 f"worker-{index}.log",
                 WORKER_PROCESS_INDEX=str(index),
-                WORKER_METRICS__PORT=str(ports[index]),
+                WORKER_METRICS__PORT=str(base),
                 WORKER_LOADER__TIMEOUT_S="10",  # a dropped result shows as a restart soon
                 WORKER_S3__CONNECT_TIMEOUT_S="1",
                 WORKER_S3__READ_TIMEOUT_S="2",

@@ -161,6 +161,11 @@ class ModelSettings(BaseModel):
         "ones are published once per algorithm (README, Results)",
         ge=0,
     )
+    precision: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="the forward passes' precision: float32, or autocast to bfloat16 or float16 "
+        "(README, The GPU path: how often labels change)",
+    )
     detector_batch_size: int = Field(4, description="images per detector forward pass", ge=1)
     crop_batch_size: int = Field(64, description="crops per classifier forward pass", ge=1)
     torch_threads: int = Field(
@@ -257,7 +262,9 @@ class Settings(BaseSettings):
     guards: GuardSettings = Field(default_factory=GuardSettings)
     faults: FaultSettings = Field(default_factory=FaultSettings)
     process_index: int = Field(
-        0, description="this process's number among its siblings (supervisord's process_num)"
+        0,
+        ge=0,
+        description="this process's number among its siblings (supervisord's process_num)",
     )
 
     @model_validator(mode="after")

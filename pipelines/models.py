@@ -17,6 +17,7 @@ from config.errors import ConfigError, PermanentError
 from datasets.sources import SourceConfig, read_trusted
 from pipelines import architectures
 from pipelines.declare import Classifier, Detector
+from pipelines.device import autocast
 
 LABELS_FILE = "labels.txt"
 NO_WEIGHTS = "none"
@@ -116,9 +117,16 @@ def _load(
 class ClassifierModel:
     """Logits for a batch of square uint8 images, normalised as the model was trained."""
 
-    def __init__(self, stage: Classifier, sources: SourceConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        stage: Classifier,
+        sources: SourceConfig,
+        device: torch.device,
+        precision: str = "float32",
+    ) -> None:
         self.stage = stage
         self.device = device
+        self.precision = precision
         labels = _labels(stage, sources)
         unknown = [label for label in stage.keep if label not in labels]
         if unknown:
@@ -137,15 +145,13 @@ class ClassifierModel:
         self.logits(torch.zeros((2, 3, pre.size, pre.size), dtype=torch.uint8))
 
     def logits(self, images: torch.Tensor) -> torch.Tensor:
-        """``images``: (N, 3, S, S) uint8 on the host. Returns (N, classes) float32 on the host."""
-        on_gpu = self.device.type == "cuda"
-        if on_gpu:
-            images = images.pin_memory()
+        """``images``: (N, 3, S, S) uint8, on the host or already on the device. Returns
+        (N, classes) float32 on the host."""
         with torch.inference_mode():
-            batch = images.to(self.device, non_blocking=on_gpu)
-            batch = batch.to(dtype=torch.float32, memory_format=torch.channels_last)
+            batch = images.to(self.device, dtype=torch.float32, memory_format=torch.channels_last)
             batch = torch.addcmul(self._shift, batch, self._scale)  # (x - mean) / std, one pass
-            out = self.model(batch)
+            with autocast(self.device, self.precision):
+                out = self.model(batch)
             if not isinstance(out, torch.Tensor) or out.shape != (
                 len(images),
                 len(self.algorithm.labels),
@@ -174,9 +180,16 @@ class Boxes:
 
 
 class DetectorModel:
-    def __init__(self, stage: Detector, sources: SourceConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        stage: Detector,
+        sources: SourceConfig,
+        device: torch.device,
+        precision: str = "float32",
+    ) -> None:
         self.stage = stage
         self.device = device
+        self.precision = precision
         labels = _labels(stage, sources)
         options = {
             "min_size": stage.min_size,
@@ -194,7 +207,8 @@ class DetectorModel:
         at most ``max_detections`` each, best first, at or over the score threshold."""
         with torch.inference_mode():
             batch = [image.to(self.device).float().div_(255.0) for image in images]
-            outputs = self.model(batch)
+            with autocast(self.device, self.precision):
+                outputs = self.model(batch)
         found = []
         for image, out in zip(images, outputs, strict=True):
             _, height, width = image.shape

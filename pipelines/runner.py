@@ -20,6 +20,7 @@ import torch
 from config.errors import ConfigError, TransientError
 from datasets.images import Decoded, DecodePlan, resize_square
 from pipelines.declare import Pipeline
+from pipelines.device import CopyStats, to_device_overlapped
 from pipelines.models import Algorithm, ClassifierModel, DetectorModel
 
 Scores = Literal["all", "top_k"]
@@ -66,6 +67,13 @@ class Runner:
         self.filter = filter
         self.classifier = classifier
         self.output = output
+        self.copies = CopyStats()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the stages run (all on one device)."""
+        stages = [m for m in (self.detector, self.filter, self.classifier) if m is not None]
+        return stages[0].device
 
     def algorithms(self) -> list[Algorithm]:
         return [m.algorithm for m in (self.detector, self.filter, self.classifier) if m]
@@ -80,13 +88,23 @@ class Runner:
     def _classify_whole(
         self, images: Sequence[Decoded], classifier: ClassifierModel
     ) -> list[list[dict[str, Any]]]:
-        size = classifier.stage.preprocess.size
-        squares = [
-            resize_square(torch.from_numpy(image.pixels), size, classifier.stage.preprocess.resize)
-            for image in images
-        ]
+        pre = classifier.stage.preprocess
+        step = self.output.crop_batch
+        host = (
+            torch.stack(
+                [
+                    resize_square(torch.from_numpy(image.pixels), pre.size, pre.resize)
+                    for image in images[start : start + step]
+                ]
+            )
+            for start in range(0, len(images), step)
+        )
         started = time.perf_counter()
-        logits = classifier.logits(torch.stack(squares))
+        parts = [
+            classifier.logits(batch)
+            for batch in to_device_overlapped(host, classifier.device, self.copies)
+        ]
+        logits = torch.cat(parts)
         each_s = (time.perf_counter() - started) / len(images)
         return [
             [
@@ -185,14 +203,19 @@ class Runner:
     ) -> Iterator[tuple[list[_Crop], torch.Tensor, float]]:
         pre = model.stage.preprocess
         step = self.output.crop_batch
-        for start in range(0, len(crops), step):
-            chunk = crops[start : start + step]
-            batch = torch.stack(
+        chunks = [crops[start : start + step] for start in range(0, len(crops), step)]
+        host = (
+            torch.stack(
                 [
                     resize_square(_cut(images[c.image].pixels, c.box), pre.size, pre.resize)
                     for c in chunk
                 ]
             )
+            for chunk in chunks
+        )
+        # On CUDA the next chunk is cut, pinned and copied while this one runs.
+        moved = to_device_overlapped(host, model.device, self.copies)
+        for chunk, batch in zip(chunks, moved, strict=True):
             started = time.perf_counter()
             logits = model.logits(batch)
             yield chunk, logits, (time.perf_counter() - started) / len(chunk)
@@ -249,18 +272,21 @@ def _cut(pixels: np.ndarray, box: tuple[float, float, float, float]) -> torch.Te
     return torch.from_numpy(np.ascontiguousarray(pixels[:, y1:y2, x1:x2]))
 
 
-def load_runner(pipeline: Pipeline, sources: Any, device: str, output: Output) -> Runner:
+def load_runner(
+    pipeline: Pipeline, sources: Any, device: str, output: Output, precision: str = "float32"
+) -> Runner:
     """Every stage of ``pipeline`` loaded on ``device`` (weights read once, here). ConfigError
     for anything that stops it loading, but a TransientError (its weights' store is down)."""
     from pipelines.models import resolve_device
 
     try:
         where = resolve_device(device)
+        d, f, c = pipeline.detector, pipeline.filter, pipeline.classifier
         return Runner(
             pipeline,
-            DetectorModel(pipeline.detector, sources, where) if pipeline.detector else None,
-            ClassifierModel(pipeline.filter, sources, where) if pipeline.filter else None,
-            ClassifierModel(pipeline.classifier, sources, where) if pipeline.classifier else None,
+            DetectorModel(d, sources, where, precision) if d else None,
+            ClassifierModel(f, sources, where, precision) if f else None,
+            ClassifierModel(c, sources, where, precision) if c else None,
             output,
         )
     except (ConfigError, TransientError):

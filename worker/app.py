@@ -21,13 +21,14 @@ from config.settings import (
 )
 from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.sources import SourceConfig
+from pipelines.device import memory_bytes, visibility
 from pipelines.runner import Runner, load_runner
 from pipelines.setup import Chosen, choose, model_info
 from worker.advisories import ExhaustedTasks
 from worker.engine import Engine
 from worker.exits import Exit
 from worker.guards import ResourceGuard
-from worker.health import PREFIX, HealthServer, Liveness, Metrics
+from worker.health import PREFIX, DeviceCollector, HealthServer, Liveness, Metrics
 from worker.ports import Loading
 from worker.procstats import ProcessTreeCollector
 from worker.results import ResultStore, publish_algorithms
@@ -88,6 +89,9 @@ class WorkerApp:
             self.nc.jetstream(), s.nats, [a.config() for a in runner.algorithms()]
         )
         metrics = self._build_health(liveness, engine.loader.child_pids)
+        metrics.registry.register(
+            DeviceCollector(lambda: memory_bytes(runner.device), lambda: engine.out_of_memory)
+        )
         settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
         services = Services(
             source=feed,
@@ -121,11 +125,11 @@ class WorkerApp:
         import torch
 
         torch.set_num_threads(torch_threads(s, os.cpu_count()))
-        device = chosen_device(s)
-        if device.startswith(("MIG-", "GPU-")):
-            # A MIG slice or a GPU by UUID: make it the only visible device, before CUDA starts.
-            os.environ["CUDA_VISIBLE_DEVICES"] = device
-            device = "cuda:0"
+        visible, device = visibility(chosen_device(s))
+        if visible is not None:
+            # A GPU by index or UUID, or a MIG slice: the only device this process sees, set
+            # before CUDA starts.
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
         held = max_held_tasks(s, chosen.plan.max_image_bytes())
         config = LoaderConfig(
             num_workers=s.loader.num_workers,
@@ -146,7 +150,9 @@ class WorkerApp:
         # process answers /healthz sooner.
         started, runner = await asyncio.gather(
             loop.run_in_executor(self.engine_thread, loader.start),
-            asyncio.to_thread(load_runner, chosen.pipeline, sources, device, chosen.output),
+            asyncio.to_thread(
+                load_runner, chosen.pipeline, sources, device, chosen.output, s.model.precision
+            ),
             return_exceptions=True,
         )
         failed = next((r for r in (runner, started) if isinstance(r, BaseException)), None)

@@ -39,20 +39,23 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--pipeline", help="pipeline (default: WORKER_MODEL__PIPELINE)")
     submit.add_argument("uris", nargs="*", help="image URIs, or one s3://bucket/prefix/ to list")
     submit.add_argument(
-        "--wait", action="store_true", help="then follow the job as `watch` does (exit 0/4/5)"
+        "--wait", action="store_true", help="then follow the job as `watch` does (exit 0/10/11)"
     )
     submit.add_argument("--timeout-s", type=float, default=3600.0, help="with --wait")
     follow = commands.add_parser(
         "watch",
         help="follow a job: live progress (ok, error, missing, rate, ETA), then the summary; "
-        "exit 0 all ok, 4 some error, 5 some missing when it ends",
+        "exit 0 all ok, 10 some error, 11 some missing when it ends, 1 no tasks",
     )
     follow.add_argument("--job", required=True, help="job id")
     follow.add_argument(
         "--timeout-s", type=float, default=3600.0, help="stop following after this long"
     )
     follow.add_argument(
-        "--interval-s", type=float, default=1.0, help="seconds between lines off a terminal"
+        "--interval-s",
+        type=_positive,
+        default=1.0,
+        help="seconds between refreshes (lines off a terminal)",
     )
     results = commands.add_parser("results", help="print a job's results and a summary")
     results.add_argument("--job", required=True, help="job id")
@@ -67,6 +70,13 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--startup-grace-s", type=float, default=120.0)
     watch.add_argument("--timeout-s", type=float, default=5.0, help="wait for /healthz")
     return parser
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,11 +163,14 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
     nc = await connect(settings.nats, name="inference-worker-submit")
     try:
         js = nc.jetstream()
-        count = await publish_tasks(js, settings.nats, pipeline, make_tasks(args.job, uris))
-        print(f"submitted {count} tasks for job {args.job} on tasks.{pipeline}.<job>", flush=True)
+        tasks = make_tasks(args.job, uris)
+        count = await publish_tasks(js, settings.nats, pipeline, tasks)
+        said = f"submitted {count} tasks for job {args.job} on tasks.{pipeline}.<job>"
         if not args.wait:
+            print(said)
             return EXIT_OK
-        return await _follow(js, settings, args.job, args.timeout_s, 1.0)
+        print(said, file=sys.stderr, flush=True)  # stdout stays empty with --wait
+        return await _follow(js, settings, args.job, args.timeout_s, 1.0, len(tasks))
     finally:
         await nc.close()
 
@@ -173,15 +186,35 @@ async def _watch(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _follow(
-    js: Any, settings: Settings, job: str, timeout_s: float, interval_s: float
+    js: Any,
+    settings: Settings,
+    job: str,
+    timeout_s: float,
+    interval_s: float,
+    expected: int | None = None,
 ) -> int:
     """Progress on stderr (a bar on a terminal, lines otherwise); the exit code says how the
-    job ended: 0 every task ok, 4 some ended in error, 5 some have no result yet."""
+    job ended: 0 every task ok, 10 some ended in error, 11 some have no result yet (missing
+    wins over error), 1 the job has no tasks on its subjects."""
+    from nats.js.errors import NotFoundError
+
     from worker.progress import watch_job
 
-    progress = await watch_job(
-        js, settings.nats, job, sys.stderr, timeout_s=timeout_s, interval_s=interval_s
-    )
+    try:
+        progress = await watch_job(
+            js,
+            settings.nats,
+            job,
+            sys.stderr,
+            timeout_s=timeout_s,
+            interval_s=interval_s,
+            expected=expected,
+        )
+    except NotFoundError as error:
+        print(
+            f"cannot follow job {job}: {error}; run `inference-worker provision`", file=sys.stderr
+        )
+        return EXIT_FAILED
     return progress.exit_code()
 
 

@@ -11,6 +11,7 @@ import structlog
 from config.errors import Failure, LoaderFailure, LoaderGaveUp, PermanentError
 from datasets.images import Decoded
 from datasets.loader import Loaded, LoadRequest, StreamingLoader
+from pipelines.device import is_out_of_memory, release_cached_memory
 from worker.ports import BatchReport
 from worker.schemas import Verdict
 
@@ -32,12 +33,15 @@ class Engine:
         predictor: Predictor,
         max_consecutive_failures: int = 3,
         heartbeat: Callable[[], None] = lambda: None,
+        release_memory: Callable[[], None] = release_cached_memory,
     ) -> None:
         self.loader = loader
         self.predictor = predictor
         self.max_consecutive_failures = max_consecutive_failures
         self.consecutive_failures = 0
         self._heartbeat = heartbeat
+        self._release_memory = release_memory
+        self.out_of_memory = 0  # batches split for lack of device memory (a metric)
         self._stash: dict[int, Loaded] = {}
 
     def start(self) -> None:
@@ -126,12 +130,15 @@ class Engine:
 
     def _infer(self, keys: list[int], loaded: dict[int, Loaded]) -> dict[int, Verdict]:
         """The batch's forward pass; if it fails, each image alone, so one image that breaks
-        the model (or its output) fails alone and its batch-mates keep their deliveries."""
+        the model (or its output) fails alone and its batch-mates keep their deliveries. Out of
+        device memory, the batch is halved instead, down to one image (``_split``)."""
         if not keys:
             return {}
         try:
             return self._forward(keys, loaded)
         except Exception as error:  # noqa: BLE001 - the model is the user's code: a result each
+            if is_out_of_memory(error):
+                return self._split(keys, loaded)
             if len(keys) == 1:
                 return {keys[0]: _failed(error)}
             log.warning("batch_failed_trying_each_image", batch=len(keys), error=repr(error))
@@ -142,6 +149,19 @@ class Engine:
             except Exception as error:  # noqa: BLE001 - recorded in the task's result
                 outcomes[key] = _failed(error)
         return outcomes
+
+    def _split(self, keys: list[int], loaded: dict[int, Loaded]) -> dict[int, Verdict]:
+        """Out of device memory: trim the allocator's cache, then run each half on its own; an
+        image that does not fit alone gets ``too_large_for_device``. The process keeps going."""
+        self.out_of_memory += 1
+        self._release_memory()
+        if len(keys) == 1:
+            log.warning("image_too_large_for_device", key=keys[0])
+            message = "out of device memory with this image alone (try a smaller MAX_SIDE)"
+            return {keys[0]: Verdict(failure=Failure("too_large_for_device", message))}
+        half = len(keys) // 2
+        log.warning("out_of_device_memory_splitting_batch", batch=len(keys), into=half)
+        return {**self._infer(keys[:half], loaded), **self._infer(keys[half:], loaded)}
 
     def _forward(self, keys: list[int], loaded: dict[int, Loaded]) -> dict[int, Verdict]:
         started = time.perf_counter()

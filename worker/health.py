@@ -149,6 +149,37 @@ class Metrics:
         )
 
 
+class DeviceCollector:
+    """Device memory of this process (allocated, reserved, peak) and the batches split for lack
+    of it. ``memory`` returns nothing off CUDA, and then no memory series is exported."""
+
+    def __init__(
+        self, memory: Callable[[], dict[str, float]], out_of_memory: Callable[[], int]
+    ) -> None:
+        self._memory = memory
+        self._out_of_memory = out_of_memory
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        values = self._memory()
+        if values:
+            family = GaugeMetricFamily(
+                f"{PREFIX}_device_memory_bytes",
+                "CUDA memory of this process: allocated, reserved (the caching allocator's), "
+                "peak allocated.",
+                labels=["kind"],
+            )
+            for kind, value in values.items():
+                family.add_metric([kind], value)
+            yield family
+        yield CounterMetricFamily(
+            f"{PREFIX}_out_of_memory_splits",
+            "Batches halved after running out of device memory.",
+            value=float(self._out_of_memory()),
+        )
+
+
 class BatchObserver:
     """After each batch: progress for liveness, metrics, the batch's log line, and the
     resource guards, which ask for a fresh process through ``on_limit``."""

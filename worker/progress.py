@@ -1,9 +1,10 @@
 """Job progress for the person who submits it: ``submit --wait`` and ``watch --job J``.
 
-Counts come from the job's own subjects only: its tasks (``tasks.*.<job>``, counted by the
-server) and its results (``results.<job>.>``, read once each through one ephemeral consumer),
-so a large job costs one pass over its results, not one per refresh. On a terminal the line is
-a redrawn bar; otherwise one plain line per interval. No torch here.
+Counts come from the job's own subjects only: its distinct task ids (``tasks.*.<job>``, read
+at the start and again every ``_RECOUNT_EVERY`` refreshes) and its results
+(``results.<job>.>``, each read once through one ephemeral consumer, deleted at the end), so
+a large job costs one pass over its results, not one per refresh. On a terminal the line is a
+redrawn bar; otherwise one plain line per interval. No torch here.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from worker.schemas import subject_token
 
 _READ_BATCH = 512
 _BAR_CELLS = 30
+_RECOUNT_EVERY = 30
 
-# Exit codes of submit --wait and watch (README, "Command line").
+# Exit codes of submit --wait and watch (README, "Command line"); missing wins over error.
 EXIT_ALL_OK = 0
-EXIT_SOME_ERROR = 4
-EXIT_SOME_MISSING = 5
+EXIT_NO_TASKS = 1
+EXIT_SOME_ERROR = 10
+EXIT_SOME_MISSING = 11
 
 
 @dataclass
@@ -37,6 +40,7 @@ class Progress:
     ok: int = 0
     error: int = 0
     started_s: float = 0.0
+    done_at_start: int = 0  # results already there when the watch began: not in the rate
 
     @property
     def done(self) -> int:
@@ -48,7 +52,7 @@ class Progress:
 
     def rate(self, now_s: float) -> float:
         elapsed = now_s - self.started_s
-        return self.done / elapsed if elapsed > 0 else 0.0
+        return (self.done - self.done_at_start) / elapsed if elapsed > 0 else 0.0
 
     def eta_s(self, now_s: float) -> float | None:
         rate = self.rate(now_s)
@@ -58,6 +62,8 @@ class Progress:
         return f"ok={self.ok} error={self.error} missing={self.missing}"
 
     def exit_code(self) -> int:
+        if self.total == 0:
+            return EXIT_NO_TASKS
         if self.missing:
             return EXIT_SOME_MISSING
         return EXIT_SOME_ERROR if self.error else EXIT_ALL_OK
@@ -79,13 +85,10 @@ def render(progress: Progress, now_s: float, tty: bool) -> str:
 
 
 async def job_task_count(js: JetStreamContext, settings: NatsSettings, job_id: str) -> int:
-    """Tasks of the job in the tasks stream (its own subjects), counted by the server."""
-    info = await js.stream_info(settings.tasks_stream, subjects_filter=_tasks_of(job_id))
-    return sum((info.state.subjects or {}).values())
+    """Distinct task ids of the job in the tasks stream (its own subjects only)."""
+    from worker.client import job_task_ids
 
-
-def _tasks_of(job_id: str) -> str:
-    return f"tasks.*.{subject_token(job_id)}"
+    return len(await job_task_ids(js, settings, job_id))
 
 
 class ResultCounter:
@@ -96,6 +99,7 @@ class ResultCounter:
         self._settings = settings
         self._job_id = job_id
         self._sub: Any = None
+        self._name = ""
         self.seen: set[str] = set()
 
     async def open(self) -> None:
@@ -105,9 +109,10 @@ class ResultCounter:
             config=api.ConsumerConfig(
                 ack_policy=api.AckPolicy.NONE,
                 deliver_policy=api.DeliverPolicy.ALL,
-                inactive_threshold=60.0,
+                inactive_threshold=300.0,  # outlives an outage; deleted by close() anyway
             ),
         )
+        self._name = (await self._sub.consumer_info()).name
 
     async def read(self, progress: Progress, wait_s: float) -> None:
         """Count what arrived, waiting at most ``wait_s`` for something new."""
@@ -131,11 +136,13 @@ class ResultCounter:
                 progress.error += 1
 
     async def close(self) -> None:
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except nats.errors.Error:
-                pass
+        if self._sub is None:
+            return
+        try:
+            await self._sub.unsubscribe()
+            await self._js.delete_consumer(self._settings.results_stream, self._name)
+        except (nats.errors.Error, TimeoutError):
+            pass  # the server drops it after its inactive threshold anyway
 
 
 async def watch_job(
@@ -150,24 +157,40 @@ async def watch_job(
     clock: Callable[[], float] = time.monotonic,
 ) -> Progress:
     """Follow the job until every task has a result or ``timeout_s`` passes; draw progress on
-    ``out`` and end with the summary line. Returns the final counts."""
+    ``out`` and end with the summary line. Returns the final counts (``total`` 0: the job has
+    no tasks on its own subjects). A NATS error while following is waited out to the
+    deadline; only a missing stream at the start raises."""
     tty = out.isatty()
     total = expected if expected is not None else await job_task_count(js, settings, job_id)
     progress = Progress(total=total, started_s=clock())
+    if total == 0:
+        out.write(
+            f"job {job_id}: no tasks on tasks.*.{subject_token(job_id)} (submit publishes "
+            "there; tasks on tasks.<pipeline> alone cannot be followed)\n"
+        )
+        return progress
     counter = ResultCounter(js, settings, job_id)
     await counter.open()
     deadline = clock() + timeout_s
     last_line = -interval_s
+    refreshes = 0
     try:
         while True:
-            await counter.read(progress, wait_s=min(interval_s, max(0.05, deadline - clock())))
-            if expected is None:
-                progress.total = max(progress.total, await job_task_count(js, settings, job_id))
+            try:
+                await counter.read(progress, wait_s=min(interval_s, max(0.05, deadline - clock())))
+                refreshes += 1
+                if refreshes == 1:
+                    progress.done_at_start = progress.done
+                if expected is None and refreshes % _RECOUNT_EVERY == 0:
+                    progress.total = max(progress.total, await job_task_count(js, settings, job_id))
+            except (nats.errors.Error, TimeoutError) as error:
+                out.write(f"\nNATS: {type(error).__name__}; still following until the timeout\n")
+                await asyncio.sleep(min(interval_s, max(0.0, deadline - clock())))
             progress.total = max(progress.total, progress.done)
             now = clock()
-            finished = progress.missing == 0 and progress.total > 0
+            finished = progress.missing == 0
             if tty:
-                out.write("\r" + render(progress, now, tty=True))
+                out.write("\r\x1b[K" + render(progress, now, tty=True))
                 out.flush()
             elif now - last_line >= interval_s or finished or now >= deadline:
                 out.write(render(progress, now, tty=False) + "\n")
@@ -175,7 +198,6 @@ async def watch_job(
                 last_line = now
             if finished or now >= deadline:
                 break
-            await asyncio.sleep(0)
     finally:
         await counter.close()
     if tty:

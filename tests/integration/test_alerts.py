@@ -76,7 +76,7 @@ async def test_the_stall_page_fires_for_a_wedged_worker_only(
         "WORKER_S3__CONNECT_TIMEOUT_S": "0.5",
         "WORKER_S3__READ_TIMEOUT_S": "1",
         "WORKER_S3__MAX_ATTEMPTS": "2",
-        "WORKER_HEALTH__STALL_TIMEOUT_S": "6",
+        "WORKER_HEALTH__STALL_TIMEOUT_S": "12",  # three times the loader timeout: a margin
         "WORKER_HEALTH__WATCHDOG_TIMEOUT_S": "0",
     }
     faults = {

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import os
 import pty
+import select
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -18,8 +20,9 @@ from worker.progress import Progress, render
 pytestmark = pytest.mark.integration
 
 
-def _on_a_terminal(args: list[str], env: dict[str, str], timeout_s: float = 120) -> tuple[int, str]:
-    """Run the CLI with its stderr on a pty; what it drew there, and its exit code."""
+def _on_a_terminal(args: list[str], env: dict[str, str], timeout_s: float = 90) -> tuple[int, str]:
+    """Run the CLI with its stderr on a pty; what it drew there, and its exit code. Reads
+    until the pty closes or ``timeout_s`` passes; the process is killed if still running."""
     leader, follower = pty.openpty()
     proc = subprocess.Popen(
         [sys.executable, "-m", "worker", *args],
@@ -29,8 +32,12 @@ def _on_a_terminal(args: list[str], env: dict[str, str], timeout_s: float = 120)
     )
     os.close(follower)
     drawn = bytearray()
+    deadline = time.monotonic() + timeout_s
     try:
-        while True:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([leader], [], [], 0.5)
+            if not ready:
+                continue
             try:
                 chunk = os.read(leader, 4096)
             except OSError:  # the pty closed: the process is gone
@@ -38,11 +45,12 @@ def _on_a_terminal(args: list[str], env: dict[str, str], timeout_s: float = 120)
             if not chunk:
                 break
             drawn.extend(chunk)
-        return proc.wait(timeout_s), drawn.decode(errors="replace")
+        return proc.wait(5), drawn.decode(errors="replace")
     finally:
         os.close(leader)
         if proc.poll() is None:
             proc.kill()
+            proc.wait(5)
 
 
 async def test_submit_wait_follows_the_job_and_exits_4_when_a_task_ends_in_error(
@@ -56,11 +64,13 @@ async def test_submit_wait_follows_the_job_and_exits_4_when_a_task_ends_in_error
     env = worker_env(settings)
     async with running_worker(settings):
         code, drawn = await asyncio.to_thread(
-            _on_a_terminal, ["submit", "--job", "job-wait", "--wait", *uris], env
+            _on_a_terminal,
+            ["submit", "--job", "job-wait", "--wait", "--timeout-s", "60", *uris],
+            env,
         )
 
-    assert code == 4, drawn[-2000:]
-    assert "\r[" in drawn and "#" in drawn, "a bar redrawn in place on a terminal"
+    assert code == 10, drawn[-2000:]
+    assert drawn.count("\r\x1b[K[") >= 2 and "#" in drawn, "a bar redrawn in place"
     assert drawn.rstrip().endswith("job job-wait: ok=7 error=1 missing=0")
 
 
@@ -78,7 +88,7 @@ async def test_watch_off_a_terminal_prints_lines_and_exits_5_when_tasks_are_miss
         cli, "watch", "--job", "job-nobody", "--timeout-s", "2", "--interval-s", "0.5", env=env
     )
 
-    assert done.returncode == 5
+    assert done.returncode == 11
     lines = done.stderr.strip().splitlines()
     assert "\r" not in done.stderr and len(lines) >= 3, "plain lines, one per interval"
     assert lines[0].startswith("0/3 ok=0 error=0 missing=3")
@@ -100,3 +110,12 @@ def test_the_line_shows_counts_rate_and_eta():
     progress = Progress(total=10, ok=3, error=1, started_s=100.0)
     assert render(progress, 102.0, tty=False) == ("4/10 ok=3 error=1 missing=6 rate=2.0/s eta=3s")
     assert render(progress, 102.0, tty=True).startswith("[############..................] 4/10")
+
+
+async def test_watch_of_a_job_without_tasks_says_so_and_exits_1(nats_server, settings_for):
+    settings = settings_for(nats_server.url)
+    env = worker_env(settings)
+    assert cli("provision", env=env).returncode == 0
+    done = await asyncio.to_thread(cli, "watch", "--job", "no-such-job", env=env)
+    assert done.returncode == 1
+    assert "job no-such-job: no tasks on tasks.*.no-such-job" in done.stderr

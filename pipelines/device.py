@@ -1,0 +1,111 @@
+"""The device: which GPU a process sees, precision, out-of-memory, and copies that overlap
+compute. Everything here is a no-op or a plain fallback on the CPU, so the same code runs in
+tests without CUDA (README, "The GPU path")."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+Precision = Literal["float32", "bfloat16", "float16"]
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def visibility(entry: str) -> tuple[str | None, str]:
+    """(CUDA_VISIBLE_DEVICES to set before CUDA starts, or None; the torch device to use) for
+    one WORKER_MODEL__DEVICE entry: a GPU or MIG UUID, or ``cuda:N``, becomes the only device
+    the process sees, used as ``cuda:0``; ``cuda``, ``auto`` and ``cpu`` stay as they are."""
+    if entry.startswith(("MIG-", "GPU-")):
+        return entry, "cuda:0"
+    head, _, index = entry.partition(":")
+    if head == "cuda" and index.isdigit():
+        return index, "cuda:0"
+    return None, entry
+
+
+def autocast(device: torch.device, precision: str) -> AbstractContextManager[Any]:
+    """The forward pass's precision: float32 as is, else autocast to bfloat16 or float16."""
+    if precision == "float32":
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=_DTYPES[precision])
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch's own out-of-memory error (CUDA's, or any allocator's that raises it)."""
+    return isinstance(error, torch.OutOfMemoryError)
+
+
+def release_cached_memory() -> None:
+    """After an out-of-memory error: give the caching allocator's free blocks back."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def memory_bytes(device: torch.device) -> dict[str, float]:
+    """Allocated, reserved and peak allocated bytes of ``device``; empty off CUDA."""
+    if device.type != "cuda" or not torch.cuda.is_initialized():
+        return {}
+    return {
+        "allocated": float(torch.cuda.memory_allocated(device)),
+        "reserved": float(torch.cuda.memory_reserved(device)),
+        "peak": float(torch.cuda.max_memory_allocated(device)),
+    }
+
+
+@dataclass
+class CopyStats:
+    """Seconds the compute stream waited for host-to-device copies (the copy overlap)."""
+
+    waited_s: float = 0.0
+    copies: int = 0
+
+
+def to_device_overlapped(
+    chunks: Iterable[torch.Tensor], device: torch.device, stats: CopyStats | None = None
+) -> Iterator[torch.Tensor]:
+    """``chunks`` on ``device``. On CUDA, chunk k+1 is pinned and copied on a side stream while
+    the caller computes on chunk k, and each chunk is handed over only once its copy is done
+    (the compute stream waits on the copy, not the host). Elsewhere, each chunk as it is."""
+    if device.type != "cuda":
+        yield from chunks
+        return
+    copy_stream = torch.cuda.Stream(device)
+    compute = torch.cuda.current_stream(device)
+
+    def start(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        with torch.cuda.stream(copy_stream):
+            moved = chunk.pin_memory().to(device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(copy_stream)
+        return moved, done
+
+    pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
+    for chunk in chunks:
+        upcoming = start(chunk)
+        if pending is not None:
+            yield _handed_over(pending, compute, stats)
+        pending = upcoming
+    if pending is not None:
+        yield _handed_over(pending, compute, stats)
+
+
+def _handed_over(
+    pending: tuple[torch.Tensor, torch.cuda.Event],
+    compute: torch.cuda.Stream,
+    stats: CopyStats | None,
+) -> torch.Tensor:
+    moved, done = pending
+    if stats is not None:
+        started = time.perf_counter()
+        if not done.query():  # the copy is still running: measure what waiting on it costs
+            done.synchronize()
+        stats.waited_s += time.perf_counter() - started
+        stats.copies += 1
+    compute.wait_event(done)
+    moved.record_stream(compute)
+    return moved
