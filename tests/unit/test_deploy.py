@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from config.settings import load_settings, metrics_port
+from pipelines.device import visibility
 from worker.healthwatch import process_port
 
 DEPLOY = Path(__file__).parents[2] / "deploy" / "supervisor"
@@ -66,6 +67,10 @@ def test_every_process_gets_its_own_name_port_and_device(tmp_path, monkeypatch, 
         assert process.uid is not None or getpass.getuser() == "root"
     assert ports == [9460 + i for i in range(numprocs)]
     assert chosen == [devices[i % len(devices)] for i in range(numprocs)]
+    # ... and what each process sets as CUDA_VISIBLE_DEVICES before CUDA starts.
+    visible = [visibility(entry) for entry in chosen]
+    expected = [devices[i % len(devices)].removeprefix("cuda:") for i in range(numprocs)]
+    assert visible == [(e, "cuda:0") for e in expected]
     assert len(set(chosen)) == len(devices) and numprocs == 2 * len(devices)
     assert "--port-base 9460" in listener.command
 

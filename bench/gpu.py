@@ -1,0 +1,205 @@
+"""The one prepared GPU measurement (issue 13): a few minutes, one command, JSON on stdout.
+
+    .venv/bin/python -m bench.gpu            # on the GPU host (CUDA), about 4 minutes
+    .venv/bin/python -m bench.gpu --quick --device cpu   # a smoke run of the same code
+
+Prints, per case: images/s; the share of the wall time the GPU was busy (kernel time from
+torch.profiler over the measured window); the time the engine waited on host-to-device copies
+(``Runner.copies``); device memory peak. Cases: a ResNet-50 classifier alone (batch 16 and
+64, float32 and bfloat16), the same fed by the worker's own loader children decoding 1080p
+JPEGs (the "GPU busy >= 90%" goal), and detect-and-classify on 4096x2160 JPEGs (FasterRCNN
+ResNet-50 FPN, then two ResNet-50s on the crops) fed by the loader, CPU decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.preprocess import scene
+from datasets.images import Decoded, DecodePlan, decode
+from datasets.loader import LoaderConfig, StreamingLoader
+from datasets.sources import SourceConfig
+from pipelines.declare import Classifier, Detector, Pipeline, Preprocess
+from pipelines.models import save_classifier, save_detector
+from pipelines.runner import Output, Runner, load_runner
+from worker.engine import Engine
+
+
+def busy_share(work: Callable[[], int], seconds: float, device: str) -> dict[str, float]:
+    """Run ``work`` (returns images done) for ``seconds``; images/s and the GPU busy share."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            started, done = time.perf_counter(), 0
+            while time.perf_counter() - started < seconds:
+                done += work()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - started
+        kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+        return {
+            "images_per_s": round(done / wall, 1),
+            "gpu_busy_share": round(min(1.0, kernel_us / 1e6 / wall), 3),
+            "peak_memory_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1),
+        }
+    started, done = time.perf_counter(), 0
+    while time.perf_counter() - started < seconds:
+        done += work()
+    return {"images_per_s": round(done / (time.perf_counter() - started), 1)}
+
+
+def classifier(tmp: Path, device: str, precision: str, crop_batch: int) -> Runner:
+    weights = save_classifier("resnet50", [f"s{i}" for i in range(1000)], str(tmp / "cls"))
+    stage = Classifier("species", architecture="resnet50", weights=weights)
+    output = Output(scores="top_k", top_k=5, crop_batch=crop_batch)
+    return load_runner(Pipeline("cls", classifier=stage), SourceConfig(), device, output, precision)
+
+
+def detect_and_classify(tmp: Path, device: str, precision: str) -> Runner:
+    def resnet(name: str, labels: list[str]) -> str:
+        return save_classifier("resnet50", labels, str(tmp / name))
+
+    pipeline = Pipeline(
+        "moths",
+        detector=Detector(
+            "detector",
+            architecture="fasterrcnn_resnet50_fpn",
+            weights=save_detector("fasterrcnn_resnet50_fpn", ["moth"], str(tmp / "det")),
+            labels=None,
+            score_threshold=0.0,  # random weights: keep the top 100 boxes, a realistic count
+            max_detections=100,
+        ),
+        filter=Classifier(
+            "binary",
+            architecture="resnet50",
+            weights=resnet("bin", ["moth", "nonmoth"]),
+            keep=("moth", "nonmoth"),
+            preprocess=Preprocess(128),
+        ),
+        classifier=Classifier(
+            "species",
+            architecture="resnet50",
+            weights=resnet("sp", [f"s{i}" for i in range(1000)]),
+            preprocess=Preprocess(128),
+        ),
+    )
+    output = Output(scores="top_k", detector_batch=4, crop_batch=256)
+    return load_runner(pipeline, SourceConfig(), device, output, precision)
+
+
+def fed_by_loader(
+    runner: Runner, files: list[Path], plan: DecodePlan, batch: int, seconds: float, device: str
+) -> dict[str, Any]:
+    """The worker's own engine and loader children over ``files`` (cycled), ``batch`` a time."""
+    workers = max(2, min(14, (os.cpu_count() or 4) - 2))
+    config = LoaderConfig(
+        num_workers=workers,
+        timeout_s=120,
+        plan=plan,
+        sources=SourceConfig(file_roots=(str(files[0].parent),)),
+        prefetch_per_worker=-(-3 * batch // workers) + 1,
+    )
+    engine = Engine(StreamingLoader(config), runner)
+    engine.start()
+    next_key = 0
+
+    def submit() -> list[int]:
+        nonlocal next_key
+        keys = list(range(next_key, next_key + batch))
+        next_key += batch
+        engine.submit([(k, f"file://{files[k % len(files)]}") for k in keys])
+        return keys
+
+    pending = [submit(), submit()]  # the loader runs ahead by two batches, as the worker does
+
+    def work() -> int:
+        keys = pending.pop(0)
+        pending.append(submit())
+        report = engine.run_batch(keys)
+        return sum(1 for v in report.outcomes.values() if v.ok)
+
+    try:
+        work()  # warm-up: children started, first batches loaded
+        runner.copies.waited_s = 0.0
+        measured = busy_share(work, seconds, device)
+        measured["copy_wait_s"] = round(runner.copies.waited_s, 3)
+        measured["loader_children"] = workers
+        return measured
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    args = parser.parse_args()
+    seconds = 2.0 if args.quick else 12.0
+    on_gpu = args.device.startswith("cuda")
+    info = {"device": args.device, "torch": torch.__version__, "cpus": os.cpu_count()}
+    if on_gpu:
+        info["gpu"] = torch.cuda.get_device_name(0)
+    print(json.dumps(info), flush=True)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        small = tmp / "1080p"
+        small.mkdir()
+        count = 8 if args.quick else 96
+        files = []
+        for i in range(count):
+            path = small / f"{i}.jpg"
+            path.write_bytes(scene(1920, 1080, i))
+            files.append(path)
+        squares = [decode(p.read_bytes(), DecodePlan(size=224)) for p in files[:16]]
+        for precision in ("float32", "bfloat16"):
+            for batch in (16, 64):
+                runner = classifier(tmp, args.device, precision, crop_batch=batch)
+                images = [squares[i % len(squares)] for i in range(batch)]
+
+                def forward(r: Runner = runner, imgs: list[Decoded] = images) -> int:
+                    r.run(imgs)
+                    return len(imgs)
+
+                forward()
+                row = {"case": "classifier alone", "precision": precision, "batch": batch}
+                row.update(busy_share(forward, seconds, args.device))
+                print(json.dumps(row), flush=True)
+        for precision in ("float32", "bfloat16"):
+            batch = 16 if args.quick else 64
+            runner = classifier(tmp, args.device, precision, crop_batch=batch)
+            row = {"case": "classifier fed by the loader (1080p JPEG)", "precision": precision}
+            row["batch"] = batch
+            row.update(
+                fed_by_loader(runner, files, DecodePlan(size=224), batch, seconds, args.device)
+            )
+            print(json.dumps(row), flush=True)
+        big = tmp / "4k"
+        big.mkdir()
+        scenes = []
+        for i in range(4 if args.quick else 16):
+            path = big / f"{i}.jpg"
+            path.write_bytes(scene(4096, 2160, 100 + i))
+            scenes.append(path)
+        for precision in ("float32", "bfloat16"):
+            for batch in (4,) if args.quick else (16, 64):
+                runner = detect_and_classify(tmp, args.device, precision)
+                plan = DecodePlan(max_side=4096)
+                row = {"case": "detect and classify, CPU decode (4K)", "precision": precision}
+                row["batch"] = batch
+                row.update(fed_by_loader(runner, scenes, plan, batch, seconds * 2, args.device))
+                print(json.dumps(row), flush=True)
+    print(json.dumps({"gpu_decode": "not implemented in this release (see README)"}))
+
+
+if __name__ == "__main__":
+    main()
