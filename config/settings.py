@@ -125,6 +125,12 @@ class LoaderSettings(BaseModel):
         ge=64,
         le=16384,
     )
+    device_decode: bool = Field(
+        False,
+        description="pipelines with a detector: loader children hand JPEGs over encoded and the "
+        "engine decodes them on the GPU (nvJPEG); the CPU decodes them without CUDA, or when the "
+        "device cannot",
+    )
     fast_decode: bool = Field(
         False,
         description="classifier-only pipelines: reduced-scale JPEG decode and PIL resize instead "

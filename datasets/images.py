@@ -16,7 +16,7 @@ import io
 import math
 import warnings
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ class DecodePlan:
     resize: str = "squash"  # squash | shorter_crop (square plans only)
     max_side: int = 4096
     fast: bool = False
+    # Detector pipelines: hand a JPEG over still encoded (checked, not decoded), for the engine
+    # to decode on the GPU; anything else is decoded here as usual.
+    encoded: bool = False
 
     def max_image_bytes(self) -> int:
         """The most host bytes one decoded image can take under this plan."""
@@ -48,13 +51,34 @@ class DecodePlan:
 
 
 class Decoded(NamedTuple):
-    pixels: np.ndarray  # (3, H, W) uint8
+    pixels: Any  # (3, H, W) uint8: a numpy array, or a torch tensor once on a device
     source_width: int
     source_height: int
+    encoded: bytes | None = None  # the JPEG itself, when the engine is to decode it
+
+
+def encoded_jpeg(data: bytes, max_side: int) -> Decoded:
+    """A JPEG checked (format, size, bombs) but left encoded; other images decoded now."""
+    plan = DecodePlan(max_side=max_side)
+    if not data:
+        raise PermanentError("empty image file", kind="corrupt_image")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = _open(data)
+    except PermanentError:
+        raise
+    except Exception:  # noqa: BLE001 - whatever it is, the full decode below says it properly
+        return decode(data, plan)
+    if image.format not in ("JPEG", "MPO") or image.mode not in ("RGB", "L", "YCbCr"):
+        return decode(data, plan)
+    return Decoded(np.zeros((3, 0, 0), dtype=np.uint8), image.width, image.height, data)
 
 
 def decode(data: bytes, plan: DecodePlan) -> Decoded:
     """``data`` decoded by ``plan``; PermanentError for anything not a sound image."""
+    if plan.encoded and not plan.size:
+        return encoded_jpeg(data, plan.max_side)
     if not data:
         raise PermanentError("empty image file", kind="corrupt_image")
     try:

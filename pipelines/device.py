@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 import torch
 
+from datasets.images import Decoded, DecodePlan, decode
+
 Precision = Literal["float32", "bfloat16", "float16"]
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,6 +80,10 @@ def to_device_overlapped(
     compute = torch.cuda.current_stream(device)
 
     def start(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        if chunk.is_cuda:  # decoded on the device: nothing to copy
+            ready = torch.cuda.Event()
+            ready.record(compute)
+            return chunk, ready
         with torch.cuda.stream(copy_stream):
             moved = chunk.pin_memory().to(device, non_blocking=True)
             done = torch.cuda.Event()
@@ -109,3 +115,30 @@ def _handed_over(
     compute.wait_event(done)
     moved.record_stream(compute)
     return moved
+
+
+def decode_on_device(image: Decoded, device: torch.device, max_side: int) -> Decoded:
+    """A JPEG the loader left encoded, decoded on the GPU (nvJPEG, torchvision's
+    ``decode_jpeg``) and bounded by ``max_side`` there; on the CPU when there is no CUDA, or
+    when the device cannot decode it (progressive or CMYK JPEGs, corrupt data), where a
+    corrupt one becomes the usual ``corrupt_image`` error."""
+    assert image.encoded is not None
+    if device.type == "cuda":
+        try:
+            from torchvision.io import ImageReadMode, decode_jpeg
+            from torchvision.transforms.v2 import functional as F
+
+            data = torch.frombuffer(bytearray(image.encoded), dtype=torch.uint8)
+            pixels = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+            _, height, width = pixels.shape
+            if max(height, width) > max_side:
+                scale = max_side / max(height, width)
+                size = [max(1, int(height * scale)), max(1, int(width * scale))]
+                pixels = F.resize(pixels, size, antialias=True)
+            return Decoded(pixels, image.source_width, image.source_height)
+        except RuntimeError:
+            pass  # the CPU decodes it below
+    decoded = decode(image.encoded, DecodePlan(max_side=max_side))
+    if device.type == "cuda":  # one place for a batch's pixels: crops are stacked together
+        return decoded._replace(pixels=torch.from_numpy(decoded.pixels).to(device))
+    return decoded

@@ -20,7 +20,7 @@ import torch
 from config.errors import ConfigError, TransientError
 from datasets.images import Decoded, DecodePlan, resize_square
 from pipelines.declare import Pipeline
-from pipelines.device import CopyStats, to_device_overlapped
+from pipelines.device import CopyStats, decode_on_device, to_device_overlapped
 from pipelines.models import Algorithm, ClassifierModel, DetectorModel
 
 Scores = Literal["all", "top_k"]
@@ -35,6 +35,7 @@ class Output:
     labels_inline_max: int = 100  # longer class lists are published once, not per result
     detector_batch: int = 4
     crop_batch: int = 64
+    max_side: int = 4096  # for JPEGs the loader left encoded (decoded on the device)
 
 
 def _now() -> str:
@@ -80,6 +81,12 @@ class Runner:
 
     def run(self, images: Sequence[Decoded]) -> list[list[dict[str, Any]]]:
         """Per image, its detections (a classifier alone gives one with ``bbox: None``)."""
+        if any(image.encoded is not None for image in images):
+            where, side = self.device, self.output.max_side
+            images = [
+                decode_on_device(image, where, side) if image.encoded is not None else image
+                for image in images
+            ]
         if self.detector is None:
             assert self.classifier is not None
             return self._classify_whole(images, self.classifier)
@@ -93,7 +100,7 @@ class Runner:
         host = (
             torch.stack(
                 [
-                    resize_square(torch.from_numpy(image.pixels), pre.size, pre.resize)
+                    resize_square(_tensor(image.pixels), pre.size, pre.resize)
                     for image in images[start : start + step]
                 ]
             )
@@ -129,7 +136,7 @@ class Runner:
         for start in range(0, len(images), step):
             chunk = images[start : start + step]
             started = time.perf_counter()
-            found = detector.detect([torch.from_numpy(image.pixels) for image in chunk])
+            found = detector.detect([_tensor(image.pixels) for image in chunk])
             each_s = (time.perf_counter() - started) / len(chunk)
             for offset, (image, boxes) in enumerate(zip(chunk, found, strict=True)):
                 index = start + offset
@@ -262,14 +269,19 @@ class Runner:
         return entry
 
 
-def _cut(pixels: np.ndarray, box: tuple[float, float, float, float]) -> torch.Tensor:
+def _tensor(pixels: Any) -> torch.Tensor:
+    """Pixels as a tensor: decoded on the device already, or a numpy array from the loader."""
+    return pixels if isinstance(pixels, torch.Tensor) else torch.from_numpy(pixels)
+
+
+def _cut(pixels: Any, box: tuple[float, float, float, float]) -> torch.Tensor:
     """The box's pixels (at least one), clamped to the image."""
     _, height, width = pixels.shape
     x1 = min(max(0, math.floor(box[0])), width - 1)
     y1 = min(max(0, math.floor(box[1])), height - 1)
     x2 = max(x1 + 1, min(width, math.ceil(box[2])))
     y2 = max(y1 + 1, min(height, math.ceil(box[3])))
-    return torch.from_numpy(np.ascontiguousarray(pixels[:, y1:y2, x1:x2]))
+    return _tensor(pixels)[:, y1:y2, x1:x2].contiguous()
 
 
 def load_runner(
@@ -297,10 +309,13 @@ def load_runner(
         ) from None
 
 
-def decode_plan(pipeline: Pipeline, max_side: int, fast: bool) -> DecodePlan:
+def decode_plan(
+    pipeline: Pipeline, max_side: int, fast: bool, device_decode: bool = False
+) -> DecodePlan:
     """What the loader children make of each image for this pipeline: the classifier's square
-    input when there is no detector, else the image bounded by ``max_side``."""
+    input when there is no detector, else the image bounded by ``max_side`` (a JPEG left
+    encoded for the device when ``device_decode``)."""
     if pipeline.detector is None and pipeline.classifier is not None:
         pre = pipeline.classifier.preprocess
         return DecodePlan(size=pre.size, resize=pre.resize, max_side=max_side, fast=fast)
-    return DecodePlan(size=0, max_side=max_side, fast=fast)
+    return DecodePlan(size=0, max_side=max_side, fast=fast, encoded=device_decode)

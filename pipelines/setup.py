@@ -25,7 +25,7 @@ class Chosen:
 def choose(s: Settings) -> Chosen:
     """ConfigError with one line per problem when the pipeline cannot be served."""
     pipeline = resolve(s.model.pipeline, s.model.weights)
-    plan = decode_plan(pipeline, s.loader.max_side, s.loader.fast_decode)
+    plan = decode_plan(pipeline, s.loader.max_side, s.loader.fast_decode, s.loader.device_decode)
     problems = [
         line
         for stage in pipeline.stages()
@@ -41,6 +41,7 @@ def choose(s: Settings) -> Chosen:
         labels_inline_max=s.model.labels_inline_max,
         detector_batch=s.model.detector_batch_size,
         crop_batch=s.model.crop_batch_size,
+        max_side=s.loader.max_side,
     )
     return Chosen(pipeline, plan, output)
 

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.integration
 
 DASHBOARD = Path(__file__).parents[2] / "deploy/grafana/inference-worker.json"
 
+
 def _cuda_only() -> set[str]:
     """What the device collector exports only when the process runs on CUDA: its names with
     a device, less its names without one (so a typo in the dashboard still fails)."""

@@ -334,3 +334,55 @@ def test_total_time_is_the_tasks_time_not_a_sum_of_overlapping_timings():
         attempt=1,
     )
     assert result["response"]["total_time"] == 0.6
+
+
+def test_jpegs_left_encoded_for_the_device_give_the_same_boxes_through_the_cpu_fallback(toy):
+    pipeline = resolve("toy_moths:moths")
+    runner = load_runner(pipeline, SourceConfig(), "cpu", Output(max_side=800))
+    data = rectangles_bytes(1600, 1000, TRUTH)
+    usual = decode(data, decode_plan(pipeline, 800, fast=False))
+    encoded = decode(data, decode_plan(pipeline, 800, fast=False, device_decode=True))
+    png = decode(
+        rectangles_bytes(1600, 1000, TRUTH, fmt="PNG"), DecodePlan(max_side=800, encoded=True)
+    )
+
+    assert encoded.encoded == data and encoded.pixels.size == 0  # handed over undecoded
+    assert (encoded.source_width, encoded.source_height) == (1600, 1000)
+    assert png.encoded is None and png.pixels.shape == (3, 500, 800)  # only JPEGs wait
+
+    def boxes(image):
+        (detections,) = runner.run([image])
+        return sorted(tuple(d["bbox"].values()) for d in detections)
+
+    assert boxes(encoded) == boxes(usual) and len(boxes(usual)) == 3
+
+
+def test_a_corrupt_jpeg_left_encoded_fails_alone_as_a_corrupt_image():
+    from datasets.synthetic import truncated_bytes
+    from tests.unit.test_engine import FlakyLoader, submit
+    from worker.engine import Engine
+
+    broken = decode(truncated_bytes(640, 480), DecodePlan(max_side=800, encoded=True))
+    good = decode(image_bytes(640, 480, seed=1), DecodePlan(max_side=800, encoded=True))
+    assert broken.encoded is not None and good.encoded is not None
+
+    class Handing(FlakyLoader):
+        def next_loaded(self):
+            from datasets.loader import Loaded
+
+            request = self.queue.pop(0)
+            return Loaded(request.key, broken if request.key == 1 else good, None, 0.0, 1)
+
+    class Counting:
+        def run(self, images):
+            from pipelines.device import decode_on_device
+
+            for image in images:
+                decode_on_device(image, torch.device("cpu"), 800)
+            return [[] for _ in images]
+
+    engine = Engine(Handing(), Counting())  # type: ignore[arg-type]
+    submit(engine, [1, 2])
+    outcomes = engine.run_batch([1, 2]).outcomes
+    assert outcomes[2].ok
+    assert outcomes[1].failure is not None and outcomes[1].failure.kind == "corrupt_image"
