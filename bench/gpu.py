@@ -1,6 +1,6 @@
 """The one prepared GPU measurement (issue 13): a few minutes, one command, JSON on stdout.
 
-    .venv/bin/python -m bench.gpu            # on the GPU host (CUDA), about 4 minutes
+    .venv/bin/python -m bench.gpu            # on the GPU host (CUDA), 5-7 minutes at most
     .venv/bin/python -m bench.gpu --quick --device cpu   # a smoke run of the same code
 
 Prints, per case: images/s; the share of the wall time the GPU was busy (kernel time from
@@ -8,7 +8,9 @@ torch.profiler over the measured window); the time the engine waited on host-to-
 (``Runner.copies``); device memory peak. Cases: a ResNet-50 classifier alone (batch 16 and
 64, float32 and bfloat16), the same fed by the worker's own loader children decoding 1080p
 JPEGs (the "GPU busy >= 90%" goal), and detect-and-classify on 4096x2160 JPEGs (FasterRCNN
-ResNet-50 FPN, then two ResNet-50s on the crops) fed by the loader, CPU decode.
+ResNet-50 FPN, its top 30 boxes, then two ResNet-50s on the crops) fed by the loader, decoded
+on the CPU and on the GPU (WORKER_LOADER__DEVICE_DECODE). Each case prints one JSON line, or
+its error; no new case starts after ``--budget-s``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 
 from bench.preprocess import scene
-from datasets.images import Decoded, DecodePlan, decode
+from datasets.images import DecodePlan, decode
 from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.sources import SourceConfig
 from pipelines.declare import Classifier, Detector, Pipeline, Preprocess
@@ -58,26 +60,43 @@ def busy_share(work: Callable[[], int], seconds: float, device: str) -> dict[str
     return {"images_per_s": round(done / (time.perf_counter() - started), 1)}
 
 
+_SAVED: dict[str, str] = {}
+
+
+def saved(tmp: Path, name: str, make: Callable[[str], str]) -> str:
+    """Weights written once per run, whatever the number of cases that load them."""
+    if name not in _SAVED:
+        _SAVED[name] = make(str(tmp / name))
+    return _SAVED[name]
+
+
 def classifier(tmp: Path, device: str, precision: str, crop_batch: int) -> Runner:
-    weights = save_classifier("resnet50", [f"s{i}" for i in range(1000)], str(tmp / "cls"))
+    labels = [f"s{i}" for i in range(1000)]
+    weights = saved(tmp, "cls", lambda d: save_classifier("resnet50", labels, d))
     stage = Classifier("species", architecture="resnet50", weights=weights)
     output = Output(scores="top_k", top_k=5, crop_batch=crop_batch)
-    return load_runner(Pipeline("cls", classifier=stage), SourceConfig(), device, output, precision)
+    runner = load_runner(
+        Pipeline("cls", classifier=stage), SourceConfig(), device, output, precision
+    )
+    runner.measure_copies = True
+    return runner
 
 
 def detect_and_classify(tmp: Path, device: str, precision: str) -> Runner:
     def resnet(name: str, labels: list[str]) -> str:
-        return save_classifier("resnet50", labels, str(tmp / name))
+        return saved(tmp, name, lambda d: save_classifier("resnet50", labels, d))
 
     pipeline = Pipeline(
         "moths",
         detector=Detector(
             "detector",
             architecture="fasterrcnn_resnet50_fpn",
-            weights=save_detector("fasterrcnn_resnet50_fpn", ["moth"], str(tmp / "det")),
+            weights=saved(
+                tmp, "det", lambda d: save_detector("fasterrcnn_resnet50_fpn", ["moth"], d)
+            ),
             labels=None,
-            score_threshold=0.0,  # random weights: keep the top 100 boxes, a realistic count
-            max_detections=100,
+            score_threshold=0.0,  # random weights: keep the top 30 boxes whatever their score
+            max_detections=30,
         ),
         filter=Classifier(
             "binary",
@@ -93,8 +112,10 @@ def detect_and_classify(tmp: Path, device: str, precision: str) -> Runner:
             preprocess=Preprocess(128),
         ),
     )
-    output = Output(scores="top_k", detector_batch=4, crop_batch=256)
-    return load_runner(pipeline, SourceConfig(), device, output, precision)
+    output = Output(scores="top_k", detector_batch=4, crop_batch=256, max_side=4096)
+    runner = load_runner(pipeline, SourceConfig(), device, output, precision)
+    runner.measure_copies = True
+    return runner
 
 
 def fed_by_loader(
@@ -122,10 +143,16 @@ def fed_by_loader(
 
     pending = [submit(), submit()]  # the loader runs ahead by two batches, as the worker does
 
+    failures: dict[str, int] = {}
+
     def work() -> int:
         keys = pending.pop(0)
         pending.append(submit())
         report = engine.run_batch(keys)
+        for verdict in report.outcomes.values():
+            if verdict.failure is not None:
+                kind = verdict.failure.kind
+                failures[kind] = failures.get(kind, 0) + 1
         return sum(1 for v in report.outcomes.values() if v.ok)
 
     try:
@@ -134,18 +161,36 @@ def fed_by_loader(
         measured = busy_share(work, seconds, device)
         measured["copy_wait_s"] = round(runner.copies.waited_s, 3)
         measured["loader_children"] = workers
+        measured["failures"] = failures
         return measured
     finally:
         engine.close()
+
+
+def case(row: dict[str, Any], measure: Callable[[], dict[str, Any]], deadline: float) -> None:
+    """One case: its JSON line with the measurement, or with the error that stopped it."""
+    if time.monotonic() > deadline:
+        row["skipped"] = "past --budget-s"
+    else:
+        try:
+            row.update(measure())
+        except Exception as error:  # noqa: BLE001 - one case's failure must not hide the rest
+            row["error"] = f"{type(error).__name__}: {error}"[:500]
+    print(json.dumps(row), flush=True)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="no new case after this")
     args = parser.parse_args()
-    seconds = 2.0 if args.quick else 12.0
+    deadline = time.monotonic() + args.budget_s
+    seconds = 2.0 if args.quick else 10.0
     on_gpu = args.device.startswith("cuda")
+    torch.set_num_threads(2)  # as the worker does: the cores are the loader children's
     info = {"device": args.device, "torch": torch.__version__, "cpus": os.cpu_count()}
     if on_gpu:
         info["gpu"] = torch.cuda.get_device_name(0)
@@ -154,35 +199,39 @@ def main() -> None:
         tmp = Path(tmp_name)
         small = tmp / "1080p"
         small.mkdir()
-        count = 8 if args.quick else 96
         files = []
-        for i in range(count):
+        for i in range(8 if args.quick else 96):
             path = small / f"{i}.jpg"
             path.write_bytes(scene(1920, 1080, i))
             files.append(path)
         squares = [decode(p.read_bytes(), DecodePlan(size=224)) for p in files[:16]]
         for precision in ("float32", "bfloat16"):
             for batch in (16, 64):
-                runner = classifier(tmp, args.device, precision, crop_batch=batch)
-                images = [squares[i % len(squares)] for i in range(batch)]
 
-                def forward(r: Runner = runner, imgs: list[Decoded] = images) -> int:
-                    r.run(imgs)
-                    return len(imgs)
+                def alone(precision: str = precision, batch: int = batch) -> dict[str, Any]:
+                    runner = classifier(tmp, args.device, precision, crop_batch=32)
+                    images = [squares[i % len(squares)] for i in range(batch)]
 
-                forward()
+                    def forward() -> int:
+                        runner.run(images)
+                        return len(images)
+
+                    forward()
+                    return busy_share(forward, seconds, args.device)
+
                 row = {"case": "classifier alone", "precision": precision, "batch": batch}
-                row.update(busy_share(forward, seconds, args.device))
-                print(json.dumps(row), flush=True)
+                case(row, alone, deadline)
         for precision in ("float32", "bfloat16"):
             batch = 16 if args.quick else 64
-            runner = classifier(tmp, args.device, precision, crop_batch=batch)
+
+            def fed(precision: str = precision, batch: int = batch) -> dict[str, Any]:
+                runner = classifier(tmp, args.device, precision, crop_batch=batch)
+                plan = DecodePlan(size=224)
+                return fed_by_loader(runner, files, plan, batch, seconds, args.device)
+
             row = {"case": "classifier fed by the loader (1080p JPEG)", "precision": precision}
             row["batch"] = batch
-            row.update(
-                fed_by_loader(runner, files, DecodePlan(size=224), batch, seconds, args.device)
-            )
-            print(json.dumps(row), flush=True)
+            case(row, fed, deadline)
         big = tmp / "4k"
         big.mkdir()
         scenes = []
@@ -190,15 +239,21 @@ def main() -> None:
             path = big / f"{i}.jpg"
             path.write_bytes(scene(4096, 2160, 100 + i))
             scenes.append(path)
-        for precision in ("float32", "bfloat16"):
-            for batch in (4,) if args.quick else (16, 64):
-                runner = detect_and_classify(tmp, args.device, precision)
-                plan = DecodePlan(max_side=4096)
-                row = {"case": "detect and classify, CPU decode (4K)", "precision": precision}
+        batch = 4 if args.quick else 16
+        for gpu_decode in (False, True):
+            for precision in ("float32", "bfloat16"):
+
+                def detect(
+                    precision: str = precision, gpu_decode: bool = gpu_decode
+                ) -> dict[str, Any]:
+                    runner = detect_and_classify(tmp, args.device, precision)
+                    plan = DecodePlan(max_side=4096, encoded=gpu_decode)
+                    return fed_by_loader(runner, scenes, plan, batch, seconds * 2, args.device)
+
+                where = "GPU" if gpu_decode else "CPU"
+                row = {"case": f"detect and classify, {where} decode (4K)", "precision": precision}
                 row["batch"] = batch
-                row.update(fed_by_loader(runner, scenes, plan, batch, seconds * 2, args.device))
-                print(json.dumps(row), flush=True)
-    print(json.dumps({"gpu_decode": "not implemented in this release (see README)"}))
+                case(row, detect, deadline)
 
 
 if __name__ == "__main__":

@@ -37,9 +37,15 @@ def autocast(device: torch.device, precision: str) -> AbstractContextManager[Any
     return torch.autocast(device_type=device.type, dtype=_DTYPES[precision])
 
 
+_OOM_TEXT = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+
+
 def is_out_of_memory(error: BaseException) -> bool:
-    """torch's own out-of-memory error (CUDA's, or any allocator's that raises it)."""
-    return isinstance(error, torch.OutOfMemoryError)
+    """torch's own out-of-memory error, or cuBLAS/cuDNN failing to allocate (plain
+    RuntimeErrors that say so)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _OOM_TEXT)
 
 
 def release_cached_memory() -> None:
@@ -68,7 +74,10 @@ class CopyStats:
 
 
 def to_device_overlapped(
-    chunks: Iterable[torch.Tensor], device: torch.device, stats: CopyStats | None = None
+    chunks: Iterable[torch.Tensor],
+    device: torch.device,
+    stats: CopyStats | None = None,
+    copy_stream: Any = None,
 ) -> Iterator[torch.Tensor]:
     """``chunks`` on ``device``. On CUDA, chunk k+1 is pinned and copied on a side stream while
     the caller computes on chunk k, and each chunk is handed over only once its copy is done
@@ -76,7 +85,7 @@ def to_device_overlapped(
     if device.type != "cuda":
         yield from chunks
         return
-    copy_stream = torch.cuda.Stream(device)
+    copy_stream = copy_stream or torch.cuda.Stream(device)  # pass one: streams are pooled
     compute = torch.cuda.current_stream(device)
 
     def start(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
@@ -136,8 +145,10 @@ def decode_on_device(image: Decoded, device: torch.device, max_side: int) -> Dec
                 size = [max(1, int(height * scale)), max(1, int(width * scale))]
                 pixels = F.resize(pixels, size, antialias=True)
             return Decoded(pixels, image.source_width, image.source_height)
-        except RuntimeError:
-            pass  # the CPU decodes it below
+        except RuntimeError as error:
+            if is_out_of_memory(error):
+                raise  # the engine splits the batch; the CPU is not the answer to that
+            # Otherwise the device cannot decode this one: the CPU does, below.
     decoded = decode(image.encoded, DecodePlan(max_side=max_side))
     if device.type == "cuda":  # one place for a batch's pixels: crops are stacked together
         return decoded._replace(pixels=torch.from_numpy(decoded.pixels).to(device))

@@ -69,6 +69,15 @@ class Runner:
         self.classifier = classifier
         self.output = output
         self.copies = CopyStats()
+        self.measure_copies = False  # bench.gpu: time the waits (the host then waits too)
+        self._copy_stream: Any = None
+
+    def _copying(self, device: torch.device) -> tuple[CopyStats | None, Any]:
+        """What ``to_device_overlapped`` needs: the stats when measured, and this runner's one
+        copy stream (made once: streams come from a pool, and freed blocks stay per stream)."""
+        if device.type == "cuda" and self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device)
+        return (self.copies if self.measure_copies else None), self._copy_stream
 
     @property
     def device(self) -> torch.device:
@@ -87,6 +96,10 @@ class Runner:
                 decode_on_device(image, where, side) if image.encoded is not None else image
                 for image in images
             ]
+            if where.type == "cuda":  # PNGs came decoded: every image on one device
+                images = [
+                    image._replace(pixels=_tensor(image.pixels).to(where)) for image in images
+                ]
         if self.detector is None:
             assert self.classifier is not None
             return self._classify_whole(images, self.classifier)
@@ -109,7 +122,9 @@ class Runner:
         started = time.perf_counter()
         parts = [
             classifier.logits(batch)
-            for batch in to_device_overlapped(host, classifier.device, self.copies)
+            for batch in to_device_overlapped(
+                host, classifier.device, *self._copying(classifier.device)
+            )
         ]
         logits = torch.cat(parts)
         each_s = (time.perf_counter() - started) / len(images)
@@ -221,7 +236,7 @@ class Runner:
             for chunk in chunks
         )
         # On CUDA the next chunk is cut, pinned and copied while this one runs.
-        moved = to_device_overlapped(host, model.device, self.copies)
+        moved = to_device_overlapped(host, model.device, *self._copying(model.device))
         for chunk, batch in zip(chunks, moved, strict=True):
             started = time.perf_counter()
             logits = model.logits(batch)

@@ -6,6 +6,7 @@ import asyncio
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -22,6 +23,7 @@ from config.settings import (
 from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.sources import SourceConfig
 from pipelines.device import memory_bytes, visibility
+from pipelines.models import resolve_device
 from pipelines.runner import Runner, load_runner
 from pipelines.setup import Chosen, choose, model_info
 from worker.advisories import ExhaustedTasks
@@ -75,6 +77,7 @@ class WorkerApp:
         self.worker: Worker | None = None
         self.feed: TaskFeed | None = None
         self.connection = ConnectionState()
+        self.device = "cpu"
 
     async def start(self) -> None:
         s = self.settings
@@ -82,7 +85,17 @@ class WorkerApp:
             s.health.stall_timeout_s,
             watchdog=Watchdog(s.health.watchdog_timeout_s) if s.health.watchdog_timeout_s else None,
         )
+        # The device first: CUDA reads CUDA_VISIBLE_DEVICES once, and a plugin imported by
+        # choose() may touch CUDA.
+        visible, self.device = visibility(chosen_device(s))
+        if visible is not None:
+            # A GPU by index or UUID, or a MIG slice: the only device this process sees.
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+            os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # index as nvidia-smi's
         chosen = choose(s)  # ConfigError before anything starts
+        if chosen.plan.encoded and resolve_device(self.device).type != "cuda":
+            log.warning("device_decode_without_cuda", hint="JPEGs are decoded by the loader")
+            chosen = replace(chosen, plan=replace(chosen.plan, encoded=False))
         engine, runner = await self._build_engine(liveness, chosen)
         feed, store, settler = await self._build_transport(chosen.pipeline.name, model_info(runner))
         await publish_algorithms(
@@ -125,11 +138,7 @@ class WorkerApp:
         import torch
 
         torch.set_num_threads(torch_threads(s, os.cpu_count()))
-        visible, device = visibility(chosen_device(s))
-        if visible is not None:
-            # A GPU by index or UUID, or a MIG slice: the only device this process sees, set
-            # before CUDA starts.
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        device = self.device
         held = max_held_tasks(s, chosen.plan.max_image_bytes())
         config = LoaderConfig(
             num_workers=s.loader.num_workers,

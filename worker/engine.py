@@ -134,20 +134,21 @@ class Engine:
         device memory, the batch is halved instead, down to one image (``_split``)."""
         if not keys:
             return {}
+        out_of_memory = False
         try:
             return self._forward(keys, loaded)
         except Exception as error:  # noqa: BLE001 - the model is the user's code: a result each
             if is_out_of_memory(error):
-                return self._split(keys, loaded)
-            if len(keys) == 1:
+                out_of_memory = True  # split outside this block: its traceback holds memory
+            elif len(keys) == 1:
                 return {keys[0]: _failed(error)}
-            log.warning("batch_failed_trying_each_image", batch=len(keys), error=repr(error))
+            else:
+                log.warning("batch_failed_trying_each_image", batch=len(keys), error=repr(error))
+        if out_of_memory:
+            return self._split(keys, loaded)
         outcomes: dict[int, Verdict] = {}
         for key in keys:
-            try:
-                outcomes.update(self._forward([key], loaded))
-            except Exception as error:  # noqa: BLE001 - recorded in the task's result
-                outcomes[key] = _failed(error)
+            outcomes.update(self._infer([key], loaded))
         return outcomes
 
     def _split(self, keys: list[int], loaded: dict[int, Loaded]) -> dict[int, Verdict]:
@@ -158,7 +159,10 @@ class Engine:
         if len(keys) == 1:
             log.warning("image_too_large_for_device", key=keys[0])
             message = "out of device memory with this image alone (try a smaller MAX_SIDE)"
-            return {keys[0]: Verdict(failure=Failure("too_large_for_device", message))}
+            # Retried on later deliveries (another process on the GPU may have held the
+            # memory); the last one stores this error.
+            failure = Failure("too_large_for_device", message, retryable=True)
+            return {keys[0]: Verdict(failure=failure)}
         half = len(keys) // 2
         log.warning("out_of_device_memory_splitting_batch", batch=len(keys), into=half)
         return {**self._infer(keys[:half], loaded), **self._infer(keys[half:], loaded)}

@@ -77,27 +77,21 @@ def test_a_batch_out_of_device_memory_is_split_and_an_image_too_large_alone_fail
 
     outcomes = engine.run_batch(keys).outcomes
 
-    assert (
-        [k for k in keys if outcomes[k].ok] == [10, 9]
-        or [k for k in keys if outcomes[k].ok] == [9, 10]
-        or sorted(k for k in keys if outcomes[k].ok) == [9, 10, 11]
-    )
+    assert [k for k in keys if outcomes[k].ok] == [10, 11, 9]
     too_large = outcomes[30].failure
-    assert too_large is not None and (too_large.kind, too_large.retryable) == (
-        "too_large_for_device",
-        False,
-    )
+    assert too_large is not None and too_large.kind == "too_large_for_device"
+    assert too_large.retryable, "another delivery may find the memory free"
     assert engine.out_of_memory == len(trims) >= 2
     assert len(device.batches[0]) == 4, "the whole batch was tried first"
 
 
 def test_the_process_keeps_serving_after_running_out_of_device_memory():
-    device = DeviceOfSize(capacity=10 * 10)
+    device = DeviceOfSize(capacity=10 * 10 - 1)
     engine = Engine(SizedLoader(), device, release_memory=lambda: None)  # type: ignore[arg-type]
-    submit(engine, [10, 10 + 0])
-    engine.run_batch([10])
+    submit(engine, [10])
+    assert engine.run_batch([10]).outcomes[10].failure is not None
     submit(engine, [8])
-    assert engine.run_batch([8]).outcomes[8].ok
+    assert engine.run_batch([8]).outcomes[8].ok and engine.out_of_memory == 1
 
 
 class RecordsDtype(nn.Module):
