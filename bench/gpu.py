@@ -206,7 +206,7 @@ def main() -> None:
             files.append(path)
         squares = [decode(p.read_bytes(), DecodePlan(size=224)) for p in files[:16]]
         for precision in ("float32", "bfloat16"):
-            for batch in (16, 64):
+            for batch in (2, 4) if args.quick else (16, 64):
 
                 def alone(precision: str = precision, batch: int = batch) -> dict[str, Any]:
                     runner = classifier(tmp, args.device, precision, crop_batch=32)
@@ -222,7 +222,7 @@ def main() -> None:
                 row = {"case": "classifier alone", "precision": precision, "batch": batch}
                 case(row, alone, deadline)
         for precision in ("float32", "bfloat16"):
-            batch = 16 if args.quick else 64
+            batch = 4 if args.quick else 64
 
             def fed(precision: str = precision, batch: int = batch) -> dict[str, Any]:
                 runner = classifier(tmp, args.device, precision, crop_batch=batch)
@@ -235,11 +235,11 @@ def main() -> None:
         big = tmp / "4k"
         big.mkdir()
         scenes = []
-        for i in range(4 if args.quick else 16):
+        for i in range(2 if args.quick else 16):
             path = big / f"{i}.jpg"
             path.write_bytes(scene(4096, 2160, 100 + i))
             scenes.append(path)
-        batch = 4 if args.quick else 16
+        batch = 1 if args.quick else 16
         for gpu_decode in (False, True):
             for precision in ("float32", "bfloat16"):
 
