@@ -60,12 +60,8 @@ class Decoded(NamedTuple):
 def encoded_jpeg(data: bytes, max_side: int) -> Decoded:
     """A JPEG checked (format, size, bombs) but left encoded; other images decoded now."""
     plan = DecodePlan(max_side=max_side)
-    if not data:
-        raise PermanentError("empty image file", kind="corrupt_image")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = _open(data)
+        image = _open(data)
     except PermanentError:
         raise
     except Exception:  # noqa: BLE001 - whatever it is, the full decode below says it properly
@@ -79,8 +75,6 @@ def decode(data: bytes, plan: DecodePlan) -> Decoded:
     """``data`` decoded by ``plan``; PermanentError for anything not a sound image."""
     if plan.encoded and not plan.size:
         return encoded_jpeg(data, plan.max_side)
-    if not data:
-        raise PermanentError("empty image file", kind="corrupt_image")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -106,7 +100,16 @@ def decode_resized(data: bytes, size: int) -> np.ndarray:
 
 
 def _open(data: bytes) -> Image.Image:
-    image = Image.open(io.BytesIO(data), formats=DECODERS)
+    """The image's header read by an accepted decoder; PermanentError for an empty file, a
+    format we do not take, too many pixels or a decompression bomb."""
+    if not data:
+        raise PermanentError("empty image file", kind="corrupt_image")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            image = Image.open(io.BytesIO(data), formats=DECODERS)
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+            raise PermanentError(f"image too large to decode: {error}", kind="too_large") from None
     if image.format not in SUPPORTED_FORMATS:
         raise PermanentError(
             f"unsupported image format {image.format}; JPEG and PNG are accepted",
