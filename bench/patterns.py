@@ -69,20 +69,14 @@ def loader_for(pattern: str, job: list[str], endpoint: str) -> DataLoader[Any]:
 
 def main() -> None:
     pattern, uris_file, endpoint, weights = sys.argv[1:5]
-    from worker.model import Classifier
-    from worker.pipelines import get_pipeline
-
     from datasets.sources import SourceConfig
+    from pipelines.declare import Classifier
+    from pipelines.models import ClassifierModel
 
     with open(uris_file) as handle:
         uris = json.loads(handle.read())
-    model = Classifier(
-        get_pipeline("mobilenet-v3-small-classifier"),
-        weights,
-        SourceConfig(s3_endpoint_url=endpoint),
-        "cpu",
-        5,
-    )
+    stage = Classifier("c", architecture="mobilenet_v3_small", weights=weights)
+    model = ClassifierModel(stage, SourceConfig(s3_endpoint_url=endpoint), torch.device("cpu"))
     jobs = [uris[i : i + JOB_SIZE] for i in range(0, len(uris), JOB_SIZE)]
     started = time.perf_counter()
     for job in jobs:
@@ -90,7 +84,7 @@ def main() -> None:
             small = torch.cat(
                 [F.interpolate(t[None], size=(224, 224), mode="bilinear") for t in batch]
             )
-            model.predict((small * 255).clamp(0, 255).to(torch.uint8))
+            model.logits((small * 255).clamp(0, 255).to(torch.uint8))
     elapsed = time.perf_counter() - started
     print(
         json.dumps(

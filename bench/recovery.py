@@ -43,7 +43,9 @@ def torchs() -> tuple[float, int]:
     from datasets.sources import SourceConfig
 
     ctx = mp.get_context("forkserver")
-    dataset = RequestStream(ctx.Queue(), ctx.Queue(), 64, SourceConfig())
+    dataset = RequestStream(
+        ctx.Queue(), ctx.Queue(), DecodePlan(size=64, fast=True), SourceConfig()
+    )
     it: Any = iter(
         DataLoader(
             dataset,

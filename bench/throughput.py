@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from bench.common import (
+    ARCHITECTURE,
     PIPELINE,
     CpuMeter,
     PeakRss,
@@ -81,19 +82,19 @@ class ModelAlone:
     """The worker's model on ready uint8 batches, with torch's default threads."""
 
     def __init__(self, w: World) -> None:
-        from worker.model import Classifier
-        from worker.pipelines import get_pipeline
-
         from datasets.sources import SourceConfig
+        from pipelines.declare import Classifier
+        from pipelines.models import ClassifierModel
 
-        self.model = Classifier(get_pipeline(PIPELINE), w.weights, SourceConfig(), "cpu", 5)
+        stage = Classifier("c", architecture=ARCHITECTURE, weights=w.weights)
+        self.model = ClassifierModel(stage, SourceConfig(), torch.device("cpu"))
         self.batch = torch.randint(0, 256, (BATCH, 3, 224, 224), dtype=torch.uint8)
-        self.model.predict(self.batch)
+        self.model.logits(self.batch)
 
     def seconds(self, images: int) -> float:
         started = time.perf_counter()
         for _ in range(images // BATCH):
-            self.model.predict(self.batch)
+            self.model.logits(self.batch)
         return (time.perf_counter() - started) * images / (images // BATCH * BATCH)
 
 
