@@ -21,9 +21,10 @@ one is under way wait in a backlog and go to the new loader.
 What of torch this relies on (tested with torch 2.14.1, forkserver, spawn and fork): a
 ``DataLoader`` over an ``IterableDataset`` with ``timeout``, ``worker_init_fn``,
 ``prefetch_factor`` and ``in_order=False``; and, in ``_Generation`` only, the iterator's
-``_workers``, ``_index_queues``, ``_worker_result_queue``, ``_workers_done_event``,
-``_shutdown`` and ``_worker_pids_set``. torch's own ``_shutdown_workers`` is not used: it
-sets an event whose lock a killed child may hold, and waits 5 s per child it cannot join.
+``_workers``, ``_index_queues``, ``_worker_result_queue`` (and its ``_writer``),
+``_workers_done_event``, ``_shutdown`` and ``_worker_pids_set``. torch's own
+``_shutdown_workers`` is not used: it sets an event whose lock a killed child may hold, and
+waits 5 s per child it cannot join.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from datasets.sources import SourceConfig, read_bytes
 FORKSERVER_PRELOAD = ["torch", "numpy", "PIL.Image", "boto3", "botocore.config", "datasets.loader"]
 _POLL_S = 0.5
 _KILL_WAIT_S = 2.0
+_STUCK_GRACE_S = 2.0  # after the DataLoader timeout, a read still stuck is a stopped writer
 
 
 class LoadRequest(NamedTuple):
@@ -183,6 +185,7 @@ class _Generation:
         self.requests = requests
         self.reports = reports
         self.child_pids: list[int] = []  # as the children reported them
+        self.unstuck = False  # set by the guard of a read stuck on a stopped child
 
     def await_reports(self, count: int, timeout_s: float) -> bool:
         """Learn the children's pids from the children (each reports once it runs); True when
@@ -203,6 +206,15 @@ class _Generation:
             self.child_pids = self.known_pids()
             return False
         return True
+
+    def unstick(self) -> None:
+        """A read of the result pipe is stuck on a half-written message: kill every child
+        (each holds a write end) and close ours, so the read ends with EOF."""
+        self.unstuck = True
+        processes.kill(self.known_pids())
+        writer = getattr(self.it._worker_result_queue, "_writer", None)
+        if writer is not None:
+            writer.close()
 
     def any_exited(self) -> bool:
         return any(w.exitcode is not None for w in self.workers())
@@ -392,18 +404,31 @@ class StreamingLoader:
                 self._requests.put(request)
 
     def next_loaded(self) -> Loaded:
-        """The next finished request; LoaderFailure when none came within the timeout."""
+        """The next finished request; LoaderFailure when none came within the timeout.
+
+        The DataLoader's timeout covers waiting for a result to start; it does not cover
+        reading one. A child stopped (SIGSTOP, a cgroup freeze) halfway through writing an
+        image into the result pipe leaves the reader blocked on the rest forever, so a guard
+        fires ``_STUCK_GRACE_S`` after the timeout: it kills the children and closes our own
+        end of that pipe, the read ends with EOF, and the loader is rebuilt as after a timeout.
+        """
         gen = self._gen
         if gen is None:
             raise LoaderFailure("the loader is not running", kind="loader_stopped")
+        guard = threading.Timer(self.config.timeout_s + _STUCK_GRACE_S, gen.unstick)
+        guard.daemon = True
+        guard.start()
         try:
             loaded: Loaded = next(gen.it)
         except Exception as error:  # noqa: BLE001 - any failure here means a broken loader
             # A timeout, a dead child (RuntimeError), or a child killed mid-handover
             # (ConnectionResetError or EOFError while unpickling): rebuild.
-            raise LoaderFailure(
-                f"DataLoader failed: {type(error).__name__}: {error}", kind="loader_failed"
-            ) from None
+            why = f"{type(error).__name__}: {error}"
+            if gen.unstuck:
+                why = f"a loader child stopped halfway through handing over an image ({why})"
+            raise LoaderFailure(f"DataLoader failed: {why}", kind="loader_failed") from None
+        finally:
+            guard.cancel()
         with self._lock:
             self._outstanding.pop(loaded.key, None)
         return loaded

@@ -10,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
@@ -367,3 +368,35 @@ def test_children_that_exit_as_they_start_make_the_start_fail_and_leave_nothing(
     from tests.helpers import until_gone
 
     assert until_gone(started) == []
+
+
+class HandsOverLargeImages(RequestStream):
+    """Each image is 8 MB: far more than a pipe holds, so a child is caught mid-handover."""
+
+    def load(self, request: LoadRequest):
+        from datasets.images import Decoded
+        from datasets.loader import Loaded
+
+        pixels = np.zeros((3, 1000, 2800), dtype=np.uint8)
+        return Loaded(request.key, Decoded(pixels, 2800, 1000), None, 0.0, os.getpid())
+
+
+def test_a_child_stopped_halfway_through_handing_over_an_image_is_recovered_not_waited_on():
+    loader = StreamingLoader(
+        LoaderConfig(num_workers=1, timeout_s=2.0, plan=DecodePlan(size=64), sources=FILES),
+        HandsOverLargeImages,
+    )
+    loader.start()
+    try:
+        (child,) = loader.child_pids()
+        loader.submit([LoadRequest(1, "file:///not-read")])
+        time.sleep(1.0)  # the child has filled the pipe and waits for us to read the rest
+        os.kill(child, signal.SIGSTOP)
+        # Without the guard this read would block for ever (pytest-timeout would end it).
+        with pytest.raises(LoaderFailure, match="stopped halfway through handing over"):
+            loader.next_loaded()
+        loader.restart()
+        loader.submit([LoadRequest(2, "file:///not-read")])
+        assert loader.next_loaded().key == 2  # the rebuilt loader serves
+    finally:
+        loader.close()
