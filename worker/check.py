@@ -44,13 +44,16 @@ async def _nats_problems(settings: Settings) -> list[str]:
 
 
 def _model_problems(settings: Settings) -> list[str]:
+    from config.settings import chosen_device
+    from pipelines.device import visibility
     from pipelines.runner import load_runner
     from pipelines.setup import choose
     from worker.app import source_config
 
     try:
         chosen = choose(settings)
-        load_runner(chosen.pipeline, source_config(settings), settings.model.device, chosen.output)
+        _visible, device = visibility(chosen_device(settings))  # check reads; it sets nothing
+        load_runner(chosen.pipeline, source_config(settings), device, chosen.output)
     except WorkerError as error:
         return [f"model: {line}" for line in str(error).splitlines()]
     except Exception as error:  # noqa: BLE001 - reported as a problem line
