@@ -46,12 +46,8 @@ def resolve(name: str, weights: str = "") -> Pipeline:
         pipeline = Pipeline(
             name, detector=Detector(name, name, _DETECTORS[name], weights or None, labels=None)
         )
-    elif name.endswith(".toml"):
-        pipeline = from_toml(Path(name))
-    elif ":" in name:
-        pipeline = _from_attribute(name)
     else:
-        pipeline = _from_entry_point(name)
+        pipeline = _declared(name)
     found = problems(pipeline)
     if found:
         raise ConfigError(f"WORKER_MODEL__PIPELINE={name!r}: " + "; ".join(found))
@@ -63,12 +59,20 @@ def name_of(value: str) -> str:
     stands for; loads no weights."""
     if value in BUILT_IN:
         return value
-    if value.endswith(".toml"):
-        return from_toml(Path(value)).name
-    pipeline = _from_attribute(value) if ":" in value else _from_entry_point(value)
+    pipeline = _declared(value)
     if not isinstance(pipeline, Pipeline):
         raise ConfigError(f"WORKER_MODEL__PIPELINE={value!r} is not a Pipeline")
     return pipeline.name
+
+
+def _declared(name: str) -> Any:
+    """What a pipeline declared outside the registry is: a TOML file, ``module:attribute``, or
+    an installed entry point (checked by the caller)."""
+    if name.endswith(".toml"):
+        return from_toml(Path(name))
+    if ":" in name:
+        return _from_attribute(name)
+    return _from_entry_point(name)
 
 
 def _called(name: str, value: Any) -> Any:

@@ -50,6 +50,7 @@ def _rounded(values: torch.Tensor) -> list[float]:
 class _Crop:
     image: int  # index in the batch
     box: tuple[float, float, float, float]  # decoded pixels
+    classifications: list[dict[str, Any]]  # its detection's, where the stages write
 
 
 class Runner:
@@ -179,19 +180,16 @@ class Runner:
                             self._detected(detector, int(label), float(score), each_s)
                         )
                     results[index].append(detection)
-                    crops.append(_Crop(index, (x1, y1, x2, y2)))
-        self._classify_crops(images, crops, results)
+                    crops.append(_Crop(index, (x1, y1, x2, y2), detection["classifications"]))
+        self._classify_crops(images, crops)
         return results
 
     def _classify_crops(
         self,
         images: Sequence[Decoded],
         crops: list[_Crop],
-        results: list[list[dict[str, Any]]],
     ) -> None:
         """Filter then classifier over every crop, ``crop_batch`` crops in memory at a time."""
-        position = {id(crop): i for i, crop in enumerate(crops)}
-        owner = self._detections_by_crop(crops, results)
         passed = crops
         if self.filter is not None:
             keep = set(self.filter.stage.keep)
@@ -203,22 +201,14 @@ class Runner:
                     top = labels[int(row.argmax())]
                     goes_on = top in keep and not terminal_alone
                     entry = self._classification(self.filter, row, each_s, not goes_on)
-                    owner[position[id(crop)]]["classifications"].append(entry)
+                    crop.classifications.append(entry)
                     if goes_on:
                         passed.append(crop)
         if self.classifier is not None:
             for chunk, logits, each_s in self._chunks(images, passed, self.classifier):
                 for crop, row in zip(chunk, logits, strict=True):
                     entry = self._classification(self.classifier, row, each_s, True)
-                    owner[position[id(crop)]]["classifications"].append(entry)
-
-    @staticmethod
-    def _detections_by_crop(
-        crops: list[_Crop], results: list[list[dict[str, Any]]]
-    ) -> list[dict[str, Any]]:
-        flat = [detection for per_image in results for detection in per_image]
-        assert len(flat) == len(crops)
-        return flat
+                    crop.classifications.append(entry)
 
     def _chunks(
         self, images: Sequence[Decoded], crops: list[_Crop], model: ClassifierModel

@@ -12,6 +12,7 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry
 
+from config.errors import ConfigError, PermanentError
 from config.settings import (
     Settings,
     chosen_device,
@@ -41,6 +42,15 @@ from worker.watchdog import Watchdog
 
 log = structlog.get_logger(__name__)
 _CLOSE_WAIT_S = 10.0
+
+
+def _device_type(device: str) -> str:
+    """``cuda`` or ``cpu``; a CUDA device that is not there is a configuration error (exit 2),
+    as the pipeline's loading would say a moment later."""
+    try:
+        return resolve_device(device).type
+    except PermanentError as error:
+        raise ConfigError(str(error)) from None
 
 
 def source_config(s: Settings) -> SourceConfig:
@@ -93,7 +103,7 @@ class WorkerApp:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
             os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # index as nvidia-smi's
         chosen = choose(s)  # ConfigError before anything starts
-        if chosen.plan.encoded and resolve_device(self.device).type != "cuda":
+        if chosen.plan.encoded and _device_type(self.device) != "cuda":
             log.warning("device_decode_without_cuda", hint="JPEGs are decoded by the loader")
             chosen = replace(chosen, plan=replace(chosen.plan, encoded=False))
         engine, runner = await self._build_engine(liveness, chosen)

@@ -220,10 +220,25 @@ class PrometheusServer:
         )
         try:
             _wait_port(self.port, self.proc, "prometheus")
+            self._wait_ready()
         except RuntimeError:
             self.stop()
             raise
         return self
+
+    def _wait_ready(self) -> None:
+        """Listening is not ready: /-/ready answers 200 once rules and storage are loaded."""
+        import urllib.request
+
+        deadline = time.monotonic() + _READY_WAIT_S
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/-/ready", timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"prometheus not ready within {_READY_WAIT_S:g}s") from None
+                time.sleep(0.2)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
