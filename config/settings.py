@@ -69,8 +69,17 @@ class S3Settings(BaseModel):
     endpoint_url: str | None = Field(None, description="S3 endpoint; unset means AWS")
     region: str = Field("us-east-1", description="region name for the S3 client")
     connect_timeout_s: float = Field(2.0, description="S3 connect timeout")
-    read_timeout_s: float = Field(15.0, description="S3 read timeout")
-    max_attempts: int = Field(3, description="S3 attempts per object, retries included")
+    read_timeout_s: float = Field(
+        5.0,
+        description="S3 stall time: a read that gets no byte for this long (first byte or body) "
+        "is abandoned and made again at once on a new connection, within the object deadline "
+        "and MAX_ATTEMPTS",
+    )
+    max_attempts: int = Field(
+        3,
+        description="S3 attempts per object, retries included (stalls retry at once; throttling "
+        "(503 SlowDown) and server errors back off with jitter first)",
+    )
     http_timeout_s: float = Field(20.0, description="timeout for http(s):// image URLs")
 
 
@@ -113,6 +122,16 @@ class LoaderSettings(BaseModel):
         "forkserver", description="multiprocessing start method of the loader workers"
     )
     prefetch_batches: int = Field(2, description="batches held at once (fetched, not yet settled)")
+    reads_per_worker: int = Field(
+        8,
+        description="object reads each loader child keeps in flight (reading, or read and "
+        "waiting to be decoded), so S3's latency is hidden behind decoding",
+    )
+    read_bytes_per_worker: int = Field(
+        128 * 1024 * 1024,
+        description="encoded bytes each loader child holds for its reads in flight (a read "
+        "waits for room once its size is known; one read always goes ahead)",
+    )
     max_inflight_bytes: int = Field(
         0,
         description="cap on loaded image bytes held at once (tasks held x the largest image "
@@ -294,6 +313,8 @@ def settings_problems(s: Settings) -> list[str]:
         ("WORKER_LOADER__BATCH_SIZE", s.loader.batch_size),
         ("WORKER_LOADER__TIMEOUT_S", s.loader.timeout_s),
         ("WORKER_LOADER__PREFETCH_BATCHES", s.loader.prefetch_batches),
+        ("WORKER_LOADER__READS_PER_WORKER", s.loader.reads_per_worker),
+        ("WORKER_LOADER__READ_BYTES_PER_WORKER", s.loader.read_bytes_per_worker),
         ("WORKER_NATS__ACK_WAIT_S", s.nats.ack_wait_s),
         ("WORKER_NATS__MAX_DELIVER", s.nats.max_deliver),
         ("WORKER_NATS__FETCH_TIMEOUT_S", s.nats.fetch_timeout_s),

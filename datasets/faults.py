@@ -12,7 +12,8 @@ import threading
 from typing import Any
 
 from datasets.images import DecodePlan
-from datasets.loader import Loaded, LoadRequest, MakeStream, RequestStream
+from datasets.loader import Loaded, MakeStream, RequestStream
+from datasets.reads import Read
 from datasets.sources import SourceConfig
 
 
@@ -41,8 +42,8 @@ class DropOnceStream(RequestStream):
         super().__init__(requests, reports, plan, sources)
         self.drop_once_file = drop_once_file
 
-    def load(self, request: LoadRequest) -> Loaded:
-        loaded = super().load(request)
+    def finish(self, read: Read) -> Loaded:
+        loaded = super().finish(read)
         if claim_once(self.drop_once_file):
             return loaded._replace(failure=threading.Lock())  # type: ignore[arg-type]
         return loaded

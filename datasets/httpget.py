@@ -25,6 +25,7 @@ from urllib.parse import urljoin, urlsplit
 
 from config.errors import PermanentError, TransientError
 from config.redact import redact_url
+from datasets.budget import Admit, admit_all
 from datasets.deadline import Cutoff
 
 _REDIRECTS = {301, 302, 303, 307, 308}
@@ -158,11 +159,12 @@ def _tls_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
-def read_http(url: str, policy: HttpPolicy) -> bytes:
-    """The object's bytes, or PermanentError / TransientError saying why not."""
+def read_http(url: str, policy: HttpPolicy, admit: Admit = admit_all) -> bytes:
+    """The object's bytes, or PermanentError / TransientError saying why not. ``admit`` is
+    asked for room once the body's size is known (``max_bytes`` when it is not declared)."""
     with Cutoff(policy.deadline_s) as cutoff:
         for _hop in range(policy.max_redirects + 1):
-            status, location, body = _get_once(url, policy, cutoff)
+            status, location, body = _get_once(url, policy, cutoff, admit)
             if status not in _REDIRECTS:
                 return _body_or_error(url, status, body)
             if not location:
@@ -189,7 +191,7 @@ def _body_or_error(url: str, status: int, body: bytes) -> bytes:
     raise PermanentError(f"HTTP {status} for {redact_url(url)}", kind=kind)
 
 
-def _get_once(url: str, policy: HttpPolicy, cutoff: Cutoff) -> tuple[int, str, bytes]:
+def _get_once(url: str, policy: HttpPolicy, cutoff: Cutoff, admit: Admit) -> tuple[int, str, bytes]:
     """One GET: (status, Location, body). Bodies of redirects and errors are not kept."""
     parts = urlsplit(url)
     host, scheme = parts.hostname or "", parts.scheme
@@ -214,7 +216,7 @@ def _get_once(url: str, policy: HttpPolicy, cutoff: Cutoff) -> tuple[int, str, b
         connection = http.client.HTTPConnection(host, port, timeout=cutoff.remaining_s())
         connection.sock = sock
         try:
-            return _exchange(url, connection, policy, cutoff)
+            return _exchange(url, connection, policy, cutoff, admit)
         finally:
             connection.close()
     except ssl.SSLCertVerificationError as error:
@@ -243,6 +245,7 @@ def _exchange(
     connection: http.client.HTTPConnection,
     policy: HttpPolicy,
     cutoff: Cutoff,
+    admit: Admit,
 ) -> tuple[int, str, bytes]:
     split = urlsplit(url)
     target = (split.path or "/") + (f"?{split.query}" if split.query else "")
@@ -262,6 +265,8 @@ def _exchange(
         raise PermanentError(
             f"{redact_url(url)} is {declared} bytes, over {policy.max_bytes}", kind="too_large"
         )
+    size = int(declared) if declared and declared.isdigit() else policy.max_bytes
+    admit(size, cutoff.remaining_s())
     chunks: list[bytes] = []
     total = 0
     while True:

@@ -1,11 +1,12 @@
 """A DataLoader whose worker processes persist for the life of the worker process.
 
 The dataset is an endless stream: loader workers take load requests from a multiprocessing
-queue, fetch and decode each image by the pipeline's ``DecodePlan``, and hand back one uint8
-array (or an error) per request. Arrays travel pickled through the result pipe, not as torch
-tensors in shared memory: for an image of the pipeline's input size the copy is cheaper than torch's
-per-tensor /dev/shm file and descriptor hand-over, and a child that dies mid-send leaves
-no shared-memory file behind. The main process keeps a single iterator open, so the same
+queue, fetch several objects at once (``datasets.reads``), decode each image by the pipeline's
+``DecodePlan`` as its read completes, and hand back one uint8 array (or an error) per
+request. Arrays travel pickled through the result pipe, not as torch tensors in shared memory:
+for an image of the pipeline's input size the copy is cheaper than torch's per-tensor /dev/shm
+file and descriptor hand-over, and a child that dies mid-send leaves no shared-memory file
+behind. The main process keeps a single iterator open, so the same
 children serve job after job, and calls ``next`` only for requests it has submitted, each
 bounded by the DataLoader ``timeout``.
 
@@ -45,6 +46,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from config.errors import Failure, LoaderFailure, WorkerError
 from datasets import processes
 from datasets.images import Decoded, DecodePlan, decode
+from datasets.reads import Read, ReadPool, ReadStats
 from datasets.semaphores import semlock_names, unlink_names, wait_until_mapped
 from datasets.sources import SourceConfig, read_bytes
 
@@ -67,6 +69,8 @@ class Loaded(NamedTuple):
     failure: Failure | None
     load_s: float
     pid: int
+    retries: tuple[str, ...] = ()  # why each retry of the read was made
+    reads: ReadStats | None = None  # the child's reads as it handed this one over
 
 
 @dataclass(frozen=True)
@@ -81,22 +85,26 @@ class LoaderConfig:
     prefetch_per_worker: int = 2
 
 
-def load_one(request: LoadRequest, plan: DecodePlan, sources: SourceConfig) -> Loaded:
+def decode_read(read: Read, plan: DecodePlan) -> Loaded:
+    """A finished read, decoded by ``plan`` (or its failure), as the main process gets it."""
     started = time.perf_counter()
-    try:
-        image = decode(read_bytes(request.uri, sources), plan)
-    except WorkerError as error:
-        failure = error.failure()
-    except Exception as error:  # noqa: BLE001 - one bad image must not kill a loader child
-        failure = Failure("load_failed", f"{type(error).__name__}: {error}")
-    else:
-        return Loaded(request.key, image, None, time.perf_counter() - started, os.getpid())
-    return Loaded(request.key, None, failure, time.perf_counter() - started, os.getpid())
+    image, failure = None, read.failure
+    if read.data is not None:
+        try:
+            image = decode(read.data, plan)
+        except WorkerError as error:
+            failure = error.failure()
+        except Exception as error:  # noqa: BLE001 - one bad image must not kill a loader child
+            failure = Failure("load_failed", f"{type(error).__name__}: {error}")
+    load_s = read.read_s + time.perf_counter() - started
+    return Loaded(read.request.key, image, failure, load_s, os.getpid(), read.retries)
 
 
 class RequestStream(IterableDataset[Loaded]):
     """Endless dataset: yields one Loaded per request taken from ``requests``.
 
+    Reads overlap (``datasets.reads``: ``sources.reads_in_flight`` at once, bounded in bytes
+    by ``sources.read_bytes_in_flight``); images are decoded one at a time as reads complete.
     Picklable (its queues travel to the children when they are started). Each child reports
     its pid on ``reports`` when it starts, so the worker learns its children from them.
     """
@@ -114,17 +122,22 @@ class RequestStream(IterableDataset[Loaded]):
         self.owner_started = processes.start_time(self.owner_pid)
 
     def __iter__(self) -> Iterator[Loaded]:
-        while True:
-            try:
-                request = self.requests.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
-            if request is None:
-                return
-            yield self.load(request)
+        sources = self.sources
+        pool = ReadPool(
+            self.requests,
+            lambda uri, reading: read_bytes(uri, sources, reading),
+            sources.reads_in_flight,
+            sources.read_bytes_in_flight,
+        ).start()
+        try:
+            while (read := pool.next_read()) is not None:
+                loaded = self.finish(read)
+                yield loaded._replace(reads=pool.finished(read))
+        finally:
+            pool.close()
 
-    def load(self, request: LoadRequest) -> Loaded:
-        return load_one(request, self.plan, self.sources)
+    def finish(self, read: Read) -> Loaded:
+        return decode_read(read, self.plan)
 
 
 MakeStream = Callable[[Any, Any, DecodePlan, SourceConfig], RequestStream]

@@ -6,13 +6,23 @@ capped at ``max_bytes`` while reading and bounded by one deadline per object. Th
 own URIs (weights, labels) are read by ``read_trusted``, without the policy.
 
 One boto3 client per process, made lazily and keyed by pid, so a loader worker never uses a
-client created in its parent.
+client created in its parent; its threads share it (boto3 clients are thread-safe), with a
+connection pool as large as the reads it keeps in flight.
+
+S3 reads retry by themselves, within the object's deadline and ``max_attempts``: a read that
+produced no byte for ``read_timeout_s`` (first byte or body) is abandoned and made again on a
+new connection at once, since a tail of slow requests must not set the pace; throttling
+(503 SlowDown) and server errors back off with full jitter first. botocore's own retries are
+off, so an attempt is an attempt.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import stat
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,13 +30,17 @@ from urllib.parse import unquote, urlsplit
 
 from config.errors import PermanentError, TransientError
 from config.redact import redact_url
+from datasets.budget import Admit, Reading
 from datasets.deadline import Cutoff
 from datasets.httpget import HttpPolicy, allowed_entry, read_http
 
 _MISSING_CODES = {"NoSuchKey", "NoSuchBucket", "404", "NotFound"}
 _DENIED_CODES = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"}
 MAX_IMAGE_BYTES = 64 * 1024 * 1024
+_THROTTLED_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded"}
 _CHUNK_BYTES = 1024 * 1024
+_BACKOFF_BASE_S = {"throttled": 0.2, "unavailable": 0.05}
+_BACKOFF_MAX_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,8 @@ class SourceConfig:
     max_bytes: int = MAX_IMAGE_BYTES
     object_deadline_s: float = 30.0
     max_redirects: int = 5
+    reads_in_flight: int = 1  # per loader child: reads it keeps going at once
+    read_bytes_in_flight: int = 128 * 1024 * 1024  # per loader child: encoded bytes it holds
 
     def http_policy(self) -> HttpPolicy:
         allowed = {allowed_entry(entry) for entry in self.allowed_hosts}
@@ -64,27 +80,30 @@ class SourceConfig:
 
 
 _clients: dict[tuple[int, SourceConfig], Any] = {}
+_clients_lock = threading.Lock()
 
 
 def s3_client(config: SourceConfig) -> Any:
-    """This process's S3 client for ``config``, created on first use."""
+    """This process's S3 client for ``config``, created on first use, shared by its threads."""
     key = (os.getpid(), config)
-    client = _clients.get(key)
-    if client is None:
-        import boto3
-        from botocore.config import Config
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            import boto3
+            from botocore.config import Config
 
-        client = boto3.session.Session().client(
-            "s3",
-            endpoint_url=config.s3_endpoint_url,
-            region_name=config.s3_region,
-            config=Config(
-                connect_timeout=config.connect_timeout_s,
-                read_timeout=config.read_timeout_s,
-                retries={"max_attempts": config.max_attempts, "mode": "standard"},
-            ),
-        )
-        _clients[key] = client
+            client = boto3.session.Session().client(
+                "s3",
+                endpoint_url=config.s3_endpoint_url,
+                region_name=config.s3_region,
+                config=Config(
+                    connect_timeout=config.connect_timeout_s,
+                    read_timeout=config.read_timeout_s,
+                    retries={"total_max_attempts": 1},  # ours: see _read_s3
+                    max_pool_connections=max(10, config.reads_in_flight + 2),
+                ),
+            )
+            _clients[key] = client
     return client
 
 
@@ -96,22 +115,23 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, key
 
 
-def read_bytes(uri: str, config: SourceConfig) -> bytes:
+def read_bytes(uri: str, config: SourceConfig, reading: Reading | None = None) -> bytes:
     """A task's object: its bytes, or PermanentError / TransientError saying why not."""
+    reading = reading or Reading()
     scheme = urlsplit(uri).scheme
     if scheme == "s3":
-        return _read_s3(uri, config, config.max_bytes)
+        return _read_s3(uri, config, config.max_bytes, reading)
     if scheme in ("http", "https"):
-        return read_http(uri, config.http_policy())
+        return read_http(uri, config.http_policy(), reading.admit)
     if scheme == "file":
-        return _read_file(uri, config)
+        return _read_file(uri, config, reading.admit)
     raise PermanentError(f"unsupported URI scheme {scheme!r}", kind="invalid_uri")
 
 
 def read_trusted(uri: str, config: SourceConfig) -> bytes:
     """The operator's own object (weights, labels): s3:// or a local file, no source policy."""
     if uri.startswith("s3://"):
-        return _read_s3(uri, config, max_bytes=None)
+        return _read_s3(uri, config, None, Reading())
     path = Path(uri.removeprefix("file://"))
     try:
         return path.read_bytes()
@@ -121,21 +141,71 @@ def read_trusted(uri: str, config: SourceConfig) -> bytes:
         raise PermanentError(f"cannot read {path}: {error}", kind="unreadable") from None
 
 
-def _read_s3(uri: str, config: SourceConfig, max_bytes: int | None) -> bytes:
-    from botocore.exceptions import BotoCoreError, ClientError, ParamValidationError
+class _Retry(Exception):
+    """One attempt failed in a way another attempt may not: why, and the error to report."""
 
+    def __init__(self, reason: str, error: TransientError) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error
+
+
+def _read_s3(uri: str, config: SourceConfig, max_bytes: int | None, reading: Reading) -> bytes:
     bucket, key = split_s3_uri(uri)
     shown = redact_url(uri)
+    with Cutoff(config.object_deadline_s) as cutoff:
+        for attempt in range(1, config.max_attempts + 1):
+            try:
+                return _s3_attempt(bucket, key, shown, config, max_bytes, reading, cutoff)
+            except _Retry as retry:
+                if cutoff.expired():
+                    break
+                pause_s = backoff_s(retry.reason, attempt)
+                if attempt == config.max_attempts or pause_s >= cutoff.remaining_s():
+                    raise retry.error from None
+                reading.retries.append(retry.reason)
+                time.sleep(pause_s)
+    raise TransientError(
+        f"{shown}: no whole object within the object deadline", kind="deadline_exceeded"
+    )
+
+
+def backoff_s(reason: str, attempt: int) -> float:
+    """Pause before the next attempt: none after a stall (a new connection is the cure), full
+    jitter after throttling or a server error."""
+    base_s = _BACKOFF_BASE_S.get(reason, 0.0)
+    return random.uniform(0, min(_BACKOFF_MAX_S, base_s * 2 ** (attempt - 1)))
+
+
+def _s3_attempt(
+    bucket: str,
+    key: str,
+    shown: str,
+    config: SourceConfig,
+    max_bytes: int | None,
+    reading: Reading,
+    cutoff: Cutoff,
+) -> bytes:
+    from botocore.exceptions import (
+        BotoCoreError,
+        ClientError,
+        ConnectTimeoutError,
+        ParamValidationError,
+        ReadTimeoutError,
+    )
+
     try:
-        with Cutoff(config.object_deadline_s) as cutoff:
-            response = s3_client(config).get_object(Bucket=bucket, Key=key)
-            size = int(response.get("ContentLength") or 0)
-            body = response["Body"]
+        response = s3_client(config).get_object(Bucket=bucket, Key=key)
+        size = int(response.get("ContentLength") or 0)
+        body = response["Body"]
+        try:
             if max_bytes is not None and size > max_bytes:
-                body.close()
                 raise PermanentError(f"{shown} is {size} bytes, over {max_bytes}", kind="too_large")
+            reading.admit(size or (max_bytes or 0), cutoff.remaining_s())
             cutoff.watch(body_socket(body))
             return _read_capped(body, shown, max_bytes, cutoff)
+        finally:
+            body.close()  # unread: the connection is dropped, a retry gets a new one
     except ParamValidationError as error:
         raise PermanentError(f"invalid S3 location {shown}: {error}", kind="invalid_uri") from None
     except ClientError as error:
@@ -147,35 +217,46 @@ def _read_s3(uri: str, config: SourceConfig, max_bytes: int | None) -> bytes:
             ) from None
         if code in _DENIED_CODES:
             raise PermanentError(f"{shown}: access denied ({code})", kind="access_denied") from None
-        if status >= 500 or code in ("SlowDown", "Throttling", "RequestTimeout"):
-            raise TransientError(
-                f"S3 answered {status} {code} for {shown}", kind="s3_unavailable"
+        if status >= 500 or code in _THROTTLED_CODES or code == "RequestTimeout":
+            reason = "throttled" if code in _THROTTLED_CODES or status == 503 else "unavailable"
+            raise _Retry(
+                reason,
+                TransientError(f"S3 answered {status} {code} for {shown}", kind="s3_unavailable"),
             ) from None
         raise PermanentError(f"S3 refused {shown}: {status} {code}", kind="s3_error") from None
-    except BotoCoreError as error:
-        raise TransientError(
-            f"S3 unreachable for {shown}: {type(error).__name__}", kind="s3_unavailable"
+    except (ReadTimeoutError, ConnectTimeoutError) as error:
+        raise _Retry(
+            "stalled",
+            TransientError(
+                f"S3 sent nothing for {config.read_timeout_s:g}s for {shown}: "
+                f"{type(error).__name__}",
+                kind="s3_unavailable",
+            ),
+        ) from None
+    except (BotoCoreError, OSError, ValueError) as error:
+        if cutoff.expired():
+            raise TransientError(
+                f"{shown}: no whole object within the object deadline", kind="deadline_exceeded"
+            ) from None
+        raise _Retry(
+            "unavailable",
+            TransientError(
+                f"S3 unreachable for {shown}: {type(error).__name__}", kind="s3_unavailable"
+            ),
         ) from None
 
 
 def _read_capped(body: Any, shown: str, max_bytes: int | None, cutoff: Cutoff) -> bytes:
+    """The body, read in chunks and capped; its errors are the caller's to sort."""
     chunks: list[bytes] = []
     total = 0
-    try:
-        while chunk := body.read(_CHUNK_BYTES):
-            total += len(chunk)
-            if max_bytes is not None and total > max_bytes:
-                raise PermanentError(f"{shown} is over {max_bytes} bytes", kind="too_large")
-            if cutoff.expired():
-                break
-            chunks.append(chunk)
-    except (OSError, ValueError) as error:
-        if not cutoff.expired():
-            raise TransientError(
-                f"S3 read failed for {shown}: {type(error).__name__}", kind="s3_unavailable"
-            ) from None
-    finally:
-        body.close()
+    while chunk := body.read(_CHUNK_BYTES):
+        total += len(chunk)
+        if max_bytes is not None and total > max_bytes:
+            raise PermanentError(f"{shown} is over {max_bytes} bytes", kind="too_large")
+        if cutoff.expired():
+            break
+        chunks.append(chunk)
     if cutoff.expired():
         raise TransientError(
             f"{shown}: no whole object within the object deadline", kind="deadline_exceeded"
@@ -196,7 +277,7 @@ def body_socket(body: Any) -> Any:
         return None
 
 
-def _read_file(uri: str, config: SourceConfig) -> bytes:
+def _read_file(uri: str, config: SourceConfig, admit: Admit) -> bytes:
     parts = urlsplit(uri)
     shown = redact_url(uri)
     if not config.file_roots:
@@ -233,6 +314,7 @@ def _read_file(uri: str, config: SourceConfig) -> bytes:
             raise PermanentError(
                 f"{shown} is {info.st_size} bytes, over {config.max_bytes}", kind="too_large"
             )
+        admit(info.st_size, config.object_deadline_s)
         data = file.read(config.max_bytes + 1)
     if len(data) > config.max_bytes:
         raise PermanentError(f"{shown} is over {config.max_bytes} bytes", kind="too_large")

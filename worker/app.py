@@ -31,7 +31,14 @@ from worker.advisories import ExhaustedTasks
 from worker.engine import Engine
 from worker.exits import Exit
 from worker.guards import ResourceGuard
-from worker.health import PREFIX, DeviceCollector, HealthServer, Liveness, Metrics
+from worker.health import (
+    PREFIX,
+    DeviceCollector,
+    HealthServer,
+    Liveness,
+    Metrics,
+    ReadsCollector,
+)
 from worker.ports import Loading
 from worker.procstats import ProcessTreeCollector
 from worker.results import ResultStore, publish_algorithms
@@ -66,6 +73,8 @@ def source_config(s: Settings) -> SourceConfig:
         max_bytes=s.sources.max_bytes,
         object_deadline_s=object_deadline_s(s),
         max_redirects=s.sources.max_redirects,
+        reads_in_flight=s.loader.reads_per_worker,
+        read_bytes_in_flight=s.loader.read_bytes_per_worker,
     )
 
 
@@ -115,6 +124,7 @@ class WorkerApp:
         metrics.registry.register(
             DeviceCollector(lambda: memory_bytes(runner.device), lambda: engine.out_of_memory)
         )
+        metrics.registry.register(ReadsCollector(engine.reads, lambda: dict(engine.read_retries)))
         settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
         services = Services(
             source=feed,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -11,6 +12,7 @@ import structlog
 from config.errors import Failure, LoaderFailure, LoaderGaveUp, PermanentError
 from datasets.images import Decoded
 from datasets.loader import Loaded, LoadRequest, StreamingLoader
+from datasets.reads import ReadStats
 from pipelines.device import is_out_of_memory, release_cached_memory
 from worker.ports import BatchReport
 from worker.schemas import Verdict
@@ -42,6 +44,8 @@ class Engine:
         self._heartbeat = heartbeat
         self._release_memory = release_memory
         self.out_of_memory = 0  # batches split for lack of device memory (a metric)
+        self.read_retries: Counter[str] = Counter()  # by reason, since the start (a metric)
+        self._reads: dict[int, ReadStats] = {}  # per loader child, as it last reported
         self._stash: dict[int, Loaded] = {}
 
     def start(self) -> None:
@@ -101,11 +105,22 @@ class Engine:
             except LoaderFailure as error:
                 self._recover(wanted, str(error))
                 return loaded, str(error)
+            self._note_reads(item)
             if item.key in wanted:
                 loaded[item.key] = item
             else:
                 self._stash[item.key] = item  # an image of a later batch, already here
         return loaded, None
+
+    def _note_reads(self, item: Loaded) -> None:
+        self.read_retries.update(item.retries)
+        if item.reads is not None:
+            self._reads[item.reads.pid] = item.reads
+
+    def reads(self) -> list[ReadStats]:
+        """The current loader children's reads, as each last reported them; any thread."""
+        children = set(self.loader.child_pids())
+        return [stats for pid, stats in list(self._reads.items()) if pid in children]
 
     def _recover(self, wanted: set[int], reason: str) -> None:
         """Rebuild the loader; reload what later batches still need, the rest is given back."""

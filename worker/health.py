@@ -13,6 +13,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from datasets.reads import ReadStats
 from worker.ports import BatchReport
 from worker.watchdog import Watchdog
 
@@ -178,6 +179,47 @@ class DeviceCollector:
             "Batches halved after running out of device memory.",
             value=float(self._out_of_memory()),
         )
+
+
+class ReadsCollector:
+    """The loader children's object reads: in flight, the encoded bytes they hold, and the
+    retries made (stalled, throttled, unavailable)."""
+
+    def __init__(
+        self, reads: Callable[[], list[ReadStats]], retries: Callable[[], dict[str, int]]
+    ) -> None:
+        self._reads = reads
+        self._retries = retries
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        reads = self._reads()
+        yield GaugeMetricFamily(
+            f"{PREFIX}_loader_reads_in_flight",
+            "Object reads the loader children hold (reading, or read and waiting to be "
+            "decoded), as each child last reported.",
+            value=float(sum(r.in_flight for r in reads)),
+        )
+        held = GaugeMetricFamily(
+            f"{PREFIX}_loader_read_bytes",
+            "Encoded bytes the loader children hold for their reads: now (held) and the most "
+            "at once since each child started (peak), summed over children.",
+            labels=["kind"],
+        )
+        held.add_metric(["held"], float(sum(r.held_bytes for r in reads)))
+        held.add_metric(["peak"], float(sum(r.peak_bytes for r in reads)))
+        yield held
+        retries = CounterMetricFamily(
+            f"{PREFIX}_source_retries",
+            "Object reads made again: stalled (no byte for WORKER_S3__READ_TIMEOUT_S, retried "
+            "on a new connection), throttled (503 SlowDown, after a backoff), unavailable.",
+            labels=["reason"],
+        )
+        counts = self._retries()
+        for reason in ("stalled", "throttled", "unavailable"):
+            retries.add_metric([reason], float(counts.get(reason, 0)))
+        yield retries
 
 
 class BatchObserver:

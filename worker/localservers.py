@@ -41,7 +41,7 @@ def find_nats_server() -> str:
     )
 
 
-def _wait_port(port: int, proc: subprocess.Popen[bytes] | None, what: str) -> None:
+def wait_port(port: int, proc: subprocess.Popen[bytes] | None, what: str) -> None:
     deadline = time.monotonic() + _READY_WAIT_S
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -88,7 +88,7 @@ class NatsServer:
             stderr=subprocess.DEVNULL,
         )
         try:
-            _wait_port(self.port, self.proc, "nats-server")
+            wait_port(self.port, self.proc, "nats-server")
         except RuntimeError as error:
             self.stop(remove=False)
             tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
@@ -136,7 +136,7 @@ class S3Server:
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self._server.start()
-        _wait_port(self.port, None, "S3 endpoint")
+        wait_port(self.port, None, "S3 endpoint")
         return self
 
     def stop(self) -> None:
@@ -219,7 +219,7 @@ class PrometheusServer:
             stderr=subprocess.STDOUT,
         )
         try:
-            _wait_port(self.port, self.proc, "prometheus")
+            wait_port(self.port, self.proc, "prometheus")
             self._wait_ready()
         except RuntimeError:
             self.stop()

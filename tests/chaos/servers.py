@@ -11,7 +11,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from worker.localservers import _wait_port, find_nats_server, free_port
+from worker.localservers import find_nats_server, free_port, wait_port
 
 
 class NatsCluster:
@@ -47,7 +47,7 @@ class NatsCluster:
             stderr=log,
             stdin=subprocess.DEVNULL,
         )
-        _wait_port(self.ports[i], self.procs[i], f"nats-server n{i}")
+        wait_port(self.ports[i], self.procs[i], f"nats-server n{i}")
 
     def start(self) -> NatsCluster:
         for i in range(3):

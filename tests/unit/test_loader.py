@@ -373,12 +373,12 @@ def test_children_that_exit_as_they_start_make_the_start_fail_and_leave_nothing(
 class HandsOverLargeImages(RequestStream):
     """Each image is 8 MB: far more than a pipe holds, so a child is caught mid-handover."""
 
-    def load(self, request: LoadRequest):
+    def finish(self, read):
         from datasets.images import Decoded
         from datasets.loader import Loaded
 
         pixels = np.zeros((3, 1000, 2800), dtype=np.uint8)
-        return Loaded(request.key, Decoded(pixels, 2800, 1000), None, 0.0, os.getpid())
+        return Loaded(read.request.key, Decoded(pixels, 2800, 1000), None, 0.0, os.getpid())
 
 
 def test_a_child_stopped_halfway_through_handing_over_an_image_is_recovered_not_waited_on():
