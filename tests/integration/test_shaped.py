@@ -1,0 +1,99 @@
+"""S3 at a distance: the worker against a real S3 endpoint behind a shaped network
+(``worker.shapednet``: first-byte delays, a bandwidth cap, stalls and throttling on request).
+
+Delays here are short so the suite stays fast; the benchmarks use S3's real figures. What is
+asserted comes from the counters of the network itself (requests in flight at once, the
+connection each request came on) and of the worker (its children's reads), never from timing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from tests.helpers import client, running_worker, submit, upload_images, wait_results
+from worker.shapednet import Shape, ShapedProxy
+
+pytestmark = pytest.mark.integration
+
+
+def shaped(s3_server, **shape) -> ShapedProxy:
+    defaults = {"first_byte_median_s": 0.02, "first_byte_p99_s": 0.08, "bytes_per_s": 4e6}
+    return ShapedProxy(s3_server.port, Shape(**{**defaults, **shape}))
+
+
+def worker_settings(settings_for, nats_server, proxy, **loader):
+    return settings_for(
+        nats_server.url,
+        s3={"endpoint_url": proxy.url, "read_timeout_s": 0.5, "max_attempts": 3},
+        loader={"num_workers": 1, "batch_size": 4, "reads_per_worker": 4, **loader},
+    )
+
+
+async def test_a_job_over_a_shaped_network_completes_with_reads_overlapping_within_their_bound(
+    nats_server, s3_server, bucket, settings_for
+):
+    uris = upload_images(s3_server.client(), bucket, 24)
+    with shaped(s3_server, seed=1) as proxy:
+        settings = worker_settings(settings_for, nats_server, proxy)
+        async with running_worker(settings) as app, client(settings) as js:
+            await submit(js, settings, "job-shaped", uris)
+            results = await wait_results(js, settings, "job-shaped", len(uris), timeout_s=90)
+            assert app.engine is not None
+            retries = dict(app.engine.read_retries)
+        stats = proxy.stats()
+    assert Counter(r["status"] for r in results) == {"ok": len(uris)}
+    assert sorted(path for _conn, path, _fate in stats["gets"]) == sorted(
+        "/" + uri.removeprefix("s3://") for uri in uris
+    )
+    assert retries == {}
+    # One loader child with four reads: several objects on the wire at once, never more.
+    assert 2 <= stats["max_in_flight"] <= 4
+
+
+async def test_a_stalled_read_is_made_again_on_a_new_connection_and_throttling_is_retried(
+    nats_server, s3_server, bucket, settings_for
+):
+    uris = upload_images(s3_server.client(), bucket, 6)
+    # The first GET gets no byte at all, the second a 503 SlowDown.
+    with shaped(s3_server, stall_first=1, throttle_first=2, stall_s=30) as proxy:
+        settings = worker_settings(settings_for, nats_server, proxy)
+        async with running_worker(settings) as app, client(settings) as js:
+            await submit(js, settings, "job-stalled", uris)
+            results = await wait_results(js, settings, "job-stalled", len(uris), timeout_s=90)
+            assert app.engine is not None
+            retries = dict(app.engine.read_retries)
+        stats = proxy.stats()
+    assert Counter(r["status"] for r in results) == {"ok": len(uris)}
+    assert retries == {"stalled": 1, "throttled": 1}
+    gets = stats["gets"]
+    (stalled_conn, stalled_path, _), (_, throttled_path, _) = gets[0], gets[1]
+    assert [fate for *_, fate in gets[:2]] == ["stalled", "throttled"]
+    again = [conn for conn, path, fate in gets[2:] if path == stalled_path and fate == "ok"]
+    assert again and all(conn != stalled_conn for conn in again)
+    assert any(path == throttled_path and fate == "ok" for _c, path, fate in gets[2:])
+    assert len(gets) == len(uris) + 2  # one more GET per retry, none lost, none repeated
+
+
+async def test_bytes_held_for_reads_stay_under_their_cap(
+    nats_server, s3_server, bucket, settings_for
+):
+    s3 = s3_server.client()
+    uris = upload_images(s3, bucket, 16)
+    sizes = [
+        s3.head_object(Bucket=bucket, Key=uri.split("/", 3)[3])["ContentLength"] for uri in uris
+    ]
+    cap = 2 * max(sizes)  # room for two of the largest: the other reads wait for it
+    with shaped(s3_server, bytes_per_s=2e6) as proxy:
+        settings = worker_settings(
+            settings_for, nats_server, proxy, reads_per_worker=8, read_bytes_per_worker=cap
+        )
+        async with running_worker(settings) as app, client(settings) as js:
+            await submit(js, settings, "job-capped", uris)
+            results = await wait_results(js, settings, "job-capped", len(uris), timeout_s=90)
+            assert app.engine is not None
+            (reads,) = app.engine.reads()  # the one child, as it last reported
+    assert Counter(r["status"] for r in results) == {"ok": len(uris)}
+    assert max(sizes) <= reads.peak_bytes <= cap
+    assert reads.held_bytes <= cap
