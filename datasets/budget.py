@@ -3,12 +3,15 @@
 A read asks once it knows the object's size and before it reads the body, so a read that
 waits holds nothing, and every byte held belongs to a read that can finish: the budget never
 deadlocks. One read is always let in, whatever its size, so a child holds at most
-``max(limit_bytes, the largest object)``.
+``max(limit_bytes, the largest object)``. Reads wait their turn in the order they asked, so a
+large object is not passed over for ever by a stream of small ones; a read asking again
+(a retry that found a larger size) holds bytes already and does not queue.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,20 +43,36 @@ class ByteBudget:
         self.limit_bytes = limit_bytes
         self._changed = threading.Condition()
         self._held = 0
+        self._waiting: deque[object] = deque()  # reads waiting for room, first come first
         self.peak_bytes = 0
 
     def take(self, extra_bytes: int, owned_bytes: int, wait_s: float) -> bool:
         """Hold ``extra_bytes`` more for a read that holds ``owned_bytes`` already; False when
         no room came within ``wait_s``."""
         with self._changed:
-            if not self._changed.wait_for(
-                lambda: self._held == owned_bytes or self._held + extra_bytes <= self.limit_bytes,
-                timeout=max(0.0, wait_s),
-            ):
-                return False
-            self._held += extra_bytes
-            self.peak_bytes = max(self.peak_bytes, self._held)
-            return True
+            turn = object()
+            queued = owned_bytes == 0
+            if queued:
+                self._waiting.append(turn)
+            try:
+                if not self._changed.wait_for(
+                    lambda: (
+                        (not queued or self._waiting[0] is turn)
+                        and (
+                            self._held == owned_bytes
+                            or self._held + extra_bytes <= self.limit_bytes
+                        )
+                    ),
+                    timeout=max(0.0, wait_s),
+                ):
+                    return False
+                self._held += extra_bytes
+                self.peak_bytes = max(self.peak_bytes, self._held)
+                return True
+            finally:
+                if queued:
+                    self._waiting.remove(turn)
+                    self._changed.notify_all()  # the next in line may go now
 
     def give(self, size_bytes: int) -> None:
         if size_bytes <= 0:

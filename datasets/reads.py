@@ -57,6 +57,10 @@ class ReadStats:
     peak_bytes: int  # the most held at once since the child started
 
 
+class ReaderFailed(RuntimeError):
+    """A reader thread of a loader child could not go on; the child's stream ends with it."""
+
+
 class ReadPool:
     """``reads`` reader threads over the request queue ``requests``; used in a loader child."""
 
@@ -65,7 +69,7 @@ class ReadPool:
         self._read = read
         self._slots = threading.BoundedSemaphore(max(1, reads))
         self._budget = ByteBudget(budget_bytes)
-        self._done: queue.Queue[Read | None] = queue.Queue()
+        self._done: queue.Queue[Read | ReaderFailed | None] = queue.Queue()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._in_flight = 0
@@ -85,40 +89,53 @@ class ReadPool:
         self._stop.set()
 
     def next_read(self) -> Read | None:
-        """The next finished read, waiting as long as it takes; None at the end of requests."""
+        """The next finished read, waiting as long as it takes; None at the end of requests.
+        ReaderFailed when a reader thread could not go on (the request queue broke)."""
         while True:
             try:
-                return self._done.get(timeout=_POLL_S)
+                item = self._done.get(timeout=_POLL_S)
             except queue.Empty:
                 continue
+            if isinstance(item, ReaderFailed):
+                raise item
+            return item
 
     def finished(self, read: Read) -> ReadStats:
         """``read``'s image is decoded: free its slot and bytes; the child's reads now."""
         self._budget.give(read.held_bytes)
+        read.data = None  # the bytes are the budget's no longer: let them go now
         with self._lock:
             self._in_flight -= 1
-            in_flight = self._in_flight
+            stats = ReadStats(
+                os.getpid(), self._in_flight, self._budget.held_bytes(), self._budget.peak_bytes
+            )
         self._slots.release()
-        return ReadStats(os.getpid(), in_flight, self._budget.held_bytes(), self._budget.peak_bytes)
+        return stats
 
     def _reader(self) -> None:
-        while not self._stop.is_set():
-            if not self._slots.acquire(timeout=_POLL_S):
-                continue
-            try:
-                request = self._requests.get(timeout=_POLL_S)
-            except queue.Empty:
-                self._slots.release()
-                continue
-            except (OSError, ValueError, EOFError):  # the queue is closed: the loader is going
-                self._slots.release()
-                return
-            if request is None:  # end of requests
+        """Take requests while slots are free. Whatever goes wrong, a request taken ends as a
+        Read; a reader that cannot go on ends the stream, so the child fails loudly (the
+        loader sees it and rebuilds) instead of waiting for reads that will never come."""
+        try:
+            while not self._stop.is_set():
+                if not self._slots.acquire(timeout=_POLL_S):
+                    continue
+                try:
+                    request = self._requests.get(timeout=_POLL_S)
+                except queue.Empty:
+                    self._slots.release()
+                    continue
+                if request is None:  # end of requests: the child's stream ends
+                    break
+                with self._lock:
+                    self._in_flight += 1
+                self._done.put(self._one(request))
+        except BaseException as error:  # noqa: BLE001 - reported through the stream, below
+            self._done.put(ReaderFailed(f"{type(error).__name__}: {error}"))
+        else:
+            if not self._stop.is_set():
                 self._done.put(None)
-                return
-            with self._lock:
-                self._in_flight += 1
-            self._done.put(self._one(request))
+        self._stop.set()
 
     def _one(self, request: HasUri) -> Read:
         started = time.perf_counter()
@@ -145,6 +162,7 @@ class ReadPool:
             failure = error.failure()
         except Exception as error:  # noqa: BLE001 - one bad object must not end a reader
             failure = Failure("load_failed", f"{type(error).__name__}: {error}")
+            data = None
         if data is not None and held > len(data):  # the size was a bound, not the size
             self._budget.give(held - len(data))
             held = len(data)

@@ -83,6 +83,14 @@ _clients: dict[tuple[int, SourceConfig], Any] = {}
 _clients_lock = threading.Lock()
 
 
+def _fresh_lock_in_child() -> None:
+    global _clients_lock
+    _clients_lock = threading.Lock()  # a fork may have copied it held by another thread
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
+
+
 def s3_client(config: SourceConfig) -> Any:
     """This process's S3 client for ``config``, created on first use, shared by its threads."""
     key = (os.getpid(), config)
@@ -161,7 +169,10 @@ def _read_s3(uri: str, config: SourceConfig, max_bytes: int | None, reading: Rea
                 if cutoff.expired():
                     break
                 pause_s = backoff_s(retry.reason, attempt)
-                if attempt == config.max_attempts or pause_s >= cutoff.remaining_s():
+                # An attempt may wait connect + read timeout before its first byte, where the
+                # object's deadline does not reach yet: start one only if it fits.
+                attempt_s = pause_s + config.connect_timeout_s + config.read_timeout_s
+                if attempt == config.max_attempts or attempt_s > cutoff.remaining_s():
                     raise retry.error from None
                 reading.retries.append(retry.reason)
                 time.sleep(pause_s)
@@ -172,7 +183,7 @@ def _read_s3(uri: str, config: SourceConfig, max_bytes: int | None, reading: Rea
 
 def backoff_s(reason: str, attempt: int) -> float:
     """Pause before the next attempt: none after a stall (a new connection is the cure), full
-    jitter after throttling or a server error."""
+    jitter after throttling (503, SlowDown) or another server error."""
     base_s = _BACKOFF_BASE_S.get(reason, 0.0)
     return random.uniform(0, min(_BACKOFF_MAX_S, base_s * 2 ** (attempt - 1)))
 
@@ -189,19 +200,24 @@ def _s3_attempt(
     from botocore.exceptions import (
         BotoCoreError,
         ClientError,
+        ConnectionClosedError,
         ConnectTimeoutError,
+        EndpointConnectionError,
+        IncompleteReadError,
         ParamValidationError,
         ReadTimeoutError,
+        ResponseStreamingError,
     )
 
     try:
         response = s3_client(config).get_object(Bucket=bucket, Key=key)
-        size = int(response.get("ContentLength") or 0)
+        declared = response.get("ContentLength")
+        size = int(declared) if declared is not None else (max_bytes or 0)
         body = response["Body"]
         try:
             if max_bytes is not None and size > max_bytes:
                 raise PermanentError(f"{shown} is {size} bytes, over {max_bytes}", kind="too_large")
-            reading.admit(size or (max_bytes or 0), cutoff.remaining_s())
+            reading.admit(size, cutoff.remaining_s())
             cutoff.watch(body_socket(body))
             return _read_capped(body, shown, max_bytes, cutoff)
         finally:
@@ -225,15 +241,19 @@ def _s3_attempt(
             ) from None
         raise PermanentError(f"S3 refused {shown}: {status} {code}", kind="s3_error") from None
     except (ReadTimeoutError, ConnectTimeoutError) as error:
+        waited = "no connection" if isinstance(error, ConnectTimeoutError) else "no byte"
         raise _Retry(
             "stalled",
-            TransientError(
-                f"S3 sent nothing for {config.read_timeout_s:g}s for {shown}: "
-                f"{type(error).__name__}",
-                kind="s3_unavailable",
-            ),
+            TransientError(f"S3: {waited} in time for {shown}", kind="s3_unavailable"),
         ) from None
-    except (BotoCoreError, OSError, ValueError) as error:
+    except (
+        EndpointConnectionError,
+        ConnectionClosedError,
+        IncompleteReadError,
+        ResponseStreamingError,
+        OSError,
+        ValueError,
+    ) as error:
         if cutoff.expired():
             raise TransientError(
                 f"{shown}: no whole object within the object deadline", kind="deadline_exceeded"
@@ -243,6 +263,10 @@ def _s3_attempt(
             TransientError(
                 f"S3 unreachable for {shown}: {type(error).__name__}", kind="s3_unavailable"
             ),
+        ) from None
+    except BotoCoreError as error:  # credentials, configuration: another attempt will not help
+        raise TransientError(
+            f"S3 client error for {shown}: {type(error).__name__}", kind="s3_unavailable"
         ) from None
 
 

@@ -53,9 +53,9 @@ class Shape:
     drop_fraction: float = 0.0
     stall_fraction: float = 0.0
     throttle_fraction: float = 0.0
-    drop_first: int = 0  # the first N GETs are dropped (deterministic, for tests)
-    stall_first: int = 0
-    throttle_first: int = 0
+    drop_first: int = 0  # the first N GETs are dropped (deterministic, for tests), then
+    stall_first: int = 0  # the next N stalled, then
+    throttle_first: int = 0  # the next N throttled
     stall_s: float = 60.0  # longest a stalled request is held
     max_connections: int = 256
     seed: int = 0
@@ -63,7 +63,8 @@ class Shape:
     def delay_s(self, rng: random.Random) -> float:
         if self.first_byte_median_s <= 0:
             return 0.0
-        sigma = max(0.0, math.log(self.first_byte_p99_s / self.first_byte_median_s) / _Z99)
+        ratio = max(1.0, self.first_byte_p99_s / self.first_byte_median_s)
+        sigma = math.log(ratio) / _Z99
         return rng.lognormvariate(math.log(self.first_byte_median_s), sigma)
 
 
@@ -98,13 +99,14 @@ class _Relay:
             return "ok"
         n = len(self.stats.gets)
         s = self.shape
-        for name, first in (
+        for name, first in (  # the first GETs, in this order: so many dropped, stalled, ...
             ("dropped", s.drop_first),
             ("stalled", s.stall_first),
             ("throttled", s.throttle_first),
         ):
             if n < first:
                 return name
+            n -= first
         draw = self.rng.random()
         for name, fraction in (
             ("dropped", s.drop_fraction),
@@ -189,18 +191,21 @@ class _Relay:
         up_writer.write(request)
         await up_writer.drain()
         response = await _read_message_head(up_reader)
+        while response is not None and response[2].startswith("1"):  # interim: 100 Continue
+            writer.write(response[0])
+            response = await _read_message_head(up_reader)
         if response is None:
             return False, False
         head, _version, status, headers = response
         await asyncio.sleep(max(0.0, arrived + self.shape.delay_s(self.rng) - time.monotonic()))
-        no_body = method == "HEAD" or status.startswith(("1", "204", "304"))
+        no_body = method == "HEAD" or status in ("204", "304")
         length = None if no_body else headers.get("content-length")
         left = 0 if no_body else int(length) if length and length.isdigit() else -1
-        if left >= 0:
-            head = b"\r\n".join(
-                line for line in head.split(b"\r\n") if not line.lower().startswith(b"connection:")
-            )
-        writer.write(head)
+        lines = [line for line in head.split(b"\r\n") if line]
+        lines = [line for line in lines if not line.lower().startswith(b"connection:")]
+        if left < 0:  # relayed until the upstream closes: so is the client's connection
+            lines.append(b"Connection: close")
+        writer.write(b"\r\n".join(lines) + b"\r\n\r\n")
         started = time.monotonic()
         sent = 0
         while left != 0:
@@ -270,6 +275,7 @@ async def _main(upstream_port: int, port: int, shape: Shape, parent: int) -> Non
     async with server:
         while os.getppid() == parent:  # noqa: ASYNC110 - the parent is gone: so are we
             await asyncio.sleep(0.5)
+        os._exit(0)  # at once, without waiting for the connections still open
 
 
 class ShapedProxy:
@@ -300,7 +306,11 @@ class ShapedProxy:
                 json.dumps(asdict(self.shape)),
             ]
         )
-        wait_port(self.port, self._proc, "shaped network")
+        try:
+            wait_port(self.port, self._proc, "shaped network")
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def stats(self) -> dict[str, Any]:

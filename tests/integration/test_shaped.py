@@ -26,7 +26,8 @@ def shaped(s3_server, **shape) -> ShapedProxy:
 def worker_settings(settings_for, nats_server, proxy, **loader):
     return settings_for(
         nats_server.url,
-        s3={"endpoint_url": proxy.url, "read_timeout_s": 0.5, "max_attempts": 3},
+        # A stall is 2 s without a byte: far from anything the loaded test machine makes.
+        s3={"endpoint_url": proxy.url, "read_timeout_s": 2.0, "max_attempts": 3},
         loader={"num_workers": 1, "batch_size": 4, "reads_per_worker": 4, **loader},
     )
 
@@ -57,7 +58,7 @@ async def test_a_stalled_read_is_made_again_on_a_new_connection_and_throttling_i
 ):
     uris = upload_images(s3_server.client(), bucket, 6)
     # The first GET gets no byte at all, the second a 503 SlowDown.
-    with shaped(s3_server, stall_first=1, throttle_first=2, stall_s=30) as proxy:
+    with shaped(s3_server, stall_first=1, throttle_first=1, stall_s=30) as proxy:
         settings = worker_settings(settings_for, nats_server, proxy)
         async with running_worker(settings) as app, client(settings) as js:
             await submit(js, settings, "job-stalled", uris)
@@ -97,3 +98,30 @@ async def test_bytes_held_for_reads_stay_under_their_cap(
     assert Counter(r["status"] for r in results) == {"ok": len(uris)}
     assert max(sizes) <= reads.peak_bytes <= cap
     assert reads.held_bytes <= cap
+
+
+def test_throttling_past_the_attempts_is_a_transient_error_and_the_next_read_succeeds(
+    s3_server, bucket
+):
+    from config.errors import TransientError
+    from datasets.budget import Reading
+    from datasets.sources import SourceConfig, read_bytes
+
+    (uri,) = upload_images(s3_server.client(), bucket, 1)
+    with shaped(s3_server, throttle_first=3) as proxy:
+        config = SourceConfig(
+            s3_endpoint_url=proxy.url,
+            connect_timeout_s=1,
+            read_timeout_s=2,
+            max_attempts=3,
+            object_deadline_s=20,
+        )
+        reading = Reading()
+        with pytest.raises(TransientError) as raised:
+            read_bytes(uri, config, reading)
+        assert raised.value.kind == "s3_unavailable" and "SlowDown" in str(raised.value)
+        assert reading.retries == ["throttled", "throttled"]  # three attempts, no more
+        assert [fate for *_, fate in proxy.stats()["gets"]] == ["throttled"] * 3
+        key = uri.split("/", 3)[3]
+        body = s3_server.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+        assert read_bytes(uri, config) == body  # S3 answers again: so does the read

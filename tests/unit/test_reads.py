@@ -100,3 +100,43 @@ def test_a_failed_read_holds_no_bytes_and_says_why():
         assert pool.finished(done).held_bytes == 0
     finally:
         pool.close()
+
+
+def test_a_large_read_waiting_for_room_is_not_passed_over_by_smaller_ones():
+    budget = ByteBudget(100)
+    assert budget.take(60, 0, WAIT_S)
+    order: list[str] = []
+    large = threading.Thread(target=lambda: order.append(f"large:{budget.take(90, 0, WAIT_S)}"))
+    large.start()
+    time.sleep(0.1)
+    # 60 + 30 fits, but the large read asked first: the small one waits its turn.
+    small = threading.Thread(target=lambda: order.append(f"small:{budget.take(30, 0, WAIT_S)}"))
+    small.start()
+    time.sleep(0.1)
+    assert order == []
+    budget.give(60)
+    large.join(WAIT_S)
+    assert order == ["large:True"]
+    budget.give(90)
+    small.join(WAIT_S)
+    assert order == ["large:True", "small:True"]
+
+
+class BrokenQueue:
+    """A request queue whose reads fail as a closed multiprocessing queue's do."""
+
+    def get(self, timeout: float) -> None:
+        raise OSError("handle is closed")
+
+
+def test_a_reader_that_cannot_go_on_ends_the_stream_loudly_instead_of_leaving_it_waiting():
+    import pytest
+
+    from datasets.reads import ReaderFailed
+
+    pool = ReadPool(BrokenQueue(), lambda uri, reading: b"", reads=2, budget_bytes=100).start()
+    try:
+        with pytest.raises(ReaderFailed, match="handle is closed"):
+            pool.next_read()
+    finally:
+        pool.close()
