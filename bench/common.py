@@ -12,7 +12,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 
 from datasets.synthetic import image_bytes
-from worker.localservers import NatsServer, S3Server
+from worker.localservers import NatsServer, S3Server, stop_process
 
 PIPELINE = "mobilenet-v3-small-classifier"
 ARCHITECTURE = "mobilenet_v3_small"
@@ -91,12 +91,7 @@ def start_worker(w: World, log_name: str, **extra: str) -> subprocess.Popen[byte
 
 
 def stop_worker(proc: subprocess.Popen[bytes]) -> int:
-    proc.terminate()
-    try:
-        return proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait(timeout=10)
+    return stop_process(proc, wait_s=60.0)
 
 
 async def results_stored(js: Any, stream: str) -> int:
@@ -112,29 +107,33 @@ async def wait_stored(js: Any, stream: str, count: int, timeout_s: float = 600) 
         await asyncio.sleep(0.05)
 
 
-class PeakRss:
-    """Samples the resident memory of a process tree every 50 ms; ``peak_bytes`` when done."""
+def _tree(pid: int) -> list[int]:
+    try:
+        root = psutil.Process(pid)
+        return [pid, *(child.pid for child in root.children(recursive=True))]
+    except psutil.Error:
+        return []
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
+
+class PeakRss:
+    """Samples the summed resident memory of a process tree (or of the processes ``pids()``
+    names) every 50 ms; ``peak_bytes`` when done."""
+
+    def __init__(self, pid: int = 0, pids: Callable[[], list[int]] | None = None) -> None:
+        self._pids = pids or (lambda: _tree(pid))
         self.peak_bytes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                root = psutil.Process(self.pid)
-                procs = [root, *root.children(recursive=True)]
-                total = 0
-                for proc in procs:
-                    try:
-                        total += proc.memory_info().rss
-                    except psutil.Error:
-                        pass
-                self.peak_bytes = max(self.peak_bytes, total)
-            except psutil.Error:
-                pass
+            total = 0
+            for pid in self._pids():
+                try:
+                    total += psutil.Process(pid).memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak_bytes = max(self.peak_bytes, total)
             self._stop.wait(0.05)
 
     def __enter__(self) -> PeakRss:

@@ -32,13 +32,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import psutil
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from bench.common import (
     PIPELINE,
+    PeakRss,
     World,
     machine,
     median,
@@ -84,35 +84,6 @@ def upload(w: World, name: str, count: int) -> tuple[list[str], list[int]]:
     return uris, sizes
 
 
-class ChildMemory:
-    """Peak summed resident memory of the processes ``pids()`` names, sampled every 50 ms."""
-
-    def __init__(self, pids: Callable[[], list[int]]) -> None:
-        self._pids = pids
-        self.peak_bytes = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            total = 0
-            for pid in self._pids():
-                try:
-                    total += psutil.Process(pid).memory_info().rss
-                except psutil.Error:
-                    pass
-            self.peak_bytes = max(self.peak_bytes, total)
-            self._stop.wait(0.05)
-
-    def __enter__(self) -> ChildMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-
-
 def loader_case(endpoint: str, uris: list[str], reads: int, runs: int) -> dict[str, Any]:
     from datasets.loader import LoaderConfig, LoadRequest, StreamingLoader
     from datasets.sources import SourceConfig
@@ -132,7 +103,7 @@ def loader_case(endpoint: str, uris: list[str], reads: int, runs: int) -> dict[s
     loader.start()
     rates, peak_read_bytes, failures, retries = [], 0, 0, 0
     try:
-        with ChildMemory(loader.child_pids) as memory:
+        with PeakRss(pids=loader.child_pids) as memory:
             for run in range(runs + 1):  # the first run warms up
                 started = time.perf_counter()
                 loader.submit([LoadRequest(run * 10_000 + i, u) for i, u in enumerate(uris)])
@@ -228,7 +199,6 @@ def ami_case(endpoint: str, uris: list[str], runs: int) -> dict[str, Any]:
 
 
 async def worker_case(w: World, endpoint: str, uris: list[str], runs: int) -> dict[str, Any]:
-    from bench.common import PeakRss
     from bench.throughput import nats_settings, run_job
     from worker.transport import connect, provision
 

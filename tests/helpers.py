@@ -16,6 +16,7 @@ from typing import Any
 from datasets.synthetic import image_bytes
 from worker.app import WorkerApp
 from worker.client import job_results, make_tasks, publish_tasks
+from worker.localservers import stop_process
 from worker.schemas import Task
 from worker.transport import connect
 
@@ -200,10 +201,4 @@ def worker_process(env: dict[str, str], log_path: Any) -> Iterator[subprocess.Po
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, wait_s=30.0)

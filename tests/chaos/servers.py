@@ -11,7 +11,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from worker.localservers import find_nats_server, free_port, wait_port
+from worker.localservers import find_nats_server, free_port, stop_process, wait_port
 
 
 class NatsCluster:
@@ -65,12 +65,7 @@ class NatsCluster:
         for i in range(3):
             proc = self.procs[i]
             if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
+                stop_process(proc)
                 self.procs[i] = None
         shutil.rmtree(self.dir, ignore_errors=True)
 

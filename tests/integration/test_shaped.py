@@ -32,18 +32,24 @@ def worker_settings(settings_for, nats_server, proxy, **loader):
     )
 
 
+async def run_job(settings, proxy, job: str, uris: list[str]):
+    """A job through a worker behind ``proxy``: its results, the worker's read retries by
+    reason and its children's reads (as they last reported them), the network's counts."""
+    async with running_worker(settings) as app, client(settings) as js:
+        await submit(js, settings, job, uris)
+        results = await wait_results(js, settings, job, len(uris), timeout_s=90)
+        assert app.engine is not None
+        retries, reads = dict(app.engine.read_retries), app.engine.reads()
+    return results, retries, reads, proxy.stats()
+
+
 async def test_a_job_over_a_shaped_network_completes_with_reads_overlapping_within_their_bound(
     nats_server, s3_server, bucket, settings_for
 ):
     uris = upload_images(s3_server.client(), bucket, 24)
     with shaped(s3_server, seed=1) as proxy:
         settings = worker_settings(settings_for, nats_server, proxy)
-        async with running_worker(settings) as app, client(settings) as js:
-            await submit(js, settings, "job-shaped", uris)
-            results = await wait_results(js, settings, "job-shaped", len(uris), timeout_s=90)
-            assert app.engine is not None
-            retries = dict(app.engine.read_retries)
-        stats = proxy.stats()
+        results, retries, _reads, stats = await run_job(settings, proxy, "job-shaped", uris)
     assert Counter(r["status"] for r in results) == {"ok": len(uris)}
     assert sorted(path for _conn, path, _fate in stats["gets"]) == sorted(
         "/" + uri.removeprefix("s3://") for uri in uris
@@ -60,12 +66,7 @@ async def test_a_stalled_read_is_made_again_on_a_new_connection_and_throttling_i
     # The first GET gets no byte at all, the second a 503 SlowDown.
     with shaped(s3_server, stall_first=1, throttle_first=1, stall_s=30) as proxy:
         settings = worker_settings(settings_for, nats_server, proxy)
-        async with running_worker(settings) as app, client(settings) as js:
-            await submit(js, settings, "job-stalled", uris)
-            results = await wait_results(js, settings, "job-stalled", len(uris), timeout_s=90)
-            assert app.engine is not None
-            retries = dict(app.engine.read_retries)
-        stats = proxy.stats()
+        results, retries, _reads, stats = await run_job(settings, proxy, "job-stalled", uris)
     assert Counter(r["status"] for r in results) == {"ok": len(uris)}
     assert retries == {"stalled": 1, "throttled": 1}
     gets = stats["gets"]
@@ -90,11 +91,7 @@ async def test_bytes_held_for_reads_stay_under_their_cap(
         settings = worker_settings(
             settings_for, nats_server, proxy, reads_per_worker=8, read_bytes_per_worker=cap
         )
-        async with running_worker(settings) as app, client(settings) as js:
-            await submit(js, settings, "job-capped", uris)
-            results = await wait_results(js, settings, "job-capped", len(uris), timeout_s=90)
-            assert app.engine is not None
-            (reads,) = app.engine.reads()  # the one child, as it last reported
+        results, _retries, (reads,), _stats = await run_job(settings, proxy, "job-capped", uris)
     assert Counter(r["status"] for r in results) == {"ok": len(uris)}
     assert max(sizes) <= reads.peak_bytes <= cap
     assert reads.held_bytes <= cap
