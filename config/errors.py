@@ -58,6 +58,15 @@ class TransientError(WorkerError):
     retryable = True
 
 
+class RetryableRead(TransientError):
+    """An object read that another attempt, on a new connection, may complete. ``reason``:
+    ``stalled`` (no byte in time), ``throttled`` (429, 503 SlowDown) or ``unavailable``."""
+
+    def __init__(self, message: str, *, kind: str, reason: str) -> None:
+        super().__init__(message, kind=kind)
+        self.reason = reason
+
+
 class ConfigError(WorkerError):
     """Settings that cannot work; the message has one line per problem, naming the fields."""
 

@@ -77,10 +77,14 @@ class S3Settings(BaseModel):
     )
     max_attempts: int = Field(
         3,
-        description="S3 attempts per object, retries included (stalls retry at once; throttling "
-        "(503 SlowDown) and server errors back off with jitter first)",
+        description="attempts per object, S3 and http(s), retries included (stalls retry at "
+        "once; throttling (429, 503 SlowDown) and server errors back off with jitter first)",
     )
-    http_timeout_s: float = Field(20.0, description="timeout for http(s):// image URLs")
+    http_timeout_s: float = Field(
+        5.0,
+        description="http(s):// image URLs: connect timeout, and stall time: a read that gets "
+        "no byte for this long is abandoned and made again on a new connection (as for S3)",
+    )
 
 
 class SourceSettings(BaseModel):

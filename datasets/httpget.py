@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
-from config.errors import PermanentError, TransientError
+from config.errors import PermanentError, RetryableRead, TransientError
 from config.redact import redact_url
 from datasets.budget import Admit, admit_all
 from datasets.deadline import Cutoff
@@ -159,24 +159,30 @@ def _tls_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
-def read_http(url: str, policy: HttpPolicy, admit: Admit = admit_all) -> bytes:
-    """The object's bytes, or PermanentError / TransientError saying why not. ``admit`` is
-    asked for room once the body's size is known (``max_bytes`` when it is not declared)."""
-    with Cutoff(policy.deadline_s) as cutoff:
-        for _hop in range(policy.max_redirects + 1):
-            status, location, body = _get_once(url, policy, cutoff, admit)
-            if status not in _REDIRECTS:
-                return _body_or_error(url, status, body)
-            if not location:
-                raise PermanentError(f"{redact_url(url)}: redirect without a Location")
-            target = urljoin(url, location)
-            if urlsplit(target).scheme != urlsplit(url).scheme:
-                raise PermanentError(
-                    f"{redact_url(url)}: refused a redirect to another scheme "
-                    f"({redact_url(target)})",
-                    kind="redirect_refused",
-                )
-            url = target
+def read_http(
+    url: str, policy: HttpPolicy, admit: Admit = admit_all, cutoff: Cutoff | None = None
+) -> bytes:
+    """The object's bytes, or PermanentError / TransientError saying why not (RetryableRead
+    when another attempt may do: no byte for ``read_timeout_s``, 429/5xx, a broken
+    connection). ``admit`` is asked for room once the body's size is known (``max_bytes``
+    when it is not declared). ``cutoff``: the object's deadline, when the caller keeps it
+    across attempts; otherwise ``policy.deadline_s`` from now."""
+    if cutoff is None:
+        with Cutoff(policy.deadline_s) as own:
+            return read_http(url, policy, admit, own)
+    for _hop in range(policy.max_redirects + 1):
+        status, location, body = _get_once(url, policy, cutoff, admit)
+        if status not in _REDIRECTS:
+            return _body_or_error(url, status, body)
+        if not location:
+            raise PermanentError(f"{redact_url(url)}: redirect without a Location")
+        target = urljoin(url, location)
+        if urlsplit(target).scheme != urlsplit(url).scheme:
+            raise PermanentError(
+                f"{redact_url(url)}: refused a redirect to another scheme ({redact_url(target)})",
+                kind="redirect_refused",
+            )
+        url = target
     raise PermanentError(
         f"{redact_url(url)}: more than {policy.max_redirects} redirects", kind="redirect_refused"
     )
@@ -186,7 +192,10 @@ def _body_or_error(url: str, status: int, body: bytes) -> bytes:
     if 200 <= status < 300:
         return body
     if status >= 500 or status == 429:
-        raise TransientError(f"HTTP {status} for {redact_url(url)}", kind="http_unavailable")
+        reason = "throttled" if status in (429, 503) else "unavailable"
+        raise RetryableRead(
+            f"HTTP {status} for {redact_url(url)}", kind="http_unavailable", reason=reason
+        )
     kind = "object_missing" if status in (404, 410) else "http_error"
     raise PermanentError(f"HTTP {status} for {redact_url(url)}", kind=kind)
 
@@ -235,8 +244,10 @@ def _get_once(url: str, policy: HttpPolicy, cutoff: Cutoff, admit: Admit) -> tup
                 f"{redact_url(url)}: no whole object within {policy.deadline_s:g}s",
                 kind="deadline_exceeded",
             ) from None
-        raise TransientError(
-            f"cannot read {redact_url(url)}: {type(error).__name__}", kind="http_unavailable"
+        raise RetryableRead(
+            f"cannot read {redact_url(url)}: {type(error).__name__}",
+            kind="http_unavailable",
+            reason="stalled" if isinstance(error, TimeoutError) else "unavailable",
         ) from None
 
 

@@ -9,11 +9,12 @@ One boto3 client per process, made lazily and keyed by pid, so a loader worker n
 client created in its parent; its threads share it (boto3 clients are thread-safe), with a
 connection pool as large as the reads it keeps in flight.
 
-S3 reads retry by themselves, within the object's deadline and ``max_attempts``: a read that
-produced no byte for ``read_timeout_s`` (first byte or body) is abandoned and made again on a
-new connection at once, since a tail of slow requests must not set the pace; throttling
-(503 SlowDown) and server errors back off with full jitter first. botocore's own retries are
-off, so an attempt is an attempt.
+S3 and http(s) reads retry by themselves, within the object's deadline and ``max_attempts``:
+a read that produced no byte for its stall time (``read_timeout_s`` for S3, ``http_timeout_s``
+for http(s); first byte or body) is abandoned and made again on a new connection at once,
+since a tail of slow requests must not set the pace; throttling (429, 503 SlowDown) and
+server errors back off with full jitter first. botocore's own retries are off, so an attempt
+is an attempt.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ import random
 import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from config.errors import PermanentError, TransientError
+from config.errors import PermanentError, RetryableRead, TransientError
 from config.redact import redact_url
 from datasets.budget import Admit, Reading
 from datasets.deadline import Cutoff
@@ -50,9 +52,9 @@ class SourceConfig:
     s3_endpoint_url: str | None = None
     s3_region: str = "us-east-1"
     connect_timeout_s: float = 5.0
-    read_timeout_s: float = 20.0
+    read_timeout_s: float = 5.0
     max_attempts: int = 3
-    http_timeout_s: float = 20.0
+    http_timeout_s: float = 5.0
     file_roots: tuple[str, ...] = ()  # empty: file:// refused
     allowed_hosts: frozenset[str] = frozenset()  # host or host:port allowed private addresses
     max_bytes: int = MAX_IMAGE_BYTES
@@ -130,7 +132,7 @@ def read_bytes(uri: str, config: SourceConfig, reading: Reading | None = None) -
     if scheme == "s3":
         return _read_s3(uri, config, config.max_bytes, reading)
     if scheme in ("http", "https"):
-        return read_http(uri, config.http_policy(), reading.admit)
+        return _read_http(uri, config, reading)
     if scheme == "file":
         return _read_file(uri, config, reading.admit)
     raise PermanentError(f"unsupported URI scheme {scheme!r}", kind="invalid_uri")
@@ -149,31 +151,49 @@ def read_trusted(uri: str, config: SourceConfig) -> bytes:
         raise PermanentError(f"cannot read {path}: {error}", kind="unreadable") from None
 
 
-class _Retry(Exception):
-    """One attempt failed in a way another attempt may not: why, and the error to report."""
-
-    def __init__(self, reason: str, error: TransientError) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.error = error
-
-
 def _read_s3(uri: str, config: SourceConfig, max_bytes: int | None, reading: Reading) -> bytes:
     bucket, key = split_s3_uri(uri)
     shown = redact_url(uri)
+    return _with_retries(
+        lambda cutoff: _s3_attempt(bucket, key, shown, config, max_bytes, reading, cutoff),
+        config,
+        reading,
+        shown,
+        attempt_s=config.connect_timeout_s + config.read_timeout_s,
+    )
+
+
+def _read_http(uri: str, config: SourceConfig, reading: Reading) -> bytes:
+    policy = config.http_policy()
+    return _with_retries(
+        lambda cutoff: read_http(uri, policy, reading.admit, cutoff),
+        config,
+        reading,
+        redact_url(uri),
+        attempt_s=policy.connect_timeout_s + policy.read_timeout_s,
+    )
+
+
+def _with_retries(
+    attempt: Callable[[Cutoff], bytes],
+    config: SourceConfig,
+    reading: Reading,
+    shown: str,
+    attempt_s: float,
+) -> bytes:
+    """``attempt`` until one succeeds, within ``max_attempts`` and one deadline for them all.
+    An attempt may wait ``attempt_s`` (connect + stall time) before its first byte, where the
+    deadline does not reach yet: another is started only if it fits."""
     with Cutoff(config.object_deadline_s) as cutoff:
-        for attempt in range(1, config.max_attempts + 1):
+        for n in range(1, config.max_attempts + 1):
             try:
-                return _s3_attempt(bucket, key, shown, config, max_bytes, reading, cutoff)
-            except _Retry as retry:
+                return attempt(cutoff)
+            except RetryableRead as retry:
                 if cutoff.expired():
                     break
-                pause_s = backoff_s(retry.reason, attempt)
-                # An attempt may wait connect + read timeout before its first byte, where the
-                # object's deadline does not reach yet: start one only if it fits.
-                attempt_s = pause_s + config.connect_timeout_s + config.read_timeout_s
-                if attempt == config.max_attempts or attempt_s > cutoff.remaining_s():
-                    raise retry.error from None
+                pause_s = backoff_s(retry.reason, n)
+                if n == config.max_attempts or pause_s + attempt_s > cutoff.remaining_s():
+                    raise
                 reading.retries.append(retry.reason)
                 time.sleep(pause_s)
     raise TransientError(
@@ -235,16 +255,14 @@ def _s3_attempt(
             raise PermanentError(f"{shown}: access denied ({code})", kind="access_denied") from None
         if status >= 500 or code in _THROTTLED_CODES or code == "RequestTimeout":
             reason = "throttled" if code in _THROTTLED_CODES or status == 503 else "unavailable"
-            raise _Retry(
-                reason,
-                TransientError(f"S3 answered {status} {code} for {shown}", kind="s3_unavailable"),
+            raise RetryableRead(
+                f"S3 answered {status} {code} for {shown}", kind="s3_unavailable", reason=reason
             ) from None
         raise PermanentError(f"S3 refused {shown}: {status} {code}", kind="s3_error") from None
     except (ReadTimeoutError, ConnectTimeoutError) as error:
         waited = "no connection" if isinstance(error, ConnectTimeoutError) else "no byte"
-        raise _Retry(
-            "stalled",
-            TransientError(f"S3: {waited} in time for {shown}", kind="s3_unavailable"),
+        raise RetryableRead(
+            f"S3: {waited} in time for {shown}", kind="s3_unavailable", reason="stalled"
         ) from None
     except (
         EndpointConnectionError,
@@ -258,11 +276,10 @@ def _s3_attempt(
             raise TransientError(
                 f"{shown}: no whole object within the object deadline", kind="deadline_exceeded"
             ) from None
-        raise _Retry(
-            "unavailable",
-            TransientError(
-                f"S3 unreachable for {shown}: {type(error).__name__}", kind="s3_unavailable"
-            ),
+        raise RetryableRead(
+            f"S3 unreachable for {shown}: {type(error).__name__}",
+            kind="s3_unavailable",
+            reason="unavailable",
         ) from None
     except BotoCoreError as error:  # credentials, configuration: another attempt will not help
         raise TransientError(

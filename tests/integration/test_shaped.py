@@ -122,3 +122,26 @@ def test_throttling_past_the_attempts_is_a_transient_error_and_the_next_read_suc
         key = uri.split("/", 3)[3]
         body = s3_server.client().get_object(Bucket=bucket, Key=key)["Body"].read()
         assert read_bytes(uri, config) == body  # S3 answers again: so does the read
+
+
+def test_an_http_read_that_stalls_then_is_throttled_is_made_again_and_completes():
+    from datasets.budget import Reading
+    from datasets.sources import SourceConfig, read_bytes
+    from tests.listeners import Listener
+
+    unshaped = {"first_byte_median_s": 0.0, "bytes_per_s": 0.0}
+    with Listener(b"IMAGE") as listener:
+        faults = Shape(**unshaped, stall_first=1, throttle_first=1, stall_s=30)
+        with ShapedProxy(listener.port, faults) as proxy:
+            config = SourceConfig(
+                allowed_hosts=frozenset({"127.0.0.1"}),
+                http_timeout_s=1.0,
+                max_attempts=3,
+                object_deadline_s=20,
+            )
+            reading = Reading()
+            assert read_bytes(proxy.url + "/image.jpg", config, reading) == b"IMAGE"
+            gets = proxy.stats()["gets"]
+    assert reading.retries == ["stalled", "throttled"]
+    assert [fate for *_, fate in gets] == ["stalled", "throttled", "ok"]
+    assert gets[0][0] not in (gets[1][0], gets[2][0])  # the stalled connection was dropped
