@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ from typing import Any
 
 from config.logging import configure_logging
 from config.settings import ConfigError, Settings, load_settings
+from worker.exits import ExitReason
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -132,11 +134,32 @@ async def _run(settings: Settings, args: argparse.Namespace) -> int:
         loop.add_signal_handler(signum, on_signal, signum)
     app = WorkerApp(settings, until_idle=args.until_idle)
     try:
-        await app.start()
+        if not await _started(app, stop):
+            # Stopped while starting (NATS unreachable, a slow model): nothing is held yet.
+            print("stopped while starting: exiting 0", file=sys.stderr)
+            return ExitReason.STOPPED.code
         exit = await app.run(stop)
     finally:
         await app.close()
     return exit.code
+
+
+async def _started(app: Any, stop: asyncio.Event) -> bool:
+    """``app.start()``, given up when ``stop`` is set first (a start waiting on an unreachable
+    NATS server retries for ever; a SIGTERM must still end the process)."""
+    starting = asyncio.ensure_future(app.start())
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return False
+    starting.result()  # its failure, if it failed
+    return True
 
 
 async def _submit(settings: Settings, args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -19,6 +20,7 @@ from tests.helpers import (
     wait_http,
     wait_results,
     worker_env,
+    worker_process,
 )
 from worker.localservers import free_port
 
@@ -155,3 +157,23 @@ async def test_run_until_idle_serves_what_is_queued_then_exits_0(
     async with client(settings) as js:
         results = await job_results(js, settings.nats, "job-burst")
     assert sorted(r["status"] for r in results) == ["ok"] * 5
+
+
+def test_sigterm_while_nats_is_unreachable_at_start_ends_the_process_with_0_and_no_children(
+    settings_for, tmp_path
+):
+    # Nothing listens on this port: the start waits on NATS, reconnecting, for ever.
+    settings = settings_for(f"nats://127.0.0.1:{free_port()}")
+    log_path = tmp_path / "worker.log"
+    with worker_process(worker_env(settings), log_path) as proc:
+        deadline = time.monotonic() + 60
+        while "nats_error" not in log_path.read_text():  # it is waiting on NATS now
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        proc.send_signal(signal.SIGTERM)  # one signal: no second one needed
+        code = proc.wait(timeout=30)
+    assert code == 0, log_path.read_text()[-3000:]
+    assert "stopped while starting" in log_path.read_text()
+    assert until_gone(descendants) == []
