@@ -1,11 +1,13 @@
 """S3 at its real latency: the loader and the worker behind a shaped network.
 
-    .venv/bin/python -m bench.network [--images 24] [--runs 2]
+    .venv/bin/python -m bench.network [--images 24] [--tasks 96] [--runs 2]
 
 Objects: 4096x2160 JPEGs of about 24 MB and 1920x1080 ones of 1-3 MB (noisy scenes, so they
 are that large), in a local S3 endpoint (moto), read directly ("unshaped") or through
 ``worker.shapednet`` with S3's figures (first byte median 30 ms, p99 300 ms, 90 MB/s per
-connection). For each set:
+connection). Each job has ``--tasks`` tasks cycling over the images (the loader keeps no
+cache: a repeated image costs what a new one does), long enough that filling and draining the
+pipeline (a first byte and one object's transfer, ~0.3-0.6 s) does not dominate. For each set:
 
 - the loader alone (two children, the classifier's reference preprocessing to 224 px):
   unshaped with 8 reads per child; shaped with 8 reads per child; shaped with one read at a
@@ -40,6 +42,7 @@ from bench.common import (
     PIPELINE,
     PeakRss,
     World,
+    cycle,
     machine,
     median,
     save,
@@ -267,11 +270,18 @@ def decode_costs(data: list[bytes]) -> dict[str, float]:
     return out
 
 
-async def run(images: int, runs: int) -> dict[str, Any]:
-    result: dict[str, Any] = {"machine": machine(), "images": images, "runs": runs, "sets": {}}
+async def run(images: int, tasks: int, runs: int) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "machine": machine(),
+        "images": images,
+        "tasks_per_job": tasks,
+        "runs": runs,
+        "sets": {},
+    }
     with world() as w:
         for name in SETS:
-            uris, sizes = upload(w, name, images)
+            distinct, sizes = upload(w, name, images)
+            uris = cycle(distinct, tasks)
             print(f"{name}: {len(uris)} objects, {sum(sizes) / len(sizes) / 1e6:.1f} MB mean")
             cases: dict[str, Any] = {"mean_object_bytes": sum(sizes) / len(sizes)}
             direct = w.s3.endpoint_url
@@ -312,7 +322,7 @@ async def run(images: int, runs: int) -> dict[str, Any]:
                 s3 = w.s3.client()
                 blobs = [
                     s3.get_object(Bucket=u.split("/")[2], Key=u.split("/", 3)[3])["Body"].read()
-                    for u in uris[:8]
+                    for u in distinct[:8]
                 ]
                 cases["decode"] = decode_costs(blobs)
                 print(f"  decode: {json.dumps(cases['decode'])}")
@@ -323,9 +333,10 @@ async def run(images: int, runs: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--images", type=int, default=24)
+    parser.add_argument("--tasks", type=int, default=96)
     parser.add_argument("--runs", type=int, default=2)
     args = parser.parse_args()
-    result = asyncio.run(run(args.images, args.runs))
+    result = asyncio.run(run(args.images, args.tasks, args.runs))
     path = save("network", result)
     print(json.dumps(result, indent=2))
     print(f"written to {path}")
