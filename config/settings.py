@@ -82,8 +82,9 @@ class S3Settings(BaseModel):
     )
     http_timeout_s: float = Field(
         5.0,
-        description="http(s):// image URLs: connect timeout, and stall time: a read that gets "
-        "no byte for this long is abandoned and made again on a new connection (as for S3)",
+        description="http(s):// image URLs: stall time: a read that gets no byte for this long "
+        "is abandoned and made again on a new connection (as for S3); also the connect timeout "
+        "when shorter than CONNECT_TIMEOUT_S",
     )
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -48,6 +50,7 @@ from worker.transport import ConnectionState, TaskFeed, connect, provision
 from worker.watchdog import Watchdog
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 _CLOSE_WAIT_S = 10.0
 
 
@@ -78,6 +81,33 @@ def source_config(s: Settings) -> SourceConfig:
     )
 
 
+def in_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """``fn(*args)`` on a daemon thread of its own: unlike ``asyncio.to_thread``, a process
+    stopped while it runs (a model still loading) does not wait for it at exit."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # cancelled meanwhile
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn(*args)
+        except BaseException as caught:  # noqa: BLE001 - handed to the awaiting task
+            error = caught
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=f"{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return future
+
+
 class WorkerApp:
     """One worker process's parts. ``start`` -> ``run(stop)`` -> ``close``.
 
@@ -97,6 +127,7 @@ class WorkerApp:
         self.feed: TaskFeed | None = None
         self.connection = ConnectionState()
         self.device = "cpu"
+        self._loader: StreamingLoader | None = None
 
     async def start(self) -> None:
         s = self.settings
@@ -174,12 +205,13 @@ class WorkerApp:
             loader = StreamingLoader(config, dropping_once(s.faults.drop_once_file))
         else:
             loader = StreamingLoader(config)
+        self._loader = loader  # closed by close() even if this start is cancelled half-way
         # The loader's children start (on the engine thread, which owns the loader) while the
         # models load: the fork server's imports and the weights overlap, so a restarted
         # process answers /healthz sooner.
         started, runner = await asyncio.gather(
             loop.run_in_executor(self.engine_thread, loader.start),
-            asyncio.to_thread(
+            in_daemon_thread(
                 load_runner, chosen.pipeline, sources, device, chosen.output, s.model.precision
             ),
             return_exceptions=True,
@@ -187,6 +219,7 @@ class WorkerApp:
         failed = next((r for r in (runner, started) if isinstance(r, BaseException)), None)
         if failed is not None:
             await loop.run_in_executor(self.engine_thread, loader.close)
+            self._loader = None
             raise failed
         assert isinstance(runner, Runner)
         self.engine = Engine(
@@ -248,17 +281,21 @@ class WorkerApp:
     async def close(self) -> None:
         """Stop loader children, the health server and the connection; each step bounded."""
         loop = asyncio.get_running_loop()
-        if self.engine is not None:
+        # The engine, or, when a start was stopped before it had one, the loader it was
+        # starting (on the engine thread: its close runs once that start has returned).
+        loader = self.engine.loader if self.engine is not None else self._loader
+        if loader is not None:
+            closing = self.engine.close if self.engine is not None else loader.close
             try:
                 await asyncio.wait_for(
-                    loop.run_in_executor(self.engine_thread, self.engine.close), _CLOSE_WAIT_S
+                    loop.run_in_executor(self.engine_thread, closing), _CLOSE_WAIT_S
                 )
             except TimeoutError:
                 log.error(
                     "engine_close_timeout",
                     hint="the engine thread is wedged; killing children and the fork server",
                 )
-                await loop.run_in_executor(None, self.engine.loader.kill_all)
+                await loop.run_in_executor(None, loader.kill_all)
         self.engine_thread.shutdown(wait=False, cancel_futures=True)
         if self.health is not None:
             self.health.close()

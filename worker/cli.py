@@ -135,7 +135,8 @@ async def _run(settings: Settings, args: argparse.Namespace) -> int:
     app = WorkerApp(settings, until_idle=args.until_idle)
     try:
         if not await _started(app, stop):
-            # Stopped while starting (NATS unreachable, a slow model): nothing is held yet.
+            # Stopped while starting (NATS unreachable, a slow model): no task is held yet;
+            # close() below ends what the start had begun (loader children included).
             print("stopped while starting: exiting 0", file=sys.stderr)
             return ExitReason.STOPPED.code
         exit = await app.run(stop)

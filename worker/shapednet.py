@@ -207,11 +207,14 @@ class _Relay:
         writer.write(b"\r\n".join(lines) + b"\r\n\r\n")
         started = time.monotonic()
         sent = 0
+        # At most 50 ms of the connection's bandwidth per chunk: a slow link still trickles.
+        rate = self.shape.bytes_per_s
+        chunk_bytes = min(_CHUNK_BYTES, max(16 * 1024, int(rate * 0.05))) if rate else _CHUNK_BYTES
         while left != 0:
             if left < 0:
-                chunk = await up_reader.read(_CHUNK_BYTES)
+                chunk = await up_reader.read(chunk_bytes)
             else:
-                chunk = await up_reader.readexactly(min(left, _CHUNK_BYTES))
+                chunk = await up_reader.readexactly(min(left, chunk_bytes))
             if not chunk:
                 return False, False
             if left > 0:

@@ -177,3 +177,44 @@ def test_sigterm_while_nats_is_unreachable_at_start_ends_the_process_with_0_and_
     assert code == 0, log_path.read_text()[-3000:]
     assert "stopped while starting" in log_path.read_text()
     assert until_gone(descendants) == []
+
+
+def test_sigterm_while_the_model_is_still_loading_ends_the_process_with_0_and_no_children(
+    settings_for, s3_server, bucket, model_path, tmp_path
+):
+    from pathlib import Path
+
+    from worker.shapednet import Shape, ShapedProxy
+
+    s3 = s3_server.client()
+    for name in ("model.pt", "labels.txt"):
+        s3.upload_file(str(Path(model_path).parent / name), bucket, f"model/{name}")
+    # The first GET (the weights or their labels) gets no byte for a minute: the start is
+    # loading the model when the signal comes.
+    quiet = Shape(first_byte_median_s=0.0, bytes_per_s=0.0, stall_first=1, stall_s=60)
+    with ShapedProxy(s3_server.port, quiet) as proxy:
+        settings = settings_for(f"nats://127.0.0.1:{free_port()}")
+        env = worker_env(
+            settings,
+            WORKER_S3__ENDPOINT_URL=proxy.url,
+            WORKER_S3__READ_TIMEOUT_S="40",
+            WORKER_S3__MAX_ATTEMPTS="1",
+            WORKER_LOADER__TIMEOUT_S="50",
+            WORKER_HEALTH__STALL_TIMEOUT_S="55",
+            WORKER_MODEL__WEIGHTS=f"s3://{bucket}/model/model.pt",
+        )
+        log_path = tmp_path / "worker.log"
+        with worker_process(env, log_path) as proc:
+            deadline = time.monotonic() + 60
+            while proxy.stats()["stalled"] < 1:  # the model's read is on the wire, stalled
+                assert proc.poll() is None, log_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.2)
+            time.sleep(1.0)  # the loader children are starting meanwhile
+            descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+            proc.send_signal(signal.SIGTERM)
+            # Well before the stalled read would give up (40 s): the start is abandoned.
+            code = proc.wait(timeout=30)
+    assert code == 0, log_path.read_text()[-3000:]
+    assert "stopped while starting" in log_path.read_text()
+    assert until_gone(descendants) == []

