@@ -113,19 +113,31 @@ async def test_crossing_a_resource_limit_drains_the_worker_and_loses_nothing(
 async def test_sigterm_mid_job_finishes_the_batch_gives_back_the_rest_and_exits_0(
     nats_server, s3_server, bucket, settings_for, tmp_path
 ):
+    from worker.shapednet import Shape, ShapedProxy
+
     settings = settings_for(nats_server.url)
     uris = upload_images(s3_server.client(), bucket, 40)
     log_path = tmp_path / "worker.log"
-    env = worker_env(
-        settings,
-        WORKER_METRICS__PORT="0",
-        WORKER_LOADER__BATCH_SIZE="4",
-        WORKER_LOADER__PREFETCH_BATCHES="4",
-        WORKER_HEALTH__DRAIN_TIMEOUT_S="20",
-    )
+    # Every read takes 0.2 s, one at a time per child: the job lasts seconds, so the signal
+    # lands in the middle of it however fast the machine decodes.
+    slow = Shape(first_byte_median_s=0.2, first_byte_p99_s=0.2, bytes_per_s=0.0)
     async with client(settings) as js:
         await provision(js, settings.nats, settings.model.pipeline)
-        with worker_process(env, log_path) as proc:
+        with (
+            ShapedProxy(s3_server.port, slow) as proxy,
+            worker_process(
+                worker_env(
+                    settings,
+                    WORKER_METRICS__PORT="0",
+                    WORKER_S3__ENDPOINT_URL=proxy.url,
+                    WORKER_LOADER__BATCH_SIZE="4",
+                    WORKER_LOADER__PREFETCH_BATCHES="4",
+                    WORKER_LOADER__READS_PER_WORKER="1",
+                    WORKER_HEALTH__DRAIN_TIMEOUT_S="20",
+                ),
+                log_path,
+            ) as proc,
+        ):
             tasks = await submit(js, settings, "job-sigterm", uris)
             await wait_results(js, settings, "job-sigterm", 4, timeout_s=60)
             tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
