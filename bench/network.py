@@ -1,6 +1,6 @@
 """S3 at its real latency: the loader and the worker behind a shaped network.
 
-    .venv/bin/python -m bench.network [--images 24] [--tasks 96] [--runs 2]
+    .venv/bin/python -m bench.network [--images 24] [--tasks 96] [--runs 3]
 
 Objects: 4096x2160 JPEGs of about 24 MB and 1920x1080 ones of 1-3 MB (noisy scenes, so they
 are that large), in a local S3 endpoint (moto), read directly ("unshaped") or through
@@ -23,8 +23,6 @@ of decoding one 24 MB 4K JPEG three ways. Writes bench/results/network.json.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import io
 import json
 import threading
@@ -45,7 +43,7 @@ from bench.common import (
     cycle,
     machine,
     median,
-    save,
+    run_benchmark,
     start_worker,
     stop_worker,
     world,
@@ -331,15 +329,7 @@ async def run(images: int, tasks: int, runs: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--images", type=int, default=24)
-    parser.add_argument("--tasks", type=int, default=96)
-    parser.add_argument("--runs", type=int, default=2)
-    args = parser.parse_args()
-    result = asyncio.run(run(args.images, args.tasks, args.runs))
-    path = save("network", result)
-    print(json.dumps(result, indent=2))
-    print(f"written to {path}")
+    run_benchmark("network", run)
 
 
 if __name__ == "__main__":

@@ -124,48 +124,42 @@ def test_throttling_past_the_attempts_is_a_transient_error_and_the_next_read_suc
         assert read_bytes(uri, config) == body  # S3 answers again: so does the read
 
 
-def test_an_http_read_that_stalls_then_is_throttled_is_made_again_and_completes():
-    from datasets.budget import Reading
-    from datasets.sources import SourceConfig, read_bytes
-    from tests.listeners import Listener
-
-    unshaped = {"first_byte_median_s": 0.0, "bytes_per_s": 0.0}
-    with Listener(b"IMAGE") as listener:
-        faults = Shape(**unshaped, stall_first=1, throttle_first=1, stall_s=30)
-        with ShapedProxy(listener.port, faults) as proxy:
-            config = SourceConfig(
-                allowed_hosts=frozenset({"127.0.0.1"}),
-                http_timeout_s=1.0,
-                max_attempts=3,
-                object_deadline_s=20,
-            )
-            reading = Reading()
-            assert read_bytes(proxy.url + "/image.jpg", config, reading) == b"IMAGE"
-            gets = proxy.stats()["gets"]
-    assert reading.retries == ["stalled", "throttled"]
-    assert [fate for *_, fate in gets] == ["stalled", "throttled", "ok"]
-
-
-def test_no_attempt_is_started_that_the_objects_deadline_cannot_hold():
+def read_through(shape: Shape, **config):
+    """One http read of a local image server behind ``shape``: what it returned (or the
+    transient error it raised), the retries it made, and the network's GETs."""
     from config.errors import TransientError
     from datasets.budget import Reading
     from datasets.sources import SourceConfig, read_bytes
     from tests.listeners import Listener
 
-    with Listener(b"IMAGE") as listener:
-        stall = Shape(first_byte_median_s=0.0, bytes_per_s=0.0, stall_first=1, stall_s=30)
-        with ShapedProxy(listener.port, stall) as proxy:
-            # A 1 s stall leaves 0.5 s of the deadline: less than a whole attempt (1 s + 1 s).
-            config = SourceConfig(
-                allowed_hosts=frozenset({"127.0.0.1"}),
-                connect_timeout_s=1.0,
-                http_timeout_s=1.0,
-                max_attempts=3,
-                object_deadline_s=1.5,
-            )
-            reading = Reading()
-            with pytest.raises(TransientError):
-                read_bytes(proxy.url + "/image.jpg", config, reading)
-            gets = proxy.stats()["gets"]
+    reading = Reading()
+    with Listener(b"IMAGE") as listener, ShapedProxy(listener.port, shape) as proxy:
+        sources = SourceConfig(allowed_hosts=frozenset({"127.0.0.1"}), max_attempts=3, **config)
+        try:
+            got: object = read_bytes(proxy.url + "/image.jpg", sources, reading)
+        except TransientError as error:
+            got = error
+        return got, reading.retries, proxy.stats()["gets"]
+
+
+def test_an_http_read_that_stalls_then_is_throttled_is_made_again_and_completes():
+    faults = Shape(
+        first_byte_median_s=0.0, bytes_per_s=0.0, stall_first=1, throttle_first=1, stall_s=30
+    )
+    got, retries, gets = read_through(faults, http_timeout_s=1.0, object_deadline_s=20)
+    assert got == b"IMAGE"
+    assert retries == ["stalled", "throttled"]
+    assert [fate for *_, fate in gets] == ["stalled", "throttled", "ok"]
+
+
+def test_no_attempt_is_started_that_the_objects_deadline_cannot_hold():
+    from config.errors import TransientError
+
+    stall = Shape(first_byte_median_s=0.0, bytes_per_s=0.0, stall_first=1, stall_s=30)
+    # A 1 s stall leaves 0.5 s of the deadline: less than a whole attempt (1 s + 1 s).
+    got, retries, gets = read_through(
+        stall, connect_timeout_s=1.0, http_timeout_s=1.0, object_deadline_s=1.5
+    )
+    assert isinstance(got, TransientError)
     assert [fate for *_, fate in gets] == ["stalled"]  # one attempt, none past the deadline
-    assert reading.retries == []
+    assert retries == []
