@@ -71,7 +71,7 @@ def encoded_jpeg(data: bytes, max_side: int) -> Decoded:
         raise
     except Exception:  # noqa: BLE001 - whatever it is, the full decode below says it properly
         return decode(data, plan)
-    if image.format not in ("JPEG", "MPO") or image.mode not in ("RGB", "L", "YCbCr"):
+    if not _libjpeg_decodable(image):
         return decode(data, plan)
     return Decoded(np.zeros((3, 0, 0), dtype=np.uint8), image.width, image.height, data)
 
@@ -134,13 +134,17 @@ def _chw(image: Image.Image) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(image.convert("RGB"), dtype=np.uint8).transpose(2, 0, 1))
 
 
+def _libjpeg_decodable(image: Image.Image) -> bool:
+    """A JPEG that torchvision's (and nvJPEG's) decoder takes to RGB: not CMYK."""
+    return image.format in ("JPEG", "MPO") and image.mode in ("RGB", "L", "YCbCr")
+
+
 def _full(image: Image.Image, data: bytes) -> torch.Tensor:
     """The whole image as (3, H, W) uint8. A JPEG goes through ``torchvision.io.decode_jpeg``
     (the same libjpeg-turbo, the same pixels as PIL's, about 10% less CPU on a 24 MB 4K JPEG,
     BENCHMARKS.md); anything it will not take (CMYK, a truncated or broken file) through PIL,
     which reports what is wrong."""
-    jpeg = image.format in ("JPEG", "MPO") and image.mode in ("RGB", "L", "YCbCr")
-    if jpeg and decode_jpeg is not None:
+    if _libjpeg_decodable(image) and decode_jpeg is not None:
         try:
             with warnings.catch_warnings():
                 # A read-only buffer (only read); the API's deprecation notice, once per call.
@@ -177,7 +181,7 @@ def _square(image: Image.Image, data: bytes, plan: DecodePlan) -> np.ndarray:
 def _bounded(image: Image.Image, data: bytes, max_side: int) -> np.ndarray:
     longest = max(image.size)
     if longest <= max_side:
-        return np.ascontiguousarray(_full(image, data).numpy())
+        return _full(image, data).numpy()
     scale = max_side / longest
     target = (max(1, math.floor(image.width * scale)), max(1, math.floor(image.height * scale)))
     if image.format in ("JPEG", "MPO"):

@@ -162,7 +162,6 @@ class ReadPool:
             failure = error.failure()
         except Exception as error:  # noqa: BLE001 - one bad object must not end a reader
             failure = Failure("load_failed", f"{type(error).__name__}: {error}")
-            data = None
         if data is not None and held > len(data):  # the size was a bound, not the size
             self._budget.give(held - len(data))
             held = len(data)
