@@ -213,7 +213,7 @@ class ReadsCollector:
         retries = CounterMetricFamily(
             f"{PREFIX}_source_retries",
             "Object reads made again: stalled (no byte for WORKER_S3__READ_TIMEOUT_S, retried "
-            "on a new connection), throttled (503 SlowDown, after a backoff), unavailable.",
+            "on a new connection), throttled (429, 503 SlowDown: after a backoff), unavailable.",
             labels=["reason"],
         )
         counts = self._retries()
