@@ -21,8 +21,8 @@ one is under way wait in a backlog and go to the new loader.
 
 What of torch this relies on (tested with torch 2.14.1, forkserver, spawn and fork): a
 ``DataLoader`` over an ``IterableDataset`` with ``timeout``, ``worker_init_fn``,
-``prefetch_factor`` and ``in_order=False``; and, in ``_Generation`` only, the iterator's
-``_workers``, ``_index_queues``, ``_worker_result_queue`` (and its ``_writer``),
+``prefetch_factor`` and ``in_order=False``; and, in ``_Generation`` and ``ready`` only, the
+iterator's ``_workers``, ``_index_queues``, ``_worker_result_queue`` (and its ``_writer``),
 ``_workers_done_event``, ``_shutdown`` and ``_worker_pids_set``. torch's own
 ``_shutdown_workers`` is not used: it sets an event whose lock a killed child may hold, and
 waits 5 s per child it cannot join.
@@ -445,6 +445,13 @@ class StreamingLoader:
         with self._lock:
             self._outstanding.pop(loaded.key, None)
         return loaded
+
+    def ready(self) -> bool:
+        """Whether a finished request waits in the result queue, so ``next_loaded`` returns it
+        without waiting for a child (a poll of the queue's pipe; ``in_order=False`` keeps no
+        results aside)."""
+        gen = self._gen
+        return gen is not None and not gen.it._worker_result_queue.empty()
 
     def outstanding(self) -> int:
         with self._lock:

@@ -5,7 +5,7 @@ tests without CUDA (README, "The GPU path")."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -74,32 +74,36 @@ class CopyStats:
 
 
 def to_device_overlapped(
-    chunks: Iterable[torch.Tensor],
+    chunks: Iterable[Sequence[torch.Tensor]],
     device: torch.device,
     stats: CopyStats | None = None,
     copy_stream: Any = None,
-) -> Iterator[torch.Tensor]:
-    """``chunks`` on ``device``. On CUDA, chunk k+1 is pinned and copied on a side stream while
-    the caller computes on chunk k, and each chunk is handed over only once its copy is done
-    (the compute stream waits on the copy, not the host). Elsewhere, each chunk as it is."""
+) -> Iterator[list[torch.Tensor]]:
+    """``chunks`` (lists of tensors) on ``device``. On CUDA, chunk k+1 is pinned and copied on
+    a side stream while the caller computes on chunk k, and each chunk is handed over only once
+    its copy is done (the compute stream waits on the copy, not the host); tensors already on
+    the device are handed over as they are. Elsewhere, each chunk as it is."""
     if device.type != "cuda":
-        yield from chunks
+        for chunk in chunks:
+            yield list(chunk)
         return
     copy_stream = copy_stream or torch.cuda.Stream(device)  # pass one: streams are pooled
     compute = torch.cuda.current_stream(device)
 
-    def start(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-        if chunk.is_cuda:  # decoded on the device: nothing to copy
-            ready = torch.cuda.Event()
-            ready.record(compute)
-            return chunk, ready
+    def start(chunk: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event]:
+        done = torch.cuda.Event()
+        if all(tensor.is_cuda for tensor in chunk):  # staged or decoded on the device already
+            done.record(compute)
+            return list(chunk), done
         with torch.cuda.stream(copy_stream):
-            moved = chunk.pin_memory().to(device, non_blocking=True)
-            done = torch.cuda.Event()
+            moved = [
+                tensor if tensor.is_cuda else tensor.pin_memory().to(device, non_blocking=True)
+                for tensor in chunk
+            ]
             done.record(copy_stream)
         return moved, done
 
-    pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
+    pending: tuple[list[torch.Tensor], torch.cuda.Event] | None = None
     for chunk in chunks:
         upcoming = start(chunk)
         if pending is not None:
@@ -109,11 +113,21 @@ def to_device_overlapped(
         yield _handed_over(pending, compute, stats)
 
 
+def stage(
+    tensors: Sequence[torch.Tensor], device: torch.device, copy_stream: Any
+) -> list[torch.Tensor]:
+    """``tensors`` copied to ``device`` now, pinned, on ``copy_stream``, without the host waiting:
+    called while the device still runs the current batch, so the next batch's first images
+    are there when it starts. Work the compute stream is given after this call waits for the
+    copy; work given before it does not. Off CUDA, ``tensors`` as they are."""
+    return next(to_device_overlapped([tensors], device, None, copy_stream))
+
+
 def _handed_over(
-    pending: tuple[torch.Tensor, torch.cuda.Event],
+    pending: tuple[list[torch.Tensor], torch.cuda.Event],
     compute: torch.cuda.Stream,
     stats: CopyStats | None,
-) -> torch.Tensor:
+) -> list[torch.Tensor]:
     moved, done = pending
     if stats is not None:
         started = time.perf_counter()
@@ -122,7 +136,8 @@ def _handed_over(
         stats.waited_s += time.perf_counter() - started
         stats.copies += 1
     compute.wait_event(done)
-    moved.record_stream(compute)
+    for tensor in moved:
+        tensor.record_stream(compute)
     return moved
 
 

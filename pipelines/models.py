@@ -147,6 +147,11 @@ class ClassifierModel:
     def logits(self, images: torch.Tensor) -> torch.Tensor:
         """``images``: (N, 3, S, S) uint8, on the host or already on the device. Returns
         (N, classes) float32 on the host."""
+        return self.checked(self.forward(images).cpu())
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """The forward pass, left on the device: (N, classes) float32. The host does not wait
+        for it (see ``checked``)."""
         with torch.inference_mode():
             batch = images.to(self.device, dtype=torch.float32, memory_format=torch.channels_last)
             batch = torch.addcmul(self._shift, batch, self._scale)  # (x - mean) / std, one pass
@@ -161,7 +166,10 @@ class ClassifierModel:
                     f"classifier {self.stage.key!r} gave logits of shape {shape} for "
                     f"{len(images)} images and {len(self.algorithm.labels)} labels"
                 )
-            logits = out.float().cpu()
+            return out.float()
+
+    def checked(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits brought to the host, refused when any is not finite."""
         if not torch.isfinite(logits).all():
             raise PermanentError(
                 f"classifier {self.stage.key!r} gave non-finite logits for this image",
@@ -203,16 +211,31 @@ class DetectorModel:
         self.algorithm = Algorithm(stage.key, stage.name or stage.key, "detection", sha256, labels)
 
     def detect(self, images: list[torch.Tensor]) -> list[Boxes]:
-        """``images``: (3, H, W) uint8 on the host, any sizes. Boxes in those images' pixels,
-        at most ``max_detections`` each, best first, at or over the score threshold."""
+        """``images``: (3, H, W) uint8 on the host or the device, any sizes. Boxes in those
+        images' pixels, at most ``max_detections`` each, best first, at or over the score
+        threshold."""
+        return self.boxes(images, self.forward(images))
+
+    def forward(self, images: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """The forward pass; its outputs stay on the device (see ``boxes``)."""
         with torch.inference_mode():
             batch = [image.to(self.device).float().div_(255.0) for image in images]
             with autocast(self.device, self.precision):
-                outputs = self.model(batch)
+                outputs: list[dict[str, torch.Tensor]] = self.model(batch)
+        return outputs
+
+    def boxes(
+        self, images: list[torch.Tensor], outputs: list[dict[str, torch.Tensor]]
+    ) -> list[Boxes]:
+        """The outputs of ``forward`` brought to the host in one copy, then cleaned."""
+        with torch.inference_mode():
+            rows = [_as_rows(out) for out in outputs]
+            counts = [len(row) for row in rows]
+            host = torch.cat(rows).cpu() if rows else torch.zeros((0, 6))
         found = []
-        for image, out in zip(images, outputs, strict=True):
+        for image, row in zip(images, host.split(counts), strict=True):
             _, height, width = image.shape
-            boxes, scores = out["boxes"].float().cpu(), out["scores"].float().cpu()
+            boxes, scores, labels = row[:, :4].clone(), row[:, 4], row[:, 5].long()
             # Boxes clamped to the image; non-finite, empty or under-threshold ones dropped.
             usable = torch.isfinite(boxes).all(dim=1) & torch.isfinite(scores)
             boxes = torch.nan_to_num(boxes)
@@ -222,12 +245,18 @@ class DetectorModel:
             usable &= scores >= self.stage.score_threshold
             keep = torch.nonzero(usable).flatten()
             keep = keep[torch.argsort(scores[keep], descending=True)][: self.stage.max_detections]
-            found.append(Boxes(boxes[keep], scores[keep], out["labels"].cpu()[keep]))
+            found.append(Boxes(boxes[keep], scores[keep], labels[keep]))
         return found
 
     def label(self, index: int) -> str:
         labels = self.algorithm.labels
         return labels[index - 1] if 1 <= index <= len(labels) else str(index)
+
+
+def _as_rows(out: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One image's detections as (K, 6) float32: x1 y1 x2 y2, score, label."""
+    columns = [out["boxes"], out["scores"][:, None], out["labels"][:, None]]
+    return torch.cat([column.float() for column in columns], dim=1)
 
 
 def prepare_for_inference(model: nn.Module, device: torch.device) -> nn.Module:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -21,6 +21,7 @@ from config.errors import ConfigError, TransientError
 from datasets.images import Decoded, DecodePlan, resize_square
 from pipelines.declare import Pipeline
 from pipelines.device import CopyStats, decode_on_device, to_device_overlapped
+from pipelines.device import stage as stage_on_device
 from pipelines.models import Algorithm, ClassifierModel, DetectorModel
 
 Scores = Literal["all", "top_k"]
@@ -36,6 +37,22 @@ class Output:
     detector_batch: int = 4
     crop_batch: int = 64
     max_side: int = 4096  # for JPEGs the loader left encoded (decoded on the device)
+
+
+class _Hook:
+    """``Runner.run``'s ``while_running``: called once at most; each call says how long it
+    took (0 after the first), so that time is not the model's."""
+
+    def __init__(self, call: Callable[[], None]) -> None:
+        self._call: Callable[[], None] | None = call
+
+    def __call__(self) -> float:
+        call, self._call = self._call, None
+        if call is None:
+            return 0.0
+        started = time.perf_counter()
+        call()
+        return time.perf_counter() - started
 
 
 def _now() -> str:
@@ -89,8 +106,44 @@ class Runner:
     def algorithms(self) -> list[Algorithm]:
         return [m.algorithm for m in (self.detector, self.filter, self.classifier) if m]
 
-    def run(self, images: Sequence[Decoded]) -> list[list[dict[str, Any]]]:
-        """Per image, its detections (a classifier alone gives one with ``bbox: None``)."""
+    @property
+    def stage_ahead(self) -> int:
+        """Images of the next batch worth putting on the device while this one runs: its first
+        chunk (later chunks are copied while earlier ones run, see ``to_device_overlapped``)."""
+        return self.output.detector_batch if self.detector else self.output.crop_batch
+
+    def stage(self, images: Sequence[Decoded]) -> list[Decoded]:
+        """``images`` with their pixels on the device, copies started now on the copy stream
+        (the host does not wait): called while the device still runs the current batch. JPEGs
+        left encoded stay so; they are decoded when their batch runs. Off CUDA, the pixels
+        are only made tensors."""
+        where = self.device
+        host = [i for i, image in enumerate(images) if image.encoded is None]
+        pixels = [self._input(images[i]) for i in host]
+        moved = stage_on_device(pixels, where, self._copying(where)[1]) if pixels else []
+        staged = list(images)
+        for i, tensor in zip(host, moved, strict=True):
+            staged[i] = images[i]._replace(pixels=tensor)
+        return staged
+
+    def _input(self, image: Decoded) -> torch.Tensor:
+        """What the first stage takes of an image: the classifier's square, or the image."""
+        pixels = _tensor(image.pixels)
+        if self.detector is None:
+            assert self.classifier is not None
+            pre = self.classifier.stage.preprocess
+            return resize_square(pixels, pre.size, pre.resize)
+        return pixels
+
+    def run(
+        self, images: Sequence[Decoded], while_running: Callable[[], None] = lambda: None
+    ) -> list[list[dict[str, Any]]]:
+        """Per image, its detections (a classifier alone gives one with ``bbox: None``).
+
+        ``while_running`` is called once, after the last stage's work is given to the device
+        and before its results are brought back: the engine prepares the next batch there
+        while the device computes. Its time is not counted in ``inference_time``."""
+        hook = _Hook(while_running)
         if any(image.encoded is not None for image in images):
             where, side = self.device, self.output.max_side
             images = [
@@ -98,37 +151,24 @@ class Runner:
                 for image in images
             ]
             if where.type == "cuda":  # PNGs came decoded: every image on one device
-                images = [
-                    image._replace(pixels=_tensor(image.pixels).to(where)) for image in images
-                ]
+                images = self.stage(images)
         if self.detector is None:
             assert self.classifier is not None
-            return self._classify_whole(images, self.classifier)
-        return self._detect_and_classify(images, self.detector)
+            results = self._classify_whole(images, self.classifier, hook)
+        else:
+            results = self._detect_and_classify(images, self.detector, hook)
+        hook()  # a pipeline that gave the device nothing at the end (no crops)
+        return results
 
     def _classify_whole(
-        self, images: Sequence[Decoded], classifier: ClassifierModel
+        self, images: Sequence[Decoded], classifier: ClassifierModel, hook: _Hook
     ) -> list[list[dict[str, Any]]]:
-        pre = classifier.stage.preprocess
         step = self.output.crop_batch
-        host = (
-            torch.stack(
-                [
-                    resize_square(_tensor(image.pixels), pre.size, pre.resize)
-                    for image in images[start : start + step]
-                ]
-            )
+        chunks = (
+            [self._input(image) for image in images[start : start + step]]
             for start in range(0, len(images), step)
         )
-        started = time.perf_counter()
-        parts = [
-            classifier.logits(batch)
-            for batch in to_device_overlapped(
-                host, classifier.device, *self._copying(classifier.device)
-            )
-        ]
-        logits = torch.cat(parts)
-        each_s = (time.perf_counter() - started) / len(images)
+        logits, each_s = self._logits(classifier, chunks, len(images), hook)
         return [
             [
                 {
@@ -143,19 +183,42 @@ class Runner:
             for row in logits
         ]
 
+    def _logits(
+        self,
+        model: ClassifierModel,
+        chunks: Iterable[list[torch.Tensor]],
+        count: int,
+        hook: _Hook | None = None,
+    ) -> tuple[torch.Tensor, float]:
+        """Logits of every chunk, on the host, and seconds of the stage per input. On CUDA the
+        next chunk is cut, pinned and copied while this one runs, and the host waits once,
+        when the logits come back (after ``hook``, when given)."""
+        started = time.perf_counter()
+        moved = to_device_overlapped(chunks, model.device, *self._copying(model.device))
+        parts = [model.forward(torch.stack(chunk)) for chunk in moved]
+        hook_s = hook() if hook is not None else 0.0
+        logits = model.checked(torch.cat(parts).cpu()) if parts else torch.zeros((0, 0))
+        return logits, (time.perf_counter() - started - hook_s) / max(1, count)
+
     def _detect_and_classify(
-        self, images: Sequence[Decoded], detector: DetectorModel
+        self, images: Sequence[Decoded], detector: DetectorModel, hook: _Hook
     ) -> list[list[dict[str, Any]]]:
         results: list[list[dict[str, Any]]] = [[] for _ in images]
         crops: list[_Crop] = []
+        alone = self.filter is None and self.classifier is None
         step = self.output.detector_batch
-        for start in range(0, len(images), step):
-            chunk = images[start : start + step]
+        starts = range(0, len(images), step)
+        ends = [min(len(images), start + step) for start in starts]
+        chunks = ([self._input(image) for image in images[s : s + step]] for s in starts)
+        moved = to_device_overlapped(chunks, detector.device, *self._copying(detector.device))
+        for start, end, inputs in zip(starts, ends, moved, strict=True):
             started = time.perf_counter()
-            found = detector.detect([_tensor(image.pixels) for image in chunk])
-            each_s = (time.perf_counter() - started) / len(chunk)
-            for offset, (image, boxes) in enumerate(zip(chunk, found, strict=True)):
-                index = start + offset
+            outputs = detector.forward(inputs)
+            hook_s = hook() if alone and end == len(images) else 0.0
+            found = detector.boxes(inputs, outputs)
+            each_s = (time.perf_counter() - started - hook_s) / (end - start)
+            for index, boxes in zip(range(start, end), found, strict=True):
+                image = images[index]
                 sx = image.source_width / image.pixels.shape[2]
                 sy = image.source_height / image.pixels.shape[1]
                 for box, score, label in zip(
@@ -175,62 +238,57 @@ class Runner:
                         "crop_image_url": None,
                         "classifications": [],
                     }
-                    if self.filter is None and self.classifier is None:
+                    if alone:
                         detection["classifications"].append(
                             self._detected(detector, int(label), float(score), each_s)
                         )
                     results[index].append(detection)
                     crops.append(_Crop(index, (x1, y1, x2, y2), detection["classifications"]))
-        self._classify_crops(images, crops)
+        if not alone:
+            self._classify_crops(images, crops, hook)
         return results
 
-    def _classify_crops(
-        self,
-        images: Sequence[Decoded],
-        crops: list[_Crop],
-    ) -> None:
+    def _classify_crops(self, images: Sequence[Decoded], crops: list[_Crop], hook: _Hook) -> None:
         """Filter then classifier over every crop, ``crop_batch`` crops in memory at a time."""
         passed = crops
         if self.filter is not None:
             keep = set(self.filter.stage.keep)
             terminal_alone = self.classifier is None
             passed = []
-            for chunk, logits, each_s in self._chunks(images, crops, self.filter):
-                labels = self.filter.algorithm.labels
-                for crop, row in zip(chunk, logits, strict=True):
-                    top = labels[int(row.argmax())]
-                    goes_on = top in keep and not terminal_alone
-                    entry = self._classification(self.filter, row, each_s, not goes_on)
-                    crop.classifications.append(entry)
-                    if goes_on:
-                        passed.append(crop)
+            logits, each_s = self._crop_logits(
+                images, crops, self.filter, hook if terminal_alone else None
+            )
+            labels = self.filter.algorithm.labels
+            for crop, row in zip(crops, logits, strict=True):
+                top = labels[int(row.argmax())]
+                goes_on = top in keep and not terminal_alone
+                entry = self._classification(self.filter, row, each_s, not goes_on)
+                crop.classifications.append(entry)
+                if goes_on:
+                    passed.append(crop)
         if self.classifier is not None:
-            for chunk, logits, each_s in self._chunks(images, passed, self.classifier):
-                for crop, row in zip(chunk, logits, strict=True):
-                    entry = self._classification(self.classifier, row, each_s, True)
-                    crop.classifications.append(entry)
+            logits, each_s = self._crop_logits(images, passed, self.classifier, hook)
+            for crop, row in zip(passed, logits, strict=True):
+                entry = self._classification(self.classifier, row, each_s, True)
+                crop.classifications.append(entry)
 
-    def _chunks(
-        self, images: Sequence[Decoded], crops: list[_Crop], model: ClassifierModel
-    ) -> Iterator[tuple[list[_Crop], torch.Tensor, float]]:
+    def _crop_logits(
+        self,
+        images: Sequence[Decoded],
+        crops: list[_Crop],
+        model: ClassifierModel,
+        hook: _Hook | None,
+    ) -> tuple[torch.Tensor, float]:
         pre = model.stage.preprocess
         step = self.output.crop_batch
-        chunks = [crops[start : start + step] for start in range(0, len(crops), step)]
-        host = (
-            torch.stack(
-                [
-                    resize_square(_cut(images[c.image].pixels, c.box), pre.size, pre.resize)
-                    for c in chunk
-                ]
-            )
-            for chunk in chunks
+        chunks = (
+            [
+                resize_square(_cut(images[c.image].pixels, c.box), pre.size, pre.resize)
+                for c in crops[start : start + step]
+            ]
+            for start in range(0, len(crops), step)
         )
-        # On CUDA the next chunk is cut, pinned and copied while this one runs.
-        moved = to_device_overlapped(host, model.device, *self._copying(model.device))
-        for chunk, batch in zip(chunks, moved, strict=True):
-            started = time.perf_counter()
-            logits = model.logits(batch)
-            yield chunk, logits, (time.perf_counter() - started) / len(chunk)
+        return self._logits(model, chunks, len(crops), hook)
 
     @staticmethod
     def _detected(

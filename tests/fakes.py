@@ -19,6 +19,15 @@ from worker.schemas import Verdict
 _seq = iter(range(1, 1_000_000))
 
 
+class FakePredictor:
+    """What the engine asks of a pipeline besides ``run``: here, nothing staged ahead."""
+
+    stage_ahead = 0
+
+    def stage(self, images):
+        return list(images)
+
+
 @dataclass
 class FakeMsg:
     delivered: int = 1

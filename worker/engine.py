@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -23,7 +25,20 @@ log = structlog.get_logger(__name__)
 class Predictor(Protocol):
     """A pipeline's forward pass (``pipelines.runner.Runner``): per image, its detections."""
 
-    def run(self, images: Sequence[Decoded]) -> list[list[dict[str, Any]]]: ...
+    @property
+    def stage_ahead(self) -> int:
+        """Images of the next batch to put on the device while one runs (0: none)."""
+        ...
+
+    def stage(self, images: Sequence[Decoded]) -> list[Decoded]:
+        """``images`` on their way to the device; the host does not wait for the copies."""
+        ...
+
+    def run(
+        self, images: Sequence[Decoded], while_running: Callable[[], None]
+    ) -> list[list[dict[str, Any]]]:
+        """Calls ``while_running`` once, while the device computes the batch."""
+        ...
 
 
 class Engine:
@@ -46,7 +61,11 @@ class Engine:
         self.out_of_memory = 0  # batches split for lack of device memory (a metric)
         self.read_retries: Counter[str] = Counter()  # by reason, since the start (a metric)
         self._reads: dict[int, ReadStats] = {}  # per loader child, as it last reported
-        self._stash: dict[int, Loaded] = {}
+        self._stash: dict[int, Loaded] = {}  # loaded, for a later batch
+        self._staged: dict[int, Decoded] = {}  # of those, on their way to the device
+        self._queued: dict[int, None] = {}  # keys submitted and not yet run, in order
+        self._queued_lock = threading.Lock()  # submit runs on the event loop's thread
+        self._loader_failed: str | None = None  # seen while preparing the next batch
 
     def start(self) -> None:
         self.loader.start()
@@ -54,17 +73,28 @@ class Engine:
     def close(self) -> None:
         self.loader.close()
         self._stash.clear()
+        self._staged.clear()
 
     def submit(self, requests: Sequence[tuple[int, str]]) -> None:
         """Queue loads of (key, URI); any thread. Loader children start on them at once."""
+        with self._queued_lock:
+            self._queued.update((key, None) for key, _ in requests)
         self.loader.submit([LoadRequest(key, uri) for key, uri in requests])
 
     def forget(self, keys: Sequence[int]) -> None:
         """Drop loads that nobody will collect (tasks given back at shutdown)."""
+        self._dequeue(keys)
         for key in keys:
             self._stash.pop(key, None)
+            self._staged.pop(key, None)
+
+    def _dequeue(self, keys: Sequence[int]) -> None:
+        with self._queued_lock:
+            for key in keys:
+                self._queued.pop(key, None)
 
     def run_batch(self, keys: Sequence[int]) -> BatchReport:
+        self._dequeue(keys)
         restarts_before = self.loader.restarts
         unhealthy = self.loader.unhealthy_children()
         if unhealthy:
@@ -99,6 +129,12 @@ class Engine:
     def _collect(self, keys: Sequence[int]) -> tuple[dict[int, Loaded], str | None]:
         wanted = set(keys)
         loaded = {key: self._stash.pop(key) for key in keys if key in self._stash}
+        if self._loader_failed is not None:
+            # It broke while the last batch ran: as if it broke now (what this batch still
+            # needs is given back, so an image that kills children uses up its deliveries).
+            failure, self._loader_failed = self._loader_failed, None
+            self._recover(wanted, failure)
+            return loaded, failure
         while len(loaded) < len(wanted):
             try:
                 item = self.loader.next_loaded()
@@ -170,6 +206,7 @@ class Engine:
         """Out of device memory: trim the allocator's cache, then run each half on its own; an
         image that does not fit alone gets ``too_large_for_device``. The process keeps going."""
         self.out_of_memory += 1
+        self._staged.clear()  # the next batch's images go back to the host until it runs
         self._release_memory()
         if len(keys) == 1:
             log.warning("image_too_large_for_device", key=keys[0])
@@ -184,8 +221,8 @@ class Engine:
 
     def _forward(self, keys: list[int], loaded: dict[int, Loaded]) -> dict[int, Verdict]:
         started = time.perf_counter()
-        images = [loaded[key].image for key in keys]
-        detections = self.predictor.run(images)  # type: ignore[arg-type]
+        images = [self._staged.pop(key, None) or loaded[key].image for key in keys]
+        detections = self.predictor.run(images, self._prepare_next)  # type: ignore[arg-type]
         infer_s = time.perf_counter() - started
         return {
             key: Verdict(
@@ -194,6 +231,48 @@ class Engine:
             )
             for key, found in zip(keys, detections, strict=True)
         }
+
+    def _prepare_next(self) -> None:
+        """While the device runs this batch: take what the loader already has ready (never
+        waiting for a child), and start copying the first images of the next batch to the
+        device, so it does not wait for them. Never fails the batch it runs in: a broken
+        loader is recovered at the next batch, a failed copy is made again when it runs."""
+        ahead = self.predictor.stage_ahead
+        if ahead <= 0:
+            return
+        with self._queued_lock:
+            upcoming = list(itertools.islice(self._queued, ahead))
+        try:
+            self._take_ready(upcoming)
+            for key in [key for key in self._staged if key not in upcoming]:
+                del self._staged[key]  # no longer next (forgotten): the device holds only those
+            ready = {key: self._stash[key].image for key in upcoming if key in self._stash}
+            fresh = [k for k, image in ready.items() if image is not None and k not in self._staged]
+            if fresh:
+                images = [ready[key] for key in fresh]
+                staged = self.predictor.stage(images)  # type: ignore[arg-type]
+                self._staged.update(zip(fresh, staged, strict=True))
+        except Exception as error:  # noqa: BLE001 - the next batch copies its images itself
+            self._staged.clear()
+            if is_out_of_memory(error):
+                self._release_memory()
+            log.warning("preparing_next_batch_failed", error=repr(error))
+
+    def _take_ready(self, upcoming: list[int]) -> None:
+        """Move finished loads the loader holds into the stash, while some of ``upcoming``
+        are missing; at most what it had outstanding."""
+        if self._loader_failed is not None:
+            return
+        for _ in range(self.loader.outstanding()):
+            if all(key in self._stash for key in upcoming) or not self.loader.ready():
+                return
+            try:
+                item = self.loader.next_loaded()
+            except LoaderFailure as error:
+                self._loader_failed = str(error)  # recovered by the next batch's collect
+                return
+            self._note_reads(item)
+            self._stash[item.key] = item
 
 
 def _failed(error: Exception) -> Verdict:

@@ -217,12 +217,19 @@ class GatedPredictor:
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def run(self, images):
+    @property
+    def stage_ahead(self):
+        return self.inner.stage_ahead
+
+    def stage(self, images):
+        return self.inner.stage(images)
+
+    def run(self, images, while_running):
         self.sizes.append(len(images))
         self.entered.set()
         if not self.release.wait(30):
             raise TimeoutError("the test never released the first batch")
-        return self.inner.run(images)
+        return self.inner.run(images, while_running)
 
 
 async def _until(condition, timeout_s=10.0):

@@ -15,6 +15,7 @@ from datasets.sources import SourceConfig
 from pipelines.declare import Classifier, Pipeline, Preprocess
 from pipelines.device import visibility
 from pipelines.runner import Output, load_runner
+from tests.fakes import FakePredictor
 from tests.unit.test_engine import FlakyLoader, submit
 from worker.engine import Engine
 from worker.health import DeviceCollector
@@ -43,7 +44,7 @@ def test_a_device_entry_becomes_the_only_visible_device(entry, visible, device):
     assert visibility(entry) == (visible, device)
 
 
-class DeviceOfSize:
+class DeviceOfSize(FakePredictor):
     """A pipeline on a device that holds ``capacity`` pixels: more in one forward pass raises
     torch's own OutOfMemoryError, as CUDA's allocator does."""
 
@@ -51,7 +52,7 @@ class DeviceOfSize:
         self.capacity = capacity
         self.batches: list[list[int]] = []
 
-    def run(self, images):
+    def run(self, images, while_running=None):
         sides = [image.pixels.shape[1] for image in images]
         self.batches.append(sides)
         if sum(side * side for side in sides) > self.capacity:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from config.errors import LoaderFailure, LoaderGaveUp, PermanentError
 from datasets.images import Decoded
 from datasets.loader import Loaded
+from tests.fakes import FakePredictor
 from worker.engine import Engine
 
 
@@ -41,8 +43,8 @@ class FlakyLoader:
         return []
 
 
-class Echo:
-    def run(self, images):
+class Echo(FakePredictor):
+    def run(self, images, while_running=None):
         return [[{"bbox": None, "classifications": []}] for _ in range(len(images))]
 
 
@@ -83,13 +85,13 @@ def test_too_many_failures_in_a_row_end_the_process_but_a_good_batch_resets_the_
         engine.run_batch([4])
 
 
-class RefusesImage:
+class RefusesImage(FakePredictor):
     """A pipeline whose output for image 3 is unusable, and which crashes on image 4."""
 
     def __init__(self):
         self.batches = []
 
-    def run(self, images):
+    def run(self, images, while_running=None):
         keys = [int(image.pixels[0, 0, 0]) for image in images]
         self.batches.append(keys)
         if 3 in keys:
@@ -120,3 +122,117 @@ def test_an_image_that_breaks_the_model_fails_alone_and_its_batch_mates_get_resu
         [4],
         [5],
     ]
+
+
+class ReadyLoader(FlakyLoader):
+    """Says a result is ready while any is queued; ``next_loaded`` fails when none is."""
+
+    def ready(self):
+        return bool(self.queue) and not self.failing
+
+    def outstanding(self):
+        return len(self.queue)
+
+
+class Staging:
+    """A device that records what it was given: images staged ahead (by key), and for each
+    batch its keys, which of its images came staged, and what was staged while it ran."""
+
+    def __init__(self, stage_ahead=2, fail_staging=None):
+        self.stage_ahead = stage_ahead
+        self.fail_staging = fail_staging
+        self.staged: dict[int, int] = {}  # id of the staged image -> key
+        self.runs = []
+
+    def stage(self, images):
+        if self.fail_staging is not None:
+            raise self.fail_staging
+        staged = [image._replace() for image in images]  # new objects, the same pixels
+        self.staged.update({id(image): int(image.pixels[0, 0, 0]) for image in staged})
+        return staged
+
+    def run(self, images, while_running):
+        keys = [int(image.pixels[0, 0, 0]) for image in images]
+        came_staged = [self.staged.get(id(image)) for image in images]
+        before = set(self.staged.values())
+        while_running()
+        during = sorted(set(self.staged.values()) - before)
+        self.runs.append((keys, came_staged, during))
+        return [[{"bbox": None, "classifications": []}] for _ in images]
+
+
+def test_the_next_batchs_first_images_are_staged_while_this_batch_runs():
+    loader, device = ReadyLoader(), Staging(stage_ahead=2)
+    engine = Engine(loader, device)  # type: ignore[arg-type]
+    submit(engine, [1, 2])
+    submit(engine, [3, 4, 5])  # the next batches, already submitted
+
+    assert engine.run_batch([1, 2]).outcomes[1].ok
+    keys, came_staged, during = device.runs[-1]
+    assert keys == [1, 2]
+    assert came_staged == [None, None], "nothing ran before the first batch"
+    assert during == [3, 4], "the next two, in order, taken from the loader as it runs"
+
+    report = engine.run_batch([3, 4, 5])
+    assert all(v.ok for v in report.outcomes.values())
+    keys, came_staged, during = device.runs[-1]
+    assert keys == [3, 4, 5]
+    assert came_staged == [3, 4, None], "the staged images are the ones that ran"
+    assert during == []
+
+
+def test_staging_never_waits_on_the_loader_and_forgotten_images_are_dropped():
+    loader, device = ReadyLoader(), Staging(stage_ahead=4)
+    engine = Engine(loader, device)  # type: ignore[arg-type]
+    submit(engine, [1])
+    engine.run_batch([1])
+    assert device.runs[-1][2] == [], "nothing was ready: nothing waited for"
+
+    submit(engine, [2])
+    submit(engine, [3, 4])
+    engine.run_batch([2])
+    assert device.runs[-1][2] == [3, 4]
+    engine.forget([3])  # given back at shutdown
+    submit(engine, [5])
+    engine.run_batch([4])
+    assert device.runs[-1][1] == [4] and device.runs[-1][2] == [5]
+    assert 3 not in engine._staged and 3 not in engine._stash
+
+
+def test_a_loader_that_breaks_while_a_batch_runs_is_recovered_by_the_next_batch():
+    class BreaksOnSecondCall(ReadyLoader):
+        calls = 0
+
+        def next_loaded(self):
+            self.calls += 1
+            if self.calls == 2:  # the engine looking ahead, while batch 1 runs
+                raise LoaderFailure("DataLoader worker (pid 7) is killed by signal: Killed")
+            return super().next_loaded()
+
+    loader, device = BreaksOnSecondCall(), Staging(stage_ahead=2)
+    engine = Engine(loader, device)  # type: ignore[arg-type]
+    submit(engine, [1])
+    submit(engine, [2, 3])
+
+    report = engine.run_batch([1])
+    assert report.outcomes[1].ok, "the batch that ran is not failed by what broke after it"
+    assert report.loader_restarts == 0 and loader.calls == 2
+
+    report = engine.run_batch([2, 3])  # as if the loader broke while collecting them
+    assert report.loader_restarts == 1
+    failures = [v.failure for v in report.outcomes.values()]
+    assert all(f is not None and f.kind == "loader_failed" and f.retryable for f in failures)
+    assert engine.consecutive_failures == 1
+    assert loader.calls == 2, "the broken loader was not asked again"
+
+
+def test_staging_that_runs_out_of_device_memory_fails_nothing_and_frees_the_cache():
+    trims = []
+    loader = ReadyLoader()
+    device = Staging(fail_staging=torch.OutOfMemoryError("CUDA out of memory"))
+    engine = Engine(loader, device, release_memory=lambda: trims.append(1))  # type: ignore[arg-type]
+    submit(engine, [1])
+    submit(engine, [2])
+    assert engine.run_batch([1]).outcomes[1].ok
+    assert trims == [1] and engine._staged == {}
+    assert engine.run_batch([2]).outcomes[2].ok, "the image is copied when its batch runs"

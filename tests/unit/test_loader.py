@@ -400,3 +400,15 @@ def test_a_child_stopped_halfway_through_handing_over_an_image_is_recovered_not_
         assert loader.next_loaded().key == 2  # the rebuilt loader serves
     finally:
         loader.close()
+
+
+def test_ready_says_a_result_waits_without_waiting_for_a_child(loader, images):
+    assert not loader.ready(), "nothing was asked for"
+    loader.submit([LoadRequest(1, images[0])])
+    deadline = time.monotonic() + 30
+    while not loader.ready():
+        assert time.monotonic() < deadline, "the result never came"
+        time.sleep(0.01)
+    item = loader.next_loaded()
+    assert item.key == 1 and item.image is not None
+    assert not loader.ready() and loader.outstanding() == 0

@@ -19,6 +19,7 @@ from pipelines.models import save_classifier, save_detector
 from pipelines.registry import name_of, resolve
 from pipelines.runner import Output, decode_plan, load_runner
 from tests.antenna import PipelineResults
+from tests.fakes import FakePredictor
 from worker.schemas import Task, make_result
 
 PLUGIN = Path(__file__).parents[1] / "plugin"
@@ -126,13 +127,13 @@ def test_crops_are_classified_a_chunk_at_a_time(toy):
     runner = load_runner(resolve("toy_moths:many"), SourceConfig(), "cpu", Output(crop_batch=64))
     assert runner.classifier is not None
     sizes: list[int] = []
-    logits = runner.classifier.logits
+    forward = runner.classifier.forward
 
     def counting(batch):
         sizes.append(len(batch))
-        return logits(batch)
+        return forward(batch)
 
-    runner.classifier.logits = counting  # type: ignore[method-assign]
+    runner.classifier.forward = counting  # type: ignore[method-assign]
     runner.run([decode(image_bytes(320, 240, seed=1), DecodePlan(max_side=4096))])
     assert sum(sizes) == 500 and max(sizes) == 64
 
@@ -373,8 +374,8 @@ def test_a_corrupt_jpeg_left_encoded_fails_alone_as_a_corrupt_image():
             request = self.queue.pop(0)
             return Loaded(request.key, broken if request.key == 1 else good, None, 0.0, 1)
 
-    class Counting:
-        def run(self, images):
+    class Counting(FakePredictor):
+        def run(self, images, while_running=None):
             from pipelines.device import decode_on_device
 
             for image in images:
