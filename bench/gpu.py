@@ -5,12 +5,15 @@
 
 Prints, per case: images/s; the share of the wall time the GPU was busy (kernel time from
 torch.profiler over the measured window); the time the engine waited on host-to-device copies
-(``Runner.copies``); device memory peak. Cases: a ResNet-50 classifier alone (batch 16 and
-64, float32 and bfloat16), the same fed by the worker's own loader children decoding 1080p
-JPEGs (the "GPU busy >= 90%" goal), and detect-and-classify on 4096x2160 JPEGs (FasterRCNN
-ResNet-50 FPN, its top 30 boxes, then two ResNet-50s on the crops) fed by the loader, decoded
-on the CPU and on the GPU (WORKER_LOADER__DEVICE_DECODE). Each case prints one JSON line, or
-its error; no new case starts after ``--budget-s``.
+(``Runner.copies``); the share of images already on the device when their batch started
+(staged while the one before ran); device memory peak. First, on CUDA, whether images staged
+on the side stream give the same scores as images copied as their batch runs; and the host's
+own work per batch (a linear model over 1000 classes). Then a ResNet-50 classifier alone
+(batch 16 and 64, float32 and bfloat16), the same fed by the worker's own loader children
+decoding 1080p JPEGs (the "GPU busy >= 90%" goal), and detect-and-classify on 4096x2160 JPEGs
+(FasterRCNN ResNet-50 FPN, its top 30 boxes, then two ResNet-50s on the crops) fed by the
+loader, decoded on the CPU and on the GPU (WORKER_LOADER__DEVICE_DECODE). Each case prints one
+JSON line, or its error; no new case starts after ``--budget-s``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 
 from bench.preprocess import scene
-from datasets.images import DecodePlan, decode
+from datasets.images import Decoded, DecodePlan, decode
 from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.sources import SourceConfig
 from pipelines.declare import Classifier, Detector, Pipeline, Preprocess
@@ -158,13 +161,66 @@ def fed_by_loader(
     try:
         work()  # warm-up: children started, first batches loaded
         runner.copies.waited_s = 0.0
+        ran_before, staged_before = next_key - 2 * batch, engine.staged_ran
         measured = busy_share(work, seconds, device)
         measured["copy_wait_s"] = round(runner.copies.waited_s, 3)
+        # Of the images run, the share already on the device when their batch started (its
+        # first chunk can be at most runner.stage_ahead of them).
+        ran = next_key - 2 * batch - ran_before
+        measured["staged_share"] = round((engine.staged_ran - staged_before) / max(1, ran), 3)
         measured["loader_children"] = workers
         measured["failures"] = failures
         return measured
     finally:
         engine.close()
+
+
+def same_staged(tmp: Path, device: str, squares: list[Decoded]) -> dict[str, Any]:
+    """The copies are right: logits of images staged on the side stream while another batch
+    runs, against the same images copied as their batch runs."""
+    runner = classifier(tmp, device, "float32", crop_batch=8)
+    images = [squares[i % len(squares)] for i in range(32)]
+    plain = runner.run(images)
+    staged: list[list[Decoded]] = []
+    runner.run(images, lambda: staged.append(runner.stage(images)))
+    again = runner.run(staged[0])
+
+    def scores(results: list[list[dict[str, Any]]]) -> list[tuple[list[str], list[float]]]:
+        first = [found[0]["classifications"][0] for found in results]
+        return [(c["labels"], c["scores"]) for c in first]
+
+    pairs = list(zip(scores(plain), scores(again), strict=True))
+    return {
+        "images": len(images),
+        "same_top5_labels": all(a[0] == b[0] for a, b in pairs),
+        "max_score_difference": max(
+            abs(x - y) for a, b in pairs for x, y in zip(a[1], b[1], strict=True)
+        ),
+    }
+
+
+def host_work(tmp: Path, device: str, squares: list[Decoded], seconds: float) -> dict[str, Any]:
+    """What the host spends per batch besides the model: a linear classifier over 1000
+    classes, full scores written, 64 images a batch (the gap the GPU waits through)."""
+    labels = [f"s{i}" for i in range(1000)]
+    stage = Classifier("linear", architecture=Linear, labels=tuple(labels))
+    runner = load_runner(Pipeline("linear", classifier=stage), SourceConfig(), device, Output())
+    images = [squares[i % len(squares)] for i in range(64)]
+    runner.run(images)
+    measured = busy_share(lambda: len(runner.run(images)), seconds, device)
+    measured["host_ms_per_batch"] = round(64_000 / measured["images_per_s"], 2)
+    return measured
+
+
+class Linear(torch.nn.Module):
+    """A model that costs next to nothing: the host's own work is what is left."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(3, num_classes)
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.head(batch.mean(dim=(2, 3)))
 
 
 def case(row: dict[str, Any], measure: Callable[[], dict[str, Any]], deadline: float) -> None:
@@ -205,6 +261,17 @@ def main() -> None:
             path.write_bytes(scene(1920, 1080, i))
             files.append(path)
         squares = [decode(p.read_bytes(), DecodePlan(size=224)) for p in files[:16]]
+        if on_gpu:
+            case(
+                {"case": "staged equals unstaged"},
+                lambda: same_staged(tmp, args.device, squares),
+                deadline,
+            )
+        case(
+            {"case": "host work per batch of 64 (1000 classes)"},
+            lambda: host_work(tmp, args.device, squares, seconds),
+            deadline,
+        )
         for precision in ("float32", "bfloat16"):
             for batch in (2, 4) if args.quick else (16, 64):
 
@@ -212,8 +279,11 @@ def main() -> None:
                     runner = classifier(tmp, args.device, precision, crop_batch=32)
                     images = [squares[i % len(squares)] for i in range(batch)]
 
+                    staged = [runner.stage(images)]
+
                     def forward() -> int:
-                        runner.run(images)
+                        # As the engine does: the next batch is staged while this one runs.
+                        runner.run(staged.pop(), lambda: staged.append(runner.stage(images)))
                         return len(images)
 
                     forward()

@@ -66,6 +66,7 @@ class Engine:
         self._queued: dict[int, None] = {}  # keys submitted and not yet run, in order
         self._queued_lock = threading.Lock()  # submit runs on the event loop's thread
         self._loader_failed: str | None = None  # seen while preparing the next batch
+        self.staged_ran = 0  # images that were on the device before their batch ran (bench)
 
     def start(self) -> None:
         self.loader.start()
@@ -221,7 +222,9 @@ class Engine:
 
     def _forward(self, keys: list[int], loaded: dict[int, Loaded]) -> dict[int, Verdict]:
         started = time.perf_counter()
-        images = [self._staged.pop(key, None) or loaded[key].image for key in keys]
+        staged = {key: self._staged.pop(key) for key in keys if key in self._staged}
+        self.staged_ran += len(staged)
+        images = [staged[key] if key in staged else loaded[key].image for key in keys]
         detections = self.predictor.run(images, self._prepare_next)  # type: ignore[arg-type]
         infer_s = time.perf_counter() - started
         return {

@@ -387,3 +387,120 @@ def test_a_corrupt_jpeg_left_encoded_fails_alone_as_a_corrupt_image():
     outcomes = engine.run_batch([1, 2]).outcomes
     assert outcomes[2].ok
     assert outcomes[1].failure is not None and outcomes[1].failure.kind == "corrupt_image"
+
+
+def _traced(runner, events):
+    """Record each stage's forward passes and the moments their results come back."""
+
+    def wrap(name, method, model):
+        inner = getattr(model, method)
+
+        def traced(*args):
+            events.append(f"{name}.{method}")
+            return inner(*args)
+
+        setattr(model, method, traced)
+
+    if runner.detector is not None:
+        wrap("detector", "forward", runner.detector)
+        wrap("detector", "boxes", runner.detector)
+    for name in ("filter", "classifier"):
+        model = getattr(runner, name)
+        if model is not None:
+            wrap(name, "forward", model)
+            wrap(name, "checked", model)
+
+
+def _squeezed(events):
+    """Repeats of one event as one."""
+    return [e for i, e in enumerate(events) if i == 0 or events[i - 1] != e]
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "expected"),
+    [
+        (
+            "toy_moths:moths",
+            [
+                "detector.forward",
+                "detector.boxes",
+                "detector.forward",
+                "detector.boxes",
+                "filter.forward",
+                "filter.checked",
+                "classifier.forward",
+                "next batch",
+                "classifier.checked",
+            ],
+        ),
+        (
+            "detector-only",
+            [
+                "detector.forward",
+                "detector.boxes",
+                "detector.forward",
+                "next batch",
+                "detector.boxes",
+            ],
+        ),
+        ("classifier-only", ["classifier.forward", "next batch", "classifier.checked"]),
+    ],
+)
+def test_the_next_batch_is_prepared_once_after_the_last_stage_is_given_to_the_device(
+    toy, pipeline, expected
+):
+    """The engine's ``while_running`` comes after the last forward pass is started and before
+    its results are brought back (on a GPU: while it computes); each stage's results come
+    back once for the whole batch."""
+    moths = resolve("toy_moths:moths")
+    chosen = {
+        "toy_moths:moths": moths,
+        "detector-only": Pipeline("boxes", detector=moths.detector),
+        "classifier-only": Pipeline("colour", classifier=moths.classifier),
+    }[pipeline]
+    output = Output(detector_batch=2, crop_batch=2)
+    runner = load_runner(chosen, SourceConfig(), "cpu", output)
+    events: list[str] = []
+    _traced(runner, events)
+    rectangles = [(10 + 40 * i, 10, 30 + 40 * i, 40, "red") for i in range(5)]
+    plan = decode_plan(chosen, 4096, False)
+    images = [decode(rectangles_bytes(240, 60, rectangles), plan) for _ in range(3)]
+
+    results = runner.run(images, lambda: events.append("next batch"))
+
+    assert _squeezed(events) == expected
+    assert len(results) == 3 and all(len(found) >= 1 for found in results)
+
+
+def test_the_next_batch_is_prepared_once_when_no_crop_reaches_the_device(toy):
+    runner = load_runner(resolve("toy_moths:moths"), SourceConfig(), "cpu", Output())
+    black = decode(rectangles_bytes(64, 64, []), DecodePlan(max_side=4096))
+    calls: list[int] = []
+    assert runner.run([black, black], lambda: calls.append(1)) == [[], []]
+    assert calls == [1]
+
+
+def _without_clocks(results):
+    """Results with their timestamps and timings left out, to compare two runs."""
+    if isinstance(results, dict):
+        return {
+            k: _without_clocks(v)
+            for k, v in results.items()
+            if k not in ("timestamp", "inference_time")
+        }
+    if isinstance(results, list):
+        return [_without_clocks(v) for v in results]
+    return results
+
+
+@pytest.mark.parametrize("pipeline", ["toy_moths:moths", "toy_moths:many"])
+def test_images_staged_ahead_give_the_same_results_as_images_that_were_not(toy, pipeline):
+    chosen = resolve(pipeline)
+    runner = load_runner(chosen, SourceConfig(), "cpu", Output(detector_batch=2, crop_batch=64))
+    rectangles = [(10, 10, 40, 50, "red"), (60, 5, 90, 30, "green"), (120, 20, 150, 60, "blue")]
+    plan = decode_plan(chosen, 4096, False)
+    images = [decode(rectangles_bytes(200, 80, rectangles), plan) for _ in range(3)]
+    staged = runner.stage(images[:2]) + images[2:]  # the next batch's first chunk, staged
+
+    assert _without_clocks(runner.run(staged)) == _without_clocks(runner.run(images))
+    assert runner.stage_ahead == 2
