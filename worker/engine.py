@@ -67,6 +67,7 @@ class Engine:
         self._queued_lock = threading.Lock()  # submit runs on the event loop's thread
         self._loader_failed: str | None = None  # seen while preparing the next batch
         self.staged_ran = 0  # images that were on the device before their batch ran (bench)
+        self._split_batch = False  # this batch ran out of device memory: nothing staged ahead
 
     def start(self) -> None:
         self.loader.start()
@@ -96,6 +97,7 @@ class Engine:
 
     def run_batch(self, keys: Sequence[int]) -> BatchReport:
         self._dequeue(keys)
+        self._split_batch = False
         restarts_before = self.loader.restarts
         unhealthy = self.loader.unhealthy_children()
         if unhealthy:
@@ -207,7 +209,8 @@ class Engine:
         """Out of device memory: trim the allocator's cache, then run each half on its own; an
         image that does not fit alone gets ``too_large_for_device``. The process keeps going."""
         self.out_of_memory += 1
-        self._staged.clear()  # the next batch's images go back to the host until it runs
+        self._staged.clear()  # the next batch's images wait on the host until it runs
+        self._split_batch = True
         self._release_memory()
         if len(keys) == 1:
             log.warning("image_too_large_for_device", key=keys[0])
@@ -241,7 +244,7 @@ class Engine:
         device, so it does not wait for them. Never fails the batch it runs in: a broken
         loader is recovered at the next batch, a failed copy is made again when it runs."""
         ahead = self.predictor.stage_ahead
-        if ahead <= 0:
+        if ahead <= 0 or self._split_batch:
             return
         with self._queued_lock:
             upcoming = list(itertools.islice(self._queued, ahead))

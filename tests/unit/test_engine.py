@@ -236,3 +236,21 @@ def test_staging_that_runs_out_of_device_memory_fails_nothing_and_frees_the_cach
     assert engine.run_batch([1]).outcomes[1].ok
     assert trims == [1] and engine._staged == {}
     assert engine.run_batch([2]).outcomes[2].ok, "the image is copied when its batch runs"
+
+
+def test_nothing_is_staged_ahead_while_a_batch_is_split_for_lack_of_device_memory():
+    class OneAtATime(Staging):
+        def run(self, images, while_running):
+            if len(images) > 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+            return super().run(images, while_running)
+
+    loader, device = ReadyLoader(), OneAtATime(stage_ahead=2)
+    engine = Engine(loader, device, release_memory=lambda: None)  # type: ignore[arg-type]
+    submit(engine, [1, 2])
+    submit(engine, [3, 4])
+    assert all(v.ok for v in engine.run_batch([1, 2]).outcomes.values())
+    assert [run[0] for run in device.runs] == [[1], [2]]
+    assert device.staged == {} and engine._staged == {}, "the halves had the memory"
+    assert all(v.ok for v in engine.run_batch([3]).outcomes.values())
+    assert device.runs[-1][2] == [4], "the next batch stages ahead again"
