@@ -5,7 +5,8 @@ tests without CUDA (README, "The GPU path")."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -139,6 +140,45 @@ def _handed_over(
     for tensor in moved:
         tensor.record_stream(compute)
     return moved
+
+
+def to_host(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Start bringing ``tensor`` back to the host; the call returned waits for it. On CUDA the
+    copy is queued now, into pinned memory, so what the compute stream is given after this
+    (the next batch's work) does not delay it."""
+    if not tensor.is_cuda:
+        return lambda: tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(tensor.device))
+
+    def wait() -> torch.Tensor:
+        done.synchronize()
+        return host
+
+    return wait
+
+
+class InFlight:
+    """At most ``depth`` chunks given to the device and not done: past that the host waits for
+    the oldest, so a host running ahead of the GPU holds ``depth`` chunks' inputs there, not
+    a whole batch's crops. Nothing to wait for off CUDA."""
+
+    def __init__(self, device: torch.device, depth: int = 2) -> None:
+        self._device = device
+        self._depth = depth
+        self._launched: deque[torch.cuda.Event] = deque()
+
+    def launched(self) -> None:
+        """A chunk's work was just given to the compute stream."""
+        if self._device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._device))
+        self._launched.append(event)
+        while len(self._launched) > self._depth:
+            self._launched.popleft().synchronize()
 
 
 def decode_on_device(image: Decoded, device: torch.device, max_side: int) -> Decoded:

@@ -227,16 +227,27 @@ class DetectorModel:
     def boxes(
         self, images: list[torch.Tensor], outputs: list[dict[str, torch.Tensor]]
     ) -> list[Boxes]:
-        """The outputs of ``forward`` brought to the host in one copy, then cleaned."""
+        """The outputs of ``forward``, brought to the host in one copy and cleaned."""
+        rows, counts = self.rows(outputs)
+        return self.cleaned(images, rows.cpu(), counts)
+
+    @staticmethod
+    def rows(outputs: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
+        """Every image's detections in one (K, 6) float32 tensor, where they are (x1 y1 x2 y2,
+        score, label), and how many are each image's."""
         with torch.inference_mode():
             rows = [_as_rows(out) for out in outputs]
-            counts = [len(row) for row in rows]
-            host = torch.cat(rows).cpu() if rows else torch.zeros((0, 6))
+            return (torch.cat(rows) if rows else torch.zeros((0, 6))), [len(r) for r in rows]
+
+    def cleaned(
+        self, images: list[torch.Tensor], rows: torch.Tensor, counts: list[int]
+    ) -> list[Boxes]:
+        """``rows`` (on the host) as each image's boxes: clamped to the image; non-finite, empty
+        or under-threshold ones dropped; at most ``max_detections``, best first."""
         found = []
-        for image, row in zip(images, host.split(counts), strict=True):
+        for image, row in zip(images, rows.split(counts), strict=True):
             _, height, width = image.shape
             boxes, scores, labels = row[:, :4].clone(), row[:, 4], row[:, 5].long()
-            # Boxes clamped to the image; non-finite, empty or under-threshold ones dropped.
             usable = torch.isfinite(boxes).all(dim=1) & torch.isfinite(scores)
             boxes = torch.nan_to_num(boxes)
             boxes[:, 0::2] = boxes[:, 0::2].clamp(0, width)

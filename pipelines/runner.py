@@ -20,7 +20,13 @@ import torch
 from config.errors import ConfigError, TransientError
 from datasets.images import Decoded, DecodePlan, resize_square
 from pipelines.declare import Pipeline
-from pipelines.device import CopyStats, decode_on_device, to_device_overlapped
+from pipelines.device import (
+    CopyStats,
+    InFlight,
+    decode_on_device,
+    to_device_overlapped,
+    to_host,
+)
 from pipelines.device import stage as stage_on_device
 from pipelines.models import Algorithm, ClassifierModel, DetectorModel
 
@@ -145,14 +151,17 @@ class Runner:
         and before its results are brought back: the engine prepares the next batch there
         while the device computes. Its time is not counted in ``inference_time``."""
         hook = _Hook(while_running)
+        where = self.device
         if any(image.encoded is not None for image in images):
-            where, side = self.device, self.output.max_side
+            side = self.output.max_side
             images = [
                 decode_on_device(image, where, side) if image.encoded is not None else image
                 for image in images
             ]
-            if where.type == "cuda":  # PNGs came decoded: every image on one device
-                images = self.stage(images)
+        if where.type == "cuda" and self.detector and (self.filter or self.classifier):
+            # Crops are cut where their image is: all on the device, so an image gives the
+            # same crops whether it was staged ahead, decoded there, or neither.
+            images = self.stage(images)
         if self.detector is None:
             assert self.classifier is not None
             results = self._classify_whole(images, self.classifier, hook)
@@ -195,11 +204,14 @@ class Runner:
         next chunk is cut, pinned and copied while this one runs, and the host waits once,
         when the logits come back (after ``hook``, when given)."""
         started = time.perf_counter()
-        moved = to_device_overlapped(chunks, model.device, *self._copying(model.device))
-        parts = [model.forward(torch.stack(chunk)) for chunk in moved]
+        in_flight = InFlight(model.device)
+        parts = []
+        for chunk in to_device_overlapped(chunks, model.device, *self._copying(model.device)):
+            parts.append(model.forward(torch.stack(chunk)))
+            in_flight.launched()
+        logits = to_host(torch.cat(parts)) if parts else lambda: torch.zeros((0, 0))
         hook_s = hook() if hook is not None else 0.0
-        logits = model.checked(torch.cat(parts).cpu()) if parts else torch.zeros((0, 0))
-        return logits, (time.perf_counter() - started - hook_s) / max(1, count)
+        return model.checked(logits()), (time.perf_counter() - started - hook_s) / max(1, count)
 
     def _detect_and_classify(
         self, images: Sequence[Decoded], detector: DetectorModel, hook: _Hook
@@ -214,9 +226,10 @@ class Runner:
         moved = to_device_overlapped(chunks, detector.device, *self._copying(detector.device))
         for start, end, inputs in zip(starts, ends, moved, strict=True):
             started = time.perf_counter()
-            outputs = detector.forward(inputs)
+            rows, counts = detector.rows(detector.forward(inputs))
+            fetched = to_host(rows)
             hook_s = hook() if alone and end == len(images) else 0.0
-            found = detector.boxes(inputs, outputs)
+            found = detector.cleaned(inputs, fetched(), counts)
             each_s = (time.perf_counter() - started - hook_s) / (end - start)
             for index, boxes in zip(range(start, end), found, strict=True):
                 image = images[index]

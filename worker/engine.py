@@ -68,6 +68,7 @@ class Engine:
         self._loader_failed: str | None = None  # seen while preparing the next batch
         self.staged_ran = 0  # images that were on the device before their batch ran (bench)
         self._split_batch = False  # this batch ran out of device memory: nothing staged ahead
+        self._prepared_s = 0.0  # spent preparing next batches, not in this one's inference
 
     def start(self) -> None:
         self.loader.start()
@@ -124,9 +125,9 @@ class Engine:
             elif item.image is None:
                 outcomes[key] = Verdict(failure=item.failure, timings_s={"load_s": item.load_s})
         ready = [key for key in keys if key not in outcomes]
-        infer_started = time.perf_counter()
+        infer_started, prepared_s = time.perf_counter(), self._prepared_s
         outcomes.update(self._infer(ready, loaded))
-        infer_s = time.perf_counter() - infer_started
+        infer_s = time.perf_counter() - infer_started - (self._prepared_s - prepared_s)
         return BatchReport(outcomes, load_s, infer_s, self.loader.restarts - restarts_before)
 
     def _collect(self, keys: Sequence[int]) -> tuple[dict[int, Loaded], str | None]:
@@ -164,6 +165,7 @@ class Engine:
     def _recover(self, wanted: set[int], reason: str) -> None:
         """Rebuild the loader; reload what later batches still need, the rest is given back."""
         started = time.perf_counter()
+        self._loader_failed = None  # whatever broke it, this loader is the new one
         self._heartbeat()  # recovering is not being wedged: the watchdog gets a fresh window
         try:
             lost = self.loader.restart()
@@ -225,11 +227,14 @@ class Engine:
 
     def _forward(self, keys: list[int], loaded: dict[int, Loaded]) -> dict[int, Verdict]:
         started = time.perf_counter()
-        staged = {key: self._staged.pop(key) for key in keys if key in self._staged}
-        self.staged_ran += len(staged)
-        images = [staged[key] if key in staged else loaded[key].image for key in keys]
+        images = []
+        for key in keys:
+            staged = self._staged.pop(key, None)  # forget() may pop it too, from another thread
+            self.staged_ran += staged is not None
+            images.append(staged if staged is not None else loaded[key].image)
+        prepared_s = self._prepared_s
         detections = self.predictor.run(images, self._prepare_next)  # type: ignore[arg-type]
-        infer_s = time.perf_counter() - started
+        infer_s = time.perf_counter() - started - (self._prepared_s - prepared_s)
         return {
             key: Verdict(
                 detections=found,
@@ -246,23 +251,29 @@ class Engine:
         ahead = self.predictor.stage_ahead
         if ahead <= 0 or self._split_batch:
             return
+        started = time.perf_counter()
         with self._queued_lock:
             upcoming = list(itertools.islice(self._queued, ahead))
         try:
             self._take_ready(upcoming)
-            for key in [key for key in self._staged if key not in upcoming]:
-                del self._staged[key]  # no longer next (forgotten): the device holds only those
-            ready = {key: self._stash[key].image for key in upcoming if key in self._stash}
-            fresh = [k for k, image in ready.items() if image is not None and k not in self._staged]
+            for key in [key for key in list(self._staged) if key not in upcoming]:
+                self._staged.pop(key, None)  # no longer next (forgotten): only those are held
+            ready = {key: item.image for key in upcoming if (item := self._stash.get(key))}
+            fresh = [
+                key
+                for key, image in ready.items()
+                if image is not None and image.encoded is None and key not in self._staged
+            ]  # a JPEG left encoded is decoded on the device when its batch runs
             if fresh:
-                images = [ready[key] for key in fresh]
-                staged = self.predictor.stage(images)  # type: ignore[arg-type]
+                staged = self.predictor.stage([ready[key] for key in fresh])  # type: ignore[misc]
                 self._staged.update(zip(fresh, staged, strict=True))
         except Exception as error:  # noqa: BLE001 - the next batch copies its images itself
             self._staged.clear()
             if is_out_of_memory(error):
                 self._release_memory()
             log.warning("preparing_next_batch_failed", error=repr(error))
+        finally:
+            self._prepared_s += time.perf_counter() - started
 
     def _take_ready(self, upcoming: list[int]) -> None:
         """Move finished loads the loader holds into the stash, while some of ``upcoming``

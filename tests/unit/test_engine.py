@@ -125,10 +125,13 @@ def test_an_image_that_breaks_the_model_fails_alone_and_its_batch_mates_get_resu
 
 
 class ReadyLoader(FlakyLoader):
-    """Says a result is ready while any is queued; ``next_loaded`` fails when none is."""
+    """Says a result is ready while any is queued, unless ``slow`` (its children still at
+    work); ``next_loaded`` fails when none is queued."""
+
+    slow = False
 
     def ready(self):
-        return bool(self.queue) and not self.failing
+        return bool(self.queue) and not self.failing and not self.slow
 
     def outstanding(self):
         return len(self.queue)
@@ -185,10 +188,14 @@ def test_staging_never_waits_on_the_loader_and_forgotten_images_are_dropped():
     loader, device = ReadyLoader(), Staging(stage_ahead=4)
     engine = Engine(loader, device)  # type: ignore[arg-type]
     submit(engine, [1])
+    submit(engine, [2])
+    engine._stash[1] = loader.next_loaded()  # batch 1 is here; 2 is still being loaded
+    loader.slow = True
     engine.run_batch([1])
     assert device.runs[-1][2] == [], "nothing was ready: nothing waited for"
+    assert [request.key for request in loader.queue] == [2]
 
-    submit(engine, [2])
+    loader.slow = False
     submit(engine, [3, 4])
     engine.run_batch([2])
     assert device.runs[-1][2] == [3, 4]
@@ -224,6 +231,36 @@ def test_a_loader_that_breaks_while_a_batch_runs_is_recovered_by_the_next_batch(
     assert all(f is not None and f.kind == "loader_failed" and f.retryable for f in failures)
     assert engine.consecutive_failures == 1
     assert loader.calls == 2, "the broken loader was not asked again"
+
+
+def test_a_loader_broken_while_a_batch_runs_and_seen_dead_at_the_next_is_rebuilt_once():
+    class DiesWhilePolled(ReadyLoader):
+        calls = 0
+        dead = False
+
+        def next_loaded(self):
+            self.calls += 1
+            if self.calls == 2:
+                self.dead = True
+                raise LoaderFailure("DataLoader worker (pid 7) is killed by signal: Killed")
+            return super().next_loaded()
+
+        def unhealthy_children(self):
+            return ["7:gone"] if self.dead else []
+
+        def restart(self):
+            self.dead = False
+            return super().restart()
+
+    loader, device = DiesWhilePolled(), Staging(stage_ahead=2)
+    engine = Engine(loader, device)  # type: ignore[arg-type]
+    submit(engine, [1])
+    submit(engine, [2, 3])
+    assert engine.run_batch([1]).outcomes[1].ok
+
+    report = engine.run_batch([2, 3])
+    assert report.loader_restarts == 1, "one rebuild, before the batch: it reloads them"
+    assert all(v.ok for v in report.outcomes.values())
 
 
 def test_staging_that_runs_out_of_device_memory_fails_nothing_and_frees_the_cache():

@@ -403,7 +403,7 @@ def _traced(runner, events):
 
     if runner.detector is not None:
         wrap("detector", "forward", runner.detector)
-        wrap("detector", "boxes", runner.detector)
+        wrap("detector", "cleaned", runner.detector)
     for name in ("filter", "classifier"):
         model = getattr(runner, name)
         if model is not None:
@@ -423,9 +423,9 @@ def _squeezed(events):
             "toy_moths:moths",
             [
                 "detector.forward",
-                "detector.boxes",
+                "detector.cleaned",
                 "detector.forward",
-                "detector.boxes",
+                "detector.cleaned",
                 "filter.forward",
                 "filter.checked",
                 "classifier.forward",
@@ -437,10 +437,10 @@ def _squeezed(events):
             "detector-only",
             [
                 "detector.forward",
-                "detector.boxes",
+                "detector.cleaned",
                 "detector.forward",
                 "next batch",
-                "detector.boxes",
+                "detector.cleaned",
             ],
         ),
         ("classifier-only", ["classifier.forward", "next batch", "classifier.checked"]),
