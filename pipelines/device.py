@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -91,20 +91,19 @@ def to_device_overlapped(
     copy_stream = copy_stream or torch.cuda.Stream(device)  # pass one: streams are pooled
     compute = torch.cuda.current_stream(device)
 
-    def start(chunk: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event]:
+    def start(chunk: Sequence[torch.Tensor]) -> _Copy:
+        if all(tensor.is_cuda for tensor in chunk):  # staged, cut or decoded there already
+            return _Copy(list(chunk), None)
         done = torch.cuda.Event()
-        if all(tensor.is_cuda for tensor in chunk):  # staged or decoded on the device already
-            done.record(compute)
-            return list(chunk), done
         with torch.cuda.stream(copy_stream):
             moved = [
                 tensor if tensor.is_cuda else tensor.pin_memory().to(device, non_blocking=True)
                 for tensor in chunk
             ]
             done.record(copy_stream)
-        return moved, done
+        return _Copy(moved, done)
 
-    pending: tuple[list[torch.Tensor], torch.cuda.Event] | None = None
+    pending: _Copy | None = None
     for chunk in chunks:
         upcoming = start(chunk)
         if pending is not None:
@@ -124,12 +123,17 @@ def stage(
     return next(to_device_overlapped([tensors], device, None, copy_stream))
 
 
+class _Copy(NamedTuple):
+    tensors: list[torch.Tensor]
+    done: torch.cuda.Event | None  # None: nothing was copied (nothing to wait for)
+
+
 def _handed_over(
-    pending: tuple[list[torch.Tensor], torch.cuda.Event],
-    compute: torch.cuda.Stream,
-    stats: CopyStats | None,
+    pending: _Copy, compute: torch.cuda.Stream, stats: CopyStats | None
 ) -> list[torch.Tensor]:
     moved, done = pending
+    if done is None:
+        return moved
     if stats is not None:
         started = time.perf_counter()
         if not done.query():  # the copy is still running: measure what waiting on it costs

@@ -213,8 +213,9 @@ class DetectorModel:
     def detect(self, images: list[torch.Tensor]) -> list[Boxes]:
         """``images``: (3, H, W) uint8 on the host or the device, any sizes. Boxes in those
         images' pixels, at most ``max_detections`` each, best first, at or over the score
-        threshold."""
-        return self.boxes(images, self.forward(images))
+        threshold (``forward``, ``rows`` and ``cleaned`` in one call)."""
+        rows, counts = self.rows(self.forward(images))
+        return self.cleaned(images, rows.cpu(), counts)
 
     def forward(self, images: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """The forward pass; its outputs stay on the device (see ``boxes``)."""
@@ -224,19 +225,13 @@ class DetectorModel:
                 outputs: list[dict[str, torch.Tensor]] = self.model(batch)
         return outputs
 
-    def boxes(
-        self, images: list[torch.Tensor], outputs: list[dict[str, torch.Tensor]]
-    ) -> list[Boxes]:
-        """The outputs of ``forward``, brought to the host in one copy and cleaned."""
-        rows, counts = self.rows(outputs)
-        return self.cleaned(images, rows.cpu(), counts)
-
     @staticmethod
     def rows(outputs: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
         """Every image's detections in one (K, 6) float32 tensor, where they are (x1 y1 x2 y2,
         score, label), and how many are each image's."""
         with torch.inference_mode():
-            rows = [_as_rows(out) for out in outputs]
+            where = outputs[0]["boxes"].device if outputs else torch.device("cpu")
+            rows = [_as_rows(out, where) for out in outputs]
             return (torch.cat(rows) if rows else torch.zeros((0, 6))), [len(r) for r in rows]
 
     def cleaned(
@@ -264,10 +259,11 @@ class DetectorModel:
         return labels[index - 1] if 1 <= index <= len(labels) else str(index)
 
 
-def _as_rows(out: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One image's detections as (K, 6) float32: x1 y1 x2 y2, score, label."""
+def _as_rows(out: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One image's detections as (K, 6) float32 on ``device``: x1 y1 x2 y2, score, label (a
+    model may leave some outputs on another device, an empty one on the host say)."""
     columns = [out["boxes"], out["scores"][:, None], out["labels"][:, None]]
-    return torch.cat([column.float() for column in columns], dim=1)
+    return torch.cat([column.to(device, torch.float32) for column in columns], dim=1)
 
 
 def prepare_for_inference(model: nn.Module, device: torch.device) -> nn.Module:

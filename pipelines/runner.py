@@ -158,16 +158,12 @@ class Runner:
                 decode_on_device(image, where, side) if image.encoded is not None else image
                 for image in images
             ]
-        if where.type == "cuda" and self.detector and (self.filter or self.classifier):
-            # Crops are cut where their image is: all on the device, so an image gives the
-            # same crops whether it was staged ahead, decoded there, or neither.
-            images = self.stage(images)
         if self.detector is None:
             assert self.classifier is not None
             results = self._classify_whole(images, self.classifier, hook)
         else:
             results = self._detect_and_classify(images, self.detector, hook)
-        hook()  # a pipeline that gave the device nothing at the end (no crops)
+        hook()  # called already, unless the batch was empty
         return results
 
     def _classify_whole(
@@ -201,8 +197,9 @@ class Runner:
         hook: _Hook | None = None,
     ) -> tuple[torch.Tensor, float]:
         """Logits of every chunk, on the host, and seconds of the stage per input. On CUDA the
-        next chunk is cut, pinned and copied while this one runs, and the host waits once,
-        when the logits come back (after ``hook``, when given)."""
+        next chunk is cut, pinned and copied while this one runs; the host waits only to keep
+        two chunks at most on the device, and for the logits, which come back in one copy
+        (after ``hook``, when given)."""
         started = time.perf_counter()
         in_flight = InFlight(model.device)
         parts = []
@@ -218,6 +215,7 @@ class Runner:
     ) -> list[list[dict[str, Any]]]:
         results: list[list[dict[str, Any]]] = [[] for _ in images]
         crops: list[_Crop] = []
+        seen: list[torch.Tensor] = []  # what the detector saw: crops are cut from it
         alone = self.filter is None and self.classifier is None
         step = self.output.detector_batch
         starts = range(0, len(images), step)
@@ -231,6 +229,8 @@ class Runner:
             hook_s = hook() if alone and end == len(images) else 0.0
             found = detector.cleaned(inputs, fetched(), counts)
             each_s = (time.perf_counter() - started - hook_s) / (end - start)
+            if not alone:  # on CUDA the images stay on the device until their crops are cut
+                seen.extend(inputs)
             for index, boxes in zip(range(start, end), found, strict=True):
                 image = images[index]
                 sx = image.source_width / image.pixels.shape[2]
@@ -259,18 +259,20 @@ class Runner:
                     results[index].append(detection)
                     crops.append(_Crop(index, (x1, y1, x2, y2), detection["classifications"]))
         if not alone:
-            self._classify_crops(images, crops, hook)
+            self._classify_crops(seen, crops, hook)
         return results
 
-    def _classify_crops(self, images: Sequence[Decoded], crops: list[_Crop], hook: _Hook) -> None:
-        """Filter then classifier over every crop, ``crop_batch`` crops in memory at a time."""
+    def _classify_crops(self, seen: list[torch.Tensor], crops: list[_Crop], hook: _Hook) -> None:
+        """Filter then classifier over every crop, ``crop_batch`` crops in memory at a time,
+        cut from the images as the detector saw them (on CUDA: on the device, so an image
+        gives the same crops whether it was staged ahead, decoded there, or copied)."""
         passed = crops
         if self.filter is not None:
             keep = set(self.filter.stage.keep)
             terminal_alone = self.classifier is None
             passed = []
             logits, each_s = self._crop_logits(
-                images, crops, self.filter, hook if terminal_alone else None
+                seen, crops, self.filter, hook if terminal_alone else None
             )
             labels = self.filter.algorithm.labels
             for crop, row in zip(crops, logits, strict=True):
@@ -281,14 +283,14 @@ class Runner:
                 if goes_on:
                     passed.append(crop)
         if self.classifier is not None:
-            logits, each_s = self._crop_logits(images, passed, self.classifier, hook)
+            logits, each_s = self._crop_logits(seen, passed, self.classifier, hook)
             for crop, row in zip(passed, logits, strict=True):
                 entry = self._classification(self.classifier, row, each_s, True)
                 crop.classifications.append(entry)
 
     def _crop_logits(
         self,
-        images: Sequence[Decoded],
+        seen: list[torch.Tensor],
         crops: list[_Crop],
         model: ClassifierModel,
         hook: _Hook | None,
@@ -297,7 +299,7 @@ class Runner:
         step = self.output.crop_batch
         chunks = (
             [
-                resize_square(_cut(images[c.image].pixels, c.box), pre.size, pre.resize)
+                resize_square(_cut(seen[c.image], c.box), pre.size, pre.resize)
                 for c in crops[start : start + step]
             ]
             for start in range(0, len(crops), step)

@@ -244,10 +244,11 @@ class Engine:
         }
 
     def _prepare_next(self) -> None:
-        """While the device runs this batch: take what the loader already has ready (never
-        waiting for a child), and start copying the first images of the next batch to the
-        device, so it does not wait for them. Never fails the batch it runs in: a broken
-        loader is recovered at the next batch, a failed copy is made again when it runs."""
+        """While the device runs this batch: take what the loader already has ready (not
+        waiting for a child to finish a load), and start copying the first images of the
+        next batch to the device, so it does not wait for them. Never fails the batch it runs
+        in: a broken loader is recovered at the next batch, a failed copy is made again when
+        its batch runs."""
         ahead = self.predictor.stage_ahead
         if ahead <= 0 or self._split_batch:
             return
