@@ -45,6 +45,11 @@ class NatsSettings(BaseModel):
     max_deliver: int = Field(5, description="deliveries per task before it gives up")
     fetch_timeout_s: float = Field(1.0, description="expiry of one pull request")
     publish_timeout_s: float = Field(5.0, description="wait for the results stream's PubAck")
+    command_connect_timeout_s: float = Field(
+        15.0,
+        description="submit, watch, results and provision give up (exit 1) when NATS cannot be "
+        "reached within this; `run` keeps trying until stopped",
+    )
     store_retry_s: float = Field(
         30.0,
         description="keep retrying a result the results stream did not confirm for this long "
@@ -323,6 +328,7 @@ def settings_problems(s: Settings) -> list[str]:
         ("WORKER_NATS__ACK_WAIT_S", s.nats.ack_wait_s),
         ("WORKER_NATS__MAX_DELIVER", s.nats.max_deliver),
         ("WORKER_NATS__FETCH_TIMEOUT_S", s.nats.fetch_timeout_s),
+        ("WORKER_NATS__COMMAND_CONNECT_TIMEOUT_S", s.nats.command_connect_timeout_s),
         ("WORKER_HEALTH__STALL_TIMEOUT_S", s.health.stall_timeout_s),
         ("WORKER_MODEL__TOP_K", s.model.top_k),
         ("WORKER_S3__MAX_ATTEMPTS", s.s3.max_attempts),

@@ -54,7 +54,7 @@ async def running_worker(settings: Any) -> AsyncIterator[WorkerApp]:
 
 @asynccontextmanager
 async def client(settings: Any) -> AsyncIterator[Any]:
-    nc = await connect(settings.nats, name="test-client")
+    nc = await connect(settings.nats, name="test-client", give_up_after_s=30)
     try:
         yield nc.jetstream()
     finally:

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from config.errors import TransientError
 from config.logging import configure_logging
 from config.settings import ConfigError, Settings, load_settings
 from worker.exits import ExitReason
@@ -115,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         for line in str(error).splitlines():
             print(f"config error: {line}", file=sys.stderr)
         return EXIT_CONFIG
+    except TransientError as error:  # NATS not reachable, for a command that runs once
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 async def _run(settings: Settings, args: argparse.Namespace) -> int:
@@ -184,7 +188,11 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
     from pipelines.registry import name_of
 
     pipeline = args.pipeline or name_of(settings.model.pipeline)
-    nc = await connect(settings.nats, name="inference-worker-submit")
+    nc = await connect(
+        settings.nats,
+        name="inference-worker-submit",
+        give_up_after_s=settings.nats.command_connect_timeout_s,
+    )
     try:
         js = nc.jetstream()
         tasks = make_tasks(args.job, uris)
@@ -202,7 +210,11 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
 async def _watch(settings: Settings, args: argparse.Namespace) -> int:
     from worker.transport import connect
 
-    nc = await connect(settings.nats, name="inference-worker-watch")
+    nc = await connect(
+        settings.nats,
+        name="inference-worker-watch",
+        give_up_after_s=settings.nats.command_connect_timeout_s,
+    )
     try:
         return await _follow(nc.jetstream(), settings, args.job, args.timeout_s, args.interval_s)
     finally:
@@ -246,7 +258,11 @@ async def _results(settings: Settings, args: argparse.Namespace) -> int:
     from worker.client import job_results, job_task_ids, summarize
     from worker.transport import connect
 
-    nc = await connect(settings.nats, name="inference-worker-results")
+    nc = await connect(
+        settings.nats,
+        name="inference-worker-results",
+        give_up_after_s=settings.nats.command_connect_timeout_s,
+    )
     try:
         js = nc.jetstream()
         results = await job_results(js, settings.nats, args.job)
@@ -263,7 +279,11 @@ async def _provision(settings: Settings, _args: argparse.Namespace) -> int:
     from pipelines.registry import name_of
     from worker.transport import connect, provision
 
-    nc = await connect(settings.nats, name="inference-worker-provision")
+    nc = await connect(
+        settings.nats,
+        name="inference-worker-provision",
+        give_up_after_s=settings.nats.command_connect_timeout_s,
+    )
     try:
         pipeline = name_of(settings.model.pipeline)
         for line in await provision(nc.jetstream(), settings.nats, pipeline):

@@ -111,7 +111,7 @@ async def run_demo() -> int:
             f"worker up in {time.monotonic() - started:.1f}s; "
             f"loader pids {app.engine.loader.child_pids() if app.engine else []}"
         )
-        client = await connect(settings.nats, name="demo-client")
+        client = await connect(settings.nats, name="demo-client", give_up_after_s=30)
         js = client.jetstream()
         tasks = make_tasks(JOB_ID, uris)
         await publish_tasks(js, settings.nats, PIPELINE, tasks)

@@ -6,6 +6,7 @@ Knows nothing of torch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
+from config.errors import TransientError
+from config.redact import redact_url
 from config.settings import NatsSettings
 
 log = structlog.get_logger(__name__)
@@ -70,10 +73,34 @@ class ConnectionState:
 
 
 async def connect(
-    settings: NatsSettings, *, name: str = "inference-worker", state: ConnectionState | None = None
+    settings: NatsSettings,
+    *,
+    name: str = "inference-worker",
+    state: ConnectionState | None = None,
+    give_up_after_s: float | None = None,
 ) -> NATS:
-    """Connect with unlimited reconnects; the worker survives a server restart."""
+    """Connect with unlimited reconnects; the worker survives a server restart. A command that
+    runs once passes ``give_up_after_s``: no first connection by then is a TransientError
+    naming the server(s), and the attempts stop."""
     client = NATS()
+    if give_up_after_s is None:
+        return await _connect(client, settings, name, state)
+    attempt = asyncio.ensure_future(_connect(client, settings, name, state))
+    done, _ = await asyncio.wait({attempt}, timeout=give_up_after_s)
+    if attempt in done:
+        return attempt.result()
+    attempt.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await attempt
+    with contextlib.suppress(Exception):
+        await client.close()  # stops any attempt still scheduled
+    servers = ", ".join(redact_url(url.strip()) for url in settings.url.split(","))
+    raise TransientError(f"NATS at {servers} could not be reached within {give_up_after_s}s")
+
+
+async def _connect(
+    client: NATS, settings: NatsSettings, name: str, state: ConnectionState | None
+) -> NATS:
     state = state or ConnectionState()
 
     async def on_error(error: Exception) -> None:

@@ -207,7 +207,7 @@ async def run_job(
 ) -> Row:
     settings = ctx.nats_settings()
     uris = upload_job(ctx.s3.client(), ctx.bucket, images, bad)
-    nc = await connect(settings, name="chaos-client")
+    nc = await connect(settings, name="chaos-client", give_up_after_s=30)
     js = nc.jetstream()
     try:
         await provision(js, settings, PIPELINE)
@@ -423,7 +423,7 @@ async def _wait_jetstream(ctx: Chaos) -> None:
     deadline = time.monotonic() + 30
     while True:
         try:
-            nc = await connect(ctx.nats_settings(), name="chaos-probe")
+            nc = await connect(ctx.nats_settings(), name="chaos-probe", give_up_after_s=10)
             try:
                 await nc.jetstream().account_info()
                 return

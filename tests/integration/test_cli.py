@@ -91,6 +91,26 @@ def test_check_says_ready_or_names_each_problem(settings_for, nats_server):
     assert "hunter2" not in broken.stderr + broken.stdout
 
 
+@pytest.mark.parametrize("command", [["provision"], ["results", "--job", "j"]])
+def test_a_command_that_cannot_reach_nats_says_so_in_one_line_and_exits_1(
+    settings_for, nats_server, command
+):
+    unreachable = f"nats://worker:hunter2@127.0.0.1:{free_port()}"
+    env = worker_env(
+        settings_for(nats_server.url),
+        WORKER_NATS__URL=unreachable,
+        WORKER_NATS__COMMAND_CONNECT_TIMEOUT_S="1",
+    )
+    done = cli(*command, env=env)
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert lines == [
+        f"error: NATS at {unreachable.replace('worker:hunter2@', '')} could not be "
+        "reached within 1.0s"
+    ]
+    assert "hunter2" not in done.stderr + done.stdout
+
+
 async def test_provision_is_idempotent_and_updates_an_existing_consumer(settings_for, nats_server):
     settings = settings_for(nats_server.url)
     env = worker_env(settings)

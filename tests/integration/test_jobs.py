@@ -150,7 +150,7 @@ async def test_a_redelivery_whose_result_is_already_stored_is_acked_without_new_
     settings = settings_for(nats_server.url)
     uris = upload_images(s3_server.client(), bucket, 1)
     job = "job-ack-lost"
-    nc = await connect(settings.nats)
+    nc = await connect(settings.nats, give_up_after_s=30)
     js = nc.jetstream()
     await provision(js, settings.nats, settings.model.pipeline)
     tasks = await submit(js, settings, job, uris)

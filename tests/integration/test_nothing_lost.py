@@ -49,7 +49,7 @@ async def test_a_task_whose_last_delivery_died_with_its_worker_still_gets_one_er
 ):
     settings = short_ack_settings(settings_for, nats_server.url)
     uris = upload_images(s3_server.client(), bucket, 3)
-    nc = await connect(settings.nats)
+    nc = await connect(settings.nats, give_up_after_s=30)
     js = nc.jetstream()
     await provision(js, settings.nats, settings.model.pipeline)
     [doomed] = await submit(js, settings, "job-exhausted", uris[:1])

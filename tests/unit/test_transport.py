@@ -15,7 +15,7 @@ def test_if_nats_py_moves_its_pending_queue_the_feed_degrades_instead_of_raising
 
 async def test_a_real_pull_subscription_has_the_queue_we_read(nats_server, settings_for):
     settings = settings_for(nats_server.url)
-    nc = await connect(settings.nats)
+    nc = await connect(settings.nats, give_up_after_s=30)
     try:
         await provision(nc.jetstream(), settings.nats, settings.model.pipeline)
         feed = TaskFeed(nc, settings.nats)
