@@ -82,7 +82,7 @@ async def connect(
     """Connect with unlimited reconnects; the worker survives a server restart. A command that
     runs once passes ``give_up_after_s``: no first connection by then is a TransientError
     naming the server(s), and the attempts stop."""
-    client = NATS()
+    client, state = NATS(), state or ConnectionState()
     if give_up_after_s is None:
         return await _connect(client, settings, name, state)
     attempt = asyncio.ensure_future(_connect(client, settings, name, state))
@@ -92,16 +92,14 @@ async def connect(
     attempt.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await attempt
+    state.closing = True  # a close we asked for: not a lost connection
     with contextlib.suppress(Exception):
         await client.close()  # stops any attempt still scheduled
     servers = ", ".join(redact_url(url.strip()) for url in settings.url.split(","))
     raise TransientError(f"NATS at {servers} could not be reached within {give_up_after_s}s")
 
 
-async def _connect(
-    client: NATS, settings: NatsSettings, name: str, state: ConnectionState | None
-) -> NATS:
-    state = state or ConnectionState()
+async def _connect(client: NATS, settings: NatsSettings, name: str, state: ConnectionState) -> NATS:
 
     async def on_error(error: Exception) -> None:
         log.warning("nats_error", error=str(error))

@@ -109,6 +109,7 @@ def test_a_command_that_cannot_reach_nats_says_so_in_one_line_and_exits_1(
         "reached within 1.0s"
     ]
     assert "hunter2" not in done.stderr + done.stdout
+    assert "nats_connection_closed" not in done.stderr, "a close it asked for, not a lost link"
 
 
 async def test_provision_is_idempotent_and_updates_an_existing_consumer(settings_for, nats_server):
