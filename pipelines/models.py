@@ -218,7 +218,7 @@ class DetectorModel:
         return self.cleaned(images, rows.cpu(), counts)
 
     def forward(self, images: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """The forward pass; its outputs stay on the device (see ``boxes``)."""
+        """The forward pass; its outputs stay on the device (see ``rows``)."""
         with torch.inference_mode():
             batch = [image.to(self.device).float().div_(255.0) for image in images]
             with autocast(self.device, self.precision):

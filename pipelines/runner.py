@@ -194,7 +194,7 @@ class Runner:
         model: ClassifierModel,
         chunks: Iterable[list[torch.Tensor]],
         count: int,
-        hook: _Hook | None = None,
+        hook: _Hook | None,
     ) -> tuple[torch.Tensor, float]:
         """Logits of every chunk, on the host, and seconds of the stage per input. On CUDA the
         next chunk is cut, pinned and copied while this one runs; the host waits only to keep

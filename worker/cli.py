@@ -167,9 +167,20 @@ async def _started(app: Any, stop: asyncio.Event) -> bool:
     return True
 
 
+async def _connect_once(settings: Settings, command: str) -> Any:
+    """NATS for a command that runs once: a TransientError (exit 1) when it cannot be reached
+    within WORKER_NATS__COMMAND_CONNECT_TIMEOUT_S."""
+    from worker.transport import connect
+
+    return await connect(
+        settings.nats,
+        name=f"inference-worker-{command}",
+        give_up_after_s=settings.nats.command_connect_timeout_s,
+    )
+
+
 async def _submit(settings: Settings, args: argparse.Namespace) -> int:
     from worker.client import list_s3_prefix, make_tasks, publish_tasks
-    from worker.transport import connect
 
     uris = list(args.uris)
     if len(uris) == 1 and uris[0].startswith("s3://") and uris[0].endswith("/"):
@@ -188,11 +199,7 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
     from pipelines.registry import name_of
 
     pipeline = args.pipeline or name_of(settings.model.pipeline)
-    nc = await connect(
-        settings.nats,
-        name="inference-worker-submit",
-        give_up_after_s=settings.nats.command_connect_timeout_s,
-    )
+    nc = await _connect_once(settings, "submit")
     try:
         js = nc.jetstream()
         tasks = make_tasks(args.job, uris)
@@ -208,13 +215,7 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _watch(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.transport import connect
-
-    nc = await connect(
-        settings.nats,
-        name="inference-worker-watch",
-        give_up_after_s=settings.nats.command_connect_timeout_s,
-    )
+    nc = await _connect_once(settings, "watch")
     try:
         return await _follow(nc.jetstream(), settings, args.job, args.timeout_s, args.interval_s)
     finally:
@@ -256,13 +257,8 @@ async def _follow(
 
 async def _results(settings: Settings, args: argparse.Namespace) -> int:
     from worker.client import job_results, job_task_ids, summarize
-    from worker.transport import connect
 
-    nc = await connect(
-        settings.nats,
-        name="inference-worker-results",
-        give_up_after_s=settings.nats.command_connect_timeout_s,
-    )
+    nc = await _connect_once(settings, "results")
     try:
         js = nc.jetstream()
         results = await job_results(js, settings.nats, args.job)
@@ -277,13 +273,9 @@ async def _results(settings: Settings, args: argparse.Namespace) -> int:
 
 async def _provision(settings: Settings, _args: argparse.Namespace) -> int:
     from pipelines.registry import name_of
-    from worker.transport import connect, provision
+    from worker.transport import provision
 
-    nc = await connect(
-        settings.nats,
-        name="inference-worker-provision",
-        give_up_after_s=settings.nats.command_connect_timeout_s,
-    )
+    nc = await _connect_once(settings, "provision")
     try:
         pipeline = name_of(settings.model.pipeline)
         for line in await provision(nc.jetstream(), settings.nats, pipeline):

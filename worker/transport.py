@@ -83,19 +83,15 @@ async def connect(
     runs once passes ``give_up_after_s``: no first connection by then is a TransientError
     naming the server(s), and the attempts stop."""
     client, state = NATS(), state or ConnectionState()
-    if give_up_after_s is None:
-        return await _connect(client, settings, name, state)
-    attempt = asyncio.ensure_future(_connect(client, settings, name, state))
-    done, _ = await asyncio.wait({attempt}, timeout=give_up_after_s)
-    if attempt in done:
-        return attempt.result()
-    attempt.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await attempt
-    state.closing = True  # a close we asked for: not a lost connection
-    with contextlib.suppress(Exception):
-        await client.close()  # stops any attempt still scheduled
-    servers = ", ".join(redact_url(url.strip()) for url in settings.url.split(","))
+    try:
+        return await asyncio.wait_for(_connect(client, settings, name, state), give_up_after_s)
+    except TimeoutError:
+        if give_up_after_s is None:
+            raise  # nats-py's own, not ours
+        state.closing = True  # a close we asked for: not a lost connection
+        with contextlib.suppress(Exception):
+            await client.close()  # stops any attempt still scheduled
+    servers = ", ".join(redact_url(url) for url in _servers(settings))
     raise TransientError(f"NATS at {servers} could not be reached within {give_up_after_s}s")
 
 
@@ -130,7 +126,7 @@ async def _connect(client: NATS, settings: NatsSettings, name: str, state: Conne
         state.closed.set()
 
     await client.connect(
-        servers=[url.strip() for url in settings.url.split(",")],
+        servers=_servers(settings),
         name=name,
         connect_timeout=5,
         reconnect_time_wait=1,
@@ -142,6 +138,10 @@ async def _connect(client: NATS, settings: NatsSettings, name: str, state: Conne
         closed_cb=on_closed,
     )
     return client
+
+
+def _servers(settings: NatsSettings) -> list[str]:
+    return [url.strip() for url in settings.url.split(",")]
 
 
 def stream_configs(settings: NatsSettings) -> list[api.StreamConfig]:
