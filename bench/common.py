@@ -20,8 +20,8 @@ from typing import Any
 
 import psutil
 
-from datasets.synthetic import image_bytes
-from worker.localservers import NatsServer, S3Server, stop_process
+from worker.commands.demo_images import image_bytes
+from worker.commands.localservers import NatsServer, S3Server, stop_process
 
 PIPELINE = "mobilenet-v3-small-classifier"
 ARCHITECTURE = "mobilenet_v3_small"

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import PIPELINE, start_worker, stop_worker, upload, world
-from datasets.synthetic import corrupt_bytes
-from worker.client import make_tasks, publish_tasks
-from worker.localservers import PrometheusServer, free_port
-from worker.transport import connect
+from worker.commands.client import make_tasks, publish_tasks
+from worker.commands.demo_images import corrupt_bytes
+from worker.commands.localservers import PrometheusServer, free_port
+from worker.nats.connection import connect
 
 DASHBOARD = Path(__file__).parents[1] / "deploy/grafana/inference-worker.json"
 

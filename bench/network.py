@@ -4,7 +4,7 @@
 
 Objects: 4096x2160 JPEGs of about 24 MB and 1920x1080 ones of 1-3 MB (noisy scenes, so they
 are that large), in a local S3 endpoint (moto), read directly ("unshaped") or through
-``worker.shapednet`` with S3's figures (first byte median 30 ms, p99 300 ms, 90 MB/s per
+``testing.shapednet`` with S3's figures (first byte median 30 ms, p99 300 ms, 90 MB/s per
 connection). Each job has ``--tasks`` tasks cycling over the images (the loader keeps no
 cache: a repeated image costs what a new one does), long enough that filling and draining the
 pipeline (a first byte and one object's transfer, ~0.3-0.6 s) does not dominate. For each set:
@@ -49,8 +49,8 @@ from bench.common import (
     world,
 )
 from datasets.images import DecodePlan, resize_square
-from datasets.synthetic import image_bytes
-from worker.shapednet import UNSHAPED, Shape, ShapedProxy
+from testing.shapednet import UNSHAPED, Shape, ShapedProxy
+from worker.commands.demo_images import image_bytes
 
 CHILDREN = 2
 AMI_THREADS = 8
@@ -201,7 +201,8 @@ def ami_case(endpoint: str, uris: list[str], runs: int) -> dict[str, Any]:
 
 async def worker_case(w: World, endpoint: str, uris: list[str], runs: int) -> dict[str, Any]:
     from bench.throughput import nats_settings, run_job
-    from worker.transport import connect, provision
+    from worker.nats.connection import connect
+    from worker.nats.provision import provision
 
     settings = nats_settings(w)
     nc = await connect(settings)

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from bench.common import PIPELINE, RESULTS, start_worker, stop_worker, upload, wait_stored, world
 from bench.throughput import SIZES, nats_settings
-from worker.client import make_tasks, publish_tasks
-from worker.transport import connect, provision
+from worker.commands.client import make_tasks, publish_tasks
+from worker.nats.connection import connect
+from worker.nats.provision import provision
 
 
 def summarize(raw: Path, top: int = 25) -> str:

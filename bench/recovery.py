@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from bench.common import machine, median, save
 from datasets.images import DecodePlan
 from datasets.loader import LoaderConfig, StreamingLoader, _init_child
-from worker.procstats import living
+from worker.health.procstats import living
 
 
 def ours() -> tuple[float, int]:

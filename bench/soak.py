@@ -19,9 +19,10 @@ from typing import Any
 import psutil
 
 from bench.common import PIPELINE, save, start_worker, stop_worker, upload, wait_stored, world
-from worker.client import make_tasks, publish_tasks
-from worker.procstats import shm_bytes
-from worker.transport import connect, provision
+from worker.commands.client import make_tasks, publish_tasks
+from worker.health.procstats import shm_bytes
+from worker.nats.connection import connect
+from worker.nats.provision import provision
 
 
 def sample(worker_pid: int, done: int, started: float) -> dict[str, Any]:

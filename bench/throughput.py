@@ -34,9 +34,10 @@ from bench.common import (
     world,
 )
 from config.settings import NatsSettings, load_settings
-from worker.client import make_tasks, publish_tasks
-from worker.results import job_results_subject
-from worker.transport import connect, provision
+from worker.commands.client import make_tasks, publish_tasks
+from worker.nats.connection import connect
+from worker.nats.provision import provision
+from worker.nats.subjects import job_results_subject
 
 BATCH = 16
 WORKERS = 2

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from worker.localservers import NatsServer, S3Server, ServerNotFound
+from worker.commands.localservers import NatsServer, S3Server, ServerNotFound
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 PIPELINE = "mobilenet-v3-small-classifier"

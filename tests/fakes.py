@@ -12,9 +12,9 @@ from typing import Any
 import nats
 
 from config.errors import Failure, ResultRefused, ResultsUnavailable
+from worker.nats.subjects import result_subject
+from worker.outcome import Outcome
 from worker.ports import BatchReport
-from worker.results import result_subject
-from worker.schemas import Verdict
 
 _seq = iter(range(1, 1_000_000))
 
@@ -139,9 +139,9 @@ class FakeEngine:
         for key in keys:
             failure = self.failures.get(self.urls[key])
             outcomes[key] = (
-                Verdict(failure=failure)
+                Outcome(failure=failure)
                 if failure
-                else Verdict(detections=[{"bbox": None, "classifications": []}])
+                else Outcome(detections=[{"bbox": None, "classifications": []}])
             )
         return BatchReport(outcomes, 0.0, 0.0, 0)
 

@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
-from datasets.synthetic import image_bytes
 from worker.app import WorkerApp
-from worker.client import job_results, make_tasks, publish_tasks
-from worker.localservers import stop_process
+from worker.commands.client import job_results, make_tasks, publish_tasks
+from worker.commands.demo_images import image_bytes
+from worker.commands.localservers import stop_process
+from worker.nats.connection import connect
 from worker.schemas import Task
-from worker.transport import connect
 
 SIZES = [(640, 480), (1920, 1080), (300, 500), (1280, 720)]
 
@@ -88,7 +88,7 @@ async def wait_results(
 async def quiescent(js: Any, settings: Any, timeout_s: float = 30.0) -> None:
     """Nothing pending or awaiting an ack on the tasks consumer nor on the max-deliveries
     consumer: no result can still be on its way, so its absence can be asserted."""
-    from worker.transport import advisory_consumer
+    from worker.nats.subjects import advisory_consumer
 
     await consumer_idle(js, settings, timeout_s)
     deadline = time.monotonic() + timeout_s
@@ -104,7 +104,7 @@ async def quiescent(js: Any, settings: Any, timeout_s: float = 30.0) -> None:
 
 def until_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
     """Poll until none of ``pids`` lives (zombies count as gone); return those still living."""
-    from worker.procstats import living
+    from worker.health.procstats import living
 
     deadline = time.monotonic() + timeout_s
     while living(pids) and time.monotonic() < deadline:

@@ -1,6 +1,6 @@
 import sys
 
-from worker.cli import main
+from worker.commands.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,7 +3,7 @@ delivery rules.
 
 A message that cannot name its job and task is dead-lettered; one that names them but
 cannot be run gets an ``error`` result; a redelivered one whose result is already stored is
-only acked; the rest are entered in the book of held tasks, to be loaded.
+only acked; the rest are entered in the claims (held tasks), to be loaded.
 """
 
 from __future__ import annotations
@@ -11,30 +11,31 @@ from __future__ import annotations
 import structlog
 
 from config.errors import InvalidTask, ResultsUnavailable, Undeliverable
-from worker.book import Held, HeldTasks, quietly
-from worker.ports import Delivery, Results, Settling
-from worker.schemas import Task, Verdict, invalid_task, parse_task
+from worker.claims import Claim, Claims, best_effort
+from worker.outcome import Outcome
+from worker.ports import Delivery, DeliveryRules, Results
+from worker.schemas import Task, invalid_task, parse_task
 
 log = structlog.get_logger(__name__)
 
 
 class Admission:
-    def __init__(self, settler: Settling, store: Results, book: HeldTasks) -> None:
+    def __init__(self, settler: DeliveryRules, store: Results, claims: Claims) -> None:
         self._settler = settler
         self._store = store
-        self._book = book
+        self._claims = claims
 
-    async def admit(self, msg: Delivery) -> Held | None:
+    async def admit(self, msg: Delivery) -> Claim | None:
         """The per-message boundary: whatever a message holds, a failure to admit it is
         logged and the message given back, never the end of the fetch loop."""
         try:
             return await self._admit(msg)
         except Exception:
             log.exception("admission_failed", subject=msg.subject)
-            await quietly(msg.nak())
+            await best_effort(msg.nak())
             return None
 
-    async def _admit(self, msg: Delivery) -> Held | None:
+    async def _admit(self, msg: Delivery) -> Claim | None:
         delivered = msg.metadata.num_delivered
         try:
             task = parse_task(msg.data, msg.subject)
@@ -43,11 +44,11 @@ class Admission:
             return None
         except InvalidTask as error:
             task = invalid_task(error)
-            await self._settler.settle(task, msg, delivered, Verdict(failure=error.failure()))
+            await self._settler.settle(task, msg, delivered, Outcome(failure=error.failure()))
             return None
         if delivered > 1 and await self._already_stored(msg, task):
             return None
-        return self._book.add(msg, task, delivered)
+        return self._claims.add(msg, task, delivered)
 
     async def _already_stored(self, msg: Delivery, task: Task) -> bool:
         """A redelivered task whose result is stored (its ack was lost) is only acked."""

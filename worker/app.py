@@ -29,25 +29,22 @@ from pipelines.device import memory_bytes, visibility
 from pipelines.models import resolve_device
 from pipelines.runner import Runner, load_runner
 from pipelines.setup import Chosen, choose, model_info
-from worker.advisories import ExhaustedTasks
 from worker.engine import Engine
 from worker.exits import Exit
-from worker.guards import ResourceGuard
-from worker.health import (
-    PREFIX,
-    DeviceCollector,
-    HealthServer,
-    Liveness,
-    Metrics,
-    ReadsCollector,
-)
-from worker.ports import Loading
-from worker.procstats import ProcessTreeCollector
+from worker.health.guards import ResourceGuard
+from worker.health.liveness import Liveness
+from worker.health.metrics import PREFIX, DeviceCollector, Metrics, ReadsCollector
+from worker.health.procstats import ProcessTreeCollector
+from worker.health.server import HealthServer
+from worker.health.watchdog import Watchdog
+from worker.nats.advisories import ExhaustedTasks
+from worker.nats.connection import ConnectionState, connect
+from worker.nats.feed import TaskFeed
+from worker.nats.provision import provision
+from worker.orchestrator import Services, Worker
+from worker.ports import BatchEngine
 from worker.results import ResultStore, publish_algorithms
-from worker.service import Services, Worker
 from worker.settle import Settler
-from worker.transport import ConnectionState, TaskFeed, connect, provision
-from worker.watchdog import Watchdog
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -265,7 +262,7 @@ class WorkerApp:
             self.health.start()
         return metrics
 
-    def _with_faults(self, engine: Engine) -> Loading:
+    def _with_faults(self, engine: Engine) -> BatchEngine:
         """The engine, or the engine behind a fault a chaos test asked for."""
         faults = self.settings.faults
         if not faults.wedge_once_file:

@@ -13,19 +13,19 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
 from typing import Any
 
-from worker.book import Held
-from worker.ports import BatchReport, Loading
+from worker.claims import Claim
+from worker.ports import BatchEngine, BatchReport
 
-SettleBatch = Callable[[list[Held], BatchReport], Coroutine[Any, Any, None]]
+SettleBatch = Callable[[list[Claim], BatchReport], Coroutine[Any, Any, None]]
 
 
 class Batches:
     def __init__(
         self,
         batch_size: int,
-        engine: Loading,
+        engine: BatchEngine,
         engine_thread: Executor,
-        on_batch: Callable[[list[Held], BatchReport], None],
+        on_batch: Callable[[list[Claim], BatchReport], None],
         settle: SettleBatch,
     ) -> None:
         self._batch_size = batch_size
@@ -33,9 +33,9 @@ class Batches:
         self._engine_thread = engine_thread
         self._on_batch = on_batch
         self._settle = settle
-        self._waiting: asyncio.Queue[Held | None] = asyncio.Queue()  # admitted, not in a batch
+        self._waiting: asyncio.Queue[Claim | None] = asyncio.Queue()  # admitted, not in a batch
 
-    def add(self, admitted: list[Held]) -> None:
+    def add(self, admitted: list[Claim]) -> None:
         """Start loading ``admitted`` now; they join the next batches."""
         if not admitted:
             return
@@ -43,7 +43,7 @@ class Batches:
         for held in admitted:
             self._waiting.put_nowait(held)
 
-    def stop(self) -> list[Held]:
+    def stop(self) -> list[Claim]:
         """No new batches after the one in hand; return the tasks that will not run."""
         left = []
         while not self._waiting.empty():
@@ -54,7 +54,7 @@ class Batches:
         self._waiting.put_nowait(None)
         return left
 
-    def forget(self, held: list[Held]) -> None:
+    def forget(self, held: list[Claim]) -> None:
         self._engine.forget([h.key for h in held])
 
     async def run(self) -> None:
@@ -74,7 +74,7 @@ class Batches:
             if settling is not None:
                 await asyncio.shield(settling)
 
-    async def _next_batch(self) -> list[Held]:
+    async def _next_batch(self) -> list[Claim]:
         """Every waiting task, up to ``batch_size``, once at least one waits; [] to stop."""
         first = await self._waiting.get()
         if first is None:

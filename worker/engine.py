@@ -16,8 +16,8 @@ from datasets.images import Decoded
 from datasets.loader import Loaded, LoadRequest, StreamingLoader
 from datasets.reads import ReadStats
 from pipelines.device import is_out_of_memory, release_cached_memory
+from worker.outcome import Outcome
 from worker.ports import BatchReport
-from worker.schemas import Verdict
 
 log = structlog.get_logger(__name__)
 
@@ -116,14 +116,14 @@ class Engine:
                     f"the loader failed {self.consecutive_failures} times in a row; last: {failure}"
                 )
         load_s = time.perf_counter() - started
-        outcomes: dict[int, Verdict] = {}
+        outcomes: dict[int, Outcome] = {}
         for key in keys:
             item = loaded.get(key)
             if item is None:
                 lost = Failure("loader_failed", failure or "the loader lost it", retryable=True)
-                outcomes[key] = Verdict(failure=lost)
+                outcomes[key] = Outcome(failure=lost)
             elif item.image is None:
-                outcomes[key] = Verdict(failure=item.failure, timings_s={"load_s": item.load_s})
+                outcomes[key] = Outcome(failure=item.failure, timings_s={"load_s": item.load_s})
         ready = [key for key in keys if key not in outcomes]
         infer_started, prepared_s = time.perf_counter(), self._prepared_s
         outcomes.update(self._infer(ready, loaded))
@@ -184,7 +184,7 @@ class Engine:
             child_pids=self.loader.child_pids(),
         )
 
-    def _infer(self, keys: list[int], loaded: dict[int, Loaded]) -> dict[int, Verdict]:
+    def _infer(self, keys: list[int], loaded: dict[int, Loaded]) -> dict[int, Outcome]:
         """The batch's forward pass; if it fails, each image alone, so one image that breaks
         the model (or its output) fails alone and its batch-mates keep their deliveries. Out of
         device memory, the batch is halved instead, down to one image (``_split``)."""
@@ -202,12 +202,12 @@ class Engine:
                 log.warning("batch_failed_trying_each_image", batch=len(keys), error=repr(error))
         if out_of_memory:
             return self._split(keys, loaded)
-        outcomes: dict[int, Verdict] = {}
+        outcomes: dict[int, Outcome] = {}
         for key in keys:
             outcomes.update(self._infer([key], loaded))
         return outcomes
 
-    def _split(self, keys: list[int], loaded: dict[int, Loaded]) -> dict[int, Verdict]:
+    def _split(self, keys: list[int], loaded: dict[int, Loaded]) -> dict[int, Outcome]:
         """Out of device memory: trim the allocator's cache, then run each half on its own; an
         image that does not fit alone gets ``too_large_for_device``. The process keeps going."""
         self.out_of_memory += 1
@@ -220,12 +220,12 @@ class Engine:
             # Retried on later deliveries (another process on the GPU may have held the
             # memory); the last one stores this error.
             failure = Failure("too_large_for_device", message, retryable=True)
-            return {keys[0]: Verdict(failure=failure)}
+            return {keys[0]: Outcome(failure=failure)}
         half = len(keys) // 2
         log.warning("out_of_device_memory_splitting_batch", batch=len(keys), into=half)
         return {**self._infer(keys[:half], loaded), **self._infer(keys[half:], loaded)}
 
-    def _forward(self, keys: list[int], loaded: dict[int, Loaded]) -> dict[int, Verdict]:
+    def _forward(self, keys: list[int], loaded: dict[int, Loaded]) -> dict[int, Outcome]:
         started = time.perf_counter()
         images = []
         for key in keys:
@@ -236,7 +236,7 @@ class Engine:
         detections = self.predictor.run(images, self._prepare_next)  # type: ignore[arg-type]
         infer_s = time.perf_counter() - started - (self._prepared_s - prepared_s)
         return {
-            key: Verdict(
+            key: Outcome(
                 detections=found,
                 timings_s={"load_s": loaded[key].load_s, "infer_s": infer_s / len(keys)},
             )
@@ -293,12 +293,12 @@ class Engine:
             self._stash[item.key] = item
 
 
-def _failed(error: Exception) -> Verdict:
+def _failed(error: Exception) -> Outcome:
     """A forward pass that raised: permanent when the pipeline says so (an output it cannot
     use for this image), else worth another delivery."""
     if isinstance(error, PermanentError):
         log.warning("inference_refused_image", error=str(error))
-        return Verdict(failure=error.failure())
+        return Outcome(failure=error.failure())
     log.error("inference_failed", error=repr(error), exc_info=error)
     message = f"inference failed: {type(error).__name__}: {error}"
-    return Verdict(failure=Failure("inference_failed", message, retryable=True))
+    return Outcome(failure=Failure("inference_failed", message, retryable=True))

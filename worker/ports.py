@@ -1,8 +1,8 @@
 """The small interfaces the orchestrator talks to. Imports nothing of ours but the schemas.
 
 A NATS message is a ``Delivery``; the transport is a ``TaskSource``; the results stream is
-``Results``; the delivery rules are ``Settling``; the engine (loader and model on their
-thread) is a ``Loading``. Tests give the orchestrator in-memory fakes of each.
+``Results``; the delivery rules are ``DeliveryRules``; the engine (loader and model on their
+thread) is a ``BatchEngine``. Tests give the orchestrator in-memory fakes of each.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from worker.schemas import Task, Verdict
+from worker.outcome import Outcome
+from worker.schemas import Task
 
 
 class Delivery(Protocol):
@@ -38,10 +39,10 @@ class Results(Protocol):
         ...
 
 
-class Settling(Protocol):
+class DeliveryRules(Protocol):
     """The delivery rules (``settle.Settler``): store-then-ack, nak, or dead-letter."""
 
-    async def settle(self, task: Task, msg: Delivery, delivered: int, verdict: Verdict) -> str: ...
+    async def settle(self, task: Task, msg: Delivery, delivered: int, verdict: Outcome) -> str: ...
 
     async def dead_letter(self, msg: Delivery, reason: str) -> str: ...
 
@@ -62,13 +63,13 @@ class TaskSource(Protocol):
 
 @dataclass(frozen=True)
 class BatchReport:
-    outcomes: dict[int, Verdict]
+    outcomes: dict[int, Outcome]
     load_s: float
     infer_s: float
     loader_restarts: int
 
 
-class Loading(Protocol):
+class BatchEngine(Protocol):
     """Loads and forward passes; ``run_batch`` is called on the engine thread only."""
 
     def submit(self, requests: Sequence[tuple[int, str]]) -> None:

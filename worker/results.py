@@ -21,7 +21,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from config.errors import ResultRefused, ResultsUnavailable
 from config.settings import NatsSettings
-from worker.schemas import subject_token
+from worker.nats.subjects import result_subject
 
 # The server's answer when a per-task subject already holds its result.
 _ALREADY_STORED = ("maximum messages per subject exceeded",)
@@ -40,14 +40,6 @@ def unavailable(what: str, error: BaseException) -> ResultsUnavailable:
         f"{what}: {type(error).__name__} {error}",
         connection_closed=isinstance(error, nats.errors.ConnectionClosedError),
     )
-
-
-def result_subject(job_id: str, task_id: str) -> str:
-    return f"results.{subject_token(job_id)}.{subject_token(task_id)}"
-
-
-def job_results_subject(job_id: str) -> str:
-    return f"results.{subject_token(job_id)}.>"
 
 
 class ResultStore:

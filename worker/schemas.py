@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from config.errors import Failure, InvalidTask, Undeliverable
+from config.errors import InvalidTask, Undeliverable
 from config.redact import redact_url, shorten
 
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -89,24 +89,6 @@ class Task:
 def invalid_task(error: InvalidTask) -> Task:
     """The task an InvalidTask names, as far as it could be read: enough for its error result."""
     return Task(error.task_id, error.job_id, error.image_id, "", reply_subject=error.reply_subject)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What became of a task's work: its detections (Antenna's shape, ``source_image_id`` still
-    to add), or the failure that stopped it."""
-
-    detections: list[dict[str, Any]] | None = None
-    failure: Failure | None = None
-    timings_s: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.failure is None
-
-    @property
-    def retryable(self) -> bool:
-        return self.failure is not None and self.failure.retryable
 
 
 def _id_text(value: Any, max_bytes: int) -> tuple[str | None, str]:

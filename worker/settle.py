@@ -25,9 +25,10 @@ from nats.js import JetStreamContext
 from config.errors import Failure, ResultRefused, ResultsUnavailable
 from config.redact import scrub, shorten
 from config.settings import NatsSettings
+from worker.outcome import Outcome
 from worker.ports import Delivery
 from worker.results import ResultStore, unavailable
-from worker.schemas import Task, Verdict, make_result
+from worker.schemas import Task, make_result
 
 log = structlog.get_logger(__name__)
 _STORE_RETRY_FIRST_S = 0.2
@@ -52,7 +53,7 @@ class Settler:
         default_factory=lambda: {"host": socket.gethostname(), "pid": os.getpid()}
     )
 
-    async def settle(self, task: Task, msg: Delivery, delivered: int, verdict: Verdict) -> str:
+    async def settle(self, task: Task, msg: Delivery, delivered: int, verdict: Outcome) -> str:
         """Store-then-ack, or nak; returns the outcome counted (ok, error, retried, ...)."""
         bound = log.bind(task_id=task.id, job_id=task.job_id, attempt=delivered)
         if verdict.retryable and delivered < self.max_deliver:
@@ -91,7 +92,7 @@ class Settler:
             smaller = self.result(
                 task,
                 delivered,
-                Verdict(
+                Outcome(
                     failure=Failure(refused.kind, f"the result could not be stored: {refused}"),
                     timings_s=result.get("timings_s") or {},
                 ),
@@ -124,7 +125,7 @@ class Settler:
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, _STORE_RETRY_MAX_S)
 
-    def result(self, task: Task, delivered: int, verdict: Verdict) -> dict[str, Any]:
+    def result(self, task: Task, delivered: int, verdict: Outcome) -> dict[str, Any]:
         error = verdict.failure.as_dict() if verdict.failure is not None else None
         return make_result(
             task=task,

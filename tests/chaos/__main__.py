@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from tests.chaos.suite import run_scenario, scenarios, table
-from worker.localservers import S3Server
+from worker.commands.localservers import S3Server
 
 
 async def main(names: list[str]) -> int:

@@ -11,7 +11,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from worker.localservers import find_nats_server, free_port, stop_process, wait_port
+from worker.commands.localservers import find_nats_server, free_port, stop_process, wait_port
 
 
 class NatsCluster:

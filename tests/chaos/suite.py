@@ -23,13 +23,14 @@ from typing import Any
 import psutil
 
 from config.settings import NatsSettings, load_settings
-from datasets.synthetic import corrupt_bytes, image_bytes, truncated_bytes
 from tests.chaos.servers import FlakyS3Proxy, NatsCluster
 from tests.helpers import worker_env
-from worker.client import job_results, make_tasks, publish_tasks
-from worker.localservers import NatsServer, S3Server
-from worker.procstats import living
-from worker.transport import connect, provision
+from worker.commands.client import job_results, make_tasks, publish_tasks
+from worker.commands.demo_images import corrupt_bytes, image_bytes, truncated_bytes
+from worker.commands.localservers import NatsServer, S3Server
+from worker.health.procstats import living
+from worker.nats.connection import connect
+from worker.nats.provision import provision
 
 PIPELINE = "mobilenet-v3-small-classifier"
 JOB_WAIT_S = 120.0

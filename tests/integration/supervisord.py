@@ -17,7 +17,7 @@ from typing import Any
 
 import psutil
 
-from worker.procstats import living
+from worker.health.procstats import living
 
 DEPLOY = Path(__file__).parents[2] / "deploy" / "supervisor"
 GROUP = "inference-worker"

@@ -28,7 +28,7 @@ from tests.helpers import (
     worker_env,
     worker_process,
 )
-from worker.localservers import NatsServer, PrometheusServer, ServerNotFound, free_port
+from worker.commands.localservers import NatsServer, PrometheusServer, ServerNotFound, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,7 @@ from tests.helpers import (
     worker_env,
     worker_process,
 )
-from worker.localservers import free_port
+from worker.commands.localservers import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -145,8 +145,8 @@ async def test_a_job_larger_than_the_publish_window_is_stored_once_and_a_failure
 ):
     import nats
 
-    from worker.client import make_tasks, publish_tasks
-    from worker.transport import provision
+    from worker.commands.client import make_tasks, publish_tasks
+    from worker.nats.provision import provision
 
     settings = settings_for(nats_server.url)
     tasks = make_tasks("job-window", [f"s3://b/{i}.jpg" for i in range(150)])
@@ -165,7 +165,7 @@ async def test_a_job_larger_than_the_publish_window_is_stored_once_and_a_failure
 async def test_run_until_idle_serves_what_is_queued_then_exits_0(
     nats_server, s3_server, bucket, settings_for
 ):
-    from worker.client import job_results
+    from worker.commands.client import job_results
 
     settings = settings_for(nats_server.url)
     env = worker_env(settings)
@@ -205,7 +205,7 @@ def test_sigterm_while_the_model_is_still_loading_ends_the_process_with_0_and_no
 ):
     from pathlib import Path
 
-    from worker.shapednet import Shape, ShapedProxy
+    from testing.shapednet import Shape, ShapedProxy
 
     s3 = s3_server.client()
     for name in ("model.pt", "labels.txt"):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import running_worker
-from worker.localservers import free_port
+from worker.commands.localservers import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,7 @@ def _cuda_only() -> set[str]:
     a device, less its names without one (so a typo in the dashboard still fails)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from worker.health import DeviceCollector
+    from worker.health.metrics import DeviceCollector
 
     def names(memory) -> set[str]:
         registry = CollectorRegistry()

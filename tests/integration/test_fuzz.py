@@ -24,8 +24,8 @@ from nats.js.errors import NotFoundError
 from config.errors import InvalidTask, Undeliverable
 from tests.helpers import client, upload_images, wait_http, worker_env, worker_process
 from tests.listeners import Listener
-from worker.localservers import free_port
-from worker.results import result_subject
+from worker.commands.localservers import free_port
+from worker.nats.subjects import result_subject
 from worker.schemas import parse_task
 
 pytestmark = pytest.mark.integration

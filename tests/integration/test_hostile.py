@@ -12,8 +12,8 @@ from nats.js.errors import NotFoundError
 from tests.helpers import client, consumer_idle, publish_raw, running_worker, upload_images
 from tests.listeners import Listener
 from worker.exits import ExitReason
-from worker.results import result_subject
-from worker.transport import provision
+from worker.nats.provision import provision
+from worker.nats.subjects import result_subject
 
 pytestmark = pytest.mark.integration
 SECRET = "SECRETSIG0123"
@@ -150,7 +150,7 @@ async def test_a_long_disconnect_is_reported_until_the_server_is_back(
     own_nats_server, settings_for
 ):
     nats_server = own_nats_server
-    from worker.localservers import free_port
+    from worker.commands.localservers import free_port
 
     port = free_port()
     settings = settings_for(

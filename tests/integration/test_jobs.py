@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from datasets.synthetic import corrupt_bytes
 from tests.conftest import LABELS
 from tests.helpers import (
     client,
@@ -20,7 +19,8 @@ from tests.helpers import (
     upload_images,
     wait_results,
 )
-from worker.client import job_results, make_tasks, publish_tasks
+from worker.commands.client import job_results, make_tasks, publish_tasks
+from worker.commands.demo_images import corrupt_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -144,8 +144,10 @@ async def test_a_redelivery_whose_result_is_already_stored_is_acked_without_new_
     nats_server, s3_server, bucket, settings_for
 ):
     """The worker stored a result, then died before its ack: the redelivery only acks."""
+    from worker.nats.connection import connect
+    from worker.nats.feed import TaskFeed
+    from worker.nats.provision import provision
     from worker.results import ResultStore
-    from worker.transport import TaskFeed, connect, provision
 
     settings = settings_for(nats_server.url)
     uris = upload_images(s3_server.client(), bucket, 1)
@@ -253,7 +255,7 @@ async def test_tasks_arriving_one_by_one_while_the_model_is_busy_run_as_full_bat
         await asyncio.get_running_loop().run_in_executor(None, gate.entered.wait, 10)
         for n in range(1, len(tasks)):  # each one fetched on its own before the next is sent
             await publish_tasks(js, settings.nats, settings.model.pipeline, tasks[n : n + 1])
-            await _until(lambda n=n: len(app.worker.book) == n + 1)
+            await _until(lambda n=n: len(app.worker.claims) == n + 1)
         gate.release.set()
         results = await wait_results(js, settings, "job-trickle", len(tasks))
 

@@ -20,8 +20,10 @@ from tests.helpers import (
     worker_env,
     worker_process,
 )
-from worker.client import job_results
-from worker.transport import TaskFeed, connect, provision
+from worker.commands.client import job_results
+from worker.nats.connection import connect
+from worker.nats.feed import TaskFeed
+from worker.nats.provision import provision
 
 pytestmark = pytest.mark.integration
 
@@ -113,7 +115,7 @@ async def test_crossing_a_resource_limit_drains_the_worker_and_loses_nothing(
 async def test_sigterm_mid_job_finishes_the_batch_gives_back_the_rest_and_exits_0(
     nats_server, s3_server, bucket, settings_for, tmp_path
 ):
-    from worker.shapednet import Shape, ShapedProxy
+    from testing.shapednet import Shape, ShapedProxy
 
     settings = settings_for(nats_server.url)
     uris = upload_images(s3_server.client(), bucket, 40)

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from datasets.synthetic import corrupt_bytes
 from tests.helpers import cli, client, running_worker, submit, upload_images, worker_env
-from worker.progress import Progress, render
+from worker.commands.demo_images import corrupt_bytes
+from worker.commands.progress import Progress, render
 
 pytestmark = pytest.mark.integration
 

@@ -1,5 +1,5 @@
 """S3 at a distance: the worker against a real S3 endpoint behind a shaped network
-(``worker.shapednet``: first-byte delays, a bandwidth cap, stalls and throttling on request).
+(``testing.shapednet``: first-byte delays, a bandwidth cap, stalls and throttling on request).
 
 Delays here are short so the suite stays fast; the benchmarks use S3's real figures. What is
 asserted comes from the counters of the network itself (requests in flight at once, the
@@ -12,8 +12,8 @@ from collections import Counter
 
 import pytest
 
+from testing.shapednet import Shape, ShapedProxy
 from tests.helpers import client, running_worker, submit, upload_images, wait_results
-from worker.shapednet import Shape, ShapedProxy
 
 pytestmark = pytest.mark.integration
 

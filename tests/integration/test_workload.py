@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from datasets.synthetic import rectangles_bytes
 from tests.antenna import PipelineResults
 from tests.helpers import cli, client, worker_env
+from worker.commands.demo_images import rectangles_bytes
 from worker.results import algorithm_config
 from worker.schemas import subject_token
 
@@ -191,9 +191,9 @@ async def test_a_result_over_the_message_size_is_stored_whole(
 async def test_a_second_run_of_a_task_leaves_its_stored_large_response_readable(
     nats_server, settings_for
 ):
-    from worker.client import job_results
+    from worker.commands.client import job_results
+    from worker.nats.provision import provision
     from worker.results import ResultStore
-    from worker.transport import provision
 
     settings = settings_for(nats_server.url)
 

@@ -13,7 +13,7 @@ import pytest
 
 from config.settings import load_settings, metrics_port
 from pipelines.device import visibility
-from worker.healthwatch import process_port
+from worker.commands.healthwatch import process_port
 
 DEPLOY = Path(__file__).parents[2] / "deploy" / "supervisor"
 GPUS = [f"cuda:{i}" for i in range(8)]

@@ -18,7 +18,7 @@ from pipelines.runner import Output, load_runner
 from tests.fakes import FakePredictor
 from tests.unit.test_engine import FlakyLoader, submit
 from worker.engine import Engine
-from worker.health import DeviceCollector
+from worker.health.metrics import DeviceCollector
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import urllib.request
 
 from prometheus_client import CollectorRegistry
 
-from worker.health import HealthServer
+from worker.health.server import HealthServer
 
 
 def open_fds() -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from worker.healthwatch import RUNNING, HealthWatch, Probe, process_port, serve
+from worker.commands.healthwatch import RUNNING, HealthWatch, Probe, process_port, serve
 
 
 class FakeSupervisor:

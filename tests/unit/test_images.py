@@ -9,7 +9,7 @@ from PIL import Image
 from config.errors import PermanentError, TransientError
 from datasets.images import decode_resized
 from datasets.sources import SourceConfig, read_bytes
-from datasets.synthetic import corrupt_bytes, image_bytes, truncated_bytes
+from worker.commands.demo_images import corrupt_bytes, image_bytes, truncated_bytes
 
 
 @pytest.mark.parametrize(
@@ -100,7 +100,7 @@ def test_a_png_over_the_maximum_side_is_resized_and_a_small_one_kept_as_it_is():
 @pytest.mark.parametrize("fast", [True, False])
 def test_shorter_side_then_centre_crop_keeps_the_middle_of_a_wide_image(fast):
     from datasets.images import DecodePlan, decode
-    from datasets.synthetic import rectangles_bytes
+    from worker.commands.demo_images import rectangles_bytes
 
     # 300x100: red on the left third, green in the middle, blue on the right.
     data = rectangles_bytes(

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from worker.health import Liveness
+from worker.health.liveness import Liveness
 from worker.settle import backoff_s
 
 
@@ -50,7 +50,8 @@ def test_nak_backoff_doubles_up_to_the_cap():
 async def test_a_result_the_store_did_not_confirm_is_retried_in_process_before_any_nak():
     from config.errors import ResultsUnavailable
     from config.settings import NatsSettings
-    from worker.schemas import Task, Verdict
+    from worker.outcome import Outcome
+    from worker.schemas import Task
     from worker.settle import Settler
 
     class FlakyStore:
@@ -78,10 +79,10 @@ async def test_a_result_the_store_did_not_confirm_is_retried_in_process_before_a
     settings = NatsSettings(store_retry_s=2.0)
     store, msg = FlakyStore(failures=3), Msg()
     settler = Settler(None, store, settings, "p", {"name": "p"}, max_deliver=2)  # type: ignore[arg-type]
-    assert await settler.settle(task, msg, 1, Verdict(detections=[])) == "ok"
+    assert await settler.settle(task, msg, 1, Outcome(detections=[])) == "ok"
     assert msg.calls == ["ack"] and len(store.stored) == 1
 
     down, msg = FlakyStore(failures=1000), Msg()
     settler = Settler(None, down, NatsSettings(store_retry_s=0.5), "p", {"name": "p"}, 2)  # type: ignore[arg-type]
-    assert await settler.settle(task, msg, 1, Verdict(detections=[])) == "retried"
+    assert await settler.settle(task, msg, 1, Outcome(detections=[])) == "retried"
     assert msg.calls == ["nak"] and down.stored == []

@@ -18,7 +18,7 @@ from config.errors import LoaderFailure
 from datasets.images import DecodePlan
 from datasets.loader import LoaderConfig, LoadRequest, RequestStream, StreamingLoader
 from datasets.sources import SourceConfig
-from datasets.synthetic import image_bytes
+from worker.commands.demo_images import image_bytes
 
 FILES = SourceConfig(file_roots=(tempfile.gettempdir(),))  # where pytest makes tmp_path
 
@@ -81,7 +81,7 @@ def test_the_same_children_serve_every_request(loader, images):
 def test_loaded_images_held_by_the_worker_take_no_shared_memory(tmp_path):
     """Images come back through the pipe: a container's small /dev/shm (Docker's 64 MB by
     default) does not bound how many images the worker can hold, and none is left behind."""
-    from worker.procstats import shm_bytes
+    from worker.health.procstats import shm_bytes
 
     path = tmp_path / "big.jpg"
     path.write_bytes(image_bytes(1024, 768, seed=3))
@@ -221,7 +221,7 @@ if __name__ == "__main__":
 def test_loader_children_and_the_fork_server_exit_when_the_main_process_dies_alone(tmp_path):
     import time
 
-    from worker.procstats import living
+    from worker.health.procstats import living
 
     done = run_script(tmp_path, OWNER_DIES_ALONE)
     children = [int(pid) for pid in done.stdout.split()]

@@ -11,8 +11,9 @@ from config.errors import Failure, LoaderGaveUp
 from config.settings import load_settings
 from tests.fakes import FakeEngine, FakeJetStream, FakeSource, FakeStore, task_msg
 from worker.exits import ExitReason
-from worker.health import Liveness, Metrics
-from worker.service import Services, Worker
+from worker.health.liveness import Liveness
+from worker.health.metrics import Metrics
+from worker.orchestrator import Services, Worker
 from worker.settle import Settler
 
 BATCH = 4
@@ -63,7 +64,7 @@ async def test_every_task_is_stored_then_acked_in_batches_and_burst_mode_ends_wi
     assert (
         metrics.registry.get_sample_value("inference_worker_tasks_total", {"outcome": "ok"}) == 10
     )
-    assert len(worker.book) == 0
+    assert len(worker.claims) == 0
 
 
 async def test_a_transient_failure_is_retried_and_a_permanent_one_gets_an_error_result():

@@ -13,13 +13,13 @@ from torch import nn
 from config.errors import ConfigError
 from datasets.images import DecodePlan, decode
 from datasets.sources import SourceConfig
-from datasets.synthetic import image_bytes, rectangles_bytes
 from pipelines.declare import Classifier, Detector, Pipeline, Preprocess
 from pipelines.models import save_classifier, save_detector
 from pipelines.registry import name_of, resolve
 from pipelines.runner import Output, decode_plan, load_runner
 from tests.antenna import PipelineResults
 from tests.fakes import FakePredictor
+from worker.commands.demo_images import image_bytes, rectangles_bytes
 from worker.schemas import Task, make_result
 
 PLUGIN = Path(__file__).parents[1] / "plugin"
@@ -359,8 +359,8 @@ def test_jpegs_left_encoded_for_the_device_give_the_same_boxes_through_the_cpu_f
 
 
 def test_a_corrupt_jpeg_left_encoded_fails_alone_as_a_corrupt_image():
-    from datasets.synthetic import truncated_bytes
     from tests.unit.test_engine import FlakyLoader, submit
+    from worker.commands.demo_images import truncated_bytes
     from worker.engine import Engine
 
     broken = decode(truncated_bytes(640, 480), DecodePlan(max_side=800, encoded=True))

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from config.errors import InvalidTask, Undeliverable
-from worker.results import result_subject
+from worker.nats.subjects import result_subject
 from worker.schemas import parse_task, subject_token, token_value
 
 TASK = {"id": "t1", "job_id": "j1", "image_id": "i1", "image_url": "s3://b/k.jpg"}

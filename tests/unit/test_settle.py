@@ -6,7 +6,8 @@ import pytest
 
 from config.settings import NatsSettings
 from tests.fakes import FakeJetStream, FakeMsg, FakeStore
-from worker.schemas import Task, Verdict
+from worker.outcome import Outcome
+from worker.schemas import Task
 from worker.settle import Settler
 
 
@@ -16,7 +17,7 @@ def settler(store: FakeStore, js: FakeJetStream, max_deliver: int = 2) -> Settle
 
 
 TASK = Task("t", "j", "i", "s3://b/k")
-BIG = Verdict(detections=[{"bbox": None, "note": "x" * 5000}])
+BIG = Outcome(detections=[{"bbox": None, "note": "x" * 5000}])
 
 
 async def test_a_result_too_large_to_store_becomes_a_small_error_result_once():

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from worker.transport import TaskFeed, connect, late_deliveries, provision
+from worker.nats.connection import connect
+from worker.nats.feed import TaskFeed, late_deliveries
+from worker.nats.provision import provision
 
 
 def test_if_nats_py_moves_its_pending_queue_the_feed_degrades_instead_of_raising():

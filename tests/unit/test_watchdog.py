@@ -6,14 +6,14 @@ import subprocess
 import sys
 import textwrap
 
-from worker.health import Liveness
+from worker.health.liveness import Liveness
 
 WEDGED = textwrap.dedent(
     """
     import threading
     from worker.faults import WedgingEngine
-    from worker.health import Liveness
-    from worker.watchdog import Watchdog
+    from worker.health.liveness import Liveness
+    from worker.health.watchdog import Watchdog
 
     live = Liveness(0.5, watchdog=Watchdog(1.0))
     live.set_held(3)

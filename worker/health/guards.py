@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from config.settings import GuardSettings
-from worker.procstats import collect_stats
+from worker.health.procstats import collect_stats
 
 
 class ResourceGuard:

@@ -20,7 +20,7 @@ import nats
 from nats.js import JetStreamContext, api
 
 from config.settings import NatsSettings
-from worker.results import job_results_subject
+from worker.nats.subjects import job_results_subject
 from worker.schemas import subject_token
 
 _READ_BATCH = 512
@@ -86,7 +86,7 @@ def render(progress: Progress, now_s: float, tty: bool) -> str:
 
 async def job_task_count(js: JetStreamContext, settings: NatsSettings, job_id: str) -> int:
     """Distinct task ids of the job in the tasks stream (its own subjects only)."""
-    from worker.client import job_task_ids
+    from worker.commands.client import job_task_ids
 
     return len(await job_task_ids(js, settings, job_id))
 

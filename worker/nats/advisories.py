@@ -22,9 +22,10 @@ from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from config.errors import Failure, InvalidTask, ResultRefused, ResultsUnavailable, Undeliverable
 from config.settings import NatsSettings
-from worker.schemas import Verdict, invalid_task, parse_task
+from worker.nats.subjects import advisory_consumer
+from worker.outcome import Outcome
+from worker.schemas import invalid_task, parse_task
 from worker.settle import Settler, backoff_s
-from worker.transport import advisory_consumer
 
 log = structlog.get_logger(__name__)
 EXHAUSTED_KIND = "deliveries_exhausted"
@@ -130,7 +131,7 @@ class ExhaustedTasks:
             "(the worker holding it died, was killed or stopped answering)"
         )
         result = self._settler.result(
-            task, deliveries, Verdict(failure=Failure(EXHAUSTED_KIND, message, retryable=True))
+            task, deliveries, Outcome(failure=Failure(EXHAUSTED_KIND, message, retryable=True))
         )
         try:
             stored = await self._settler.store.store(result)

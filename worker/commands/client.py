@@ -14,9 +14,9 @@ import nats
 from nats.js import JetStreamContext, api
 
 from config.settings import NatsSettings
-from worker.results import job_results_subject, response_of
+from worker.nats.subjects import job_results_subject, job_tasks_subject
+from worker.results import response_of
 from worker.schemas import Task, subject_token
-from worker.transport import job_tasks_subject
 
 _READ_BATCH = 256
 _PUBLISH_WINDOW = 64

@@ -85,14 +85,14 @@ def _positive(text: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "healthwatch":
-        from worker import healthwatch
+        from worker.commands import healthwatch
 
         return healthwatch.main(
             args.group, args.port_base, args.failures, args.startup_grace_s, args.timeout_s
         )
     if args.command == "demo":
         configure_logging("WARNING")
-        from worker.demo import run_demo
+        from worker.commands.demo import run_demo
 
         return asyncio.run(run_demo())
     configure_logging(args.log_level)
@@ -170,7 +170,7 @@ async def _started(app: Any, stop: asyncio.Event) -> bool:
 async def _connect_once(settings: Settings, command: str) -> Any:
     """NATS for a command that runs once: a TransientError (exit 1) when it cannot be reached
     within WORKER_NATS__COMMAND_CONNECT_TIMEOUT_S."""
-    from worker.transport import connect
+    from worker.nats.connection import connect
 
     return await connect(
         settings.nats,
@@ -180,7 +180,7 @@ async def _connect_once(settings: Settings, command: str) -> Any:
 
 
 async def _submit(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.client import list_s3_prefix, make_tasks, publish_tasks
+    from worker.commands.client import list_s3_prefix, make_tasks, publish_tasks
 
     uris = list(args.uris)
     if len(uris) == 1 and uris[0].startswith("s3://") and uris[0].endswith("/"):
@@ -235,7 +235,7 @@ async def _follow(
     wins over error), 1 the job has no tasks on its subjects."""
     from nats.js.errors import NotFoundError
 
-    from worker.progress import watch_job
+    from worker.commands.progress import watch_job
 
     try:
         progress = await watch_job(
@@ -256,7 +256,7 @@ async def _follow(
 
 
 async def _results(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.client import job_results, job_task_ids, summarize
+    from worker.commands.client import job_results, job_task_ids, summarize
 
     nc = await _connect_once(settings, "results")
     try:
@@ -273,7 +273,7 @@ async def _results(settings: Settings, args: argparse.Namespace) -> int:
 
 async def _provision(settings: Settings, _args: argparse.Namespace) -> int:
     from pipelines.registry import name_of
-    from worker.transport import provision
+    from worker.nats.provision import provision
 
     nc = await _connect_once(settings, "provision")
     try:
@@ -286,7 +286,7 @@ async def _provision(settings: Settings, _args: argparse.Namespace) -> int:
 
 
 async def _check(settings: Settings, _args: argparse.Namespace) -> int:
-    from worker.check import readiness_problems
+    from worker.commands.check import readiness_problems
 
     problems = await readiness_problems(settings)
     for problem in problems:

@@ -1,7 +1,7 @@
 """A shaped network in front of a local HTTP endpoint (S3 or an image server), for the
 benchmarks and tests: S3's latency and bandwidth on 127.0.0.1.
 
-    python -m worker.shapednet UPSTREAM_PORT LISTEN_PORT SHAPE_JSON
+    python -m testing.shapednet UPSTREAM_PORT LISTEN_PORT SHAPE_JSON
 
 Each request waits for a first-byte delay drawn from a log-normal distribution (median
 ``first_byte_median_s``, 99th percentile ``first_byte_p99_s``; AWS plans for ~30 ms and a tail
@@ -287,7 +287,7 @@ class ShapedProxy:
     """The shaped network as a child process on a free port of 127.0.0.1."""
 
     def __init__(self, upstream_port: int, shape: Shape) -> None:
-        from worker.localservers import free_port
+        from worker.commands.localservers import free_port
 
         self.upstream_port = upstream_port
         self.shape = shape
@@ -299,13 +299,13 @@ class ShapedProxy:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> ShapedProxy:
-        from worker.localservers import wait_port
+        from worker.commands.localservers import wait_port
 
         self._proc = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
-                "worker.shapednet",
+                "testing.shapednet",
                 str(self.upstream_port),
                 str(self.port),
                 json.dumps(asdict(self.shape)),
@@ -324,7 +324,7 @@ class ShapedProxy:
         return stats
 
     def stop(self) -> None:
-        from worker.localservers import stop_process
+        from worker.commands.localservers import stop_process
 
         proc, self._proc = self._proc, None
         if proc is not None:

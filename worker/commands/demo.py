@@ -17,9 +17,9 @@ from typing import Any
 import structlog
 
 from config.settings import load_settings
-from datasets.synthetic import corrupt_bytes, image_bytes
-from worker.client import job_results, make_tasks, publish_tasks, summarize
-from worker.localservers import NatsServer, S3Server
+from worker.commands.client import job_results, make_tasks, publish_tasks, summarize
+from worker.commands.demo_images import corrupt_bytes, image_bytes
+from worker.commands.localservers import NatsServer, S3Server
 
 log = structlog.get_logger(__name__)
 
@@ -79,7 +79,7 @@ def _print_report(results: list[dict[str, Any]], expected: set[str]) -> int:
 
 async def run_demo() -> int:
     from worker.app import WorkerApp
-    from worker.transport import connect
+    from worker.nats.connection import connect
 
     workdir = tempfile.mkdtemp(prefix="iw-demo-")
     nats_server = NatsServer(store_dir=os.path.join(workdir, "nats"))

@@ -6,7 +6,7 @@ Its parts, each in a module of its own:
 - ``TaskSource`` (``transport.py``): bounded fetches from the durable consumer;
 - ``Admission`` (``admission.py``): what a message becomes (dead letter, error result,
   duplicate, or a held task);
-- ``HeldTasks`` (``book.py``): what is held, the room left, the ack-wait keep-alive;
+- ``Claims`` (``claims.py``): what is held, the room left, the ack-wait keep-alive;
 - ``Batches`` (``batches.py``): batch formation and dispatch to the engine thread;
 - ``Settler`` (``settle.py``): store-then-ack, or nak; ``BatchObserver`` (``health.py``).
 
@@ -28,11 +28,13 @@ from config.errors import LoaderGaveUp
 from config.settings import Settings, max_held_tasks
 from worker.admission import Admission
 from worker.batches import Batches
-from worker.book import Held, HeldTasks, quietly
+from worker.claims import Claim, Claims, best_effort
 from worker.exits import STOPPED, Exit, ExitReason
-from worker.health import BatchObserver, Liveness, Metrics
-from worker.ports import BatchReport, Loading, Results, Settling, TaskSource
-from worker.schemas import Verdict
+from worker.health.liveness import Liveness
+from worker.health.metrics import Metrics
+from worker.health.observer import BatchObserver
+from worker.outcome import Outcome
+from worker.ports import BatchEngine, BatchReport, DeliveryRules, Results, TaskSource
 
 log = structlog.get_logger(__name__)
 Helper = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
@@ -44,8 +46,8 @@ class Services:
 
     source: TaskSource
     store: Results
-    settler: Settling
-    engine: Loading
+    settler: DeliveryRules
+    engine: BatchEngine
     engine_thread: Executor
     liveness: Liveness
     metrics: Metrics
@@ -59,8 +61,8 @@ class Worker:
     def __init__(self, settings: Settings, services: Services, *, until_idle: bool = False):
         self.settings = settings
         self.s = services
-        self.book = HeldTasks(max_held_tasks(settings, services.image_bytes), services.liveness)
-        self.admission = Admission(services.settler, services.store, self.book)
+        self.claims = Claims(max_held_tasks(settings, services.image_bytes), services.liveness)
+        self.admission = Admission(services.settler, services.store, self.claims)
         observer = BatchObserver(
             services.metrics,
             services.liveness,
@@ -111,9 +113,9 @@ class Worker:
     async def _fetch_loop(self) -> None:
         timeout_s = self.settings.nats.fetch_timeout_s
         while not self._stop.is_set():
-            room = self.book.room()
+            room = self.claims.room()
             if room <= 0:
-                await self.book.wait_for_room(timeout_s)
+                await self.claims.wait_for_room(timeout_s)
                 continue
             msgs = await self.s.source.fetch(min(self.settings.loader.batch_size, room))
             admitted = [held for held in [await self.admission.admit(m) for m in msgs] if held]
@@ -128,22 +130,22 @@ class Worker:
             fetcher.cancel()
             await asyncio.gather(fetcher, return_exceptions=True)
 
-    async def _settle_batch(self, batch: list[Held], report: BatchReport) -> None:
+    async def _settle_batch(self, batch: list[Claim], report: BatchReport) -> None:
         started = time.perf_counter()
         await asyncio.gather(*(self._settle_one(h, report.outcomes[h.key]) for h in batch))
         self.s.metrics.batch_seconds.labels("store").observe(time.perf_counter() - started)
-        await self.book.keep_alive()
+        await self.claims.keep_alive()
 
-    async def _settle_one(self, held: Held, verdict: Verdict) -> None:
+    async def _settle_one(self, held: Claim, verdict: Outcome) -> None:
         total_s = time.monotonic() - held.fetched_at
         timings_s = {**verdict.timings_s, "total_s": total_s}
-        timed = Verdict(verdict.detections, verdict.failure, timings_s)
+        timed = Outcome(verdict.detections, verdict.failure, timings_s)
         try:
             await self.s.settler.settle(held.task, held.msg, held.delivered, timed)
         except Exception:  # the per-task boundary: logged; its ack wait brings it back
             log.exception("settle_failed", task_id=held.task.id, job_id=held.task.job_id)
         finally:
-            self.book.release([held])
+            self.claims.release([held])
 
     # -- why we stop ----------------------------------------------------------------------
     def _end(self, exit: Exit, log_as: str = "") -> None:
@@ -180,7 +182,7 @@ class Worker:
         idle_before = False
         while not self._stop.is_set():
             await asyncio.sleep(self.settings.nats.fetch_timeout_s)
-            idle = len(self.book) == 0 and await self.s.source.idle() and len(self.book) == 0
+            idle = len(self.claims) == 0 and await self.s.source.idle() and len(self.claims) == 0
             if idle and idle_before:
                 log.info("idle_stopping", reason="--until-idle: nothing pending or held")
                 self._stop.set()
@@ -190,9 +192,9 @@ class Worker:
     async def _drain(self, processor: asyncio.Task[None]) -> None:
         """Finish the batch in hand within the drain timeout; give back everything else now."""
         leftovers = await self.s.source.close()
-        await self.book.give_back(self.batches.stop(), "shutting down")
+        await self.claims.give_back(self.batches.stop(), "shutting down")
         for msg in leftovers:
-            await quietly(msg.nak())
+            await best_effort(msg.nak())
         if leftovers:
             log.info(
                 "tasks_given_back", count=len(leftovers), reason="delivered after the last fetch"
@@ -200,9 +202,9 @@ class Worker:
         try:
             await asyncio.wait_for(processor, self.settings.health.drain_timeout_s)
         except TimeoutError:
-            log.error("drain_timeout", held=len(self.book))
+            log.error("drain_timeout", held=len(self.claims))
         except Exception:  # noqa: BLE001 - reported by run() from the task itself
             pass
-        rest = self.book.all()
+        rest = self.claims.all()
         self.batches.forget(rest)
-        await self.book.give_back(rest, "not finished before exit")
+        await self.claims.give_back(rest, "not finished before exit")

@@ -1,4 +1,5 @@
-"""The book of held tasks: fetched, not yet acked, naked or terminated.
+"""Claims: the tasks this process took from its source and has not yet settled (acked,
+naked, terminated or given an error result): "held tasks" in the settings and the logs.
 
 It owns the held map, the room left under the cap (``max_held_tasks``, which bounds host
 memory for loaded images), the liveness count, and the ack-wait keep-alive.
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from worker.health import Liveness
+from worker.health.liveness import Liveness
 from worker.ports import Delivery
 from worker.schemas import Task
 
@@ -22,7 +23,7 @@ log = structlog.get_logger(__name__)
 
 
 @dataclass
-class Held:
+class Claim:
     """A task fetched and not yet acked, naked or terminated."""
 
     msg: Delivery
@@ -32,11 +33,11 @@ class Held:
     fetched_at: float
 
 
-class HeldTasks:
+class Claims:
     def __init__(self, max_held: int, liveness: Liveness) -> None:
         self.max_held = max_held
         self._liveness = liveness
-        self._held: dict[int, Held] = {}
+        self._held: dict[int, Claim] = {}
         self._keys = itertools.count()
         self._space = asyncio.Event()
 
@@ -56,16 +57,16 @@ class HeldTasks:
         except TimeoutError:
             pass
 
-    def add(self, msg: Delivery, task: Task, delivered: int) -> Held:
-        held = Held(msg, task, next(self._keys), delivered, time.monotonic())
+    def add(self, msg: Delivery, task: Task, delivered: int) -> Claim:
+        held = Claim(msg, task, next(self._keys), delivered, time.monotonic())
         self._held[held.key] = held
         self._liveness.set_held(len(self._held))
         return held
 
-    def all(self) -> list[Held]:
+    def all(self) -> list[Claim]:
         return list(self._held.values())
 
-    def release(self, done: list[Held]) -> None:
+    def release(self, done: list[Claim]) -> None:
         for held in done:
             self._held.pop(held.key, None)
         self._liveness.set_held(len(self._held))
@@ -74,19 +75,19 @@ class HeldTasks:
     async def keep_alive(self) -> None:
         """A batch completed: extend the ack wait of everything still held, and only then."""
         for held in self.all():
-            await quietly(held.msg.in_progress())
+            await best_effort(held.msg.in_progress())
 
-    async def give_back(self, held: list[Held], reason: str) -> None:
+    async def give_back(self, held: list[Claim], reason: str) -> None:
         """Nak now, so the tasks are redelivered at once (to another worker, on a drain)."""
         if not held:
             return
         for h in held:
-            await quietly(h.msg.nak())
+            await best_effort(h.msg.nak())
         self.release(held)
         log.info("tasks_given_back", count=len(held), reason=reason)
 
 
-async def quietly(action: Awaitable[None]) -> None:
+async def best_effort(action: Awaitable[None]) -> None:
     """Await a nak or in_progress; one that fails can only have failed in the transport
     (connection gone, timeout), and then the ack wait brings the message back anyway."""
     try:

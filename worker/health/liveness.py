@@ -1,0 +1,80 @@
+"""Liveness: what /healthz answers, from the batches' progress and the held tasks."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import structlog
+
+from worker.health.watchdog import Watchdog
+
+log = structlog.get_logger(__name__)
+
+
+class Liveness:
+    """The stall rule: stalled while tasks are held and no batch completed for stall_timeout_s.
+
+    An idle worker is never stalled: while nothing is held, "last progress" keeps moving.
+    """
+
+    def __init__(
+        self,
+        stall_timeout_s: float,
+        clock: Callable[[], float] = time.time,
+        watchdog: Watchdog | None = None,
+    ) -> None:
+        self.stall_timeout_s = stall_timeout_s
+        self._clock = clock
+        self._watchdog = watchdog
+        self._lock = threading.Lock()
+        self._held = 0
+        self._last_progress = clock()
+
+    def set_held(self, held: int) -> None:
+        with self._lock:
+            if self._held == 0 or held == 0:
+                # Work taken on by an idle worker, or the last of it settled: the clock starts now.
+                self._last_progress = self._clock()
+                if self._watchdog is not None and held:
+                    self._watchdog.arm()  # armed only while work is held
+                elif self._watchdog is not None:
+                    self._watchdog.disarm()  # an idle worker is never killed
+            self._held = held
+
+    def batch_completed(self) -> None:
+        with self._lock:
+            self._last_progress = self._clock()
+            self._rearm_locked()
+
+    def still_working(self) -> None:
+        """The worker is acting (e.g. rebuilding its loader) without completing a batch: give
+        the watchdog a fresh window, but leave the stall clock alone."""
+        with self._lock:
+            self._rearm_locked()
+
+    def _rearm_locked(self) -> None:
+        """A fresh watchdog window, while work is held (the watchdog is disarmed otherwise)."""
+        if self._watchdog is not None and self._held:
+            self._watchdog.arm()
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    def last_progress(self) -> float:
+        with self._lock:
+            return self._clock() if self._held == 0 else self._last_progress
+
+    def stalled_reason(self) -> str | None:
+        with self._lock:
+            if self._held == 0:
+                return None
+            idle_s = self._clock() - self._last_progress
+            if idle_s < self.stall_timeout_s:
+                return None
+            return (
+                f"{self._held} tasks held and no batch completed for {idle_s:.0f}s "
+                f"(stall timeout {self.stall_timeout_s:g}s)"
+            )

@@ -1,0 +1,143 @@
+"""Prometheus metrics in one injected registry, and the collectors read at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from datasets.reads import ReadStats
+from worker.health.liveness import Liveness
+
+PREFIX = "inference_worker"
+
+
+class Metrics:
+    """Every metric of the worker, registered in the registry it is given."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        liveness: Liveness,
+        nats_connected: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.registry = registry
+        Gauge(
+            f"{PREFIX}_nats_connected",
+            "1 while the NATS connection is up; 0 while reconnecting or closed.",
+            registry=registry,
+        ).set_function(lambda: 1.0 if nats_connected() else 0.0)
+        Gauge(
+            f"{PREFIX}_last_progress_timestamp_seconds",
+            "Unix time of the last completed batch, or of the last moment no work was held.",
+            registry=registry,
+        ).set_function(liveness.last_progress)
+        Gauge(
+            f"{PREFIX}_inflight_tasks",
+            "Tasks held: fetched, not yet acked or naked.",
+            registry=registry,
+        ).set_function(lambda: liveness.held)
+        Gauge(
+            f"{PREFIX}_stalled",
+            "1 while tasks are held and no batch has completed for the stall timeout.",
+            registry=registry,
+        ).set_function(lambda: 1.0 if liveness.stalled_reason() else 0.0)
+        self.tasks = Counter(
+            f"{PREFIX}_tasks",
+            "Tasks settled, by outcome (ok, error, retried, dead_lettered).",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in ("ok", "error", "retried", "dead_lettered"):
+            self.tasks.labels(outcome)
+        self.images = Counter(
+            f"{PREFIX}_images", "Images run through the model.", registry=registry
+        )
+        self.batches = Counter(f"{PREFIX}_batches", "Batches completed.", registry=registry)
+        self.batch_seconds = Histogram(
+            f"{PREFIX}_batch_duration_seconds",
+            "Time per batch, by stage (load, infer, store).",
+            ["stage"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=registry,
+        )
+        for stage in ("load", "infer", "store"):  # every series there from the start
+            self.batch_seconds.labels(stage)
+        self.loader_restarts = Counter(
+            f"{PREFIX}_loader_restarts",
+            "DataLoader rebuilds after a timeout or a dead loader child.",
+            registry=registry,
+        )
+
+
+class DeviceCollector:
+    """Device memory of this process (allocated, reserved, peak) and the batches split for lack
+    of it. ``memory`` returns nothing off CUDA, and then no memory series is exported."""
+
+    def __init__(
+        self, memory: Callable[[], dict[str, float]], out_of_memory: Callable[[], int]
+    ) -> None:
+        self._memory = memory
+        self._out_of_memory = out_of_memory
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        values = self._memory()
+        if values:
+            family = GaugeMetricFamily(
+                f"{PREFIX}_device_memory_bytes",
+                "CUDA memory of this process: allocated, reserved (the caching allocator's), "
+                "peak allocated.",
+                labels=["kind"],
+            )
+            for kind, value in values.items():
+                family.add_metric([kind], value)
+            yield family
+        yield CounterMetricFamily(
+            f"{PREFIX}_out_of_memory_splits",
+            "Batches halved after running out of device memory.",
+            value=float(self._out_of_memory()),
+        )
+
+
+class ReadsCollector:
+    """The loader children's object reads: in flight, the encoded bytes they hold, and the
+    retries made (stalled, throttled, unavailable)."""
+
+    def __init__(
+        self, reads: Callable[[], list[ReadStats]], retries: Callable[[], dict[str, int]]
+    ) -> None:
+        self._reads = reads
+        self._retries = retries
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        reads = self._reads()
+        yield GaugeMetricFamily(
+            f"{PREFIX}_loader_reads_in_flight",
+            "Object reads the loader children hold (reading, or read and waiting to be "
+            "decoded), as each child last reported.",
+            value=float(sum(r.in_flight for r in reads)),
+        )
+        held = GaugeMetricFamily(
+            f"{PREFIX}_loader_read_bytes",
+            "Encoded bytes the loader children hold for their reads: now (held) and the most "
+            "at once since each child started (peak), summed over children.",
+            labels=["kind"],
+        )
+        held.add_metric(["held"], float(sum(r.held_bytes for r in reads)))
+        held.add_metric(["peak"], float(sum(r.peak_bytes for r in reads)))
+        yield held
+        retries = CounterMetricFamily(
+            f"{PREFIX}_source_retries",
+            "Object reads made again: stalled (no byte for WORKER_S3__READ_TIMEOUT_S, retried "
+            "on a new connection), throttled (429, 503 SlowDown: after a backoff), unavailable.",
+            labels=["reason"],
+        )
+        counts = self._retries()
+        for reason in ("stalled", "throttled", "unavailable"):
+            retries.add_metric([reason], float(counts.get(reason, 0)))
+        yield retries

@@ -1,0 +1,59 @@
+"""After each batch: liveness, metrics and the resource guards, updated on the event loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import structlog
+
+from worker.health.liveness import Liveness
+from worker.health.metrics import Metrics
+from worker.ports import BatchReport
+
+log = structlog.get_logger(__name__)
+
+
+class BatchObserver:
+    """After each batch: progress for liveness, metrics, the batch's log line, and the
+    resource guards, which ask for a fresh process through ``on_limit``."""
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        liveness: Liveness,
+        guard: Callable[[], str | None] = lambda: None,
+        on_limit: Callable[[str], None] = lambda _reason: None,
+    ) -> None:
+        self._metrics = metrics
+        self._liveness = liveness
+        self._guard = guard
+        self._on_limit = on_limit
+
+    def batch_done(self, size: int, report: BatchReport) -> None:
+        m = self._metrics
+        ok = sum(1 for verdict in report.outcomes.values() if verdict.ok)
+        self._liveness.batch_completed()
+        m.batches.inc()
+        m.images.inc(ok)
+        m.batch_seconds.labels("load").observe(report.load_s)
+        m.batch_seconds.labels("infer").observe(report.infer_s)
+        if report.loader_restarts:
+            m.loader_restarts.inc(report.loader_restarts)
+        self._check_guards()
+        log.info(
+            "batch_done",
+            size=size,
+            ok=ok,
+            load_s=round(report.load_s, 4),
+            infer_s=round(report.infer_s, 4),
+            loader_restarts=report.loader_restarts,
+        )
+
+    def _check_guards(self) -> None:
+        try:
+            reason = self._guard()
+        except Exception:  # a guard that cannot read /proc this time must not stop the work
+            log.exception("guard_check_failed", hint="checked again after the next batch")
+            return
+        if reason:
+            self._on_limit(reason)

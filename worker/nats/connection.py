@@ -1,0 +1,126 @@
+"""Connecting to NATS, and what the client's callbacks said last. Knows nothing of torch."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+import structlog
+from nats.aio.client import Client as NATS
+
+from config.errors import TransientError
+from config.redact import redact_url
+from config.settings import NatsSettings
+
+log = structlog.get_logger(__name__)
+
+
+class ConnectionState:
+    """What the NATS client's callbacks said last; read by /healthz and the orchestrator.
+
+    nats-py closes a client for good on any protocol error the server reports, whatever
+    ``max_reconnect_attempts`` says; a closed client fetches nothing ever again, so it must
+    end the process, not leave an idle-looking worker behind.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.disconnected_at: float | None = None
+        self.closed = asyncio.Event()
+        self.lost = asyncio.Event()  # closed for good, and not by us
+        self.closed_reason = ""
+        self.closing = False  # our own close is not a failure
+
+    def down_for_s(self) -> float:
+        """Seconds since the connection was lost (0 while connected)."""
+        since = self.disconnected_at
+        return 0.0 if since is None else self._clock() - since
+
+    def unexpectedly_closed(self) -> bool:
+        return self.closed.is_set() and not self.closing
+
+    def connected(self) -> bool:
+        return self.disconnected_at is None and not self.closed.is_set()
+
+    def problem(self, down_timeout_s: float) -> str | None:
+        """Why the connection makes this process unhealthy, or None."""
+        if self.unexpectedly_closed():
+            return "nats: the connection closed for good; the process exits for a fresh one"
+        down_s = self.down_for_s()
+        if down_s >= down_timeout_s:
+            return f"nats: disconnected for {down_s:.0f}s (timeout {down_timeout_s:g}s)"
+        return None
+
+
+async def connect(
+    settings: NatsSettings,
+    *,
+    name: str = "inference-worker",
+    state: ConnectionState | None = None,
+    give_up_after_s: float | None = None,
+) -> NATS:
+    """Connect with unlimited reconnects; the worker survives a server restart. A command that
+    runs once passes ``give_up_after_s``: no first connection by then is a TransientError
+    naming the server(s), and the attempts stop."""
+    client, state = NATS(), state or ConnectionState()
+    try:
+        return await asyncio.wait_for(_connect(client, settings, name, state), give_up_after_s)
+    except TimeoutError:
+        if give_up_after_s is None:
+            raise  # nats-py's own, not ours
+        state.closing = True  # a close we asked for: not a lost connection
+        with contextlib.suppress(Exception):
+            await client.close()  # stops any attempt still scheduled
+    servers = ", ".join(redact_url(url) for url in _servers(settings))
+    raise TransientError(f"NATS at {servers} could not be reached within {give_up_after_s}s")
+
+
+async def _connect(client: NATS, settings: NatsSettings, name: str, state: ConnectionState) -> NATS:
+
+    async def on_error(error: Exception) -> None:
+        log.warning("nats_error", error=str(error))
+        state.closed_reason = str(error)
+
+    async def on_disconnect() -> None:
+        if state.disconnected_at is None:
+            state.disconnected_at = time.monotonic()
+        if not (client.is_closed or client.is_draining or state.closing):
+            log.warning("nats_disconnected", hint="reconnecting; work continues when it is back")
+
+    async def on_reconnect() -> None:
+        state.disconnected_at = None
+        log.info("nats_reconnected")
+
+    async def on_closed() -> None:
+        if state.disconnected_at is None:
+            state.disconnected_at = time.monotonic()
+        if client.last_error is None:
+            state.closing = True  # no error: a close we asked for (drain, close)
+        if not state.closing:
+            state.lost.set()
+            log.error(
+                "nats_connection_closed",
+                reason=str(client.last_error or state.closed_reason or "unknown"),
+                action="giving back held work and exiting 5 for a fresh process",
+            )
+        state.closed.set()
+
+    await client.connect(
+        servers=_servers(settings),
+        name=name,
+        connect_timeout=5,
+        reconnect_time_wait=1,
+        max_reconnect_attempts=-1,
+        allow_reconnect=True,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        closed_cb=on_closed,
+    )
+    return client
+
+
+def _servers(settings: NatsSettings) -> list[str]:
+    return [url.strip() for url in settings.url.split(",")]

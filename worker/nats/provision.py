@@ -1,0 +1,141 @@
+"""Provisioning: the streams, the durable tasks consumer and the advisories consumer;
+idempotent.
+"""
+
+from __future__ import annotations
+
+import structlog
+from nats.js import JetStreamContext, api
+from nats.js.errors import NotFoundError
+
+from config.settings import NatsSettings
+from worker.nats.subjects import (
+    advisory_consumer,
+    advisory_subject,
+    job_tasks_subject,
+    tasks_subject,
+)
+
+log = structlog.get_logger(__name__)
+DEAD_LETTER_DEDUPE_S = 3600.0
+
+
+def stream_configs(settings: NatsSettings) -> list[api.StreamConfig]:
+    return [
+        api.StreamConfig(
+            name=settings.tasks_stream,
+            subjects=["tasks.>"],
+            retention=api.RetentionPolicy.LIMITS,
+            storage=api.StorageType.FILE,
+            max_age=settings.tasks_max_age_s,
+            num_replicas=settings.replicas,
+        ),
+        # One message per task subject, new ones refused: at most one result per task id
+        # for as long as results are kept, not only inside the deduplication window.
+        api.StreamConfig(
+            name=settings.results_stream,
+            subjects=["results.>"],
+            retention=api.RetentionPolicy.LIMITS,
+            storage=api.StorageType.FILE,
+            max_msgs_per_subject=1,
+            discard=api.DiscardPolicy.NEW,
+            discard_new_per_subject=True,
+            max_age=settings.results_max_age_s,
+            allow_direct=True,
+            num_replicas=settings.replicas,
+        ),
+        api.StreamConfig(
+            name=settings.dead_letter_stream,
+            subjects=[settings.dead_letter_subject],
+            retention=api.RetentionPolicy.LIMITS,
+            storage=api.StorageType.FILE,
+            max_age=settings.results_max_age_s,
+            # The worker and the max-deliveries handler may both dead-letter one message
+            # minutes apart; the dedupe id (its tasks-stream sequence) keeps it once.
+            duplicate_window=min(DEAD_LETTER_DEDUPE_S, settings.results_max_age_s),
+            num_replicas=settings.replicas,
+        ),
+    ]
+
+
+def consumer_config(settings: NatsSettings, pipeline: str) -> api.ConsumerConfig:
+    return api.ConsumerConfig(
+        name=settings.consumer,
+        durable_name=settings.consumer,
+        # Tasks with the job in the payload, and tasks with the job in the subject (Antenna's).
+        filter_subjects=[tasks_subject(pipeline), job_tasks_subject(pipeline, "*")],
+        ack_policy=api.AckPolicy.EXPLICIT,
+        deliver_policy=api.DeliverPolicy.ALL,
+        ack_wait=settings.ack_wait_s,
+        max_deliver=settings.max_deliver,
+        max_ack_pending=10_000,
+        max_waiting=512,
+        num_replicas=settings.replicas if settings.replicas > 1 else None,
+    )
+
+
+def advisory_stream_config(settings: NatsSettings) -> api.StreamConfig:
+    return api.StreamConfig(
+        name=settings.advisory_stream,
+        subjects=[advisory_subject(settings)],
+        retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE,
+        max_age=settings.tasks_max_age_s,
+        num_replicas=settings.replicas,
+    )
+
+
+def advisory_consumer_config(settings: NatsSettings) -> api.ConsumerConfig:
+    name = advisory_consumer(settings)
+    return api.ConsumerConfig(
+        name=name,
+        durable_name=name,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        deliver_policy=api.DeliverPolicy.ALL,
+        ack_wait=60.0,
+        # Unlimited: an outage of the stores is waited out with backoff; a poison advisory
+        # is terminated by the handler after a few attempts (advisories.POISON_ATTEMPTS).
+        max_deliver=-1,
+        num_replicas=settings.replicas if settings.replicas > 1 else None,
+    )
+
+
+async def provision(js: JetStreamContext, settings: NatsSettings, pipeline: str) -> list[str]:
+    """Create or update the streams and the durable consumer; safe to run any number of times."""
+    done: list[str] = []
+    for config in [*stream_configs(settings), advisory_stream_config(settings)]:
+        try:
+            await js.stream_info(config.name)  # type: ignore[arg-type]
+        except NotFoundError:
+            await js.add_stream(config)
+            done.append(f"created stream {config.name}")
+        else:
+            await js.update_stream(config)
+            done.append(f"updated stream {config.name}")
+    # Responses outlive their results by a day (written first, they must not expire first);
+    # category maps never expire.
+    for bucket, ttl_s in (
+        (settings.result_objects, settings.results_max_age_s + 86400.0),
+        (settings.algorithms, None),
+    ):
+        try:
+            await js.object_store(bucket)
+        except NotFoundError:
+            await js.create_object_store(
+                bucket,
+                config=api.ObjectStoreConfig(
+                    ttl=ttl_s, storage=api.StorageType.FILE, replicas=settings.replicas
+                ),
+            )
+            done.append(f"created object store {bucket}")
+    # pull_subscribe ignores the config of an existing durable; add_consumer with a name
+    # creates it or updates it in place.
+    await js.add_consumer(settings.tasks_stream, consumer_config(settings, pipeline))
+    done.append(
+        f"created or updated consumer {settings.consumer} on {tasks_subject(pipeline)} and "
+        f"{job_tasks_subject(pipeline, '*')}"
+    )
+    watcher = advisory_consumer_config(settings)
+    await js.add_consumer(settings.advisory_stream, watcher)
+    done.append(f"created or updated consumer {watcher.name} on max-deliveries advisories")
+    return done

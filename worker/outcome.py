@@ -1,0 +1,30 @@
+"""What became of a task's work in the engine: its detections, or the failure that stopped it.
+
+Imports nothing of ours but the errors. Not a wire schema: ``schemas.make_result`` turns an
+outcome into the stored result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from config.errors import Failure
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of a task's work: its detections (Antenna's shape, ``source_image_id`` still
+    to add), or the failure that stopped it."""
+
+    detections: list[dict[str, Any]] | None = None
+    failure: Failure | None = None
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    @property
+    def retryable(self) -> bool:
+        return self.failure is not None and self.failure.retryable
