@@ -15,12 +15,7 @@ from typing import Any
 from config.errors import TransientError
 from config.logging import configure_logging
 from config.settings import ConfigError, Settings, load_settings
-from worker.exits import ExitReason
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_CONFIG = 2
-# 3, 4, 5: see worker.exits.ExitReason (how `run` ends)
+from worker.exits import CommandExit, ExitReason, JobEnd
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -101,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         for line in str(error).splitlines():
             print(f"config error: {line}", file=sys.stderr)
-        return EXIT_CONFIG
+        return CommandExit.CONFIG
     handlers: dict[str, Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]] = {
         "run": _run,
         "submit": _submit,
@@ -115,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:  # the pipeline: resolved when a command first needs it
         for line in str(error).splitlines():
             print(f"config error: {line}", file=sys.stderr)
-        return EXIT_CONFIG
+        return CommandExit.CONFIG
     except TransientError as error:  # NATS not reachable, for a command that runs once
         print(f"error: {error}", file=sys.stderr)
-        return EXIT_FAILED
+        return CommandExit.FAILED
 
 
 async def _run(settings: Settings, args: argparse.Namespace) -> int:
@@ -195,7 +190,7 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
             "nothing to submit: give image URIs or an s3://bucket/prefix/ with objects",
             file=sys.stderr,
         )
-        return EXIT_FAILED
+        return CommandExit.FAILED
     from pipelines.registry import name_of
 
     pipeline = args.pipeline or name_of(settings.model.pipeline)
@@ -207,7 +202,7 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
         said = f"submitted {count} tasks for job {args.job} on tasks.{pipeline}.<job>"
         if not args.wait:
             print(said)
-            return EXIT_OK
+            return CommandExit.OK
         print(said, file=sys.stderr, flush=True)  # stdout stays empty with --wait
         return await _follow(js, settings, args.job, args.timeout_s, 1.0, len(tasks))
     finally:
@@ -251,7 +246,7 @@ async def _follow(
         print(
             f"cannot follow job {job}: {error}; run `inference-worker provision`", file=sys.stderr
         )
-        return EXIT_FAILED
+        return JobEnd.NO_TASKS
     return progress.exit_code()
 
 
@@ -268,7 +263,7 @@ async def _results(settings: Settings, args: argparse.Namespace) -> int:
     for result in sorted(results, key=lambda r: r["task_id"]):
         print(json.dumps(result, sort_keys=True))
     print(summarize(results, expected).line(), file=sys.stderr)
-    return EXIT_OK
+    return CommandExit.OK
 
 
 async def _provision(settings: Settings, _args: argparse.Namespace) -> int:
@@ -282,7 +277,7 @@ async def _provision(settings: Settings, _args: argparse.Namespace) -> int:
             print(line)
     finally:
         await nc.close()
-    return EXIT_OK
+    return CommandExit.OK
 
 
 async def _check(settings: Settings, _args: argparse.Namespace) -> int:
@@ -293,4 +288,4 @@ async def _check(settings: Settings, _args: argparse.Namespace) -> int:
         print(f"not ready: {problem}", file=sys.stderr)
     if not problems:
         print("ready: settings valid; NATS, S3 and the model reachable")
-    return EXIT_FAILED if problems else EXIT_OK
+    return CommandExit.FAILED if problems else CommandExit.OK
