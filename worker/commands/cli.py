@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import signal
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -15,7 +13,7 @@ from typing import Any
 from config.errors import TransientError
 from config.logging import configure_logging
 from config.settings import ConfigError, Settings, load_settings
-from worker.exits import CommandExit, ExitReason, JobEnd
+from worker.exits import CommandExit, JobEnd
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -117,49 +115,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _run(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.app import WorkerApp
+    from worker.serve import serve
 
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-
-    def on_signal(signum: int) -> None:
-        # Record the signal only; the worker drains. A second one means "now".
-        if stop.is_set():
-            print(f"second signal {signal.Signals(signum).name}: exiting now", file=sys.stderr)
-            os._exit(128 + signum)
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
-    app = WorkerApp(settings, until_idle=args.until_idle)
-    try:
-        if not await _started(app, stop):
-            # Stopped while starting (NATS unreachable, a slow model): no task is held yet;
-            # close() below ends what the start had begun (loader children included).
-            print("stopped while starting: exiting 0", file=sys.stderr)
-            return ExitReason.STOPPED.code
-        exit = await app.run(stop)
-    finally:
-        await app.close()
-    return exit.code
-
-
-async def _started(app: Any, stop: asyncio.Event) -> bool:
-    """``app.start()``, given up when ``stop`` is set first (a start waiting on an unreachable
-    NATS server retries for ever; a SIGTERM must still end the process)."""
-    starting = asyncio.ensure_future(app.start())
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
-    if not starting.done():
-        starting.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await starting
-        return False
-    starting.result()  # its failure, if it failed
-    return True
+    return await serve(settings, until_idle=args.until_idle)
 
 
 async def _connect_once(settings: Settings, command: str) -> Any:
