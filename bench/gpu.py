@@ -35,7 +35,8 @@ from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.sources import SourceConfig
 from pipelines.declare import Classifier, Detector, Pipeline, Preprocess
 from pipelines.models import save_classifier, save_detector
-from pipelines.runner import Output, Runner, load_runner
+from pipelines.response import ResponseFormat
+from pipelines.runner import DeviceLimits, Runner, load_runner
 from worker.engine import Engine
 
 
@@ -77,9 +78,10 @@ def classifier(tmp: Path, device: str, precision: str, crop_batch: int) -> Runne
     labels = [f"s{i}" for i in range(1000)]
     weights = saved(tmp, "cls", lambda d: save_classifier("resnet50", labels, d))
     stage = Classifier("species", architecture="resnet50", weights=weights)
-    output = Output(scores="top_k", top_k=5, crop_batch=crop_batch)
+    limits = DeviceLimits(crop_batch=crop_batch)
+    fmt = ResponseFormat(scores="top_k", top_k=5)
     runner = load_runner(
-        Pipeline("cls", classifier=stage), SourceConfig(), device, output, precision
+        Pipeline("cls", classifier=stage), SourceConfig(), device, limits, fmt, precision
     )
     runner.measure_copies = True
     return runner
@@ -115,8 +117,9 @@ def detect_and_classify(tmp: Path, device: str, precision: str) -> Runner:
             preprocess=Preprocess(128),
         ),
     )
-    output = Output(scores="top_k", detector_batch=4, crop_batch=256, max_side=4096)
-    runner = load_runner(pipeline, SourceConfig(), device, output, precision)
+    limits = DeviceLimits(detector_batch=4, crop_batch=256, max_side=4096)
+    fmt = ResponseFormat(scores="top_k")
+    runner = load_runner(pipeline, SourceConfig(), device, limits, fmt, precision)
     runner.measure_copies = True
     return runner
 
@@ -204,7 +207,7 @@ def host_work(tmp: Path, device: str, squares: list[Decoded], seconds: float) ->
     classes, full scores written, 64 images a batch (the gap the GPU waits through)."""
     labels = [f"s{i}" for i in range(1000)]
     stage = Classifier("linear", architecture=Linear, labels=tuple(labels))
-    runner = load_runner(Pipeline("linear", classifier=stage), SourceConfig(), device, Output())
+    runner = load_runner(Pipeline("linear", classifier=stage), SourceConfig(), device)
     images = [squares[i % len(squares)] for i in range(64)]
     runner.run(images)
     measured = busy_share(lambda: len(runner.run(images)), seconds, device)

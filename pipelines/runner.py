@@ -32,12 +32,9 @@ from pipelines.models import Algorithm, ClassifierModel, DetectorModel
 
 
 @dataclass(frozen=True)
-class Output:
-    """How classifications are written."""
+class DeviceLimits:
+    """How much of a batch the device holds at once (README, "Memory")."""
 
-    scores: response.Scores = "all"  # the full softmax vector (Antenna's default), or top k
-    top_k: int = 5
-    labels_inline_max: int = 100  # longer class lists are published once, not per result
     detector_batch: int = 4
     crop_batch: int = 64
     max_side: int = 4096  # for JPEGs the loader left encoded (decoded on the device)
@@ -75,16 +72,15 @@ class Runner:
         detector: DetectorModel | None,
         filter: ClassifierModel | None,
         classifier: ClassifierModel | None,
-        output: Output,
+        limits: DeviceLimits,
+        response_format: response.ResponseFormat,
     ) -> None:
         self.pipeline = pipeline
         self.detector = detector
         self.filter = filter
         self.classifier = classifier
-        self.output = output
-        self.response_format = response.ResponseFormat(
-            output.scores, output.top_k, output.labels_inline_max
-        )
+        self.limits = limits
+        self.response_format = response_format
         self.copies = CopyStats()
         self.measure_copies = False  # bench.gpu: time the waits (the host then waits too)
         self._copy_stream: Any = None
@@ -109,7 +105,7 @@ class Runner:
     def stage_ahead(self) -> int:
         """Images of the next batch worth putting on the device while this one runs: its first
         chunk (later chunks are copied while earlier ones run, see ``to_device_overlapped``)."""
-        return self.output.detector_batch if self.detector else self.output.crop_batch
+        return self.limits.detector_batch if self.detector else self.limits.crop_batch
 
     def stage(self, images: Sequence[Decoded]) -> list[Decoded]:
         """``images`` with their pixels on the device, copies started now on the copy stream
@@ -145,7 +141,7 @@ class Runner:
         hook = _Hook(while_running)
         where = self.device
         if any(image.encoded is not None for image in images):
-            side = self.output.max_side
+            side = self.limits.max_side
             images = [
                 decode_on_device(image, where, side) if image.encoded is not None else image
                 for image in images
@@ -161,7 +157,7 @@ class Runner:
     def _classify_whole(
         self, images: Sequence[Decoded], classifier: ClassifierModel, hook: _Hook
     ) -> list[list[dict[str, Any]]]:
-        step = self.output.crop_batch
+        step = self.limits.crop_batch
         chunks = (
             [self._input(image) for image in images[start : start + step]]
             for start in range(0, len(images), step)
@@ -205,7 +201,7 @@ class Runner:
         crops: list[_Crop] = []
         seen: list[torch.Tensor] = []  # what the detector saw: crops are cut from it
         alone = self.filter is None and self.classifier is None
-        step = self.output.detector_batch
+        step = self.limits.detector_batch
         starts = range(0, len(images), step)
         ends = [min(len(images), start + step) for start in starts]
         chunks = ([self._input(image) for image in images[s : s + step]] for s in starts)
@@ -274,7 +270,7 @@ class Runner:
         hook: _Hook | None,
     ) -> tuple[torch.Tensor, float]:
         pre = model.stage.preprocess
-        step = self.output.crop_batch
+        step = self.limits.crop_batch
         chunks = (
             [
                 resize_square(_cut(seen[c.image], c.box), pre.size, pre.resize)
@@ -318,7 +314,12 @@ def _cut(pixels: Any, box: tuple[float, float, float, float]) -> torch.Tensor:
 
 
 def load_runner(
-    pipeline: Pipeline, sources: Any, device: str, output: Output, precision: str = "float32"
+    pipeline: Pipeline,
+    sources: Any,
+    device: str,
+    limits: DeviceLimits | None = None,
+    response_format: response.ResponseFormat | None = None,
+    precision: str = "float32",
 ) -> Runner:
     """Every stage of ``pipeline`` loaded on ``device`` (weights read once, here). ConfigError
     for anything that stops it loading, but a TransientError (its weights' store is down)."""
@@ -332,7 +333,8 @@ def load_runner(
             DetectorModel(d, sources, where, precision) if d else None,
             ClassifierModel(f, sources, where, precision) if f else None,
             ClassifierModel(c, sources, where, precision) if c else None,
-            output,
+            limits or DeviceLimits(),
+            response_format or response.ResponseFormat(),
         )
     except (ConfigError, TransientError):
         raise
