@@ -27,7 +27,7 @@ from pipelines.device import (
     to_device_overlapped,
     to_host,
 )
-from pipelines.device import stage as stage_on_device
+from pipelines.device import copy_ahead as device_copy_ahead
 from pipelines.models import Algorithm, ClassifierModel, DetectorModel
 
 
@@ -102,12 +102,12 @@ class Runner:
         return [m.algorithm for m in (self.detector, self.filter, self.classifier) if m]
 
     @property
-    def stage_ahead(self) -> int:
+    def copy_ahead_images(self) -> int:
         """Images of the next batch worth putting on the device while this one runs: its first
         chunk (later chunks are copied while earlier ones run, see ``to_device_overlapped``)."""
         return self.limits.detector_batch if self.detector else self.limits.crop_batch
 
-    def stage(self, images: Sequence[Decoded]) -> list[Decoded]:
+    def copy_ahead(self, images: Sequence[Decoded]) -> list[Decoded]:
         """``images`` with their pixels on the device, copies started now on the copy stream
         (the host does not wait): called while the device still runs the current batch. JPEGs
         left encoded stay so; they are decoded when their batch runs. Off CUDA, the pixels
@@ -115,11 +115,11 @@ class Runner:
         where = self.device
         host = [i for i, image in enumerate(images) if image.encoded is None]
         pixels = [self._input(images[i]) for i in host]
-        moved = stage_on_device(pixels, where, self._copying(where)[1]) if pixels else []
-        staged = list(images)
+        moved = device_copy_ahead(pixels, where, self._copying(where)[1]) if pixels else []
+        copied = list(images)
         for i, tensor in zip(host, moved, strict=True):
-            staged[i] = images[i]._replace(pixels=tensor)
-        return staged
+            copied[i] = images[i]._replace(pixels=tensor)
+        return copied
 
     def _input(self, image: Decoded) -> torch.Tensor:
         """What the first stage takes of an image: the classifier's square, or the image."""
@@ -239,7 +239,8 @@ class Runner:
     def _classify_crops(self, seen: list[torch.Tensor], crops: list[_Crop], hook: _Hook) -> None:
         """Filter then classifier over every crop, ``crop_batch`` crops in memory at a time,
         cut from the images as the detector saw them (on CUDA: on the device, so an image
-        gives the same crops whether it was staged ahead, decoded there, or copied)."""
+        gives the same crops whether it was copied ahead, decoded there, or copied with its
+        batch)."""
         passed = crops
         if self.filter is not None:
             keep = set(self.filter.stage.keep)

@@ -500,7 +500,7 @@ def _without_clocks(results):
 
 
 @pytest.mark.parametrize("pipeline", ["toy_moths:moths", "toy_moths:many"])
-def test_images_staged_ahead_give_the_same_results_as_images_that_were_not(toy, pipeline):
+def test_images_copied_ahead_give_the_same_results_as_images_that_were_not(toy, pipeline):
     chosen = resolve(pipeline)
     runner = load_runner(
         chosen, SourceConfig(), "cpu", DeviceLimits(detector_batch=2, crop_batch=64)
@@ -508,7 +508,7 @@ def test_images_staged_ahead_give_the_same_results_as_images_that_were_not(toy, 
     rectangles = [(10, 10, 40, 50, "red"), (60, 5, 90, 30, "green"), (120, 20, 150, 60, "blue")]
     plan = decode_plan(chosen, 4096, False)
     images = [decode(rectangles_bytes(200, 80, rectangles), plan) for _ in range(3)]
-    staged = runner.stage(images[:2]) + images[2:]  # the next batch's first chunk, staged
+    ahead = runner.copy_ahead(images[:2]) + images[2:]  # the next batch's first chunk, ahead
 
-    assert _without_clocks(runner.run(staged)) == _without_clocks(runner.run(images))
-    assert runner.stage_ahead == 2
+    assert _without_clocks(runner.run(ahead)) == _without_clocks(runner.run(images))
+    assert runner.copy_ahead_images == 2
