@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 from config.errors import ErrorKind, PermanentError, RetryableRead, TransientError
+from config.names import env_name
 from config.redact import redact_url
 from datasets.budget import Admit, admit_all
 from datasets.deadline import Cutoff
@@ -110,7 +111,7 @@ def _resolve(url: str, host: str, port: int, policy: HttpPolicy, cutoff: Cutoff)
                 raise PermanentError(
                     f"{redact_url(url)}: refused, the host resolves to a loopback, private, "
                     "link-local, multicast or reserved address (allow it with "
-                    "WORKER_SOURCES__ALLOWED_HOSTS)",
+                    f"{env_name('sources', 'allowed_hosts')})",
                     kind="address_refused",
                 )
     return addresses

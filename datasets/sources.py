@@ -31,6 +31,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from config.errors import PermanentError, RetryableRead, TransientError
+from config.names import env_name
 from config.redact import redact_url
 from datasets.budget import Admit, Reading
 from datasets.deadline import Cutoff
@@ -43,6 +44,7 @@ _THROTTLED_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLim
 _CHUNK_BYTES = 1024 * 1024
 _BACKOFF_BASE_S = {"throttled": 0.2, "unavailable": 0.05}
 _BACKOFF_MAX_S = 5.0
+_FILE_ROOTS = env_name("sources", "file_roots")
 
 
 @dataclass(frozen=True)
@@ -323,7 +325,7 @@ def _read_file(uri: str, config: SourceConfig, admit: Admit) -> bytes:
     shown = redact_url(uri)
     if not config.file_roots:
         raise PermanentError(
-            f"{shown}: file:// is off (WORKER_SOURCES__FILE_ROOTS is empty)", kind="file_refused"
+            f"{shown}: file:// is off ({_FILE_ROOTS} is empty)", kind="file_refused"
         )
     if parts.netloc not in ("", "localhost"):
         raise PermanentError(f"{shown}: file:// on another host is refused", kind="file_refused")
@@ -331,16 +333,12 @@ def _read_file(uri: str, config: SourceConfig, admit: Admit) -> bytes:
         path = os.path.realpath(unquote(parts.path))
         roots = _roots(config)
         if not any(_inside(path, root) for root in roots):
-            raise PermanentError(
-                f"{shown}: not under WORKER_SOURCES__FILE_ROOTS", kind="file_refused"
-            )
+            raise PermanentError(f"{shown}: not under {_FILE_ROOTS}", kind="file_refused")
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         opened = os.readlink(f"/proc/self/fd/{fd}")  # what was opened, after any swap
         if not any(_inside(opened, root) for root in roots):
             os.close(fd)
-            raise PermanentError(
-                f"{shown}: not under WORKER_SOURCES__FILE_ROOTS", kind="file_refused"
-            )
+            raise PermanentError(f"{shown}: not under {_FILE_ROOTS}", kind="file_refused")
     except FileNotFoundError:
         raise PermanentError(f"{shown} does not exist", kind="object_missing") from None
     except (OSError, ValueError) as error:
