@@ -26,19 +26,26 @@ import nats
 import structlog
 from nats.js import JetStreamContext
 
-from config.errors import Failure, InvalidTask, ResultRefused, ResultsUnavailable, Undeliverable
+from config.errors import (
+    ErrorKind,
+    Failure,
+    InvalidTask,
+    ResultRefused,
+    ResultsUnavailable,
+    Undeliverable,
+)
 from config.redact import scrub, shorten
 from config.settings import NatsSettings
 from worker.outcome import Outcome
 from worker.ports import Delivery
 from worker.results import ResultStore, unavailable
-from worker.schemas import Task, invalid_task, make_result, parse_task
+from worker.schemas import Task, invalid_task, make_result, parse_task, subject_pipeline
 
 log = structlog.get_logger(__name__)
 _STORE_RETRY_FIRST_S = 0.2
 _STORE_RETRY_MAX_S = 5.0
 _HEADER_VALUE_CHARS = 1000
-EXHAUSTED_KIND = "deliveries_exhausted"
+EXHAUSTED_KIND: ErrorKind = "deliveries_exhausted"
 
 
 def backoff_s(delivered: int, base_s: float, max_s: float) -> float:
@@ -61,7 +68,7 @@ def read_task(data: bytes, subject: str) -> Read:
     except Undeliverable as error:
         return Read(None, dead_letter_reason=str(error))
     except InvalidTask as error:
-        return Read(invalid_task(error), error.failure())
+        return Read(invalid_task(error, subject_pipeline(subject)), error.failure())
 
 
 @dataclass
