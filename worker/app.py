@@ -154,6 +154,7 @@ class WorkerApp:
         )
         metrics.registry.register(ReadsCollector(engine.reads, lambda: dict(engine.read_retries)))
         settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
+        settler.already_stored = metrics.results_already_stored.inc
         services = Services(
             source=feed,
             store=store,
