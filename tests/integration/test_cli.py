@@ -91,7 +91,16 @@ def test_check_says_ready_or_names_each_problem(settings_for, nats_server):
     assert "hunter2" not in broken.stderr + broken.stdout
 
 
-@pytest.mark.parametrize("command", [["provision"], ["results", "--job", "j"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["provision"],
+        ["results", "--job", "j"],
+        ["submit", "--job", "j", "s3://b/k.jpg"],
+        ["submit", "--job", "j", "--wait", "s3://b/k.jpg"],
+        ["watch", "--job", "j"],
+    ],
+)
 def test_a_command_that_cannot_reach_nats_says_so_in_one_line_and_exits_1(
     settings_for, nats_server, command
 ):
