@@ -9,7 +9,8 @@ from pipelines.models import save_detector
 
 
 def test_the_bytes_cap_counts_the_largest_image_a_detector_pipeline_can_load(tmp_path):
-    from config.settings import load_settings, max_held_tasks
+    from config.derived import max_held_tasks
+    from config.settings import load_settings
     from pipelines.setup import choose
 
     weights = save_detector("fasterrcnn_mobilenet_v3_large_fpn", ["moth"], str(tmp_path))
