@@ -161,4 +161,5 @@ async def test_sigterm_mid_job_finishes_the_batch_gives_back_the_rest_and_exits_
     assert len(given_back) == len(tasks) - len(partial)
     assert until_gone(tree) == []
     assert sorted(r["task_id"] for r in results) == sorted(t.id for t in tasks)
-    assert max(r["attempt"] for r in results) <= 2
+    # At most: the drained worker's delivery, this test's take-back, the next worker's.
+    assert max(r["attempt"] for r in results) <= 3
