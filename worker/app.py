@@ -210,7 +210,13 @@ class WorkerApp:
         started, runner = await asyncio.gather(
             loop.run_in_executor(self.engine_thread, loader.start),
             in_daemon_thread(
-                load_runner, chosen.pipeline, sources, device, chosen.output, s.model.precision
+                load_runner,
+                chosen.pipeline,
+                sources,
+                device,
+                chosen.limits,
+                chosen.response_format,
+                s.model.precision,
             ),
             return_exceptions=True,
         )

@@ -16,7 +16,7 @@ from pipelines.architectures import build_classifier
 from pipelines.declare import Classifier, Pipeline, Preprocess
 from pipelines.models import ClassifierModel, fold_batch_norms, save_classifier
 from pipelines.registry import resolve
-from pipelines.runner import Output, load_runner
+from pipelines.runner import load_runner
 from worker.commands.demo_images import image_bytes
 
 _MEAN = torch.tensor((0.485, 0.456, 0.406)).view(1, 3, 1, 1) * 255.0
@@ -84,7 +84,7 @@ def test_an_exported_classifier_is_served_without_code(tmp_path):
     stage = Classifier(
         "exported", architecture="exported", weights=str(path), preprocess=Preprocess(size=32)
     )
-    runner = load_runner(Pipeline("exported", classifier=stage), SourceConfig(), "cpu", Output())
+    runner = load_runner(Pipeline("exported", classifier=stage), SourceConfig(), "cpu")
     assert runner.classifier is not None
 
     images = torch.randint(0, 256, (5, 3, 32, 32), dtype=torch.uint8)
@@ -102,7 +102,7 @@ def test_weights_that_do_not_fit_the_architecture_are_refused_with_the_stage(tmp
     weights = save_classifier("resnet18", ["a", "b"], str(tmp_path))
     stage = Classifier("species", architecture="mobilenet_v3_small", weights=weights)
     with pytest.raises(Exception, match="do not fit stage 'species'"):
-        load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu", Output())
+        load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu")
 
 
 @pytest.mark.parametrize(
@@ -112,7 +112,7 @@ def test_weights_that_do_not_fit_the_architecture_are_refused_with_the_stage(tmp
 def test_every_built_in_classifier_loads_its_saved_weights_and_classifies(tmp_path, architecture):
     weights = save_classifier(architecture, ["a", "b"], str(tmp_path))
     stage = Classifier("c", architecture=architecture, weights=weights, preprocess=Preprocess(32))
-    runner = load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu", Output())
+    runner = load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu")
     (detections,) = runner.run([decode(image_bytes(64, 48, seed=1), DecodePlan(size=32))])
     assert detections[0]["classifications"][0]["classification"] in ("a", "b")
 
@@ -124,12 +124,12 @@ def test_a_filter_keeping_a_label_it_does_not_have_is_refused_at_load(toy):
     assert pipeline.filter is not None
     broken = replace(pipeline, filter=replace(pipeline.filter, keep=("moth",)))
     with pytest.raises(ConfigError, match="keeps labels it does not have"):
-        load_runner(broken, SourceConfig(), "cpu", Output())
+        load_runner(broken, SourceConfig(), "cpu")
 
 
 def test_a_classifier_whose_output_does_not_fit_its_labels_fails_the_start(toy):
     stage = Classifier("c", architecture=toy.seeded_classifier, labels=("a", "b"))
     wrong = Classifier("c", architecture=lambda _n: toy.seeded_classifier(5), labels=("a", "b"))
-    load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu", Output())
+    load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu")
     with pytest.raises(ConfigError, match=r"logits of shape \(2, 5\) for 2 images and 2 labels"):
-        load_runner(Pipeline("p", classifier=wrong), SourceConfig(), "cpu", Output())
+        load_runner(Pipeline("p", classifier=wrong), SourceConfig(), "cpu")

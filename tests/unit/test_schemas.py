@@ -174,6 +174,15 @@ def test_an_invalid_url_is_named_without_its_query_string():
     assert "SECRETSIG" not in str(invalid.value) and "AKIA" not in str(invalid.value)
 
 
+@pytest.mark.parametrize(
+    ("subject", "pipeline"),
+    [("tasks.moths.j", "moths"), ("tasks.orders", "orders"), ("elsewhere", "")],
+)
+def test_a_task_knows_the_pipeline_its_subject_names(subject, pipeline):
+    data = json.dumps({"id": "t", "job_id": "j", "image_id": "i", "image_url": "s3://b/k"})
+    assert parse_task(data.encode(), subject).pipeline == pipeline
+
+
 def test_total_time_is_the_tasks_time_not_a_sum_of_overlapping_timings():
     task = Task("t", "j", "i", "s3://b/k")
     result = make_result(

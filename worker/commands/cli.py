@@ -14,6 +14,7 @@ from typing import Any
 
 from config.errors import TransientError
 from config.logging import configure_logging
+from config.names import env_name
 from config.settings import ConfigError, Settings, load_settings
 from worker.exits import ExitReason
 
@@ -25,7 +26,7 @@ EXIT_CONFIG = 2
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inference-worker", description=__doc__)
-    parser.add_argument("--log-level", default=os.environ.get("WORKER_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=os.environ.get(env_name("log_level"), "INFO"))
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
         "run", help="run the worker until SIGTERM/SIGINT (settings from env/.env)"
@@ -39,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("demo", help="a whole job on local servers, with a report; cleans up")
     submit = commands.add_parser("submit", help="publish one task per image for a job")
     submit.add_argument("--job", required=True, help="job id")
-    submit.add_argument("--pipeline", help="pipeline (default: WORKER_MODEL__PIPELINE)")
+    submit.add_argument("--pipeline", help=f"pipeline (default: {env_name('model', 'pipeline')})")
     submit.add_argument("uris", nargs="*", help="image URIs, or one s3://bucket/prefix/ to list")
     submit.add_argument(
         "--wait", action="store_true", help="then follow the job as `watch` does (exit 0/10/11)"

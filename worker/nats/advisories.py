@@ -20,7 +20,14 @@ from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
-from config.errors import Failure, InvalidTask, ResultRefused, ResultsUnavailable, Undeliverable
+from config.errors import (
+    ErrorKind,
+    Failure,
+    InvalidTask,
+    ResultRefused,
+    ResultsUnavailable,
+    Undeliverable,
+)
 from config.settings import NatsSettings
 from worker.nats.subjects import advisory_consumer
 from worker.outcome import Outcome
@@ -28,7 +35,7 @@ from worker.schemas import invalid_task, parse_task
 from worker.settle import Settler, backoff_s
 
 log = structlog.get_logger(__name__)
-EXHAUSTED_KIND = "deliveries_exhausted"
+EXHAUSTED_KIND: ErrorKind = "deliveries_exhausted"
 POISON_ATTEMPTS = 10  # an advisory that fails this often for reasons of its own is dropped
 _FAILURES_KEPT = 1000
 
