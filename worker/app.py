@@ -106,7 +106,8 @@ def in_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
 
 
 class WorkerApp:
-    """One worker process's parts. ``start`` -> ``run(stop)`` -> ``close``.
+    """One worker process's parts. ``start`` -> ``run(stop)`` -> ``close``, driven by
+    ``worker.serve.Server`` (signals, the run directory, the process's exit code).
 
     ``start`` reads as the process map: the engine (model on the engine thread, the loader
     and its children), the transport (NATS connection, streams, the consumer), the health
@@ -154,7 +155,7 @@ class WorkerApp:
         )
         metrics.registry.register(ReadsCollector(engine.reads, lambda: dict(engine.read_retries)))
         settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
-        settler.already_stored = metrics.results_already_stored.inc
+        settler.completed_twice = metrics.results_already_stored.inc
         services = Services(
             source=feed,
             store=store,

@@ -120,7 +120,7 @@ class RefusingStore(FakeStore):
 async def test_a_second_completion_of_a_task_is_counted_and_acked_and_its_result_not_written():
     doubled: list[None] = []
     rules = settler(RefusingStore(), FakeJetStream())
-    rules.already_stored = lambda: doubled.append(None)
+    rules.completed_twice = lambda: doubled.append(None)
     msg = FakeMsg()
     assert await rules.settle(TASK, msg, 1, Outcome(detections=[])) == "ok"
     assert msg.actions == ["ack"] and doubled == [None]
@@ -129,7 +129,29 @@ async def test_a_second_completion_of_a_task_is_counted_and_acked_and_its_result
 async def test_our_own_write_found_stored_on_a_retry_is_not_a_second_completion():
     doubled: list[None] = []
     rules = settler(RefusingStore(unconfirmed=1), FakeJetStream(), store_retry_s=2.0)
-    rules.already_stored = lambda: doubled.append(None)
+    rules.completed_twice = lambda: doubled.append(None)
     msg = FakeMsg()
     assert await rules.settle(TASK, msg, 1, Outcome(detections=[])) == "ok"
     assert msg.actions == ["ack"] and doubled == []
+
+
+TASK_BYTES = b'{"id": "t", "job_id": "j", "image_id": "i", "image_url": "s3://b/k.jpg"}'
+
+
+async def test_a_task_whose_deliveries_ran_out_with_its_worker_gets_one_error_result():
+    store = FakeStore()
+    done = await settler(store, FakeJetStream()).exhausted(TASK_BYTES, "tasks.p", 7, 5)
+    assert done
+    ((result,),) = [store.stored]
+    assert result["task_id"] == "t" and result["attempt"] == 5
+    assert result["error"]["type"] == "deliveries_exhausted"
+    assert "all 5 deliveries ended without a result" in result["error"]["message"]
+
+
+async def test_an_exhausted_message_without_ids_is_dead_lettered_and_an_outage_asks_again():
+    store, js = FakeStore(), FakeJetStream()
+    assert await settler(store, js).exhausted(b"not json", "tasks.p", 7, 5)
+    assert [subject for subject, _, _ in js.published] == ["dead.tasks"] and store.stored == []
+    down = FakeStore(unavailable=True)
+    assert not await settler(down, FakeJetStream()).exhausted(TASK_BYTES, "tasks.p", 7, 5)
+    assert not await settler(store, FakeJetStream(fail=True)).exhausted(b"x", "tasks.p", 7, 5)
