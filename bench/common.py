@@ -265,7 +265,7 @@ def run_benchmark(name: str, run: Any) -> tuple[dict[str, Any], Path, bool]:
     args = parser.parse_args()
     if args.smoke:
         args.images, args.tasks, args.runs = SMOKE["images"], SMOKE["tasks"], SMOKE["runs"]
-    result = asyncio.run(run(args.images, args.tasks, args.runs))
+    result = asyncio.run(run(args.images, args.tasks, args.runs, args.smoke))
     result["command"] = " ".join(["python -m", f"bench.{name}", *sys.argv[1:]])
     result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     path = save(name, result)

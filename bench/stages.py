@@ -16,10 +16,10 @@ from bench.outcomes import refusing
 from bench.throughput import SIZES, stages
 
 
-async def run(images: int, tasks: int, runs: int) -> dict[str, Any]:
+async def run(images: int, tasks: int, runs: int, smoke: bool = False) -> dict[str, Any]:
     with world() as w:
         uris = cycle(upload(w.s3.client(), "throughput", SIZES, images), tasks)
-        return await stages(w, uris, images, tasks, runs)
+        return await stages(w, uris, images, tasks, runs, smoke)
 
 
 @refusing

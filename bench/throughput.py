@@ -184,7 +184,9 @@ async def end_to_end(
     return {"images_per_s": median(rates)}
 
 
-async def stages_and_worker(w: World, uris: list[str], runs: int) -> dict[str, Any]:
+async def stages_and_worker(
+    w: World, uris: list[str], runs: int, overhead_jobs: int = 30
+) -> dict[str, Any]:
     """The loader alone (by each path of ``PATHS``), the model alone and the worker end to
     end, interleaved round by round, so that a machine whose speed drifts (shared cores) skews
     them alike; the ratio is taken per round, then the median. Every stage counts its outcomes
@@ -217,7 +219,7 @@ async def stages_and_worker(w: World, uris: list[str], runs: int) -> dict[str, A
                         worker_s = await run_job(js, settings, f"tp-{run}", uris)
                     if run:
                         rounds.append(one_round(n, seconds, model_s, worker_s))
-                overhead = await per_job_overhead(js, settings, uris[0])
+                overhead = await per_job_overhead(js, settings, uris[0], overhead_jobs)
     images = n * runs
     return {
         "rounds": rounds,
@@ -256,7 +258,9 @@ def one_round(
     return row
 
 
-async def run_job(js: Any, settings: NatsSettings, job: str, uris: list[str]) -> float:
+async def run_job(
+    js: Any, settings: NatsSettings, job: str, uris: list[str], pipeline: str = PIPELINE
+) -> float:
     """Seconds from the first publish to the arrival of the job's last result;
     ``BenchmarkFailed`` unless every task's result is ``ok``."""
     done: asyncio.Future[float] = asyncio.get_running_loop().create_future()
@@ -274,8 +278,8 @@ async def run_job(js: Any, settings: NatsSettings, job: str, uris: list[str]) ->
     sub = await js._nc.subscribe(job_results_subject(job), cb=on_result)
     try:
         started = time.perf_counter()
-        await publish_tasks(js, settings, PIPELINE, make_tasks(job, uris))
-        elapsed = await asyncio.wait_for(done, 600) - started
+        await publish_tasks(js, settings, pipeline, make_tasks(job, uris))
+        elapsed = await asyncio.wait_for(done, 1800) - started
     finally:
         await sub.unsubscribe()
     outcomes.check(len(uris))
@@ -283,9 +287,16 @@ async def run_job(js: Any, settings: NatsSettings, job: str, uris: list[str]) ->
 
 
 def count(outcomes: Outcomes, result: dict[str, Any]) -> None:
-    """One stored result counted: ``ok`` with a response, or the error it carries."""
-    if result.get("status") == "ok" and result.get("response") is not None:
+    """One stored result counted: ``ok`` with detections in its response (or in the object
+    a response too large for a message went to), or the error it carries."""
+    response = result.get("response")
+    if result.get("status") == "ok" and (
+        (response is not None and response.get("detections"))
+        or (response is None and result.get("response_object"))
+    ):
         outcomes.good()
+    elif result.get("status") == "ok":
+        outcomes.bad("no_detections", f"an ok result with no detections: {str(result)[:200]}")
     else:
         error = result.get("error") or {}
         outcomes.bad(str(error.get("kind", "not_ok")), str(error.get("message", result))[:300])
@@ -381,7 +392,9 @@ def chart(result: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-async def stages(w: World, uris: list[str], images: int, tasks: int, runs: int) -> dict[str, Any]:
+async def stages(
+    w: World, uris: list[str], images: int, tasks: int, runs: int, smoke: bool = False
+) -> dict[str, Any]:
     """The run's settings and the stages' figures (``bench.stages`` stops here)."""
     result: dict[str, Any] = {
         "machine": machine(),
@@ -391,17 +404,17 @@ async def stages(w: World, uris: list[str], images: int, tasks: int, runs: int) 
         "batch_size": BATCH,
         "loader_workers": WORKERS,
     }
-    result.update(await stages_and_worker(w, uris, runs))
+    result.update(await stages_and_worker(w, uris, runs, 3 if smoke else 30))
     return result
 
 
-async def run(images: int, tasks: int, runs: int) -> dict[str, Any]:
+async def run(images: int, tasks: int, runs: int, smoke: bool = False) -> dict[str, Any]:
     with world() as w:
         distinct = upload(w.s3.client(), "throughput", SIZES, images)
         uris = cycle(distinct, tasks)
         uris_file = w.workdir / "uris.json"
         uris_file.write_text(json.dumps(distinct))
-        result = await stages(w, uris, images, tasks, runs)
+        result = await stages(w, uris, images, tasks, runs, smoke)
         result["patterns"] = {}
         for name in ("fork_rebuilt", "no_workers", "forkserver_rebuilt"):
             runs_of = [
