@@ -416,7 +416,8 @@ async def run(images: int, tasks: int, runs: int, smoke: bool = False) -> dict[s
         uris_file.write_text(json.dumps(distinct))
         result = await stages(w, uris, images, tasks, runs, smoke)
         result["patterns"] = {}
-        for name in ("fork_rebuilt", "no_workers", "forkserver_rebuilt"):
+        names = ["fork_rebuilt", "no_workers", "forkserver_rebuilt"]
+        for name in names[:1] if smoke else names:  # the smoke: one pattern's outcomes
             runs_of = [
                 pattern(w, name, str(uris_file), len(distinct))
                 for _ in range(min(runs, PATTERN_RUNS))  # minutes each; three are plenty

@@ -70,6 +70,8 @@ class Shape:
     torch_threads: int
     batch: int
     classifier: str = CLASSIFIER
+    detector_min_size: int = 800  # torchvision's defaults: shorter side 800, longer <= 1333
+    detector_max_size: int = 1333
 
 
 def declare(workdir: Path, shape: Shape) -> tuple[Path, dict[str, str]]:
@@ -91,6 +93,8 @@ architecture = "{DETECTOR}"
 weights = "{weights["detector"]}"
 score_threshold = 0.0
 max_detections = {shape.boxes}
+min_size = {shape.detector_min_size}
+max_size = {shape.detector_max_size}
 
 [filter]
 key = "binary"
@@ -185,6 +189,8 @@ def ami(w: World, uris: list[str], weights: dict[str, str], shape: Shape) -> dic
         "species_weights": weights["species"],
         "species": shape.species,
         "boxes": shape.boxes,
+        "detector_min_size": shape.detector_min_size,
+        "detector_max_size": shape.detector_max_size,
         "size": CROP_SIZE,
         "runs": shape.runs,
         "torch_threads": shape.torch_threads,
@@ -343,6 +349,7 @@ def main() -> None:
         args.torch_threads,
         args.batch,
         classifier,
+        *((320, 576) if args.smoke else ()),
     )
     result: dict[str, Any] = {
         "machine": machine(),

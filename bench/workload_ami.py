@@ -63,6 +63,8 @@ def load(config: dict[str, Any]) -> tuple[torch.nn.Module, torch.nn.Module, torc
         2,
         box_score_thresh=0.0,
         box_detections_per_img=config["boxes"],
+        min_size=config["detector_min_size"],
+        max_size=config["detector_max_size"],
     )
     detector.load_state_dict(torch.load(config["detector_weights"], weights_only=True))
     binary = build_classifier(config["classifier_architecture"], 2)

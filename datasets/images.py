@@ -179,13 +179,28 @@ def _square(image: Image.Image, data: bytes, plan: DecodePlan) -> np.ndarray:
     width, height = resized_size(image.size, plan.size, plan.resize)
     if plan.exact or not _reducible(image, width, height):
         return resize_square(_full(image, data), plan.size, plan.resize).numpy()
-    image.draft("RGB", (DRAFT_MARGIN * width, DRAFT_MARGIN * height))
+    drafted = image.draft("RGB", (DRAFT_MARGIN * width, DRAFT_MARGIN * height))
+    if drafted is None:  # the decoder would not take a scale: decode it whole
+        return resize_square(_full(image, data), plan.size, plan.resize).numpy()
+    # The reduced image covers the source's (W / scale) x (H / scale) pixels, which libjpeg
+    # rounds up to whole ones: resize by that true scale, not by the rounded size, so the
+    # output's pixels sit where the reference's do.
+    _, (_, _, reduced_width, reduced_height) = drafted
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only array: only read
         pixels = torch.from_numpy(np.asarray(image.convert("RGB"))).permute(2, 0, 1)
-    # Channels-last in, as torchvision's uint8 antialiased kernel prefers; the same output
-    # size and crop as the reference's Resize (and CenterCrop).
-    square = F.resize(pixels, [height, width], antialias=True)
+    # Channels-last uint8 in, as torch's antialiased kernel prefers (torchvision's Resize
+    # calls the same kernel); the same output size and crop as the reference's.
+    square = torch.nn.functional.interpolate(
+        pixels[None],
+        scale_factor=(height / reduced_height, width / reduced_width),
+        mode="bilinear",
+        antialias=True,
+        align_corners=False,
+        recompute_scale_factor=False,
+    )[0]
+    if tuple(square.shape[-2:]) != (height, width):  # never seen; the reference's size wins
+        square = F.resize(pixels, [height, width], antialias=True)
     if plan.resize == "shorter_crop":
         square = F.center_crop(square, [plan.size, plan.size])
     return np.ascontiguousarray(square.numpy())

@@ -55,6 +55,10 @@ def test_defaults_match_the_spec(monkeypatch, weights):
         ({"loader": {"num_workers": -1}}, ["WORKER_LOADER__NUM_WORKERS"]),
         ({"model": {"device": "tpu"}}, ["WORKER_MODEL__DEVICE"]),
         ({"s3": {"read_timeout_s": 50}}, ["WORKER_S3__READ_TIMEOUT_S", "WORKER_LOADER__TIMEOUT_S"]),
+        (
+            {"loader": {"fast_decode": True, "exact_decode": True}},
+            ["WORKER_LOADER__FAST_DECODE", "WORKER_LOADER__EXACT_DECODE"],
+        ),
     ],
 )
 def test_impossible_settings_are_refused_naming_the_fields(weights, overrides, names):
