@@ -8,11 +8,12 @@ boxes can be reported in source pixels.
 Three ways to make a classifier's square (README, "Preprocessing"):
 
 - ``reduced`` (the default): a JPEG decoded at the smallest of libjpeg's DCT scales (1/2, 1/4,
-  1/8, through PIL's ``draft``) that still leaves ``DRAFT_MARGIN`` source pixels per output
-  pixel on each side, then torchvision's antialiased resize to the same output size and crop
-  as the reference: within a mean 0.2 / max 3 (0-255) of it on camera-trap-like 4K JPEGs, for
-  about the fast path's CPU (BENCHMARKS.md, "Preprocessing"). An image too small to reduce
-  takes the exact path, and so gives the reference's pixels;
+  1/8, through PIL's ``draft``) that still leaves ``DRAFT_MARGIN`` (2) source pixels per
+  output pixel on each side (``FINE_MARGIN``, 4, where that costs no finer scale than 1/4),
+  then the reference's antialiased bilinear resize by the true scale, and its crop: within a
+  mean 0.2-0.4 (0-255) of the reference on camera-trap-like 4K JPEGs, for about the fast
+  path's CPU (BENCHMARKS.md, "Preprocessing"). An image too small to reduce takes the exact
+  path, and so gives the reference's pixels;
 - ``exact``: the reference: the image decoded whole and resized by torchvision, as
   torchvision's ``Resize``/``CenterCrop`` do in training;
 - ``fast``: the old fast path: reduced-scale decode to just the output size, PIL's resize.
@@ -45,9 +46,11 @@ from config.errors import PermanentError
 DECODERS = ("JPEG", "PNG")
 SUPPORTED_FORMATS = frozenset({"JPEG", "MPO", "PNG"})
 MAX_PIXELS = 64_000_000
-# The reduced path's JPEG scale leaves at least this many source pixels per output pixel on
-# each side (2: within 0.2 of the reference on average; 4 halves that, for ~20% more CPU).
+# The reduced path's JPEG scale leaves at least DRAFT_MARGIN source pixels per output pixel on
+# each side, and FINE_MARGIN where that still allows 1/4 or less: decoding at 1/4 costs
+# little more than at 1/8 (entropy decoding dominates), at 1/2 about a third more.
 DRAFT_MARGIN = 2
+FINE_MARGIN = 4
 
 
 @dataclass(frozen=True)
@@ -179,7 +182,8 @@ def _square(image: Image.Image, data: bytes, plan: DecodePlan) -> np.ndarray:
     width, height = resized_size(image.size, plan.size, plan.resize)
     if plan.exact or not _reducible(image, width, height):
         return resize_square(_full(image, data), plan.size, plan.resize).numpy()
-    drafted = image.draft("RGB", (DRAFT_MARGIN * width, DRAFT_MARGIN * height))
+    margin = FINE_MARGIN if _room(image, width, height, FINE_MARGIN) >= 4 else DRAFT_MARGIN
+    drafted = image.draft("RGB", (margin * width, margin * height))
     if drafted is None:  # the decoder would not take a scale: decode it whole
         return resize_square(_full(image, data), plan.size, plan.resize).numpy()
     # The reduced image covers the source's (W / scale) x (H / scale) pixels, which libjpeg
@@ -223,8 +227,12 @@ def _reducible(image: Image.Image, width: int, height: int) -> bool:
     decode it at 1/2 or less and still leave the margin."""
     if image.format not in ("JPEG", "MPO"):
         return False
-    room = min(image.width // (DRAFT_MARGIN * width), image.height // (DRAFT_MARGIN * height))
-    return room >= 2
+    return _room(image, width, height, DRAFT_MARGIN) >= 2
+
+
+def _room(image: Image.Image, width: int, height: int, margin: int) -> int:
+    """How many times the source holds ``margin`` x the output on its tighter side."""
+    return min(image.width // (margin * width), image.height // (margin * height))
 
 
 def _fast_square(image: Image.Image, plan: DecodePlan) -> np.ndarray:
