@@ -14,7 +14,7 @@ from config.errors import InvalidTask, ResultsUnavailable, Undeliverable
 from worker.claims import Claim, Claims, best_effort
 from worker.outcome import Outcome
 from worker.ports import Delivery, DeliveryRules, Results
-from worker.schemas import Task, invalid_task, parse_task
+from worker.schemas import Task, invalid_task, parse_task, subject_pipeline
 
 log = structlog.get_logger(__name__)
 
@@ -43,7 +43,7 @@ class Admission:
             await self._settler.dead_letter(msg, str(error))
             return None
         except InvalidTask as error:
-            task = invalid_task(error)
+            task = invalid_task(error, subject_pipeline(msg.subject))
             await self._settler.settle(task, msg, delivered, Outcome(failure=error.failure()))
             return None
         if delivered > 1 and await self._already_stored(msg, task):
