@@ -226,7 +226,7 @@ async def measured(shape: Shape) -> dict[str, Any]:
     from bench.throughput import nats_settings, run_job
     from datasets.sources import SourceConfig
     from pipelines.registry import resolve
-    from pipelines.runner import Output, decode_plan, load_runner
+    from pipelines.runner import DeviceLimits, decode_plan, load_runner
     from worker.nats.connection import connect
     from worker.nats.provision import provision
 
@@ -236,7 +236,9 @@ async def measured(shape: Shape) -> dict[str, Any]:
         uris = upload_scenes(w, shape)
         plan = decode_plan(pipeline, 4096, fast=False)
         torch.set_num_threads(shape.torch_threads)
-        runner = load_runner(pipeline, SourceConfig(), "cpu", Output(detector_batch=shape.batch))
+        runner = load_runner(
+            pipeline, SourceConfig(), "cpu", DeviceLimits(detector_batch=shape.batch)
+        )
         settings = nats_settings(w)
         nc = await connect(settings)
         js = nc.jetstream()
