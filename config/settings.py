@@ -160,8 +160,14 @@ class LoaderSettings(BaseModel):
     )
     fast_decode: bool = Field(
         False,
-        description="classifier-only pipelines: reduced-scale JPEG decode and PIL resize instead "
-        "of full decode and torchvision's resize (README, Preprocessing: it changes labels)",
+        description="classifier-only pipelines: JPEG decoded at a reduced scale down to about the "
+        "input size, then PIL's resize (README, Preprocessing: it changes labels)",
+    )
+    exact_decode: bool = Field(
+        False,
+        description="classifier-only pipelines: the reference preprocessing, full decode then "
+        "torchvision's resize; by default a JPEG is decoded at a reduced scale that leaves twice "
+        "the input size, then resized by torchvision (README, Preprocessing)",
     )
     max_consecutive_failures: int = Field(
         3, description="loader timeouts/deaths in a row before the process exits (code 3)"

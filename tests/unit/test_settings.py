@@ -71,6 +71,10 @@ def test_defaults_match_the_spec(monkeypatch, weights):
             {"health": {"watchdog_timeout_s": 300}},  # not before the ack wait (300 s)
             ["WORKER_HEALTH__WATCHDOG_TIMEOUT_S", "WORKER_NATS__ACK_WAIT_S"],
         ),
+        (
+            {"loader": {"fast_decode": True, "exact_decode": True}},
+            ["WORKER_LOADER__FAST_DECODE", "WORKER_LOADER__EXACT_DECODE"],
+        ),
     ],
 )
 def test_impossible_settings_are_refused_naming_the_fields(weights, overrides, names):
