@@ -343,6 +343,11 @@ class Settings(BaseSettings):
         ge=0,
         description="this process's number among its siblings (supervisord's process_num)",
     )
+    run_dir: str = Field(
+        "",
+        description="where each process keeps its temporary files, under process-<index>; "
+        "empty: <system temp dir>/inference-worker",
+    )
 
     @model_validator(mode="after")
     def _fits_together(self) -> Settings:

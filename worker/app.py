@@ -106,7 +106,8 @@ def in_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
 
 
 class WorkerApp:
-    """One worker process's parts. ``start`` -> ``run(stop)`` -> ``close``.
+    """One worker process's parts. ``start`` -> ``run(stop)`` -> ``close``, driven by
+    ``worker.serve.Server`` (signals, the run directory, the process's exit code).
 
     ``start`` reads as the process map: the engine (model on the engine thread, the loader
     and its children), the transport (NATS connection, streams, the consumer), the health
