@@ -222,7 +222,8 @@ def _s3_attempt(
     from botocore import exceptions as boto
 
     try:
-        return _s3_get(bucket, key, shown, config, max_bytes, reading, cutoff)
+        response = s3_client(config).get_object(Bucket=bucket, Key=key)
+        return _s3_body(response, shown, max_bytes, reading, cutoff)
     except boto.ParamValidationError as error:
         raise PermanentError(f"invalid S3 location {shown}: {error}", kind="invalid_uri") from None
     except boto.ClientError as error:
@@ -253,17 +254,10 @@ def _s3_attempt(
         ) from None
 
 
-def _s3_get(
-    bucket: str,
-    key: str,
-    shown: str,
-    config: SourceConfig,
-    max_bytes: int | None,
-    reading: Reading,
-    cutoff: Cutoff,
+def _s3_body(
+    response: Mapping[str, Any], shown: str, max_bytes: int | None, reading: Reading, cutoff: Cutoff
 ) -> bytes:
-    """The object's bytes: its size checked and admitted before the body is read."""
-    response = s3_client(config).get_object(Bucket=bucket, Key=key)
+    """A GET's body: its size checked and admitted before it is read."""
     declared = response.get("ContentLength")
     size = int(declared) if declared is not None else (max_bytes or 0)
     body = response["Body"]
