@@ -320,10 +320,11 @@ class FaultSettings(BaseModel):
         description="testing only: the first process to create this file wedges its engine "
         "thread at its next batch (see WORKER_FAULTS__WEDGE_MODE)",
     )
-    wedge_mode: Literal["gil", "sleep"] = Field(
+    wedge_mode: Literal["gil", "sleep", "raise"] = Field(
         "gil",
         description="testing only: gil = spin holding the GIL (only the watchdog can act), "
-        "sleep = block without it (/healthz reports the stall)",
+        "sleep = block without it (/healthz reports the stall), raise = fail the batch with "
+        "an unexpected error (a part of the worker failed: exit 1)",
     )
 
 

@@ -155,6 +155,7 @@ class WorkerApp:
         )
         metrics.registry.register(ReadsCollector(engine.reads, lambda: dict(engine.read_retries)))
         settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
+        settler.completed_twice = metrics.results_already_stored.inc
         services = Services(
             source=feed,
             store=store,
