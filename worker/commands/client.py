@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import urlsplit
 
 import nats
 from nats.js import JetStreamContext, api
@@ -16,23 +17,47 @@ from nats.js import JetStreamContext, api
 from config.settings import NatsSettings
 from worker.nats.subjects import job_results_subject, job_tasks_subject
 from worker.results import response_of
-from worker.schemas import Task, subject_token
+from worker.schemas import MAX_ID_BYTES, Task, subject_token
 
 _READ_BATCH = 256
 _PUBLISH_WINDOW = 64
 
 
+def task_id(uri: str, repeat: int = 1) -> str:
+    """A submitted task's id, from its URI alone, so submitting a job again (a prefix listed
+    again after more objects arrived) names every object's task as before and the stream drops
+    the copies: the URI itself; ``n:`` before it for the n-th time one submission names the
+    same URI (a URI's scheme starts with a letter, so no URI reads so); ``sha256-`` and the
+    hex digest of that when it is over the id cap (MAX_ID_BYTES)."""
+    text = uri if repeat == 1 else f"{repeat}:{uri}"
+    if len(text.encode("utf-8", "surrogatepass")) <= MAX_ID_BYTES:
+        return text
+    return "sha256-" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def image_name(uri: str) -> str:
+    """The last segment of the URI's key or path (an S3 key taken whole: ``#`` and ``?`` are
+    part of it)."""
+    s3 = uri.startswith("s3://")
+    path = uri[len("s3://") :].partition("/")[2] if s3 else urlsplit(uri).path
+    return path.rsplit("/", 1)[-1]
+
+
 def make_tasks(job_id: str, uris: Iterable[str]) -> list[Task]:
+    """One task per URI; its id follows from the URI (``task_id``), never from its position."""
     tasks = []
+    seen: Counter[str] = Counter()
     for index, uri in enumerate(uris):
-        image_id = urlparse(uri).path.rsplit("/", 1)[-1] or f"image-{index}"
-        tasks.append(Task(f"{job_id}-{index:06d}", job_id, image_id, uri))
+        seen[uri] += 1
+        image_id = image_name(uri) or f"image-{index}"
+        tasks.append(Task(task_id(uri, seen[uri]), job_id, image_id, uri))
     return tasks
 
 
 def list_s3_prefix(s3_client: Any, uri: str) -> list[str]:
-    parsed = urlparse(uri)
-    bucket, prefix = parsed.netloc, parsed.path.lstrip("/")
+    """Every object under ``s3://bucket/prefix`` as an ``s3://`` URI, sorted (keys as they
+    are, ``#`` and ``?`` included)."""
+    bucket, _, prefix = uri[len("s3://") :].partition("/")
     uris: list[str] = []
     for page in s3_client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         uris.extend(f"s3://{bucket}/{obj['Key']}" for obj in page.get("Contents", []))

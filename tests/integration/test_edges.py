@@ -1,0 +1,70 @@
+"""The edges around a task, as an attacker or a careless operator meets them (issue 23): S3 keys
+that look like URLs, a prefix submitted twice, forged advisories, malformed results, stream
+limits, a metrics port already taken. Real nats-server and moto S3 throughout."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from datasets.sources import SourceConfig, read_bytes
+from tests.helpers import cli, client, worker_env
+from worker.commands.client import job_task_ids
+from worker.commands.demo_images import image_bytes
+
+pytestmark = pytest.mark.integration
+
+
+def test_s3_keys_with_hash_or_question_mark_read_their_own_object(s3_server, bucket):
+    # Given three objects whose keys differ only by what a URL parser would cut off
+    s3 = s3_server.client()
+    keys = ["trap/cat.jpg", "trap/cat.jpg#2", "trap/cat.jpg?v=2", "trap/100%25.jpg"]
+    bodies = {key: image_bytes(64 + 16 * n, 48, seed=n) for n, key in enumerate(keys)}
+    for key, body in bodies.items():
+        s3.put_object(Bucket=bucket, Key=key, Body=body)
+    config = SourceConfig(s3_endpoint_url=s3_server.endpoint_url, connect_timeout_s=2)
+    # When each is read by its s3:// URI, then each gives its own bytes
+    for key, body in bodies.items():
+        assert read_bytes(f"s3://{bucket}/{key}", config) == body, key
+
+
+async def test_submitting_a_prefix_again_queues_the_objects_added_since_and_nothing_twice(
+    nats_server, s3_server, bucket, settings_for
+):
+    settings = settings_for(nats_server.url)
+    env = worker_env(settings)
+    s3 = s3_server.client()
+    assert cli("provision", env=env).returncode == 0
+    for key in ("job/a.jpg", "job/c.jpg"):
+        s3.put_object(Bucket=bucket, Key=key, Body=image_bytes(32, 32, seed=1))
+    first = cli("submit", "--job", "job-again", f"s3://{bucket}/job/", env=env)
+    assert first.returncode == 0, first.stderr
+    # An object arrives between the two submissions, sorting between the first two
+    s3.put_object(Bucket=bucket, Key="job/b.jpg", Body=image_bytes(32, 32, seed=2))
+    again = cli("submit", "--job", "job-again", f"s3://{bucket}/job/", env=env)
+    assert again.returncode == 0, again.stderr
+    async with client(settings) as js:
+        info = await js.stream_info(settings.nats.tasks_stream)
+        queued = await _task_urls(js, settings)
+        ids = await job_task_ids(js, settings.nats, "job-again")
+    assert sorted(queued) == [f"s3://{bucket}/job/{name}.jpg" for name in "abc"], (
+        "each object queued once, b too"
+    )
+    assert info.state.messages == 3
+    assert len(ids) == 3
+
+
+async def _task_urls(js, settings) -> list[str]:
+    from worker.commands.client import _read_all
+
+    raw = await _read_all(js, settings.nats.tasks_stream, "tasks.>")
+    return [json.loads(data)["image_url"] for data in raw]
+
+
+def _taken_port() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    return sock
