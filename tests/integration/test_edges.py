@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from datasets.sources import SourceConfig, read_bytes
-from tests.helpers import cli, client, worker_env
+from tests.helpers import cli, client, submit, worker_env
 from worker.commands.client import job_task_ids
 from worker.commands.demo_images import image_bytes
 
@@ -68,3 +68,32 @@ def _taken_port() -> socket.socket:
     sock.bind(("127.0.0.1", 0))
     sock.listen(1)
     return sock
+
+
+async def test_messages_on_a_jobs_result_subjects_that_are_no_result_hide_no_result(
+    nats_server, settings_for
+):
+    from worker.nats.subjects import result_subject
+
+    settings = settings_for(nats_server.url)
+    env = worker_env(settings)
+    assert cli("provision", env=env).returncode == 0
+    uris = ["s3://b/one.jpg", "s3://b/two.jpg"]
+    async with client(settings) as js:
+        tasks = await submit(js, settings, "job-junk", uris)
+        for task in tasks:  # Given both tasks' results stored
+            result = {"task_id": task.id, "job_id": task.job_id, "status": "ok", "response": {}}
+            await js.publish(result_subject(task.job_id, task.id), json.dumps(result).encode())
+        # And, among them, what a client published there: not UTF-8, an array, no task id
+        for name, junk in (("bytes", b"\xff\xfe\x00"), ("array", b"[1, 2]"), ("bare", b"{}")):
+            await js.publish(f"results.job-junk.{name}", junk)
+    # When the job's results are listed, then both are, with the junk counted apart
+    shown = cli("results", "--job", "job-junk", env=env)
+    assert shown.returncode == 0, shown.stderr
+    listed = [json.loads(line) for line in shown.stdout.splitlines()]
+    assert sorted(r["task_id"] for r in listed) == sorted(t.id for t in tasks)
+    assert "ok=2 error=0 missing=0 unreadable=3" in shown.stderr
+    # When the job is watched, then it ends all ok, the junk counted apart
+    watched = cli("watch", "--job", "job-junk", "--timeout-s", "20", env=env)
+    assert watched.returncode == 0, watched.stderr
+    assert "job job-junk: ok=2 error=0 missing=0 unreadable=3" in watched.stderr

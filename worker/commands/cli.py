@@ -256,18 +256,19 @@ async def _follow(
 
 
 async def _results(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.commands.client import job_results, job_task_ids, summarize
+    from worker.commands.client import job_task_ids, read_job_results, summarize
 
     nc = await _connect_once(settings, "results")
     try:
         js = nc.jetstream()
-        results = await job_results(js, settings.nats, args.job)
+        read = await read_job_results(js, settings.nats, args.job)
+        results = read.results
         expected = await job_task_ids(js, settings.nats, args.job) | {r["task_id"] for r in results}
     finally:
         await nc.close()
     for result in sorted(results, key=lambda r: r["task_id"]):
         print(json.dumps(result, sort_keys=True))
-    print(summarize(results, expected).line(), file=sys.stderr)
+    print(summarize(results, expected, read.unreadable).line(), file=sys.stderr)
     return EXIT_OK
 
 

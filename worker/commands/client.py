@@ -132,12 +132,45 @@ async def _read_all(js: JetStreamContext, stream: str, subject: str) -> list[byt
         await sub.unsubscribe()
 
 
+def read_result(data: bytes) -> dict[str, Any] | None:
+    """A message on ``results.<job>.*`` as a result: a JSON object with a string (or integer)
+    ``task_id`` and a string ``status``; None for anything else (bytes that are not UTF-8,
+    not JSON, an array, a result without its fields), which a client may have published."""
+    try:
+        result = json.loads(data)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError included
+        return None
+    if not isinstance(result, dict) or not isinstance(result.get("status"), str):
+        return None
+    task_id = result.get("task_id")
+    if isinstance(task_id, bool) or not isinstance(task_id, str | int):
+        return None
+    return {**result, "task_id": str(task_id)}
+
+
+@dataclass(frozen=True)
+class JobResults:
+    results: list[dict[str, Any]]
+    unreadable: int  # messages on the job's result subjects that are no result
+
+
+async def read_job_results(js: JetStreamContext, settings: NatsSettings, job_id: str) -> JobResults:
+    """The job's results, each whole (a response kept in the object store is put back); a
+    message that is no result is counted and skipped, so it never hides the others."""
+    raw = await _read_all(js, settings.results_stream, job_results_subject(job_id))
+    results: list[dict[str, Any]] = []
+    for data in raw:
+        result = read_result(data)
+        if result is not None:
+            results.append(await response_of(js, result))
+    return JobResults(results, len(raw) - len(results))
+
+
 async def job_results(
     js: JetStreamContext, settings: NatsSettings, job_id: str
 ) -> list[dict[str, Any]]:
-    """The job's results, each whole (a response kept in the object store is put back)."""
-    raw = await _read_all(js, settings.results_stream, job_results_subject(job_id))
-    return [await response_of(js, json.loads(data)) for data in raw]
+    """The job's readable results (``read_job_results`` also counts the unreadable)."""
+    return (await read_job_results(js, settings, job_id)).results
 
 
 async def job_task_ids(js: JetStreamContext, settings: NatsSettings, job_id: str) -> set[str]:
@@ -165,12 +198,16 @@ class Summary:
     error: int
     missing: int
     duplicates: int
+    unreadable: int = 0
 
     def line(self) -> str:
-        return f"ok={self.ok} error={self.error} missing={self.missing}"
+        line = f"ok={self.ok} error={self.error} missing={self.missing}"
+        return line + (f" unreadable={self.unreadable}" if self.unreadable else "")
 
 
-def summarize(results: list[dict[str, Any]], expected_ids: set[str]) -> Summary:
+def summarize(
+    results: list[dict[str, Any]], expected_ids: set[str], unreadable: int = 0
+) -> Summary:
     per_task = Counter(r["task_id"] for r in results)
     statuses = Counter(r["status"] for r in results)
     return Summary(
@@ -178,4 +215,5 @@ def summarize(results: list[dict[str, Any]], expected_ids: set[str]) -> Summary:
         error=statuses.get("error", 0),
         missing=len(expected_ids - set(per_task)),
         duplicates=sum(n - 1 for n in per_task.values() if n > 1),
+        unreadable=unreadable,
     )
