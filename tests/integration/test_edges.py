@@ -97,3 +97,53 @@ async def test_messages_on_a_jobs_result_subjects_that_are_no_result_hide_no_res
     watched = cli("watch", "--job", "job-junk", "--timeout-s", "20", env=env)
     assert watched.returncode == 0, watched.stderr
     assert "job job-junk: ok=2 error=0 missing=0 unreadable=3" in watched.stderr
+
+
+async def test_a_forged_max_deliveries_advisory_fails_no_task(nats_server, settings_for):
+    import asyncio
+
+    from nats.js.errors import NotFoundError
+
+    from worker.nats.advisories import ExhaustedTasks
+    from worker.nats.provision import provision
+    from worker.nats.subjects import advisory_consumer, advisory_subject, result_subject
+    from worker.results import ResultStore
+    from worker.settle import Settler
+
+    settings = settings_for(nats_server.url)
+    n = settings.nats
+    async with client(settings) as js:
+        await provision(js, n, settings.model.pipeline)
+        # Given a task queued and never delivered (no worker runs)
+        (task,) = await submit(js, settings, "job-forged", ["s3://b/queued.jpg"])
+        seq = (await js.stream_info(n.tasks_stream)).state.last_seq
+        # When a client publishes advisories for it, bare and dressed as the server's
+        dressed = {
+            "type": "io.nats.jetstream.advisory.v1.max_deliver",
+            "stream": n.tasks_stream,
+            "consumer": n.consumer,
+        }
+        for advisory in ({}, dressed):
+            payload = {**advisory, "stream_seq": seq, "deliveries": n.max_deliver}
+            await js.publish(advisory_subject(n), json.dumps(payload).encode())
+        # And the max-deliveries handler reads them
+        store = ResultStore(js, n)
+        settler = Settler(js, store, n, settings.model.pipeline, {}, n.max_deliver)
+        stop = asyncio.Event()
+        handler = asyncio.create_task(ExhaustedTasks(js, n, settler).run(stop))
+        try:
+            for _ in range(200):
+                info = await js.consumer_info(n.advisory_stream, advisory_consumer(n))
+                if info.num_pending == 0 and info.num_ack_pending == 0:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the advisories were never settled")
+        finally:
+            stop.set()
+            await asyncio.wait_for(handler, 10)
+        # Then the task has no result: it is still queued, for a worker to serve
+        with pytest.raises(NotFoundError):
+            await js.get_last_msg(n.results_stream, result_subject(task.job_id, task.id))
+        tasks = await js.consumer_info(n.tasks_stream, n.consumer)
+    assert tasks.num_pending == 1

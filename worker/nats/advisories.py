@@ -5,6 +5,10 @@ worker sees the task again. JetStream then publishes a max-deliveries advisory; 
 keeps those advisories in a stream, and every worker pulls them from one shared durable
 consumer, reads the original task by its stream sequence, and stores an ``error`` result for
 it (create-if-absent: if the dying worker had stored one, that one stands).
+
+An advisory is checked before it is acted on: its type, stream and consumer must be the
+server's, its deliveries at least the consumer's max_deliver, and its task one the consumer has
+delivered; anything else is refused (terminated, logged ``advisory_refused``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable
+from dataclasses import dataclass
 
 import nats
 import structlog
@@ -29,6 +34,7 @@ from worker.settle import Settler, backoff_s
 
 log = structlog.get_logger(__name__)
 EXHAUSTED_KIND = "deliveries_exhausted"
+MAX_DELIVER_TYPE = "io.nats.jetstream.advisory.v1.max_deliver"
 POISON_ATTEMPTS = 10  # an advisory that fails this often for reasons of its own is dropped
 _FAILURES_KEPT = 1000
 
@@ -108,7 +114,14 @@ class ExhaustedTasks:
             log.error("advisory_unreadable", data=msg.data[:200])
             await msg.term()
             return
-        seq, deliveries = read
+        seq, deliveries = read.stream_seq, read.deliveries
+        forged = await self._forged(msg, read)
+        if forged is None:
+            return  # an outage: it comes back later
+        if forged:
+            log.error("advisory_refused", stream_seq=seq, reason=forged, data=msg.data[:200])
+            await msg.term()
+            return
         original = await self._original(msg, seq)
         if original is None:
             return
@@ -156,6 +169,36 @@ class ExhaustedTasks:
             result_stored=stored,
         )
 
+    async def _forged(self, msg: Msg, advisory: Advisory) -> str | None:
+        """Why ``advisory`` cannot be the server's, against its own fields and the tasks
+        consumer's state now; "" when it can be; None when the state could not be read (the
+        advisory is given back for later). A client allowed to publish on the advisory
+        subject could otherwise fail any task by its sequence: deployments deny it (README,
+        "NATS permissions"); what passes here names a task the consumer did deliver, at
+        least as often as its max_deliver."""
+        expected = (MAX_DELIVER_TYPE, self._settings.tasks_stream, self._settings.consumer)
+        if (advisory.type, advisory.stream, advisory.consumer) != expected:
+            return (
+                f"names type {advisory.type!r}, stream {advisory.stream!r} and consumer "
+                f"{advisory.consumer!r}; the server writes {expected!r}"
+            )
+        stream, consumer = self._settings.tasks_stream, self._settings.consumer
+        try:
+            info = await self._js.consumer_info(stream, consumer)
+        except (nats.errors.Error, TimeoutError):
+            await self._later(msg)
+            return None
+        max_deliver = int(info.config.max_deliver or 0)
+        if advisory.deliveries < max_deliver:
+            return f"{advisory.deliveries} deliveries, fewer than the consumer's {max_deliver}"
+        delivered_seq = int(info.delivered.stream_seq or 0) if info.delivered else 0
+        if advisory.stream_seq > delivered_seq:
+            return (
+                f"stream sequence {advisory.stream_seq} was never delivered (the consumer has "
+                f"delivered up to {delivered_seq})"
+            )
+        return ""
+
     async def _original(self, msg: Msg, seq: int) -> RawStreamMsg | None:
         """The task message the advisory names; None once the advisory is settled here."""
         try:
@@ -182,11 +225,25 @@ class ExhaustedTasks:
         return True
 
 
-def _read_advisory(data: bytes) -> tuple[int, int] | None:
-    """(stream sequence, deliveries) of a max-deliveries advisory; None if unreadable."""
+@dataclass(frozen=True)
+class Advisory:
+    """The fields of a max-deliveries advisory this handler acts on."""
+
+    stream_seq: int
+    deliveries: int
+    type: str
+    stream: str
+    consumer: str
+
+
+def _read_advisory(data: bytes) -> Advisory | None:
+    """A max-deliveries advisory's fields; None if unreadable."""
     try:
         advisory = json.loads(data)
         seq, deliveries = int(advisory["stream_seq"]), int(advisory["deliveries"])
-    except (ValueError, KeyError, TypeError, RecursionError):
+        names = [advisory.get(key) for key in ("type", "stream", "consumer")]
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
-    return (seq, deliveries) if 1 <= seq < 2**64 else None
+    if not 1 <= seq < 2**64 or not all(isinstance(name, str) for name in names):
+        return None
+    return Advisory(seq, deliveries, *names)
