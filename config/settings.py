@@ -6,6 +6,8 @@ and the resulting object is passed down to every layer.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
@@ -15,6 +17,7 @@ from config.errors import ConfigError
 from config.names import NESTED_DELIMITER, PREFIX, env_name
 from config.redact import redact_url
 from config.rules import settings_problems, worker_problems
+from config.unknown import unknown_settings
 
 
 class NatsSettings(BaseModel):
@@ -321,11 +324,15 @@ def _format_validation_error(error: ValidationError) -> str:
 
 
 def load_settings(*, for_worker: bool = True, **overrides: object) -> Settings:
-    """Read and validate settings once; raise ConfigError with one line per problem.
+    """Read and validate settings once; raise ConfigError with one line per problem (a
+    ``WORKER_*`` name in the environment or ``.env`` that is no setting is one).
 
     ``for_worker=False`` serves client commands (submit, results, provision), which need no
     model weights.
     """
+    unknown = unknown_settings(Settings, os.environ, Path(str(Settings.model_config["env_file"])))
+    if unknown:
+        raise ConfigError("\n".join(unknown))
     try:
         settings = Settings(**overrides)  # type: ignore[arg-type]
     except ValidationError as error:
