@@ -61,6 +61,35 @@ class NatsSettings(BaseModel):
     tasks_max_age_s: float = Field(7 * 24 * 3600.0, description="how long task messages are kept")
     results_max_age_s: float = Field(30 * 24 * 3600.0, description="how long results are kept")
     replicas: int = Field(1, description="stream replicas (3 on a JetStream cluster)")
+    tasks_max_bytes: int = Field(
+        8 * 1024**3,
+        ge=-1,
+        description="most bytes the tasks stream keeps; when full, new tasks are refused "
+        "(submit fails, nothing queued is dropped); -1 = no limit",
+    )
+    tasks_max_msgs: int = Field(
+        -1, ge=-1, description="most tasks the tasks stream keeps, refused past it; -1 = no limit"
+    )
+    results_max_bytes: int = Field(
+        -1,
+        ge=-1,
+        description="most bytes the results stream keeps; when full, new results are refused "
+        "(the worker retries them, then gives the task back); -1 = no limit",
+    )
+    results_max_msgs: int = Field(
+        -1, ge=-1, description="most results the results stream keeps; -1 = no limit"
+    )
+    dead_letter_max_bytes: int = Field(
+        1024**3,
+        ge=-1,
+        description="most bytes the dead-letter stream keeps (the oldest letters go first); "
+        "-1 = no limit",
+    )
+    advisory_max_bytes: int = Field(
+        1024**3,
+        ge=-1,
+        description="most bytes the advisory stream keeps (the oldest go first); -1 = no limit",
+    )
 
     @field_validator("url")
     @classmethod

@@ -147,3 +147,25 @@ async def test_a_forged_max_deliveries_advisory_fails_no_task(nats_server, setti
             await js.get_last_msg(n.results_stream, result_subject(task.job_id, task.id))
         tasks = await js.consumer_info(n.tasks_stream, n.consumer)
     assert tasks.num_pending == 1
+
+
+async def test_a_full_tasks_stream_refuses_new_tasks_and_keeps_the_queued_ones(
+    nats_server, settings_for
+):
+    settings = settings_for(nats_server.url, nats={"tasks_max_msgs": 3})
+    env = worker_env(settings, WORKER_NATS__TASKS_MAX_MSGS="3")
+    assert cli("provision", env=env).returncode == 0
+    first = [f"s3://b/{n}.jpg" for n in range(3)]
+    assert cli("submit", "--job", "job-full", *first, env=env).returncode == 0
+    # When a submitter goes on past the limit
+    more = cli("submit", "--job", "job-full", "s3://b/3.jpg", "s3://b/4.jpg", env=env)
+    # Then it is told so in one line, and what was queued is still there
+    assert more.returncode == 1
+    assert [line for line in more.stderr.splitlines() if line.strip()] == [
+        line for line in more.stderr.splitlines() if line.startswith("error: the tasks stream")
+    ]
+    async with client(settings) as js:
+        info = await js.stream_info(settings.nats.tasks_stream)
+        queued = await _task_urls(js, settings)
+    assert info.config.max_msgs == 3
+    assert sorted(queued) == first

@@ -180,6 +180,8 @@ async def _connect_once(settings: Settings, command: str) -> Any:
 
 
 async def _submit(settings: Settings, args: argparse.Namespace) -> int:
+    from nats.js.errors import APIError
+
     from worker.commands.client import list_s3_prefix, make_tasks, publish_tasks
 
     uris = list(args.uris)
@@ -203,7 +205,15 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
     try:
         js = nc.jetstream()
         tasks = make_tasks(args.job, uris)
-        count = await publish_tasks(js, settings.nats, pipeline, tasks)
+        try:
+            count = await publish_tasks(js, settings.nats, pipeline, tasks)
+        except APIError as refused:  # the stream is full (WORKER_NATS__TASKS_MAX_*), or absent
+            print(
+                f"error: the tasks stream refused a task of job {args.job}: {refused.description}"
+                "; those published before it are queued, submitting again queues the rest",
+                file=sys.stderr,
+            )
+            return EXIT_FAILED
         said = f"submitted {count} tasks for job {args.job} on tasks.{pipeline}.<job>"
         if not args.wait:
             print(said)
