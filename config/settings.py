@@ -274,9 +274,19 @@ class MetricsSettings(BaseModel):
     port: int = Field(
         9464,
         description="port of process 0 for /metrics and /healthz; process N listens on this "
-        "+ N (WORKER_PROCESS_INDEX); 0 turns it off",
+        "+ N (WORKER_PROCESS_INDEX); 0 turns it off (and the healthwatch listener with it)",
     )
-    host: str = Field("0.0.0.0", description="address the metrics server binds")
+    host: str = Field(
+        "127.0.0.1",
+        description="address the /metrics listener binds (0.0.0.0 or an interface's address "
+        "for a Prometheus on another host); healthwatch never uses it",
+    )
+    healthz_port: int = Field(
+        0,
+        description="port of process 0 for the /healthz listener healthwatch probes: loopback "
+        "only, connection slots of its own; process N listens on this + N; 0 = "
+        "WORKER_METRICS__PORT + 1000",
+    )
 
 
 class GuardSettings(BaseModel):

@@ -169,3 +169,21 @@ async def test_a_full_tasks_stream_refuses_new_tasks_and_keeps_the_queued_ones(
         queued = await _task_urls(js, settings)
     assert info.config.max_msgs == 3
     assert sorted(queued) == first
+
+
+def test_a_metrics_port_another_process_holds_ends_the_start_with_exit_2_and_one_line(
+    nats_server, settings_for
+):
+    settings = settings_for(nats_server.url)
+    with _taken_port() as taken:
+        port = taken.getsockname()[1]
+        done = cli("run", env=worker_env(settings, WORKER_METRICS__PORT=str(port)), timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [
+        f"config error: WORKER_METRICS__PORT: cannot listen on 127.0.0.1:{port}: Address already "
+        "in use (another process holds the port, or WORKER_METRICS__HOST is not this host's "
+        "address)"
+    ]
+    assert "Traceback" not in done.stderr
+    assert "worker_started" not in done.stderr and "provision" not in done.stderr

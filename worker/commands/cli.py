@@ -71,7 +71,16 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--port-base", type=int, default=9460, help="metrics port of process 0")
     watch.add_argument("--failures", type=int, default=2, help="bad ticks in a row to restart")
     watch.add_argument("--startup-grace-s", type=float, default=120.0)
-    watch.add_argument("--timeout-s", type=float, default=5.0, help="wait for /healthz")
+    watch.add_argument(
+        "--timeout-s", type=float, default=3.0, help="wait for /healthz (all probed at once)"
+    )
+    watch.add_argument(
+        "--healthz-port-base",
+        type=int,
+        default=0,
+        help="loopback /healthz port of process 0, when the workers set "
+        "WORKER_METRICS__HEALTHZ_PORT (default: --port-base + 1000, as the workers do)",
+    )
     return parser
 
 
@@ -88,7 +97,12 @@ def main(argv: list[str] | None = None) -> int:
         from worker.commands import healthwatch
 
         return healthwatch.main(
-            args.group, args.port_base, args.failures, args.startup_grace_s, args.timeout_s
+            args.group,
+            args.port_base,
+            args.failures,
+            args.startup_grace_s,
+            args.timeout_s,
+            args.healthz_port_base,
         )
     if args.command == "demo":
         configure_logging("WARNING")
