@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from config.errors import ConfigError
 from config.names import NESTED_DELIMITER, PREFIX, env_name
@@ -192,8 +192,14 @@ class LoaderSettings(BaseModel):
     )
     fast_decode: bool = Field(
         False,
-        description="classifier-only pipelines: reduced-scale JPEG decode and PIL resize instead "
-        "of full decode and torchvision's resize (README, Preprocessing: it changes labels)",
+        description="classifier-only pipelines: JPEG decoded at a reduced scale down to about the "
+        "input size, then PIL's resize (README, Preprocessing: it changes labels)",
+    )
+    exact_decode: bool = Field(
+        False,
+        description="classifier-only pipelines: the reference preprocessing, full decode then "
+        "torchvision's resize; by default a JPEG is decoded at a reduced scale that leaves twice "
+        "the input size, then resized by torchvision (README, Preprocessing)",
     )
     max_consecutive_failures: int = Field(
         3, description="loader timeouts/deaths in a row before the process exits (code 3)"
@@ -206,10 +212,34 @@ class ModelSettings(BaseModel):
         description="a built-in pipeline name, a .toml file declaring one, module:attribute, or "
         "a name from an installed package's inference_worker.pipelines entry points",
     )
+    pipelines: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="several pipelines served by one process, comma-separated (or a JSON list), "
+        "each entry as WORKER_MODEL__PIPELINE takes it; when set, WORKER_MODEL__PIPELINE is "
+        "not used",
+    )
     weights: str = Field(
         "",
         description="built-in single-stage pipelines: state_dict (or .pt2) path or s3:// URI; "
         "labels.txt lies beside it",
+    )
+    memory_budget_bytes: int = Field(
+        0,
+        description="models kept loaded at once, in bytes of their weights (device memory on "
+        "CUDA, host memory on the CPU); the least recently used idle pipeline is unloaded to "
+        "make room; 0 = half the device's memory on CUDA, a quarter of the host's on the CPU",
+        ge=0,
+    )
+    load_at_start: bool = Field(
+        False,
+        description="load every pipeline's models at start (as many as the budget holds; a "
+        "load failure is then a config error) instead of on each pipeline's first task",
+    )
+    idle_unload_s: float = Field(
+        0.0,
+        description="unload a pipeline's models after this many seconds without a batch; "
+        "0 = only when another pipeline needs the room",
+        ge=0,
     )
     device: str = Field(
         "auto",
@@ -238,6 +268,26 @@ class ModelSettings(BaseModel):
         description="intra-op threads for the forward pass; 0 = the cores left over by the "
         "loader children (at least 1), so inference does not fight decoding for the CPU",
     )
+
+    @field_validator("pipelines", mode="before")
+    @classmethod
+    def _pipeline_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                import json
+
+                try:
+                    return json.loads(text)
+                except ValueError as error:
+                    raise ValueError(f"not a JSON list: {error}") from None
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
+
+    def served(self) -> list[str]:
+        """The pipelines this process serves, as given: WORKER_MODEL__PIPELINES when set,
+        else WORKER_MODEL__PIPELINE alone."""
+        return list(self.pipelines) if self.pipelines else [self.pipeline]
 
     @field_validator("device")
     @classmethod
@@ -312,10 +362,11 @@ class FaultSettings(BaseModel):
         description="testing only: the first process to create this file wedges its engine "
         "thread at its next batch (see WORKER_FAULTS__WEDGE_MODE)",
     )
-    wedge_mode: Literal["gil", "sleep"] = Field(
+    wedge_mode: Literal["gil", "sleep", "raise"] = Field(
         "gil",
         description="testing only: gil = spin holding the GIL (only the watchdog can act), "
-        "sleep = block without it (/healthz reports the stall)",
+        "sleep = block without it (/healthz reports the stall), raise = fail the batch with "
+        "an unexpected error (a part of the worker failed: exit 1)",
     )
 
 
@@ -340,6 +391,11 @@ class Settings(BaseSettings):
         0,
         ge=0,
         description="this process's number among its siblings (supervisord's process_num)",
+    )
+    run_dir: str = Field(
+        "",
+        description="where each process keeps its temporary files, under process-<index>; "
+        "empty: <system temp dir>/inference-worker",
     )
 
     @model_validator(mode="after")

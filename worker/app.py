@@ -108,7 +108,8 @@ def in_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
 
 
 class WorkerApp:
-    """One worker process's parts. ``start`` -> ``run(stop)`` -> ``close``.
+    """One worker process's parts. ``start`` -> ``run(stop)`` -> ``close``, driven by
+    ``worker.serve.Server`` (signals, the run directory, the process's exit code).
 
     ``start`` reads as the process map: the engine (model on the engine thread, the loader
     and its children), the transport (NATS connection, streams, the consumer), the health
@@ -159,6 +160,7 @@ class WorkerApp:
         )
         metrics.registry.register(ReadsCollector(engine.reads, lambda: dict(engine.read_retries)))
         settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
+        settler.completed_twice = metrics.results_already_stored.inc
         services = Services(
             source=feed,
             store=store,
@@ -215,7 +217,13 @@ class WorkerApp:
         started, runner = await asyncio.gather(
             loop.run_in_executor(self.engine_thread, loader.start),
             in_daemon_thread(
-                load_runner, chosen.pipeline, sources, device, chosen.output, s.model.precision
+                load_runner,
+                chosen.pipeline,
+                sources,
+                device,
+                chosen.limits,
+                chosen.response_format,
+                s.model.precision,
             ),
             return_exceptions=True,
         )

@@ -56,6 +56,14 @@ def token_value(token: str) -> str | None:
     return value if subject_token(value) == token else None
 
 
+def subject_pipeline(subject: str) -> str:
+    """The pipeline a task's subject names (``tasks.<pipeline>[.<job token>]``); "" if none."""
+    parts = subject.split(".")
+    if len(parts) in (2, 3) and parts[0] == "tasks":
+        return parts[1]
+    return ""
+
+
 def subject_job(subject: str) -> str | None:
     """The job a task's subject names (``tasks.<pipeline>.<job token>``), if it names one."""
     parts = subject.split(".")
@@ -72,6 +80,9 @@ class Task:
     image_url: str
     config: dict[str, Any] = field(default_factory=dict)
     reply_subject: str | None = None
+    # The pipeline that answers it: the subject's (tasks.<pipeline>[.<job>]), or the source's
+    # (an Antenna job's pipeline). Not part of the task's JSON.
+    pipeline: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         payload = {
@@ -86,9 +97,16 @@ class Task:
         return payload
 
 
-def invalid_task(error: InvalidTask) -> Task:
+def invalid_task(error: InvalidTask, pipeline: str = "") -> Task:
     """The task an InvalidTask names, as far as it could be read: enough for its error result."""
-    return Task(error.task_id, error.job_id, error.image_id, "", reply_subject=error.reply_subject)
+    return Task(
+        error.task_id,
+        error.job_id,
+        error.image_id,
+        "",
+        reply_subject=error.reply_subject,
+        pipeline=pipeline,
+    )
 
 
 def _id_text(value: Any, max_bytes: int) -> tuple[str | None, str]:
@@ -129,17 +147,7 @@ def parse_task(data: bytes, subject: str = "") -> Task:
     payload = _decode_json(data)
     if not isinstance(payload, dict):
         raise Undeliverable(f"expected a JSON object, got {type(payload).__name__}")
-    task_id, why_task = _id_text(payload.get("id"), MAX_ID_BYTES)
-    if task_id is None:
-        raise Undeliverable(f"'id' is unusable: {why_task}")
-    in_subject = subject_job(subject)
-    if in_subject is not None and _id_text(in_subject, MAX_ID_BYTES)[0] is not None:
-        job_id = in_subject
-    else:
-        job_text, why_job = _id_text(payload.get("job_id"), MAX_ID_BYTES)
-        if job_text is None:
-            raise Undeliverable(f"'job_id' is unusable and the subject names no job: {why_job}")
-        job_id = job_text
+    task_id, job_id = _named(payload, subject)
     image_id, why_image = _id_text(payload.get("image_id"), MAX_IMAGE_ID_BYTES)
     reply = payload.get("reply_subject")
     reply_ok = reply is None or (isinstance(reply, str) and bool(_REPLY_SUBJECT.fullmatch(reply)))
@@ -160,16 +168,9 @@ def parse_task(data: bytes, subject: str = "") -> Task:
     url = payload.get("image_url")
     if not isinstance(url, str):
         raise invalid(f"'image_url' must be a string URI, got {type(url).__name__}")
-    if len(url) > MAX_URL_CHARS:
-        raise invalid(f"'image_url' is {len(url)} characters long, over {MAX_URL_CHARS}")
-    if (
-        not url.startswith(URI_SCHEMES)
-        or _id_text(url, 4 * MAX_URL_CHARS)[0] is None
-        or any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url)
-    ):
-        raise invalid(
-            f"'image_url' must be an s3://, http(s):// or file:// URI, got {redact_url(url)!r}"
-        )
+    why_url = _url_problem(url)
+    if why_url is not None:
+        raise invalid(why_url)
     config = payload.get("config") or {}
     if not isinstance(config, dict):
         raise invalid("'config' must be a JSON object when given")
@@ -178,7 +179,35 @@ def parse_task(data: bytes, subject: str = "") -> Task:
             f"'reply_subject' must be one NATS subject of at most {MAX_REPLY_SUBJECT_CHARS} "
             "printable characters when given"
         )
-    return Task(task_id, job_id, image_id, url, config, reply)
+    return Task(task_id, job_id, image_id, url, config, reply, subject_pipeline(subject))
+
+
+def _named(payload: dict[str, Any], subject: str) -> tuple[str, str]:
+    """The task's id and its job's (the subject's, else the task's ``job_id``); Undeliverable
+    when either is unusable."""
+    task_id, why_task = _id_text(payload.get("id"), MAX_ID_BYTES)
+    if task_id is None:
+        raise Undeliverable(f"'id' is unusable: {why_task}")
+    in_subject = subject_job(subject)
+    if in_subject is not None and _id_text(in_subject, MAX_ID_BYTES)[0] is not None:
+        return task_id, in_subject
+    job_id, why_job = _id_text(payload.get("job_id"), MAX_ID_BYTES)
+    if job_id is None:
+        raise Undeliverable(f"'job_id' is unusable and the subject names no job: {why_job}")
+    return task_id, job_id
+
+
+def _url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a task's ``image_url``, or None when it can."""
+    if len(url) > MAX_URL_CHARS:
+        return f"'image_url' is {len(url)} characters long, over {MAX_URL_CHARS}"
+    if (
+        not url.startswith(URI_SCHEMES)
+        or _id_text(url, 4 * MAX_URL_CHARS)[0] is None
+        or any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url)
+    ):
+        return f"'image_url' must be an s3://, http(s):// or file:// URI, got {redact_url(url)!r}"
+    return None
 
 
 def make_result(

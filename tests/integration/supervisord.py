@@ -59,6 +59,7 @@ class Supervisord:
         numprocs: int = 1,
         command: str = "",
         env: dict[str, str] | None = None,
+        healthwatch_failures: int = 2,
     ) -> None:
         """``command`` replaces the worker's (``python -m ...``, run from the repository);
         ``env`` is added to supervisord's own environment (its children inherit it)."""
@@ -69,7 +70,7 @@ class Supervisord:
         shutil.copy(DEPLOY / "supervisord.conf", self.conf_dir / "supervisord.conf")
         program = (DEPLOY / "inference-worker.conf").read_text()
         for old, new in (
-            ("--failures 2", "--failures 2 --timeout-s 2"),
+            ("--failures 2", f"--failures {healthwatch_failures} --timeout-s 2"),
             ("--startup-grace-s 120", f"--startup-grace-s {STARTUP_GRACE_S}"),
             ("stopwaitsecs=60", f"stopwaitsecs={stopwaitsecs}"),
             ("startsecs=10", "startsecs=2"),

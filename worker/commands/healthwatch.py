@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from config.derived import healthz_base, port_for
+from worker.exits import CommandExit
 
 RUNNING = 20  # supervisor's ProcessStates.RUNNING
 STOPPED_STATES = frozenset({0, 100, 200})  # STOPPED, EXITED, FATAL: startProcess may start it
@@ -189,4 +190,4 @@ def main(
     first = healthz_base(port_base, healthz_port_base)
     watch._say(f"watching group {group}, /healthz on 127.0.0.1 from {first}, {failures} strikes")
     serve(watch)
-    return 0
+    return CommandExit.OK  # supervisord went away
