@@ -3,9 +3,12 @@ threads, this process's device, the run directories. Pure functions of a validat
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from config.names import env_name
 
 if TYPE_CHECKING:
     from config.settings import Settings
@@ -65,5 +68,16 @@ def chosen_device(s: Settings) -> str:
 
 
 def run_dir_base(s: Settings) -> Path:
-    """Where the processes' run directories are (``process-<index>`` under it)."""
-    return Path(s.run_dir) if s.run_dir else Path(tempfile.gettempdir()) / "inference-worker"
+    """Where the processes' run directories are (``process-<index>`` under it): as set, or
+    this user's own ``<system temp dir>/inference-worker-<uid>`` (one user's never blocks or
+    is planted for another's)."""
+    if s.run_dir:
+        return Path(s.run_dir)
+    return Path(tempfile.gettempdir()) / f"inference-worker-{os.geteuid()}"
+
+
+def run_dir_setting(s: Settings) -> str:
+    """How a refused run directory is named: the setting, and TMPDIR when it is the default."""
+    if s.run_dir:
+        return f"{env_name('run_dir')}={s.run_dir}"
+    return f"{env_name('run_dir')} (unset: its default {run_dir_base(s)} is under TMPDIR)"

@@ -30,7 +30,13 @@ Ownership is an ``flock`` on ``owner.lock``: the kernel drops it when its proces
 by SIGKILL. A process takes the first slot of its index whose lock is free
 (``process-<index>``, then ``process-<index>.1``, ...), so a second live process with the
 same index (two test runs, a misconfiguration) never empties the first one's files. Emptying
-is skipped, and said, while any marked process of the slot still lives.
+is skipped, and said, while any marked process of the slot still lives. Claiming also empties
+the index's other free slots, and removes the ``.N`` ones, so a killed overlap leaves nothing.
+
+The base and each slot must be real directories (not symlinks) of this user that no one else
+can write, checked with ``lstat``: a planted symlink or foreign directory is refused, never
+followed and emptied. So is a path too long for the fork server's Unix socket below it.
+Every refusal is a ``ConfigError`` naming the setting (``WORKER_RUN_DIR``).
 """
 
 from __future__ import annotations
@@ -40,12 +46,14 @@ import glob
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
+from config.errors import ConfigError
 from datasets import processes, semaphores
 
 log = structlog.get_logger(__name__)
@@ -53,6 +61,10 @@ LOCK = "owner.lock"
 MARK = "pid-"
 SHM = Path("/dev/shm")
 _MAX_SLOTS = 64
+# The fork server's socket, ``<slot>/pymp-XXXXXXXX/listener-XXXXXXXX``, must fit AF_UNIX's
+# 108-byte ``sun_path`` with its NUL.
+_SOCKET_SUFFIX_BYTES = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+_MAX_SOCKET_BYTES = 107
 
 
 @dataclass
@@ -71,33 +83,130 @@ def semprefix_for(path: Path) -> str:
     return "/mp-iw" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:10]
 
 
-def claim(base: Path, index: int) -> RunDir:
+def claim(base: Path, index: int, named: str = "") -> RunDir:
     """Take the first free slot of ``index`` under ``base`` and empty it of dead processes'
-    leftovers; ``use`` then makes it this process's temporary directory."""
-    base.mkdir(parents=True, exist_ok=True)
-    for slot in range(_MAX_SLOTS):
-        path = base / (f"process-{index}" if slot == 0 else f"process-{index}.{slot}")
-        path.mkdir(mode=0o700, exist_ok=True)
-        fd = _lock(path)
-        if fd is not None:
-            break
-    else:
-        raise RuntimeError(f"all {_MAX_SLOTS} run directories of process {index} are in use")
-    run = RunDir(path, semprefix_for(path), fd)
+    leftovers; ``use`` then makes it this process's temporary directory. A base or slot that
+    cannot be used safely raises ``ConfigError`` starting with ``named`` (the setting; by
+    default ``WORKER_RUN_DIR=<base>``)."""
+    try:
+        run = _take(base, index)
+    except (OSError, Unsafe) as error:
+        raise ConfigError(f"{named or f'WORKER_RUN_DIR={base}'}: {_reason(error)}") from None
     empty(run)
-    mark_self(path)
-    log.info("run_dir_claimed", path=str(path))
+    _tidy_others(base, index, run.path)
+    mark_self(run.path)
+    log.info("run_dir_claimed", path=str(run.path))
     return run
 
 
+class Unsafe(Exception):
+    """A base or slot that is not ours alone, or that cannot hold the fork server's socket."""
+
+
+def _reason(error: OSError | Unsafe) -> str:
+    if isinstance(error, OSError):
+        return f"cannot use it: {error.strerror or error}" + (
+            f" ({error.filename})" if error.filename else ""
+        )
+    return str(error)
+
+
+def _take(base: Path, index: int) -> RunDir:
+    _check_socket_room(base / f"process-{index}")  # before anything is made
+    _make_private(base)
+    for slot in range(_MAX_SLOTS):
+        path = base / (f"process-{index}" if slot == 0 else f"process-{index}.{slot}")
+        _check_socket_room(path)
+        fd = _open_slot(path)
+        if fd is not None:
+            return RunDir(path, semprefix_for(path), fd)
+    raise Unsafe(f"all {_MAX_SLOTS} run directories of process {index} are in use")
+
+
+def _open_slot(path: Path) -> int | None:
+    """The slot made or checked, and locked; None when a live process holds it."""
+    for _ in range(2):  # a free ``.N`` slot another process's claim removes meanwhile
+        _make_private(path)
+        try:
+            return _lock(path)
+        except FileNotFoundError:
+            continue
+    return _lock(path)
+
+
+def _make_private(path: Path) -> None:
+    """Make ``path`` (mode 0700) or check the one there: a real directory (``lstat``: not a
+    symlink) of this user that neither group nor others can write."""
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    _check_private(path)
+
+
+def _check_private(path: Path) -> None:
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        raise Unsafe(f"{path} is a symlink; refusing to follow it")
+    if not stat.S_ISDIR(info.st_mode):
+        raise Unsafe(f"{path} is not a directory")
+    if info.st_uid != os.geteuid():
+        raise Unsafe(f"{path} belongs to uid {info.st_uid}, not to this user ({os.geteuid()})")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise Unsafe(f"{path} can be written by group or others (mode {info.st_mode & 0o7777:o})")
+
+
+def _check_socket_room(path: Path) -> None:
+    room = len(os.fsencode(str(path))) + _SOCKET_SUFFIX_BYTES
+    if room > _MAX_SOCKET_BYTES:
+        raise Unsafe(
+            f"too long: the fork server's socket below {path} would take {room} bytes,"
+            f" AF_UNIX allows {_MAX_SOCKET_BYTES}; choose a shorter directory"
+        )
+
+
 def _lock(path: Path) -> int | None:
-    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return None
+    try:
+        current = os.lstat(path / LOCK).st_ino
+    except FileNotFoundError:
+        current = -1
+    if os.fstat(fd).st_ino != current:  # a slot removed by ``_tidy_others`` meanwhile
+        os.close(fd)
+        return None
     return fd
+
+
+def _tidy_others(base: Path, index: int, taken: Path) -> None:
+    """Empty the index's other slots that are free and whose marks show no living process;
+    remove the ``.N`` ones once empty (a killed overlap would keep its leftovers for good)."""
+    first = f"process-{index}"
+    for path in [*sorted(base.glob(f"{first}.*")), base / first]:
+        overflow = path.name.removeprefix(f"{first}.").isdigit()
+        if path == taken or not (overflow or path.name == first) or not os.path.lexists(path):
+            continue
+        try:
+            _check_private(path)
+            fd = _lock(path)
+        except (OSError, Unsafe) as error:
+            log.warning("run_dir_slot_skipped", path=str(path), reason=_reason(error))
+            continue
+        if fd is None:
+            continue  # a live process's
+        other = RunDir(path, semprefix_for(path), fd)
+        try:
+            if empty(other) and overflow:
+                os.unlink(path / LOCK)
+                os.rmdir(path)
+        except OSError as error:
+            log.warning("run_dir_slot_kept", path=str(path), reason=_reason(error))
+        finally:
+            other.release()
 
 
 def marked(path: Path) -> list[tuple[int, int | None]]:
@@ -116,7 +225,7 @@ def _alive(pid: int, started: int | None) -> bool:
     return started is not None and processes.start_time(pid) == started
 
 
-def empty(run: RunDir) -> None:
+def empty(run: RunDir) -> bool:
     """Remove what the slot's dead processes left: its files, their semaphores and torch
     segments. Held by us (the lock), so no process of ours is using it, unless a marked one
     still lives (a loader child outliving its killed parent for a moment): then keep all."""
@@ -129,7 +238,7 @@ def empty(run: RunDir) -> None:
             living=living,
             hint="processes of a previous worker still run; the next start empties it",
         )
-        return
+        return False
     leftovers = glob.glob(str(SHM / f"sem.{run.semprefix.lstrip('/')}-*"))
     for pid, _ in marks:
         leftovers += glob.glob(str(SHM / f"torch_{pid}_*"))
@@ -140,14 +249,15 @@ def empty(run: RunDir) -> None:
         _remove(entry)
     if leftovers:
         log.info("run_dir_emptied", path=str(run.path), removed=len(leftovers))
+    return True
 
 
 def _remove(entry: str) -> None:
     try:
-        if os.path.isdir(entry) and not os.path.islink(entry):
-            shutil.rmtree(entry, ignore_errors=True)
+        if stat.S_ISDIR(os.lstat(entry).st_mode):  # lstat: a symlink is no directory here
+            shutil.rmtree(entry, ignore_errors=True)  # does not follow symlinks inside
         else:
-            os.unlink(entry)
+            os.unlink(entry)  # a symlink: the link itself
     except FileNotFoundError:
         pass
 

@@ -2,7 +2,8 @@
 ``Server.serve`` is the model).
 
 - Signals: SIGTERM and SIGINT only record that the process should stop; the main loop drains.
-  A second one while stopping means "now": out at once with 128 + the signal's number.
+  A second one while stopping means "now": the process's children (fork server, loader
+  children) are SIGKILLed and reaped, bounded, then out at once with 128 + the signal's number.
 - Startup: the run directory (``datasets.rundir``: this process's temporary files, emptied
   of a dead predecessor's leftovers), then the parts (``WorkerApp.start``). A start waits on
   an unreachable NATS server or a slow model for as long as it takes, so a signal gives it
@@ -22,9 +23,12 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 
-from config.derived import run_dir_base
+import psutil
+
+from config.derived import run_dir_base, run_dir_setting
 from config.settings import Settings
 from datasets import rundir
 from worker.app import WorkerApp
@@ -36,11 +40,12 @@ class Server:
         self.settings = settings
         self.until_idle = until_idle
         self.should_exit = asyncio.Event()
-        self.exit_now: Callable[[int], None] = os._exit
+        self.exit_now: Callable[[int], None] = exit_at_once
 
     async def serve(self) -> int:
         self.install_signal_handlers()
-        run = rundir.claim(run_dir_base(self.settings), self.settings.process_index)
+        s = self.settings
+        run = rundir.claim(run_dir_base(s), s.process_index, run_dir_setting(s))
         rundir.use(run)  # before anything of multiprocessing starts
         app = WorkerApp(self.settings, until_idle=self.until_idle)
         try:
@@ -87,6 +92,42 @@ class Server:
 
     async def shutdown(self, app: WorkerApp) -> None:
         await app.close()
+
+
+REAP_TIMEOUT_S = 3.0
+
+
+def kill_descendants(pid: int, timeout_s: float = REAP_TIMEOUT_S) -> list[int]:
+    """SIGKILL every descendant of ``pid`` and wait (at most ``timeout_s``) for them to go;
+    best effort: one already gone is skipped. Returns the pids that were still there."""
+    try:
+        tree = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    for child in tree:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    deadline = time.monotonic() + timeout_s
+    alive = tree
+    while alive and time.monotonic() < deadline:
+        # Reaps our own children; a grandchild is gone once a zombie (its parent's to reap).
+        _, alive = psutil.wait_procs(alive, timeout=0.05)
+        alive = [child for child in alive if not _zombie(child)]
+    return [child.pid for child in alive]
+
+
+def _zombie(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def exit_at_once(code: int) -> None:
+    """The second signal's way out: no finaliser runs, so the children are killed first
+    (README: whatever the code, loader children and the fork server are killed and reaped)."""
+    kill_descendants(os.getpid())
+    os._exit(code)
 
 
 async def serve(settings: Settings, *, until_idle: bool = False) -> int:

@@ -104,7 +104,7 @@ async def test_group_kills_mid_job_leave_nothing_once_a_clean_process_starts(
     # The workers' system temp dir: short (the fork server's Unix socket lives below it).
     system_tmp = Path(tempfile.mkdtemp(prefix="iw-tmp-", dir="/tmp"))
     request.addfinalizer(lambda: shutil.rmtree(system_tmp, ignore_errors=True))
-    run_dir = system_tmp / "inference-worker" / f"process-{INDEX}"
+    run_dir = system_tmp / f"inference-worker-{os.geteuid()}" / f"process-{INDEX}"
     log = tmp_path / "worker.log"
     # Reads of 0.2 s, one at a time per child: a kill lands in the middle of the job.
     slow = Shape(first_byte_median_s=0.2, first_byte_p99_s=0.2, bytes_per_s=0.0)
@@ -144,7 +144,7 @@ async def test_group_kills_mid_job_leave_nothing_once_a_clean_process_starts(
     # ...which the clean process emptied: nothing else in the workers' temp dir.
     everything = sorted(str(p.relative_to(system_tmp)) for p in system_tmp.rglob("*"))
     assert not [p for p in everything if "pymp-" in p], everything
-    assert {Path(p).parts[0] for p in everything} <= {"inference-worker"}, everything
+    assert {Path(p).parts[0] for p in everything} <= {run_dir.parent.name}, everything
     assert {Path(p).parts[1] for p in everything if len(Path(p).parts) > 1} == {run_dir.name}
     # /dev/shm: the killed processes' semaphores carried the run dir's prefix, and are gone.
     prefix = "sem." + semprefix_for(run_dir).lstrip("/") + "-"

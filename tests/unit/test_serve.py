@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 
+import psutil
+import pytest
+
+from config.errors import ConfigError
 from config.settings import load_settings
-from worker.serve import Server
+from worker.health.procstats import living
+from worker.serve import Server, kill_descendants
 
 
 def a_server() -> tuple[Server, list[int]]:
@@ -62,3 +69,30 @@ async def test_a_start_that_fails_raises_its_failure():
         assert str(error) == "no model"
     else:
         raise AssertionError("the failure was swallowed")
+
+
+async def test_an_unusable_run_dir_is_a_config_error_before_anything_starts(monkeypatch):
+    monkeypatch.setenv("WORKER_RUN_DIR", "/proc/iw")
+    server = Server(load_settings(for_worker=False))
+    with pytest.raises(ConfigError, match="WORKER_RUN_DIR=/proc/iw"):
+        await server.serve()
+
+
+def test_the_second_signals_exit_kills_and_reaps_the_children_first():
+    # A stand-in for the worker: a child (the fork server) with a child of its own (a loader).
+    script = (
+        "import subprocess, sys; c = subprocess.Popen(['sleep', '60']);"
+        " print(c.pid, flush=True); sys.stdin.read()"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        grandchild = int(parent.stdout.readline())  # type: ignore[union-attr]
+        assert psutil.pid_exists(grandchild)
+        # As in exit_at_once, from the worker's side: its descendants, recursively.
+        assert kill_descendants(parent.pid, timeout_s=10) == []
+        assert not living([grandchild])
+    finally:
+        parent.kill()
+        parent.wait(10)
