@@ -18,12 +18,12 @@ from tests.helpers import (
     client,
     submit,
     take_back,
-    until_gone,
     upload_images,
     worker_env,
     worker_process,
 )
 from worker.commands.client import job_results
+from worker.health.procstats import living
 from worker.nats.provision import provision
 
 pytestmark = pytest.mark.integration
@@ -151,7 +151,7 @@ async def test_a_second_signal_during_a_drain_exits_at_once(
             assert proc.poll() is None, "the first signal drains, it does not exit"
             proc.send_signal(signal.SIGTERM)
             code = await asyncio.to_thread(proc.wait, 20)
-            left = until_gone(tree, timeout_s=5)
+            left = living(tree)  # at once: the exit killed and reaped them before it went
         finally:
             for pid in tree:  # only if the exit failed to: a test leaves no process behind
                 try:
