@@ -120,3 +120,13 @@ class ResultsUnavailable(TransientError):
 
 class ResultRefused(PermanentError):
     """No retry can store this result (too large for a message, or no valid subject)."""
+
+
+class ModelLoadFailed(Exception):
+    """A pipeline's models could not be loaded, or do not fit the memory budget. ``failure``
+    is the result its tasks get; ``cause`` the error the load raised (None: too large)."""
+
+    def __init__(self, failure: Failure, cause: BaseException | None = None) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+        self.cause = cause

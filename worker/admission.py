@@ -2,8 +2,8 @@
 delivery rules.
 
 A message that cannot name its job and task is dead-lettered; one that names them but
-cannot be run gets an ``error`` result; a redelivered one whose result is already stored is
-only acked; the rest are entered in the claims (held tasks), to be loaded.
+cannot be run gets an ``error`` result; one whose result is already stored is only acked;
+the rest are entered in the claims (held tasks), to be loaded.
 """
 
 from __future__ import annotations
@@ -46,12 +46,15 @@ class Admission:
             task = invalid_task(error, subject_pipeline(msg.subject))
             await self._settler.settle(task, msg, delivered, Outcome(failure=error.failure()))
             return None
-        if delivered > 1 and await self._already_stored(msg, task):
+        # Any delivery, not only a redelivery: a job's consumer made again (worker.nats.jobs)
+        # walks its job from the start, and a task done already must not run twice.
+        if await self._already_stored(msg, task):
             return None
         return self._claims.add(msg, task, delivered)
 
     async def _already_stored(self, msg: Delivery, task: Task) -> bool:
-        """A redelivered task whose result is stored (its ack was lost) is only acked."""
+        """A task whose result is stored (its ack was lost, or its job's consumer was made
+        again) is only acked."""
         try:
             stored = await self._store.exists(task.job_id, task.id)
         except ResultsUnavailable:

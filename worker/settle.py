@@ -49,6 +49,9 @@ class Settler:
     model: dict[str, Any]
     max_deliver: int
     count: Callable[[str], None] = lambda _outcome: None
+    # Several pipelines: each task's own pipeline's ``model`` (``pipeline``/``model`` above are
+    # the default pipeline's, for a task that names none).
+    model_of: Callable[[str], dict[str, Any]] | None = None
     worker_id: dict[str, Any] = field(
         default_factory=lambda: {"host": socket.gethostname(), "pid": os.getpid()}
     )
@@ -127,12 +130,14 @@ class Settler:
 
     def result(self, task: Task, delivered: int, verdict: Outcome) -> dict[str, Any]:
         error = verdict.failure.as_dict() if verdict.failure is not None else None
+        pipeline = task.pipeline or self.pipeline
+        model = self.model_of(pipeline) if self.model_of is not None else self.model
         return make_result(
             task=task,
-            pipeline=self.pipeline,
+            pipeline=pipeline,
             detections=verdict.detections,
             error=error,
-            model=self.model,
+            model=model,
             timings_s=verdict.timings_s,
             worker=self.worker_id,
             attempt=delivered,

@@ -248,8 +248,10 @@ async def test_tasks_arriving_one_by_one_while_the_model_is_busy_run_as_full_bat
     uris = upload_images(s3_server.client(), bucket, 9)
     async with running_worker(settings) as app, client(settings) as js:
         assert app.engine is not None and app.worker is not None
-        gate = GatedPredictor(app.engine.predictor)
-        app.engine.predictor = gate
+        from worker.engine import OneModel
+
+        gate = GatedPredictor(app.engine.models.acquire(""))
+        app.engine.models = OneModel(gate)
         tasks = make_tasks("job-trickle", uris)
         await publish_tasks(js, settings.nats, settings.model.pipeline, tasks[:1])
         await asyncio.get_running_loop().run_in_executor(None, gate.entered.wait, 10)
