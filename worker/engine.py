@@ -230,8 +230,16 @@ class Engine:
             if item.key in wanted:
                 loaded[item.key] = item
             else:
-                self._stash[item.key] = item  # an image of a later batch, already here
+                self._keep(item)
         return loaded, None
+
+    def _keep(self, item: Loaded) -> None:
+        """An image of a later batch, already here: kept for it, unless its task is gone
+        (forgotten: given back, or failed with its pipeline's model), then dropped."""
+        with self._queued_lock:
+            wanted = item.key in self._pipeline_of
+        if wanted:
+            self._stash[item.key] = item
 
     def _note_reads(self, item: Loaded) -> None:
         self.read_retries.update(item.retries)
@@ -373,7 +381,7 @@ class Engine:
                 self._loader_failed = str(error)  # recovered by the next batch's collect
                 return
             self._note_reads(item)
-            self._stash[item.key] = item
+            self._keep(item)
 
 
 def _failed(error: Exception) -> Outcome:

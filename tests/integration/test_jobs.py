@@ -156,7 +156,7 @@ async def test_a_redelivery_whose_result_is_already_stored_is_acked_without_new_
     js = nc.jetstream()
     await provision(js, settings.nats, settings.model.pipeline)
     tasks = await submit(js, settings, job, uris)
-    feed = TaskFeed(nc, settings.nats)
+    feed = TaskFeed(nc, settings.nats, [settings.model.pipeline])
     await feed.open()
     [msg] = await feed.fetch(1)
     stored = {"task_id": tasks[0].id, "job_id": job, "status": "ok", "marker": "first-worker"}

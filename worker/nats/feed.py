@@ -82,19 +82,22 @@ class TaskFeed:
             self._late = await self._jobs.refresh()
             if self._late:
                 return await self.fetch(batch)
-        subs = [job.sub for job in self._jobs.active()]
-        if not subs:
+        main = [self._sub] if self._jobs.main_pending and batch > 1 else []
+        jobs = self._jobs.active()[: batch - len(main)]  # at least one task each
+        if not jobs:
             return await self._fetch_from(self._sub, batch, self._settings.fetch_timeout_s)
-        if self._jobs.main_pending:
-            subs.append(self._sub)
-        share = max(1, -(-batch // len(subs)))
-        got: list[Msg] = []
-        for sub in subs:
-            want = min(share, batch - len(got))
-            if want <= 0:
-                break
-            got += await self._fetch_from(sub, want, _SHARE_TIMEOUT_S)
-        return got
+        subs = [job.sub for job in jobs] + main
+        share = max(1, batch // len(subs))
+        shares = [share + (i < batch - share * len(subs)) for i in range(len(subs))]
+        fetched = await asyncio.gather(
+            *(
+                self._fetch_from(sub, n, _SHARE_TIMEOUT_S)
+                for sub, n in zip(subs, shares, strict=True)
+            )
+        )
+        for job, got in zip(jobs, fetched, strict=False):
+            job.dry = not got  # not asked again until the next listing
+        return [msg for got in fetched for msg in got]
 
     async def _fetch_from(self, sub: Any, batch: int, timeout_s: float) -> list[Msg]:
         try:

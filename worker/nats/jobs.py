@@ -9,7 +9,8 @@ subject: ``<WORKER_NATS__CONSUMER>-job-<sha256 of the subject, 16 hex>``, its de
 the subject). Jobs are discovered from the stream's subjects (``stream_info`` with a subjects
 filter, one request per served pipeline) every ``WORKER_NATS__JOB_DISCOVERY_S``; the
 consumers' pending counts come from one consumer listing. Each fetch takes from the jobs
-with pending tasks in rotation, an equal share each (and from the durable consumer for
+with tasks pending (or awaiting an ack: redeliveries come from there) in rotation, an equal
+share each, concurrently (and from the durable consumer for
 ``tasks.<pipeline>``, the job in the payload), so the held tasks hold every job's; the
 orchestrator's fair share then forms the batches.
 
@@ -75,7 +76,8 @@ class JobSource:
     name: str
     pending: int  # not yet delivered, as last listed
     ack_pending: int
-    sub: Any = None  # bound while the job has pending tasks
+    sub: Any = None  # bound while the job has tasks pending or awaiting an ack
+    dry: bool = False  # its last fetch found nothing: skipped until the next listing
 
 
 class JobConsumers:
@@ -121,12 +123,14 @@ class JobConsumers:
             log.info("job_consumer_made", consumer=name, subject=subject)
         job = self._jobs.get(subject) or JobSource(subject, name, 0, 0)
         job.pending, job.ack_pending = info.num_pending or 0, info.num_ack_pending or 0
+        job.dry = False
         if job.pending or job.ack_pending or job.sub is not None:
             self._jobs[subject] = job
 
     def active(self) -> list[JobSource]:
-        """Bound jobs, rotated one place per call: each fetch starts with the next job."""
-        bound = [job for job in self._jobs.values() if job.sub is not None]
+        """Bound jobs worth a fetch, rotated one place per call: each fetch starts with the
+        next job."""
+        bound = [job for job in self._jobs.values() if job.sub is not None and not job.dry]
         if not bound:
             return []
         self._turn = (self._turn + 1) % len(bound)
@@ -167,17 +171,19 @@ class JobConsumers:
         return listed
 
     async def _bind_or_unbind(self) -> list[Msg]:
-        """Bound: the jobs with pending tasks, at most ``max_job_consumers`` (the earliest
-        discovered first). Jobs with nothing pending or awaiting an ack are forgotten."""
+        """Bound: the jobs with tasks pending or awaiting an ack (a task given back, or whose
+        worker died, comes back from there), at most ``max_job_consumers``, the earliest
+        discovered first. Jobs with neither are unbound and forgotten."""
         late: list[Msg] = []
         bound = sum(job.sub is not None for job in self._jobs.values())
         for subject, job in list(self._jobs.items()):
-            if job.pending and job.sub is None and bound < self._settings.max_job_consumers:
+            work = job.pending or job.ack_pending
+            if work and job.sub is None and bound < self._settings.max_job_consumers:
                 job.sub = await self._js.pull_subscribe_bind(
                     durable=job.name, stream=self._settings.tasks_stream
                 )
                 bound += 1
-            elif not job.pending and job.sub is not None:
+            elif not work and job.sub is not None:
                 late += await self._unbind(job)
                 bound -= 1
             if job.sub is None and not job.pending and not job.ack_pending:
