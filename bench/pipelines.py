@@ -55,7 +55,7 @@ def switch(w: Any) -> dict[str, Any]:
     from datasets.sources import SourceConfig
     from pipelines.cache import ModelCache
     from pipelines.registry import resolve
-    from pipelines.runner import Output, Runner, load_runner
+    from pipelines.runner import Runner, load_runner
 
     disk_toml = _declare(w.workdir, "switch", seed=5)
     weights = w.workdir / "switch" / "model.pt"
@@ -67,14 +67,15 @@ def switch(w: Any) -> dict[str, Any]:
     disk = resolve(disk_toml)
     from dataclasses import replace
 
+    assert disk.classifier is not None
     on_s3 = replace(
         disk,
         classifier=replace(disk.classifier, weights="s3://models/switch/model.pt", labels=None),
-    )  # type: ignore[arg-type]
+    )
     pipelines = {"disk": disk, "s3": on_s3}
 
     def load(name: str) -> Runner:
-        return load_runner(pipelines[name], sources, "cpu", Output())
+        return load_runner(pipelines[name], sources, "cpu")
 
     cache: ModelCache[Runner] = ModelCache(load, Runner.weights_bytes, 1 << 40)
     timings: dict[str, list[float]] = {"disk": [], "s3": [], "hit": []}

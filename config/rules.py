@@ -134,7 +134,17 @@ def metrics_port_is_a_port(s: Settings) -> list[str]:
     ]
 
 
+def one_decode_path(s: Settings) -> list[str]:
+    if s.loader.fast_decode and s.loader.exact_decode:
+        return [
+            f"{n('loader', 'fast_decode')} and {n('loader', 'exact_decode')} are both true; "
+            "choose one (neither: the default, reduced-scale decode and torchvision's resize)"
+        ]
+    return []
+
+
 RULES: tuple[Rule, ...] = (
+    one_decode_path,
     loader_recovers_before_stall,
     stall_before_redelivery,
     s3_retries_within_loader_timeout,

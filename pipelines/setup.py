@@ -14,14 +14,16 @@ from config.settings import Settings
 from datasets.images import DecodePlan
 from pipelines.declare import Pipeline
 from pipelines.registry import resolve
-from pipelines.runner import Output, Runner, decode_plan
+from pipelines.response import ResponseFormat
+from pipelines.runner import DeviceLimits, Runner, decode_plan
 
 
 @dataclass(frozen=True)
 class Chosen:
     pipeline: Pipeline
     plan: DecodePlan
-    output: Output
+    limits: DeviceLimits
+    response_format: ResponseFormat
 
 
 def choose(s: Settings) -> Chosen:
@@ -85,16 +87,20 @@ def budget_problems(s: Settings, chosen: list[Chosen], budget_bytes: int) -> lis
 
 
 def _chosen(s: Settings, pipeline: Pipeline) -> Chosen:
-    plan = decode_plan(pipeline, s.loader.max_side, s.loader.fast_decode, s.loader.device_decode)
-    output = Output(
-        scores=s.model.scores,
-        top_k=s.model.top_k,
-        labels_inline_max=s.model.labels_inline_max,
+    plan = decode_plan(
+        pipeline,
+        s.loader.max_side,
+        s.loader.fast_decode,
+        s.loader.device_decode,
+        exact=s.loader.exact_decode,
+    )
+    limits = DeviceLimits(
         detector_batch=s.model.detector_batch_size,
         crop_batch=s.model.crop_batch_size,
         max_side=s.loader.max_side,
     )
-    return Chosen(pipeline, plan, output)
+    fmt = ResponseFormat(s.model.scores, s.model.top_k, s.model.labels_inline_max)
+    return Chosen(pipeline, plan, limits, fmt)
 
 
 def model_info(runner: Runner) -> dict[str, Any]:

@@ -96,7 +96,8 @@ def _preload(served: Served, names: list[str]) -> None:
 
 
 class WorkerApp:
-    """One worker process's parts. ``start`` -> ``run(stop)`` -> ``close``.
+    """One worker process's parts. ``start`` -> ``run(stop)`` -> ``close``, driven by
+    ``worker.serve.Server`` (signals, the run directory, the process's exit code).
 
     ``start`` reads as the process map: the engine (model on the engine thread, the loader
     and its children), the transport (NATS connection, streams, the consumer), the health
@@ -150,6 +151,7 @@ class WorkerApp:
         metrics.registry.register(ReadsCollector(engine.reads, lambda: dict(engine.read_retries)))
         metrics.registry.register(ModelsCollector(served.cache, served.names))
         settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
+        settler.completed_twice = metrics.results_already_stored.inc
         helpers: list[tuple[str, Any]] = [
             ("max-deliveries", ExhaustedTasks(js, s.nats, settler).run)
         ]
@@ -227,7 +229,9 @@ class WorkerApp:
         device = self.device
         served = Served(
             chosen,
-            lambda c: load_runner(c.pipeline, sources, device, c.output, s.model.precision),
+            lambda c: load_runner(
+                c.pipeline, sources, device, c.limits, c.response_format, s.model.precision
+            ),
             self._budget_bytes(chosen),
             unloaded=lambda _name: release_cached_memory(),
         )

@@ -3,12 +3,13 @@
 The event loop only orchestrates; loads and forward passes run on the engine's thread.
 Its parts, each in a module of its own:
 
-- ``TaskSource`` (``transport.py``): bounded fetches from the durable consumer;
+- ``TaskSource`` (``nats/feed.py``): bounded fetches from the durable consumer;
 - ``Admission`` (``admission.py``): what a message becomes (dead letter, error result,
   duplicate, or a held task);
 - ``Claims`` (``claims.py``): what is held, the room left, the ack-wait keep-alive;
 - ``Batches`` (``batches.py``): batch formation and dispatch to the engine thread;
-- ``Settler`` (``settle.py``): store-then-ack, or nak; ``BatchObserver`` (``health.py``).
+- ``Settler`` (``settle.py``): store-then-ack, or nak; ``BatchObserver``
+  (``health/observer.py``): liveness, metrics and guards after each batch.
 
 How the process ends is a value (``Exit``), decided here.
 """
@@ -29,7 +30,7 @@ from config.errors import Failure, LoaderGaveUp
 from config.settings import Settings
 from worker.admission import Admission
 from worker.batches import Batches
-from worker.claims import Claim, Claims, best_effort
+from worker.claims import Claim, Claims
 from worker.exits import STOPPED, Exit, ExitReason
 from worker.health.liveness import Liveness
 from worker.health.metrics import Metrics
@@ -66,7 +67,11 @@ class Worker:
     def __init__(self, settings: Settings, services: Services, *, until_idle: bool = False):
         self.settings = settings
         self.s = services
-        self.claims = Claims(max_held_tasks(settings, services.image_bytes), services.liveness)
+        self.claims = Claims(
+            max_held_tasks(settings, services.image_bytes),
+            services.liveness,
+            services.settler.give_back,
+        )
         self.admission = Admission(services.settler, services.store, self.claims)
         observer = BatchObserver(
             services.metrics,
@@ -161,10 +166,10 @@ class Worker:
         self.s.metrics.batch_seconds.labels("store").observe(time.perf_counter() - started)
         await self.claims.keep_alive()
 
-    async def _settle_one(self, held: Claim, verdict: Outcome) -> None:
+    async def _settle_one(self, held: Claim, outcome: Outcome) -> None:
         total_s = time.monotonic() - held.fetched_at
-        timings_s = {**verdict.timings_s, "total_s": total_s}
-        timed = Outcome(verdict.detections, verdict.failure, timings_s)
+        timings_s = {**outcome.timings_s, "total_s": total_s}
+        timed = Outcome(outcome.detections, outcome.failure, timings_s)
         try:
             await self.s.settler.settle(held.task, held.msg, held.delivered, timed)
         except Exception:  # the per-task boundary: logged; its ack wait brings it back
@@ -219,7 +224,7 @@ class Worker:
         leftovers = await self.s.source.close()
         await self.claims.give_back(self.batches.stop(), "shutting down")
         for msg in leftovers:
-            await best_effort(msg.nak())
+            await self.s.settler.give_back(msg)
         if leftovers:
             log.info(
                 "tasks_given_back", count=len(leftovers), reason="delivered after the last fetch"

@@ -25,6 +25,7 @@ from config.settings import load_settings
 from worker.commands.client import job_results, make_tasks, publish_tasks, summarize
 from worker.commands.demo_images import corrupt_bytes, rectangles_bytes
 from worker.commands.localservers import NatsServer, S3Server
+from worker.exits import CommandExit
 
 log = structlog.get_logger(__name__)
 
@@ -137,7 +138,8 @@ def _print_report(
     print("-" * 120)
     print(f"as drawn: {as_drawn} of {checked} images answered")
     print(f"summary: {summary.line()} duplicates={summary.duplicates} total={len(expected)}")
-    return 0 if summary.missing == 0 and summary.duplicates == 0 else 1
+    whole = summary.missing == 0 and summary.duplicates == 0
+    return CommandExit.OK if whole else CommandExit.FAILED
 
 
 async def run_demo() -> int:

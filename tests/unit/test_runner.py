@@ -1,39 +1,23 @@
-"""Pipelines of stages: boxes in source pixels, crops classified by the right stages, results
-in Antenna's shape, declared in TOML, by a plugin, or exported without code."""
+"""The runner: boxes in source pixels, crops classified by the right stages, the next batch
+prepared while the last stage runs, the detections each stage reports."""
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-
 import pytest
-import torch
-from torch import nn
 
-from config.errors import ConfigError
 from datasets.images import DecodePlan, decode
 from datasets.sources import SourceConfig
-from pipelines.declare import Classifier, Detector, Pipeline, Preprocess
+from pipelines.declare import Detector, Pipeline
 from pipelines.models import save_classifier, save_detector
-from pipelines.registry import name_of, resolve
-from pipelines.runner import Output, decode_plan, load_runner
+from pipelines.registry import resolve
+from pipelines.response import ResponseFormat
+from pipelines.runner import DeviceLimits, decode_plan, load_runner
 from tests.antenna import PipelineResults
-from tests.fakes import FakePredictor
 from worker.commands.demo_images import image_bytes, rectangles_bytes
 from worker.schemas import Task, make_result
 
-PLUGIN = Path(__file__).parents[1] / "plugin"
 # Three rectangles in columns of their own, on a 1600x1000 source.
 TRUTH = [(100, 100, 300, 400, "red"), (500, 200, 700, 300, "green"), (900, 600, 1200, 900, "blue")]
-
-
-@pytest.fixture
-def toy(monkeypatch, tmp_path):
-    monkeypatch.syspath_prepend(str(PLUGIN))
-    import toy_moths
-
-    monkeypatch.setenv("TOY_MOTHS_WEIGHTS", toy_moths.colour_weights(str(tmp_path / "colour.pt")))
-    return toy_moths
 
 
 def _response(detections, image_id="img-1"):
@@ -56,7 +40,7 @@ def test_boxes_are_reported_in_source_pixels_when_the_image_is_decoded_smaller(t
     plan = decode_plan(pipeline, max_side=800, fast=False)
     image = decode(rectangles_bytes(1600, 1000, TRUTH), plan)
     assert image.pixels.shape == (3, 500, 800)  # decoded at half scale
-    runner = load_runner(pipeline, SourceConfig(), "cpu", Output())
+    runner = load_runner(pipeline, SourceConfig(), "cpu")
 
     (detections,) = runner.run([image])
 
@@ -70,7 +54,7 @@ def test_boxes_are_reported_in_source_pixels_when_the_image_is_decoded_smaller(t
 
 def test_the_filter_decides_which_crops_go_on_to_the_classifier(toy):
     pipeline = resolve("toy_moths:moths")
-    runner = load_runner(pipeline, SourceConfig(), "cpu", Output())
+    runner = load_runner(pipeline, SourceConfig(), "cpu")
     image = decode(rectangles_bytes(1600, 1000, TRUTH, fmt="PNG"), DecodePlan(max_side=4096))
 
     (detections,) = runner.run([image])
@@ -93,11 +77,12 @@ def test_a_classifier_alone_gives_one_detection_without_a_box(tmp_path):
     pipeline = resolve("mobilenet-v3-small-classifier", weights)
     plan = decode_plan(pipeline, max_side=4096, fast=False)
     assert plan == DecodePlan(size=224, resize="squash", max_side=4096, fast=False)
-    runner = load_runner(pipeline, SourceConfig(), "cpu", Output())
+    runner = load_runner(pipeline, SourceConfig(), "cpu")
     images = [decode(image_bytes(640, 480, seed=i), plan) for i in range(2)]
 
     results = runner.run(images)
 
+    assert len(results) == len(images) == 2
     for detections in results:
         response, _ = _response(detections)
         (detection,) = response.detections
@@ -113,8 +98,10 @@ def test_a_classifier_alone_gives_one_detection_without_a_box(tmp_path):
 def test_top_k_scores_carry_their_labels_and_long_class_lists_are_left_out(toy):
     many = resolve("toy_moths:many")
     image = decode(image_bytes(320, 240, seed=1), decode_plan(many, 4096, False))
-    full = load_runner(many, SourceConfig(), "cpu", Output(crop_batch=128)).run([image])[0]
-    top = load_runner(many, SourceConfig(), "cpu", Output(scores="top_k", top_k=3)).run([image])[0]
+    full = load_runner(many, SourceConfig(), "cpu", DeviceLimits(crop_batch=128)).run([image])[0]
+    top = load_runner(
+        many, SourceConfig(), "cpu", None, ResponseFormat(scores="top_k", top_k=3)
+    ).run([image])[0]
 
     assert len(full) == len(top) == 500
     whole, best = full[0]["classifications"][0], top[0]["classifications"][0]
@@ -124,7 +111,9 @@ def test_top_k_scores_carry_their_labels_and_long_class_lists_are_left_out(toy):
 
 
 def test_crops_are_classified_a_chunk_at_a_time(toy):
-    runner = load_runner(resolve("toy_moths:many"), SourceConfig(), "cpu", Output(crop_batch=64))
+    runner = load_runner(
+        resolve("toy_moths:many"), SourceConfig(), "cpu", DeviceLimits(crop_batch=64)
+    )
     assert runner.classifier is not None
     sizes: list[int] = []
     forward = runner.classifier.forward
@@ -151,7 +140,7 @@ def test_a_built_in_detector_reports_boxes_inside_the_source_image(tmp_path):
         max_size=160,
     )
     pipeline = Pipeline("detect", detector=detector)
-    runner = load_runner(pipeline, SourceConfig(), "cpu", Output())
+    runner = load_runner(pipeline, SourceConfig(), "cpu")
     plan = decode_plan(pipeline, max_side=400, fast=False)
     images = [decode(image_bytes(w, h, seed=w), plan) for w, h in [(800, 600), (300, 500)]]
 
@@ -168,132 +157,9 @@ def test_a_built_in_detector_reports_boxes_inside_the_source_image(tmp_path):
             assert only["classification"] == "moth" and 0.0 <= only["scores"][0] <= 1.0
 
 
-def test_an_exported_classifier_is_served_without_code(tmp_path):
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)
-    ).eval()
-    example = torch.rand(2, 3, 32, 32)
-    batch = torch.export.Dim("batch", min=1, max=1024)
-    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
-    path = tmp_path / "model.pt2"
-    torch.export.save(program, str(path))
-    (tmp_path / "labels.txt").write_text("a\nb\nc\nd\n")
-    stage = Classifier(
-        "exported", architecture="exported", weights=str(path), preprocess=Preprocess(size=32)
-    )
-    runner = load_runner(Pipeline("exported", classifier=stage), SourceConfig(), "cpu", Output())
-    assert runner.classifier is not None
-
-    images = torch.randint(0, 256, (5, 3, 32, 32), dtype=torch.uint8)
-    mean = torch.tensor(stage.preprocess.mean).view(1, 3, 1, 1) * 255
-    std = torch.tensor(stage.preprocess.std).view(1, 3, 1, 1) * 255
-    with torch.inference_mode():
-        expected = model((images.float() - mean) / std)
-    assert torch.allclose(runner.classifier.logits(images), expected, atol=1e-4)
-    assert (
-        runner.classifier.algorithm.weights_sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
-    )
-
-
-def test_a_pipeline_declared_in_toml_resolves_paths_beside_the_file(tmp_path):
-    save_detector("fasterrcnn_mobilenet_v3_large_fpn", ["moth"], str(tmp_path / "det"))
-    save_classifier("resnet18", ["moth", "other"], str(tmp_path / "binary"))
-    declaration = tmp_path / "moths.toml"
-    declaration.write_text(
-        """
-name = "moths"
-[detector]
-key = "detector"
-architecture = "fasterrcnn_mobilenet_v3_large_fpn"
-weights = "det/model.pt"
-labels = ["moth"]
-[filter]
-key = "moth-or-not"
-architecture = "resnet18"
-weights = "binary/model.pt"
-keep = ["moth"]
-preprocess = { size = 128, resize = "shorter_crop", mean = [0.5, 0.5, 0.5], std = [0.5, 0.5, 0.5] }
-"""
-    )
-    pipeline = resolve(str(declaration))
-    assert name_of(str(declaration)) == pipeline.name == "moths"
-    assert pipeline.detector is not None and pipeline.filter is not None
-    assert pipeline.detector.weights == str(tmp_path / "det" / "model.pt")
-    assert pipeline.filter.preprocess == Preprocess(128, "shorter_crop", (0.5,) * 3, (0.5,) * 3)
-
-
-@pytest.mark.parametrize(
-    ("body", "reason"),
-    [
-        (
-            'name = "x"\n[classifier]\nkey = "c"\nweights = "w.pt"\npreprocess = { size = 3 }\n',
-            "preprocess.size must be at least 8",
-        ),
-        ('name = "x"\n[classifier]\nkey = "c"\nweights = "w.pt"\nsize = 3\n', "size"),
-        (
-            'name = "x"\n[detector]\nkey = "d"\nweights = "w.pt"\n[filter]\nkey = "f"\n'
-            'weights = "w.pt"\nkeep = "moth"\n',
-            "keep must be a list",
-        ),
-        ('name = "x"\n[filter]\nkey = "f"\nweights = "w.pt"\nkeep = ["a"]\n', "needs a detector"),
-        ('name = "x y"\n[classifier]\nkey = "c"\nweights = "w.pt"\n', "pipeline name"),
-        ('name = "x"\n', "neither a detector nor a classifier"),
-        ("name = ", "Invalid"),
-    ],
-)
-def test_a_bad_declaration_is_refused_naming_the_setting(tmp_path, body, reason):
-    declaration = tmp_path / "bad.toml"
-    declaration.write_text(body)
-    with pytest.raises(ConfigError, match="WORKER_MODEL__PIPELINE") as refused:
-        resolve(str(declaration))
-    assert reason in str(refused.value)
-
-
-def test_weights_that_do_not_fit_the_architecture_are_refused_with_the_stage(tmp_path):
-    weights = save_classifier("resnet18", ["a", "b"], str(tmp_path))
-    stage = Classifier("species", architecture="mobilenet_v3_small", weights=weights)
-    with pytest.raises(Exception, match="do not fit stage 'species'"):
-        load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu", Output())
-
-
-@pytest.mark.parametrize(
-    "architecture",
-    ["resnet18", "resnet50", "mobilenet_v3_small", "mobilenet_v3_large", "convnext_tiny"],
-)
-def test_every_built_in_classifier_loads_its_saved_weights_and_classifies(tmp_path, architecture):
-    weights = save_classifier(architecture, ["a", "b"], str(tmp_path))
-    stage = Classifier("c", architecture=architecture, weights=weights, preprocess=Preprocess(32))
-    runner = load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu", Output())
-    (detections,) = runner.run([decode(image_bytes(64, 48, seed=1), DecodePlan(size=32))])
-    assert detections[0]["classifications"][0]["classification"] in ("a", "b")
-
-
-def test_the_bytes_cap_counts_the_largest_image_a_detector_pipeline_can_load(tmp_path):
-    from config.derived import max_held_tasks
-    from config.settings import load_settings
-    from pipelines.setup import choose
-
-    weights = save_detector("fasterrcnn_mobilenet_v3_large_fpn", ["moth"], str(tmp_path))
-    per_image = 3 * 800 * 800
-    settings = load_settings(
-        model={"pipeline": "fasterrcnn-mobilenet-detector", "weights": weights},
-        loader={"max_side": 800, "batch_size": 4, "max_inflight_bytes": 6 * per_image},
-    )
-    chosen = choose(settings)
-    assert chosen.plan.max_image_bytes() == per_image
-    assert max_held_tasks(settings, chosen.plan.max_image_bytes()) == 6
-    with pytest.raises(ConfigError, match="MAX_INFLIGHT_BYTES"):
-        choose(
-            settings.model_copy(
-                update={"loader": settings.loader.model_copy(update={"max_side": 2000})}
-            )
-        )
-
-
 def test_a_detector_alone_reports_each_box_with_its_class_and_score(toy):
     detector = resolve("toy_moths:moths").detector
-    runner = load_runner(Pipeline("boxes", detector=detector), SourceConfig(), "cpu", Output())
+    runner = load_runner(Pipeline("boxes", detector=detector), SourceConfig(), "cpu")
     image = decode(rectangles_bytes(1600, 1000, TRUTH, fmt="PNG"), DecodePlan(max_side=4096))
 
     (detections,) = runner.run([image])
@@ -305,42 +171,9 @@ def test_a_detector_alone_reports_each_box_with_its_class_and_score(toy):
         assert only["algorithm"] == {"name": "Bright boxes", "key": "bright-boxes"}
 
 
-def test_a_filter_keeping_a_label_it_does_not_have_is_refused_at_load(toy):
-    from dataclasses import replace
-
-    pipeline = resolve("toy_moths:moths")
-    assert pipeline.filter is not None
-    broken = replace(pipeline, filter=replace(pipeline.filter, keep=("moth",)))
-    with pytest.raises(ConfigError, match="keeps labels it does not have"):
-        load_runner(broken, SourceConfig(), "cpu", Output())
-
-
-def test_a_classifier_whose_output_does_not_fit_its_labels_fails_the_start(toy):
-    stage = Classifier("c", architecture=toy.seeded_classifier, labels=("a", "b"))
-    wrong = Classifier("c", architecture=lambda _n: toy.seeded_classifier(5), labels=("a", "b"))
-    load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu", Output())
-    with pytest.raises(ConfigError, match=r"logits of shape \(2, 5\) for 2 images and 2 labels"):
-        load_runner(Pipeline("p", classifier=wrong), SourceConfig(), "cpu", Output())
-
-
-def test_total_time_is_the_tasks_time_not_a_sum_of_overlapping_timings():
-    task = Task("t", "j", "i", "s3://b/k")
-    result = make_result(
-        task=task,
-        pipeline="p",
-        detections=[],
-        error=None,
-        model={},
-        timings_s={"load_s": 0.2, "infer_s": 0.3, "total_s": 0.6},
-        worker={},
-        attempt=1,
-    )
-    assert result["response"]["total_time"] == 0.6
-
-
 def test_jpegs_left_encoded_for_the_device_give_the_same_boxes_through_the_cpu_fallback(toy):
     pipeline = resolve("toy_moths:moths")
-    runner = load_runner(pipeline, SourceConfig(), "cpu", Output(max_side=800))
+    runner = load_runner(pipeline, SourceConfig(), "cpu", DeviceLimits(max_side=800))
     data = rectangles_bytes(1600, 1000, TRUTH)
     usual = decode(data, decode_plan(pipeline, 800, fast=False))
     encoded = decode(data, decode_plan(pipeline, 800, fast=False, device_decode=True))
@@ -357,37 +190,6 @@ def test_jpegs_left_encoded_for_the_device_give_the_same_boxes_through_the_cpu_f
         return sorted(tuple(d["bbox"].values()) for d in detections)
 
     assert boxes(encoded) == boxes(usual) and len(boxes(usual)) == 3
-
-
-def test_a_corrupt_jpeg_left_encoded_fails_alone_as_a_corrupt_image():
-    from tests.unit.test_engine import FlakyLoader, submit
-    from worker.commands.demo_images import truncated_bytes
-    from worker.engine import Engine
-
-    broken = decode(truncated_bytes(640, 480), DecodePlan(max_side=800, encoded=True))
-    good = decode(image_bytes(640, 480, seed=1), DecodePlan(max_side=800, encoded=True))
-    assert broken.encoded is not None and good.encoded is not None
-
-    class Handing(FlakyLoader):
-        def next_loaded(self):
-            from datasets.loader import Loaded
-
-            request = self.queue.pop(0)
-            return Loaded(request.key, broken if request.key == 1 else good, None, 0.0, 1)
-
-    class Counting(FakePredictor):
-        def run(self, images, while_running=None):
-            from pipelines.device import decode_on_device
-
-            for image in images:
-                decode_on_device(image, torch.device("cpu"), 800)
-            return [[] for _ in images]
-
-    engine = Engine(Handing(), Counting())  # type: ignore[arg-type]
-    submit(engine, [1, 2])
-    outcomes = engine.run_batch([1, 2]).outcomes
-    assert outcomes[2].ok
-    assert outcomes[1].failure is not None and outcomes[1].failure.kind == "corrupt_image"
 
 
 def _traced(runner, events):
@@ -459,8 +261,8 @@ def test_the_next_batch_is_prepared_once_after_the_last_stage_is_given_to_the_de
         "detector-only": Pipeline("boxes", detector=moths.detector),
         "classifier-only": Pipeline("colour", classifier=moths.classifier),
     }[pipeline]
-    output = Output(detector_batch=2, crop_batch=2)
-    runner = load_runner(chosen, SourceConfig(), "cpu", output)
+    limits = DeviceLimits(detector_batch=2, crop_batch=2)
+    runner = load_runner(chosen, SourceConfig(), "cpu", limits)
     events: list[str] = []
     _traced(runner, events)
     rectangles = [(10 + 40 * i, 10, 30 + 40 * i, 40, "red") for i in range(5)]
@@ -474,7 +276,7 @@ def test_the_next_batch_is_prepared_once_after_the_last_stage_is_given_to_the_de
 
 
 def test_the_next_batch_is_prepared_once_when_no_crop_reaches_the_device(toy):
-    runner = load_runner(resolve("toy_moths:moths"), SourceConfig(), "cpu", Output())
+    runner = load_runner(resolve("toy_moths:moths"), SourceConfig(), "cpu")
     black = decode(rectangles_bytes(64, 64, []), DecodePlan(max_side=4096))
     calls: list[int] = []
     assert runner.run([black, black], lambda: calls.append(1)) == [[], []]
@@ -495,13 +297,15 @@ def _without_clocks(results):
 
 
 @pytest.mark.parametrize("pipeline", ["toy_moths:moths", "toy_moths:many"])
-def test_images_staged_ahead_give_the_same_results_as_images_that_were_not(toy, pipeline):
+def test_images_copied_ahead_give_the_same_results_as_images_that_were_not(toy, pipeline):
     chosen = resolve(pipeline)
-    runner = load_runner(chosen, SourceConfig(), "cpu", Output(detector_batch=2, crop_batch=64))
+    runner = load_runner(
+        chosen, SourceConfig(), "cpu", DeviceLimits(detector_batch=2, crop_batch=64)
+    )
     rectangles = [(10, 10, 40, 50, "red"), (60, 5, 90, 30, "green"), (120, 20, 150, 60, "blue")]
     plan = decode_plan(chosen, 4096, False)
     images = [decode(rectangles_bytes(200, 80, rectangles), plan) for _ in range(3)]
-    staged = runner.stage(images[:2]) + images[2:]  # the next batch's first chunk, staged
+    ahead = runner.copy_ahead(images[:2]) + images[2:]  # the next batch's first chunk, ahead
 
-    assert _without_clocks(runner.run(staged)) == _without_clocks(runner.run(images))
-    assert runner.stage_ahead == 2
+    assert _without_clocks(runner.run(ahead)) == _without_clocks(runner.run(images))
+    assert runner.copy_ahead_images == 2
