@@ -151,8 +151,7 @@ class Worker:
             return None
         loading = in_daemon_thread(self.s.engine.load, pipeline)
         tick_s = min(_LOAD_TICK_S, self.settings.nats.ack_wait_s / 4)
-        while not loading.done():
-            await asyncio.wait({loading}, timeout=tick_s)
+        while not (await asyncio.wait({loading}, timeout=tick_s))[0]:
             self.s.liveness.loading()
             await self.claims.keep_alive()
         failure = loading.result()
