@@ -10,9 +10,8 @@ redrawn bar; otherwise one plain line per interval. No torch here.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -20,6 +19,7 @@ import nats
 from nats.js import JetStreamContext, api
 
 from config.settings import NatsSettings
+from worker.commands.client import job_task_ids, read_result
 from worker.exits import JobEnd
 from worker.nats.subjects import job_results_subject
 from worker.schemas import subject_token
@@ -36,6 +36,7 @@ class Progress:
     error: int = 0
     started_s: float = 0.0
     done_at_start: int = 0  # results already there when the watch began: not in the rate
+    unreadable: int = 0  # messages on the job's result subjects that are no result
 
     @property
     def done(self) -> int:
@@ -54,7 +55,8 @@ class Progress:
         return self.missing / rate if rate > 0 else None
 
     def summary(self) -> str:
-        return f"ok={self.ok} error={self.error} missing={self.missing}"
+        line = f"ok={self.ok} error={self.error} missing={self.missing}"
+        return line + (f" unreadable={self.unreadable}" if self.unreadable else "")
 
     def exit_code(self) -> int:
         """How the job stands (``exits.JobEnd``): missing wins over error."""
@@ -82,8 +84,6 @@ def render(progress: Progress, now_s: float, tty: bool) -> str:
 
 async def job_task_count(js: JetStreamContext, settings: NatsSettings, job_id: str) -> int:
     """Distinct task ids of the job in the tasks stream (its own subjects only)."""
-    from worker.commands.client import job_task_ids
-
     return len(await job_task_ids(js, settings, job_id))
 
 
@@ -118,11 +118,11 @@ class ResultCounter:
         except (nats.errors.TimeoutError, TimeoutError):
             return
         for msg in msgs:
-            try:
-                result = json.loads(msg.data)
-            except ValueError:
+            result = read_result(msg.data)
+            if result is None:  # not a result (a client may publish there): counted, skipped
+                progress.unreadable += 1
                 continue
-            task_id = str(result.get("task_id"))
+            task_id = result["task_id"]
             if task_id in self.seen:
                 continue
             self.seen.add(task_id)
@@ -167,33 +167,19 @@ async def watch_job(
         return progress
     counter = ResultCounter(js, settings, job_id)
     await counter.open()
-    deadline = clock() + timeout_s
-    last_line = -interval_s
-    refreshes = 0
+
+    async def recount() -> int:
+        return await job_task_count(js, settings, job_id)
+
     try:
-        while True:
-            try:
-                await counter.read(progress, wait_s=min(interval_s, max(0.05, deadline - clock())))
-                refreshes += 1
-                if refreshes == 1:
-                    progress.done_at_start = progress.done
-                if expected is None and refreshes % _RECOUNT_EVERY == 0:
-                    progress.total = max(progress.total, await job_task_count(js, settings, job_id))
-            except (nats.errors.Error, TimeoutError) as error:
-                out.write(f"\nNATS: {type(error).__name__}; still following until the timeout\n")
-                await asyncio.sleep(min(interval_s, max(0.0, deadline - clock())))
-            progress.total = max(progress.total, progress.done)
-            now = clock()
-            finished = progress.missing == 0
-            if tty:
-                out.write("\r\x1b[K" + render(progress, now, tty=True))
-                out.flush()
-            elif now - last_line >= interval_s or finished or now >= deadline:
-                out.write(render(progress, now, tty=False) + "\n")
-                out.flush()
-                last_line = now
-            if finished or now >= deadline:
-                break
+        await _follow(
+            counter,
+            progress,
+            _Drawing(out, tty, interval_s),
+            deadline=clock() + timeout_s,
+            clock=clock,
+            recount=recount if expected is None else None,
+        )
     finally:
         await counter.close()
     if tty:
@@ -201,3 +187,57 @@ async def watch_job(
     out.write(f"job {job_id}: {progress.summary()}\n")
     out.flush()
     return progress
+
+
+class _Drawing:
+    """Progress on ``out``: redrawn in place on a terminal, else one line per interval (and
+    the last one)."""
+
+    def __init__(self, out: TextIO, tty: bool, interval_s: float) -> None:
+        self.out = out
+        self.tty = tty
+        self.interval_s = interval_s
+        self._last_line_s = -interval_s
+
+    def draw(self, progress: Progress, now: float, last: bool) -> None:
+        if self.tty:
+            self.out.write("\r\x1b[K" + render(progress, now, tty=True))
+            self.out.flush()
+        elif now - self._last_line_s >= self.interval_s or last:
+            self.out.write(render(progress, now, tty=False) + "\n")
+            self.out.flush()
+            self._last_line_s = now
+
+
+async def _follow(
+    counter: ResultCounter,
+    progress: Progress,
+    drawing: _Drawing,
+    *,
+    deadline: float,
+    clock: Callable[[], float],
+    recount: Callable[[], Awaitable[int]] | None,
+) -> None:
+    """Count results and draw until every task has one or ``deadline`` passes; the job's
+    tasks are counted again now and then when ``recount`` is given."""
+    interval_s = drawing.interval_s
+    refreshes = 0
+    while True:
+        try:
+            await counter.read(progress, wait_s=min(interval_s, max(0.05, deadline - clock())))
+            refreshes += 1
+            if refreshes == 1:
+                progress.done_at_start = progress.done
+            if recount is not None and refreshes % _RECOUNT_EVERY == 0:
+                progress.total = max(progress.total, await recount())
+        except (nats.errors.Error, TimeoutError) as error:
+            drawing.out.write(
+                f"\nNATS: {type(error).__name__}; still following until the timeout\n"
+            )
+            await asyncio.sleep(min(interval_s, max(0.0, deadline - clock())))
+        progress.total = max(progress.total, progress.done)
+        now = clock()
+        finished = progress.missing == 0
+        drawing.draw(progress, now, last=finished or now >= deadline)
+        if finished or now >= deadline:
+            return
