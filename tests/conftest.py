@@ -130,6 +130,9 @@ def settings_for(model_path: str, s3_server: S3Server) -> Any:
                 "result_objects": f"OBJECTS_{unique}",
                 "algorithms": f"ALGORITHMS_{unique}",
                 "fetch_timeout_s": 0.5,
+                # A test's streams hold little; JetStream refuses a stream whose limit the
+                # disk cannot hold (8 GiB by default), whatever it will really hold.
+                "tasks_max_bytes": 256 * 1024**2,
                 "nak_backoff_base_s": 0.1,
                 "nak_backoff_max_s": 0.5,
             },
