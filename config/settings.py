@@ -6,8 +6,6 @@ and the resulting object is passed down to every layer.
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
 from typing import Literal
 
 from pydantic import (
@@ -22,9 +20,9 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from config.errors import ConfigError
+from config.names import NESTED_DELIMITER, PREFIX, env_name
 from config.redact import redact_url
-
-_HOST_ENTRY = re.compile(r"\[[0-9a-fA-F:.]+\](:\d{1,5})?|[^\s:\[\]/]+(:\d{1,5})?|[0-9a-fA-F:]+")
+from config.rules import settings_problems, worker_problems
 
 
 class NatsSettings(BaseModel):
@@ -340,8 +338,8 @@ class FaultSettings(BaseModel):
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="WORKER_",
-        env_nested_delimiter="__",
+        env_prefix=PREFIX,
+        env_nested_delimiter=NESTED_DELIMITER,
         env_file=".env",
         extra="ignore",
     )
@@ -374,181 +372,13 @@ class Settings(BaseSettings):
         return self
 
 
-def _positive(problems: list[str], name: str, value: float) -> None:
-    if value <= 0:
-        problems.append(f"{name}={value} must be greater than 0")
-
-
-def settings_problems(s: Settings) -> list[str]:
-    """Every rule that spans fields, each broken rule as one line naming the fields."""
-    problems: list[str] = []
-    for name, value in (
-        ("WORKER_LOADER__NUM_WORKERS", s.loader.num_workers),
-        ("WORKER_LOADER__BATCH_SIZE", s.loader.batch_size),
-        ("WORKER_LOADER__TIMEOUT_S", s.loader.timeout_s),
-        ("WORKER_LOADER__PREFETCH_BATCHES", s.loader.prefetch_batches),
-        ("WORKER_LOADER__READS_PER_WORKER", s.loader.reads_per_worker),
-        ("WORKER_LOADER__READ_BYTES_PER_WORKER", s.loader.read_bytes_per_worker),
-        ("WORKER_NATS__ACK_WAIT_S", s.nats.ack_wait_s),
-        ("WORKER_NATS__MAX_DELIVER", s.nats.max_deliver),
-        ("WORKER_NATS__FETCH_TIMEOUT_S", s.nats.fetch_timeout_s),
-        ("WORKER_NATS__COMMAND_CONNECT_TIMEOUT_S", s.nats.command_connect_timeout_s),
-        ("WORKER_HEALTH__STALL_TIMEOUT_S", s.health.stall_timeout_s),
-        ("WORKER_MODEL__TOP_K", s.model.top_k),
-        ("WORKER_S3__MAX_ATTEMPTS", s.s3.max_attempts),
-        ("WORKER_LOADER__MAX_CONSECUTIVE_FAILURES", s.loader.max_consecutive_failures),
-        ("WORKER_SOURCES__MAX_BYTES", s.sources.max_bytes),
-        ("WORKER_HEALTH__DISCONNECTED_TIMEOUT_S", s.health.disconnected_timeout_s),
-    ):
-        _positive(problems, name, value)
-    if problems:
-        return problems
-    if s.loader.timeout_s >= s.health.stall_timeout_s:
-        problems.append(
-            f"WORKER_LOADER__TIMEOUT_S ({s.loader.timeout_s}) must be shorter than "
-            f"WORKER_HEALTH__STALL_TIMEOUT_S ({s.health.stall_timeout_s}), so a hung loader "
-            "is recovered before the worker counts as stalled"
-        )
-    if s.health.stall_timeout_s >= s.nats.ack_wait_s:
-        problems.append(
-            f"WORKER_HEALTH__STALL_TIMEOUT_S ({s.health.stall_timeout_s}) must be shorter than "
-            f"WORKER_NATS__ACK_WAIT_S ({s.nats.ack_wait_s}), so a wedged worker is restarted "
-            "before its tasks are redelivered"
-        )
-    s3_worst_s = (s.s3.connect_timeout_s + s.s3.read_timeout_s) * s.s3.max_attempts
-    if s3_worst_s >= s.loader.timeout_s:
-        problems.append(
-            f"WORKER_S3__CONNECT_TIMEOUT_S + WORKER_S3__READ_TIMEOUT_S times "
-            f"WORKER_S3__MAX_ATTEMPTS ({s3_worst_s:g}s) must be shorter than "
-            f"WORKER_LOADER__TIMEOUT_S ({s.loader.timeout_s}), or a slow object looks like a hang"
-        )
-    if s.sources.object_deadline_s < 0:
-        problems.append("WORKER_SOURCES__OBJECT_DEADLINE_S must be 0 (derived) or more")
-    if s.sources.object_deadline_s >= s.loader.timeout_s:
-        problems.append(
-            f"WORKER_SOURCES__OBJECT_DEADLINE_S ({s.sources.object_deadline_s}) must be shorter "
-            f"than WORKER_LOADER__TIMEOUT_S ({s.loader.timeout_s}), or a slow object looks like "
-            "a hung loader"
-        )
-    if s.sources.max_redirects < 0:
-        problems.append(f"WORKER_SOURCES__MAX_REDIRECTS={s.sources.max_redirects} must be >= 0")
-    for entry in s.sources.hosts():
-        if not _HOST_ENTRY.fullmatch(entry):
-            problems.append(
-                f"WORKER_SOURCES__ALLOWED_HOSTS: {entry!r} is not host, host:port or [v6]:port"
-            )
-    for root in s.sources.roots():
-        if not root.startswith("/"):
-            problems.append(f"WORKER_SOURCES__FILE_ROOTS: {root!r} is not an absolute path")
-    if s.nats.fetch_timeout_s >= s.health.stall_timeout_s:
-        problems.append(
-            f"WORKER_NATS__FETCH_TIMEOUT_S ({s.nats.fetch_timeout_s}) must be shorter than "
-            f"WORKER_HEALTH__STALL_TIMEOUT_S ({s.health.stall_timeout_s})"
-        )
-    watchdog_s = s.health.watchdog_timeout_s
-    if watchdog_s and not s.health.stall_timeout_s < watchdog_s < s.nats.ack_wait_s:
-        problems.append(
-            f"WORKER_HEALTH__WATCHDOG_TIMEOUT_S ({watchdog_s}) must lie between "
-            f"WORKER_HEALTH__STALL_TIMEOUT_S ({s.health.stall_timeout_s}) and "
-            f"WORKER_NATS__ACK_WAIT_S ({s.nats.ack_wait_s}), or 0 to turn it off"
-        )
-    if s.nats.store_retry_s >= s.nats.ack_wait_s:
-        problems.append(
-            f"WORKER_NATS__STORE_RETRY_S ({s.nats.store_retry_s}) must be shorter than "
-            f"WORKER_NATS__ACK_WAIT_S ({s.nats.ack_wait_s})"
-        )
-    if s.health.drain_timeout_s >= s.nats.ack_wait_s:
-        problems.append(
-            f"WORKER_HEALTH__DRAIN_TIMEOUT_S ({s.health.drain_timeout_s}) must be shorter than "
-            f"WORKER_NATS__ACK_WAIT_S ({s.nats.ack_wait_s})"
-        )
-    if not 0 <= s.metrics.port <= 65535 or (s.metrics.port and metrics_port(s) > 65535):
-        problems.append(
-            f"WORKER_METRICS__PORT={s.metrics.port} + WORKER_PROCESS_INDEX={s.process_index} "
-            "must be 0 (off) or a TCP port"
-        )
-    return problems
-
-
-def max_held_tasks(s: Settings, image_bytes: int) -> int:
-    """Tasks held at once; with ``image_bytes``, the most host bytes one loaded image of the
-    pipeline can take, this bounds host memory for loaded images by construction."""
-    held = s.loader.batch_size * s.loader.prefetch_batches
-    if s.loader.max_inflight_bytes:
-        held = min(held, s.loader.max_inflight_bytes // image_bytes)
-    return max(held, s.loader.batch_size)
-
-
-def memory_problems(s: Settings, image_bytes: int) -> list[str]:
-    """The bytes cap must hold one batch of the largest images the pipeline can load."""
-    one_batch = s.loader.batch_size * image_bytes
-    if s.loader.max_inflight_bytes and s.loader.max_inflight_bytes < one_batch:
-        return [
-            f"WORKER_LOADER__MAX_INFLIGHT_BYTES ({s.loader.max_inflight_bytes}) must hold at "
-            f"least one batch: WORKER_LOADER__BATCH_SIZE ({s.loader.batch_size}) x "
-            f"{image_bytes} bytes = {one_batch}"
-        ]
-    return []
-
-
-def port_for(base: int, index: int) -> int:
-    """Process ``index``'s metrics port: the base plus the index (the rule healthwatch probes
-    by, so 16 processes on a host are 9460..9475, never a port made by pasting digits)."""
-    return base + index
-
-
-def metrics_port(s: Settings) -> int:
-    """This process's /metrics and /healthz port; 0 when turned off."""
-    return port_for(s.metrics.port, s.process_index) if s.metrics.port else 0
-
-
-def object_deadline_s(s: Settings) -> float:
-    """The per-object read deadline: as set, or three quarters of the loader timeout."""
-    return s.sources.object_deadline_s or 0.75 * s.loader.timeout_s
-
-
-def torch_threads(s: Settings, cores: int | None) -> int:
-    if s.model.torch_threads > 0:
-        return s.model.torch_threads
-    return max(1, (cores or 1) - s.loader.num_workers)
-
-
-def chosen_device(s: Settings) -> str:
-    """This process's entry of WORKER_MODEL__DEVICE (a list gives one entry per process)."""
-    entries = [entry.strip() for entry in s.model.device.split(",") if entry.strip()]
-    return entries[s.process_index % len(entries)]
-
-
-def worker_problems(s: Settings) -> list[str]:
-    """What a worker process needs beyond a sound combination: weights it can load, when
-    WORKER_MODEL__WEIGHTS is given (which pipelines need it is the pipeline registry's call)."""
-    return weights_problems(s.model.weights, "WORKER_MODEL__WEIGHTS") if s.model.weights else []
-
-
-def weights_problems(weights: str, where: str) -> list[str]:
-    """Why ``weights`` (named ``where`` in the message) cannot be read; empty when it can."""
-    if not weights:
-        return [f"{where} is not set; give a state_dict path or an s3:// URI"]
-    if weights.startswith("s3://"):
-        bucket, _, key = weights[len("s3://") :].partition("/")
-        if not bucket or not key:
-            return [f"{where}={weights!r} must be s3://bucket/key"]
-        return []
-    if "://" in weights and not weights.startswith("file://"):
-        return [f"{where}={weights!r}: only a local path or s3:// URI is allowed"]
-    path = Path(weights.removeprefix("file://"))
-    if not path.is_file():
-        return [f"{where}={weights!r}: no such file"]
-    return []
-
-
 def _format_validation_error(error: ValidationError) -> str:
     lines: list[str] = []
     for item in error.errors():
         loc = [str(part) for part in item["loc"]]
         message = str(item["msg"]).removeprefix("Value error, ")
         if loc:
-            lines.append("WORKER_" + "__".join(part.upper() for part in loc) + f": {message}")
+            lines.append(f"{env_name(*loc)}: {message}")
         else:
             lines.extend(message.splitlines())
     return "\n".join(lines)

@@ -1,5 +1,6 @@
 """One forward pass of a pipeline over a batch of decoded images, into Antenna-shaped
-detections (``DetectionResponse`` without ``source_image_id``, which the result adds).
+detections (``DetectionResponse`` without ``source_image_id``, which the result adds; the
+shape itself is ``pipelines/response.py``'s).
 
 Memory: the detector sees ``detector_batch`` images at a time; crops are cut from the decoded
 image and classified ``crop_batch`` at a time, never all at once (README, "Memory").
@@ -11,14 +12,13 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
-import numpy as np
 import torch
 
 from config.errors import ConfigError, TransientError
 from datasets.images import Decoded, DecodePlan, resize_square
+from pipelines import response
 from pipelines.declare import Pipeline
 from pipelines.device import (
     CopyStats,
@@ -30,14 +30,12 @@ from pipelines.device import (
 from pipelines.device import stage as stage_on_device
 from pipelines.models import Algorithm, ClassifierModel, DetectorModel
 
-Scores = Literal["all", "top_k"]
-
 
 @dataclass(frozen=True)
 class Output:
     """How classifications are written."""
 
-    scores: Scores = "all"  # the full softmax vector (Antenna's default), or the top k
+    scores: response.Scores = "all"  # the full softmax vector (Antenna's default), or top k
     top_k: int = 5
     labels_inline_max: int = 100  # longer class lists are published once, not per result
     detector_batch: int = 4
@@ -59,15 +57,6 @@ class _Hook:
         started = time.perf_counter()
         call()
         return time.perf_counter() - started
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat()
-
-
-def _rounded(values: torch.Tensor) -> list[float]:
-    rounded: list[float] = np.round(values.numpy().astype(np.float64), 6).tolist()
-    return rounded  # Python floats, as float() makes them, at a third of the time
 
 
 @dataclass(frozen=True)
@@ -93,6 +82,9 @@ class Runner:
         self.filter = filter
         self.classifier = classifier
         self.output = output
+        self.response_format = response.ResponseFormat(
+            output.scores, output.top_k, output.labels_inline_max
+        )
         self.copies = CopyStats()
         self.measure_copies = False  # bench.gpu: time the waits (the host then waits too)
         self._copy_stream: Any = None
@@ -178,11 +170,7 @@ class Runner:
         return [
             [
                 {
-                    "bbox": None,
-                    "inference_time": round(each_s, 6),
-                    "algorithm": classifier.algorithm.reference(),
-                    "timestamp": _now(),
-                    "crop_image_url": None,
+                    **response.detection(None, each_s, classifier.algorithm.reference(), (1, 1)),
                     "classifications": [self._classification(classifier, row, each_s, True)],
                 }
             ]
@@ -239,19 +227,9 @@ class Runner:
                     boxes.boxes.tolist(), boxes.scores.tolist(), boxes.labels.tolist(), strict=True
                 ):
                     x1, y1, x2, y2 = (float(v) for v in box)
-                    detection: dict[str, Any] = {
-                        "bbox": {
-                            "x1": round(x1 * sx, 2),
-                            "y1": round(y1 * sy, 2),
-                            "x2": round(x2 * sx, 2),
-                            "y2": round(y2 * sy, 2),
-                        },
-                        "inference_time": round(each_s, 6),
-                        "algorithm": detector.algorithm.reference(),
-                        "timestamp": _now(),
-                        "crop_image_url": None,
-                        "classifications": [],
-                    }
+                    detection = response.detection(
+                        (x1, y1, x2, y2), each_s, detector.algorithm.reference(), (sx, sy)
+                    )
                     if alone:
                         detection["classifications"].append(
                             self._detected(detector, int(label), float(score), each_s)
@@ -310,42 +288,18 @@ class Runner:
     def _detected(
         detector: DetectorModel, label: int, score: float, inference_s: float
     ) -> dict[str, Any]:
-        """A detector alone: its class and score for the box, as the box's one classification."""
-        return {
-            "classification": detector.label(label),
-            "labels": [detector.label(label)],
-            "scores": [round(score, 6)],
-            "logits": None,
-            "inference_time": round(inference_s, 6),
-            "algorithm": detector.algorithm.reference(),
-            "terminal": True,
-            "timestamp": _now(),
-        }
+        reference = detector.algorithm.reference()
+        return response.detector_classification(
+            detector.label(label), score, inference_s, reference
+        )
 
     def _classification(
         self, model: ClassifierModel, logits: torch.Tensor, inference_s: float, terminal: bool
     ) -> dict[str, Any]:
-        labels = model.algorithm.labels
-        probs = torch.softmax(logits, dim=0)
-        entry: dict[str, Any] = {"classification": labels[int(probs.argmax())]}
-        if self.output.scores == "top_k":
-            k = min(self.output.top_k, len(labels))
-            scores, indices = probs.topk(k)
-            entry["labels"] = [labels[i] for i in indices.tolist()]
-            entry["scores"] = _rounded(scores)
-            entry["logits"] = _rounded(logits[indices])
-        else:
-            if len(labels) <= self.output.labels_inline_max:
-                entry["labels"] = list(labels)
-            entry["scores"] = _rounded(probs)
-            entry["logits"] = _rounded(logits)
-        entry.update(
-            inference_time=round(inference_s, 6),
-            algorithm=model.algorithm.reference(),
-            terminal=terminal,
-            timestamp=_now(),
+        labels, reference = model.algorithm.labels, model.algorithm.reference()
+        return response.classification(
+            self.response_format, labels, logits, inference_s, reference, terminal
         )
-        return entry
 
 
 def _tensor(pixels: Any) -> torch.Tensor:

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from config.errors import ConfigError
-from config.settings import Settings, memory_problems, weights_problems
+from config.rules import memory_problems, weights_problems
+from config.settings import Settings
 from datasets.images import DecodePlan
 from pipelines.declare import Pipeline
 from pipelines.registry import resolve

@@ -14,15 +14,15 @@ from typing import Any, TypeVar
 import structlog
 from prometheus_client import CollectorRegistry
 
-from config.errors import ConfigError, PermanentError
-from config.settings import (
-    Settings,
+from config.derived import (
     chosen_device,
     max_held_tasks,
     metrics_port,
     object_deadline_s,
     torch_threads,
 )
+from config.errors import ConfigError, PermanentError
+from config.settings import Settings
 from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.sources import SourceConfig
 from pipelines.device import memory_bytes, visibility

@@ -24,8 +24,9 @@ from typing import Any
 
 import structlog
 
+from config.derived import max_held_tasks
 from config.errors import LoaderGaveUp
-from config.settings import Settings, max_held_tasks
+from config.settings import Settings
 from worker.admission import Admission
 from worker.batches import Batches
 from worker.claims import Claim, Claims, best_effort

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from config.settings import load_settings, metrics_port
+from config.derived import metrics_port
+from config.settings import load_settings
 from pipelines.device import visibility
 from worker.commands.healthwatch import process_port
 
@@ -58,7 +59,7 @@ def test_every_process_gets_its_own_name_port_and_device(tmp_path, monkeypatch, 
             metrics={"port": int(env["WORKER_METRICS__PORT"])},
             model={"device": env["WORKER_MODEL__DEVICE"]},
         )
-        from config.settings import chosen_device
+        from config.derived import chosen_device
 
         assert settings.process_index == index
         ports.append(metrics_port(settings))

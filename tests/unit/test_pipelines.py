@@ -270,7 +270,8 @@ def test_every_built_in_classifier_loads_its_saved_weights_and_classifies(tmp_pa
 
 
 def test_the_bytes_cap_counts_the_largest_image_a_detector_pipeline_can_load(tmp_path):
-    from config.settings import load_settings, max_held_tasks
+    from config.derived import max_held_tasks
+    from config.settings import load_settings
     from pipelines.setup import choose
 
     weights = save_detector("fasterrcnn_mobilenet_v3_large_fpn", ["moth"], str(tmp_path))

@@ -85,7 +85,7 @@ def test_every_problem_is_its_own_line(weights):
 
 
 def test_the_inflight_byte_cap_bounds_the_tasks_held(weights):
-    from config.settings import max_held_tasks
+    from config.derived import max_held_tasks
 
     per_image = 3 * 224 * 224
     s = load_settings(model={"weights": weights}, loader={"batch_size": 8, "prefetch_batches": 4})

@@ -44,7 +44,7 @@ async def _nats_problems(settings: Settings) -> list[str]:
 
 
 def _model_problems(settings: Settings) -> list[str]:
-    from config.settings import chosen_device
+    from config.derived import chosen_device
     from pipelines.device import visibility
     from pipelines.runner import load_runner
     from pipelines.setup import choose

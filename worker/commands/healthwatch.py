@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from config.settings import port_for
+from config.derived import port_for
 
 RUNNING = 20  # supervisor's ProcessStates.RUNNING
 
@@ -42,7 +42,7 @@ def probe(url: str, timeout_s: float) -> Probe:
 
 def process_port(name: str, port_base: int) -> int | None:
     """``inference-worker_03`` -> port_base + 3 (the program's process_name convention, and the
-    worker's own rule, ``config.settings.port_for``)."""
+    worker's own rule, ``config.derived.port_for``)."""
     _, _, number = name.rpartition("_")
     return port_for(port_base, int(number)) if number.isdigit() else None
 

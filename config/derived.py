@@ -1,0 +1,46 @@
+"""Values derived from the settings, computed in one place: held-task cap, ports, deadlines,
+threads, this process's device. Pure functions of a validated ``Settings``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from config.settings import Settings
+
+
+def max_held_tasks(s: Settings, image_bytes: int) -> int:
+    """Tasks held at once; with ``image_bytes``, the most host bytes one loaded image of the
+    pipeline can take, this bounds host memory for loaded images by construction."""
+    held = s.loader.batch_size * s.loader.prefetch_batches
+    if s.loader.max_inflight_bytes:
+        held = min(held, s.loader.max_inflight_bytes // image_bytes)
+    return max(held, s.loader.batch_size)
+
+
+def port_for(base: int, index: int) -> int:
+    """Process ``index``'s metrics port: the base plus the index (the rule healthwatch probes
+    by, so 16 processes on a host are 9460..9475, never a port made by pasting digits)."""
+    return base + index
+
+
+def metrics_port(s: Settings) -> int:
+    """This process's /metrics and /healthz port; 0 when turned off."""
+    return port_for(s.metrics.port, s.process_index) if s.metrics.port else 0
+
+
+def object_deadline_s(s: Settings) -> float:
+    """The per-object read deadline: as set, or three quarters of the loader timeout."""
+    return s.sources.object_deadline_s or 0.75 * s.loader.timeout_s
+
+
+def torch_threads(s: Settings, cores: int | None) -> int:
+    if s.model.torch_threads > 0:
+        return s.model.torch_threads
+    return max(1, (cores or 1) - s.loader.num_workers)
+
+
+def chosen_device(s: Settings) -> str:
+    """This process's entry of WORKER_MODEL__DEVICE (a list gives one entry per process)."""
+    entries = [entry.strip() for entry in s.model.device.split(",") if entry.strip()]
+    return entries[s.process_index % len(entries)]

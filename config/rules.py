@@ -1,0 +1,192 @@
+"""The rules that span settings, each a small named function returning one line per broken
+rule, naming the settings involved (by ``names.env_name``, the one place names are made).
+
+``settings_problems`` runs them all at validation; ``memory_problems`` and ``worker_problems``
+need what only a worker knows (the pipeline's largest image, weights on disk).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from config.derived import metrics_port
+from config.names import env_name as n
+
+if TYPE_CHECKING:
+    from config.settings import Settings
+
+_HOST_ENTRY = re.compile(r"\[[0-9a-fA-F:.]+\](:\d{1,5})?|[^\s:\[\]/]+(:\d{1,5})?|[0-9a-fA-F:]+")
+Rule = Callable[["Settings"], list[str]]
+
+# Settings that only make sense above zero: (group, field).
+_POSITIVE = (
+    ("loader", "num_workers"),
+    ("loader", "batch_size"),
+    ("loader", "timeout_s"),
+    ("loader", "prefetch_batches"),
+    ("loader", "reads_per_worker"),
+    ("loader", "read_bytes_per_worker"),
+    ("nats", "ack_wait_s"),
+    ("nats", "max_deliver"),
+    ("nats", "fetch_timeout_s"),
+    ("nats", "command_connect_timeout_s"),
+    ("health", "stall_timeout_s"),
+    ("model", "top_k"),
+    ("s3", "max_attempts"),
+    ("loader", "max_consecutive_failures"),
+    ("sources", "max_bytes"),
+    ("health", "disconnected_timeout_s"),
+)
+
+
+def positive_values(s: Settings) -> list[str]:
+    problems = []
+    for group, field in _POSITIVE:
+        value = getattr(getattr(s, group), field)
+        if value <= 0:
+            problems.append(f"{n(group, field)}={value} must be greater than 0")
+    return problems
+
+
+def _shorter(s: Settings, a: tuple[str, str], b: tuple[str, str], why: str = "") -> list[str]:
+    """``a`` must be shorter than ``b``; the line names both, with their values."""
+    va, vb = getattr(getattr(s, a[0]), a[1]), getattr(getattr(s, b[0]), b[1])
+    if va < vb:
+        return []
+    return [f"{n(*a)} ({va}) must be shorter than {n(*b)} ({vb}){why}"]
+
+
+def loader_recovers_before_stall(s: Settings) -> list[str]:
+    why = ", so a hung loader is recovered before the worker counts as stalled"
+    return _shorter(s, ("loader", "timeout_s"), ("health", "stall_timeout_s"), why)
+
+
+def stall_before_redelivery(s: Settings) -> list[str]:
+    why = ", so a wedged worker is restarted before its tasks are redelivered"
+    return _shorter(s, ("health", "stall_timeout_s"), ("nats", "ack_wait_s"), why)
+
+
+def s3_retries_within_loader_timeout(s: Settings) -> list[str]:
+    s3_worst_s = (s.s3.connect_timeout_s + s.s3.read_timeout_s) * s.s3.max_attempts
+    if s3_worst_s < s.loader.timeout_s:
+        return []
+    return [
+        f"{n('s3', 'connect_timeout_s')} + {n('s3', 'read_timeout_s')} times "
+        f"{n('s3', 'max_attempts')} ({s3_worst_s:g}s) must be shorter than "
+        f"{n('loader', 'timeout_s')} ({s.loader.timeout_s}), or a slow object looks like a hang"
+    ]
+
+
+def object_deadline_within_loader_timeout(s: Settings) -> list[str]:
+    if s.sources.object_deadline_s < 0:
+        return [f"{n('sources', 'object_deadline_s')} must be 0 (derived) or more"]
+    why = ", or a slow object looks like a hung loader"
+    return _shorter(s, ("sources", "object_deadline_s"), ("loader", "timeout_s"), why)
+
+
+def sources_well_formed(s: Settings) -> list[str]:
+    problems = []
+    if s.sources.max_redirects < 0:
+        problems.append(f"{n('sources', 'max_redirects')}={s.sources.max_redirects} must be >= 0")
+    for entry in s.sources.hosts():
+        if not _HOST_ENTRY.fullmatch(entry):
+            problems.append(
+                f"{n('sources', 'allowed_hosts')}: {entry!r} is not host, host:port or [v6]:port"
+            )
+    for root in s.sources.roots():
+        if not root.startswith("/"):
+            problems.append(f"{n('sources', 'file_roots')}: {root!r} is not an absolute path")
+    return problems
+
+
+def fetch_within_stall(s: Settings) -> list[str]:
+    return _shorter(s, ("nats", "fetch_timeout_s"), ("health", "stall_timeout_s"))
+
+
+def watchdog_between_stall_and_redelivery(s: Settings) -> list[str]:
+    watchdog_s = s.health.watchdog_timeout_s
+    if not watchdog_s or s.health.stall_timeout_s < watchdog_s < s.nats.ack_wait_s:
+        return []
+    return [
+        f"{n('health', 'watchdog_timeout_s')} ({watchdog_s}) must lie between "
+        f"{n('health', 'stall_timeout_s')} ({s.health.stall_timeout_s}) and "
+        f"{n('nats', 'ack_wait_s')} ({s.nats.ack_wait_s}), or 0 to turn it off"
+    ]
+
+
+def store_retry_within_ack_wait(s: Settings) -> list[str]:
+    return _shorter(s, ("nats", "store_retry_s"), ("nats", "ack_wait_s"))
+
+
+def drain_within_ack_wait(s: Settings) -> list[str]:
+    return _shorter(s, ("health", "drain_timeout_s"), ("nats", "ack_wait_s"))
+
+
+def metrics_port_is_a_port(s: Settings) -> list[str]:
+    if 0 <= s.metrics.port <= 65535 and not (s.metrics.port and metrics_port(s) > 65535):
+        return []
+    return [
+        f"{n('metrics', 'port')}={s.metrics.port} + {n('process_index')}={s.process_index} "
+        "must be 0 (off) or a TCP port"
+    ]
+
+
+RULES: tuple[Rule, ...] = (
+    loader_recovers_before_stall,
+    stall_before_redelivery,
+    s3_retries_within_loader_timeout,
+    object_deadline_within_loader_timeout,
+    sources_well_formed,
+    fetch_within_stall,
+    watchdog_between_stall_and_redelivery,
+    store_retry_within_ack_wait,
+    drain_within_ack_wait,
+    metrics_port_is_a_port,
+)
+
+
+def settings_problems(s: Settings) -> list[str]:
+    """Every rule that spans fields, each broken rule as one line naming the fields. Values
+    that must be positive are checked first: the other rules compare them."""
+    problems = positive_values(s)
+    if problems:
+        return problems
+    return [line for rule in RULES for line in rule(s)]
+
+
+def memory_problems(s: Settings, image_bytes: int) -> list[str]:
+    """The bytes cap must hold one batch of the largest images the pipeline can load."""
+    one_batch = s.loader.batch_size * image_bytes
+    if s.loader.max_inflight_bytes and s.loader.max_inflight_bytes < one_batch:
+        return [
+            f"{n('loader', 'max_inflight_bytes')} ({s.loader.max_inflight_bytes}) must hold at "
+            f"least one batch: {n('loader', 'batch_size')} ({s.loader.batch_size}) x "
+            f"{image_bytes} bytes = {one_batch}"
+        ]
+    return []
+
+
+def worker_problems(s: Settings) -> list[str]:
+    """What a worker process needs beyond a sound combination: weights it can load, when
+    WORKER_MODEL__WEIGHTS is given (which pipelines need it is the pipeline registry's call)."""
+    return weights_problems(s.model.weights, n("model", "weights")) if s.model.weights else []
+
+
+def weights_problems(weights: str, where: str) -> list[str]:
+    """Why ``weights`` (named ``where`` in the message) cannot be read; empty when it can."""
+    if not weights:
+        return [f"{where} is not set; give a state_dict path or an s3:// URI"]
+    if weights.startswith("s3://"):
+        bucket, _, key = weights[len("s3://") :].partition("/")
+        if not bucket or not key:
+            return [f"{where}={weights!r} must be s3://bucket/key"]
+        return []
+    if "://" in weights and not weights.startswith("file://"):
+        return [f"{where}={weights!r}: only a local path or s3:// URI is allowed"]
+    path = Path(weights.removeprefix("file://"))
+    if not path.is_file():
+        return [f"{where}={weights!r}: no such file"]
+    return []
