@@ -1,6 +1,7 @@
 """AMI's own names for settings we have (``ami worker``'s ``.env``), read as aliases of ours.
 
-Ours win when both are set; ``check`` prints which alias was used. Imports nothing of ours.
+Ours win when both are set; ``check`` prints which alias was used. Imports nothing of ours
+but the naming rule.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from config.names import env_name
 
 # AMI's name -> ours (group, field).
 AMI_ALIASES: dict[str, tuple[str, str]] = {
@@ -17,10 +20,6 @@ AMI_ALIASES: dict[str, tuple[str, str]] = {
     "AMI_ANTENNA_API_BATCH_SIZE": ("antenna", "reservation_size"),
     "AMI_NUM_WORKERS": ("loader", "num_workers"),
 }
-
-
-def ours(group: str, name: str) -> str:
-    return f"WORKER_{group.upper()}__{name.upper()}"
 
 
 def read_env_file(path: str | Path = ".env") -> dict[str, str]:
@@ -45,7 +44,7 @@ def alias_overrides(
     overrides: dict[str, dict[str, Any]] = {}
     used: list[str] = []
     for alias, (group, name) in AMI_ALIASES.items():
-        mine = ours(group, name)
+        mine = env_name(group, name)
         if alias not in seen:
             continue
         if mine in seen:

@@ -295,8 +295,9 @@ class AntennaSettings(BaseModel):
         ge=0,
     )
     ttr_s: float = Field(
-        300.0, description="Antenna's reservation time (its NATS_TASK_TTR): a task not "
-        "answered within it is delivered again"
+        300.0,
+        description="Antenna's reservation time (its NATS_TASK_TTR): a task not "
+        "answered within it is delivered again",
     )
     finish_within_s: float = Field(
         0.0,

@@ -125,6 +125,7 @@ class WorkerApp:
         self.connection = ConnectionState()
         self.device = "cpu"
         self._loader: StreamingLoader | None = None
+        self.antenna: Any = None  # worker.antenna.wiring.AntennaParts with WORKER_SOURCE=antenna
 
     async def start(self) -> None:
         s = self.settings
@@ -144,17 +145,32 @@ class WorkerApp:
             log.warning("device_decode_without_cuda", hint="JPEGs are decoded by the loader")
             chosen = replace(chosen, plan=replace(chosen.plan, encoded=False))
         engine, runner = await self._build_engine(liveness, chosen)
+        if s.source == "antenna":
+            services = self._antenna_services(liveness, chosen, engine, runner)
+        else:
+            services = await self._nats_services(liveness, chosen, engine, runner)
+        self.worker = Worker(s, services, until_idle=self.until_idle)
+        log.info(
+            "worker_started",
+            source=s.source,
+            pipeline=chosen.pipeline.name,
+            stages={a.key: a.weights_sha256[:12] for a in runner.algorithms()},
+            loader_pids=engine.loader.child_pids(),
+            max_deliver=getattr(services.settler, "max_deliver", None),
+            metrics_port=self.health.port if self.health else 0,
+        )
+
+    async def _nats_services(
+        self, liveness: Liveness, chosen: Chosen, engine: Engine, runner: Runner
+    ) -> Services:
+        s = self.settings
         feed, store, settler = await self._build_transport(chosen.pipeline.name, model_info(runner))
         await publish_algorithms(
             self.nc.jetstream(), s.nats, [a.config() for a in runner.algorithms()]
         )
-        metrics = self._build_health(liveness, engine.loader.child_pids)
-        metrics.registry.register(
-            DeviceCollector(lambda: memory_bytes(runner.device), lambda: engine.out_of_memory)
-        )
-        metrics.registry.register(ReadsCollector(engine.reads, lambda: dict(engine.read_retries)))
+        metrics = self._build_health(liveness, engine, runner)
         settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
-        services = Services(
+        return Services(
             source=feed,
             store=store,
             settler=settler,
@@ -167,14 +183,30 @@ class WorkerApp:
             closed=self.connection.lost,
             image_bytes=chosen.plan.max_image_bytes(),
         )
-        self.worker = Worker(s, services, until_idle=self.until_idle)
-        log.info(
-            "worker_started",
-            pipeline=chosen.pipeline.name,
-            stages={a.key: a.weights_sha256[:12] for a in runner.algorithms()},
-            loader_pids=engine.loader.child_pids(),
-            max_deliver=settler.max_deliver,
-            metrics_port=self.health.port if self.health else 0,
+
+    def _antenna_services(
+        self, liveness: Liveness, chosen: Chosen, engine: Engine, runner: Runner
+    ) -> Services:
+        """Antenna's HTTP task API as the source (worker/antenna/): no NATS connection."""
+        from worker.antenna.wiring import AntennaParts, served
+
+        s = self.settings
+        self.antenna = parts = AntennaParts.build(s, served(chosen.pipeline, runner.algorithms()))
+        metrics = self._build_health(
+            liveness, engine, runner, lambda: parts.problem(s.health.disconnected_timeout_s)
+        )
+        parts.attach(metrics.registry)
+        parts.rules.count = lambda outcome: metrics.tasks.labels(outcome).inc()
+        return Services(
+            source=parts.source,
+            store=parts.lookup,
+            settler=parts.rules,
+            engine=self._with_faults(engine),
+            engine_thread=self.engine_thread,
+            liveness=liveness,
+            metrics=metrics,
+            guard=ResourceGuard(s.guards, engine.loader.child_pids).check,
+            image_bytes=chosen.plan.max_image_bytes(),
         )
 
     async def _build_engine(self, liveness: Liveness, chosen: Chosen) -> tuple[Engine, Runner]:
@@ -242,13 +274,25 @@ class WorkerApp:
         settler = Settler(js, store, s.nats, pipeline, model, max_deliver)
         return self.feed, store, settler
 
-    def _build_health(self, liveness: Liveness, loader_pids: Callable[[], list[int]]) -> Metrics:
-        """Metrics in one registry; /metrics and /healthz when a port is set."""
+    def _build_health(
+        self,
+        liveness: Liveness,
+        engine: Engine,
+        runner: Runner,
+        source_problem: Callable[[], str | None] | None = None,
+    ) -> Metrics:
+        """Metrics in one registry; /metrics and /healthz when a port is set. ``source_problem``
+        says why the task source is unhealthy (the NATS connection's, by default)."""
         s = self.settings
         registry = CollectorRegistry()
         connection = self.connection
         metrics = Metrics(registry, liveness, connection.connected)
-        registry.register(ProcessTreeCollector(PREFIX, loader_pids))
+        registry.register(ProcessTreeCollector(PREFIX, engine.loader.child_pids))
+        registry.register(
+            DeviceCollector(lambda: memory_bytes(runner.device), lambda: engine.out_of_memory)
+        )
+        registry.register(ReadsCollector(engine.reads, lambda: dict(engine.read_retries)))
+        problem = source_problem or (lambda: connection.problem(s.health.disconnected_timeout_s))
         port = metrics_port(s)
         if port:
 
@@ -256,7 +300,7 @@ class WorkerApp:
                 stalled = liveness.stalled_reason()
                 if stalled:
                     return f"stalled: {stalled}"
-                return connection.problem(s.health.disconnected_timeout_s)
+                return problem()
 
             self.health = HealthServer(s.metrics.host, port, registry, unhealthy)
             self.health.start()
@@ -298,6 +342,8 @@ class WorkerApp:
             self.health.close()
         if self.feed is not None:
             await self.feed.close()
+        if self.antenna is not None:
+            await self.antenna.poster.close()
         self.connection.closing = True
         if self.nc is not None and not self.nc.is_closed:
             try:

@@ -44,7 +44,11 @@ class Reply:
 
     def why(self) -> str:
         """One line for a log or an error: the status and what Antenna said."""
-        said = self.body.get("detail") or self.body.get("error") if isinstance(self.body, dict) else None
+        said = (
+            self.body.get("detail") or self.body.get("error")
+            if isinstance(self.body, dict)
+            else None
+        )
         return f"HTTP {self.status}: {shorten(scrub(str(said or self.text)), _SHOWN_BODY_CHARS)}"
 
 
@@ -67,7 +71,7 @@ class AntennaClient:
         self.root = api_root(base_url)
         self._token = token
         self._timeout_s = timeout_s
-        self._count = count
+        self.count = count  # set by the wiring once the metrics exist
 
     def shown(self) -> str:
         """The API root as it may be written in a log line."""
@@ -97,9 +101,9 @@ class AntennaClient:
                 self._call_blocking, method, path, body, timeout_s or self._timeout_s
             )
         except AntennaUnreachable:
-            self._count(endpoint, "unreachable")
+            self.count(endpoint, "unreachable")
             raise
-        self._count(endpoint, str(reply.status))
+        self.count(endpoint, str(reply.status))
         return reply
 
     def _call_blocking(self, method: str, path: str, body: bytes | None, timeout_s: float) -> Reply:
@@ -111,7 +115,7 @@ class AntennaClient:
             headers["Content-Type"] = "application/json"
         request = urllib.request.Request(self.root + path, body, headers, method=method)
         try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
                 return _reply(response.status, response.read())
         except urllib.error.HTTPError as error:
             with error:

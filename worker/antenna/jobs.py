@@ -39,7 +39,7 @@ class JobRotation:
         self._empty_until: dict[int, float] = {}
         self._last: int | None = None
         self._listed_at = float("-inf")
-        self.reachable = True
+        self.unreachable_since: float | None = None
 
     def due(self) -> bool:
         return time.monotonic() - self._listed_at >= self._poll_interval_s
@@ -52,10 +52,13 @@ class JobRotation:
             listed = await self._listed()
             statuses = {job.id: await self._status(job.id) for job in listed}
         except AntennaUnreachable as error:
-            self.reachable = False
-            log.warning("antenna_jobs_unreachable", error=str(error), retry_in_s=self._poll_interval_s)
+            if self.unreachable_since is None:
+                self.unreachable_since = time.monotonic()
+            log.warning(
+                "antenna_jobs_unreachable", error=str(error), retry_in_s=self._poll_interval_s
+            )
             return self._jobs
-        self.reachable = True
+        self.unreachable_since = None
         active = [job for job in listed if statuses[job.id] in ACTIVE]
         if [j.id for j in active] != [j.id for j in self._jobs]:
             log.info("antenna_active_jobs", jobs=[j.id for j in active], listed=len(listed))
@@ -73,7 +76,9 @@ class JobRotation:
         }
         reply = await self._client.get("jobs/", "jobs", params)
         if not reply.ok or not isinstance(reply.body, dict):
-            log.warning("antenna_jobs_refused", reason=reply.why(), retry_in_s=self._poll_interval_s)
+            log.warning(
+                "antenna_jobs_refused", reason=reply.why(), retry_in_s=self._poll_interval_s
+            )
             return self._jobs
         jobs = []
         for item in reply.body.get("results") or []:

@@ -84,8 +84,12 @@ class AntennaSource:
         reserved_at = time.monotonic()
         if reply.status in (401, 403):
             self.last_refusal = f"reserving from job {job.id}: {reply.why()}"
-            log.error("antenna_refused_reservation", job_id=job.id, reason=reply.why(),
-                      hint="check WORKER_ANTENNA__TOKEN and the token's project permissions")
+            log.error(
+                "antenna_refused_reservation",
+                job_id=job.id,
+                reason=reply.why(),
+                hint="check WORKER_ANTENNA__TOKEN and the token's project permissions",
+            )
             return []
         if not reply.ok or not isinstance(reply.body, dict):
             log.warning("antenna_reserve_failed", job_id=job.id, reason=reply.why())
