@@ -143,8 +143,9 @@ def test_sigkill_mid_job_and_a_restart_lose_nothing_antenna_would_not_redeliver(
             wait_for(lambda: len(fake.jobs[job].done) >= 4, 120, "4 images saved", log)
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=10)
-            held = {t.image_id for t in fake.jobs[job].tasks.values()
-                    if t.delivered and not t.acked}
+            held = {
+                t.image_id for t in fake.jobs[job].tasks.values() if t.delivered and not t.acked
+            }
             assert held, "the killed process held no reservation"
             proc = start(env, log)
             wait_for(lambda: fake.jobs[job].status == "SUCCESS", 180, "the job done", log)

@@ -40,6 +40,7 @@ class JobRotation:
         self._last: int | None = None
         self._listed_at = float("-inf")
         self.unreachable_since: float | None = None
+        self.last_refusal: str | None = None  # a 401/403 on listing: the token
 
     def due(self) -> bool:
         return time.monotonic() - self._listed_at >= self._poll_interval_s
@@ -75,6 +76,7 @@ class JobRotation:
             "limit": self._limit,
         }
         reply = await self._client.get("jobs/", "jobs", params)
+        self.last_refusal = f"listing jobs: {reply.why()}" if reply.status in (401, 403) else None
         if not reply.ok or not isinstance(reply.body, dict):
             log.warning(
                 "antenna_jobs_refused", reason=reply.why(), retry_in_s=self._poll_interval_s

@@ -45,7 +45,7 @@ class _Pending:
     task: Task
     entry: dict[str, Any]
     deadline: float  # time.monotonic() by which the post must be done
-    done: asyncio.Future[None]
+    done: asyncio.Future[dict[str, Any]]
     body: bytes = field(init=False)
 
     def __post_init__(self) -> None:
@@ -69,13 +69,16 @@ class Poster:
         self._pending: dict[int, list[_Pending]] = {}
         self._flushes: dict[int, asyncio.Task[None]] = {}
 
-    async def post(self, job_id: int, task: Task, entry: dict[str, Any], deadline: float) -> None:
-        """Post ``entry`` for ``task`` with the others gathered; PostFailed if it was not."""
+    async def post(
+        self, job_id: int, task: Task, entry: dict[str, Any], deadline: float
+    ) -> dict[str, Any]:
+        """Post ``entry`` for ``task`` with the others gathered; what was posted for it (an
+        error result in its place after a 400 or 413); PostFailed if nothing was."""
         pending = _Pending(task, entry, deadline, asyncio.get_running_loop().create_future())
         self._pending.setdefault(job_id, []).append(pending)
         if job_id not in self._flushes:
             self._flushes[job_id] = asyncio.create_task(self._flush(job_id), name=f"post-{job_id}")
-        await asyncio.shield(pending.done)
+        return await asyncio.shield(pending.done)
 
     async def close(self) -> None:
         """Stop posting: what is not posted fails (its tasks are redelivered by Antenna)."""
@@ -121,7 +124,7 @@ class Poster:
         if reply is not None and reply.ok:
             for pending in group:
                 if not pending.done.done():
-                    pending.done.set_result(None)
+                    pending.done.set_result(pending.entry)
             return
         if reply is not None and reply.status in (400, 413):
             await self._narrowed(job_id, group, reply)

@@ -65,7 +65,7 @@ class AntennaRules:
             if "error_result" in steps:
                 status, why = "error", entry["result"]["error"]
         try:
-            await self.poster.post(_job_id(msg, task), task, entry, _deadline(msg))
+            posted = await self.poster.post(_job_id(msg, task), task, entry, _deadline(msg))
         except PostFailed as failed:
             await msg.nak()
             bound.warning(
@@ -74,9 +74,11 @@ class AntennaRules:
             self.count("retried")
             return "retried"
         await msg.ack()
+        if posted is not entry:  # replaced by an error result after Antenna refused it
+            status, why = "error", str(posted["result"].get("error"))
         self.count(status)
         if status == "ok":
-            detections = len(entry["result"].get("detections") or [])
+            detections = len(posted["result"].get("detections") or [])
             bound.info("task_done", status=status, detections=detections, **verdict.timings_s)
         else:
             bound.warning("task_done", status=status, error=why, **verdict.timings_s)

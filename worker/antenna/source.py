@@ -52,6 +52,10 @@ class AntennaSource:
         self._dry = False  # the last round found no task in any active job
         self.last_refusal: str | None = None  # a 401/403 on reserving: for /healthz and logs
 
+    def refusal(self) -> str | None:
+        """Antenna's last 401/403 (listing or reserving): our token, or its permissions."""
+        return self.last_refusal or self._jobs.last_refusal
+
     async def fetch(self, batch: int) -> list[AntennaDelivery]:
         """Up to ``batch`` reserved tasks; [] within about ``wait_s`` when there are none."""
         if self._closed:

@@ -81,8 +81,9 @@ class AntennaParts:
     def problem(self, unreachable_for_s: float) -> str | None:
         """Why /healthz should answer 503: Antenna refusing our token, or unreachable for
         longer than ``unreachable_for_s``."""
-        if self.source.last_refusal:
-            return f"Antenna refused: {self.source.last_refusal}"
+        refusal = self.source.refusal()
+        if refusal:
+            return f"Antenna refused: {refusal}"
         since = self.jobs.unreachable_since
         if since is not None and time.monotonic() - since > unreachable_for_s:
             return (
