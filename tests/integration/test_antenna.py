@@ -1,8 +1,10 @@
-"""The worker process with ``WORKER_SOURCE=antenna`` against the fake Antenna (tests/antenna_fake.py,
-a real HTTP server): register, a mixed job, SIGKILL and restart, a 503 storm, two jobs."""
+"""The worker process with ``WORKER_SOURCE=antenna`` against the fake Antenna
+(tests/antenna_fake.py, a real HTTP server): register, a mixed job, SIGKILL and restart, a 503
+storm on result, two jobs."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -136,7 +138,9 @@ def test_sigkill_mid_job_and_a_restart_lose_nothing_antenna_would_not_redeliver(
         registered(fake, model_path)
         images = add_images(fake, "k", 24)
         job = fake.add_job(PIPELINE, images)
-        env = env_for(fake, model_path, WORKER_ANTENNA__TTR_S="8")
+        env = env_for(
+            fake, model_path, WORKER_ANTENNA__TTR_S="8", WORKER_HEALTH__DRAIN_TIMEOUT_S="5"
+        )
         log = tmp_path / "worker.log"
         proc = start(env, log)
         try:
@@ -194,5 +198,5 @@ def test_a_small_job_behind_a_large_one_finishes_long_before_it(
     assert left_in_large >= 30, f"the small job waited for the large one ({left_in_large} left)"
     assert antenna.jobs[large].status == "SUCCESS"
     times = antenna.jobs[large].result_times
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     assert max(gaps) < 30  # the large job kept getting results while the small one ran

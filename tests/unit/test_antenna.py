@@ -421,3 +421,18 @@ def test_nothing_more_is_reserved_while_the_oldest_reservation_is_late() -> None
     assert reservations.allowed() == 3
     time.sleep(0.1)
     assert reservations.allowed() == 0 and reservations.oldest_seconds_left() < 10
+
+
+def test_the_antenna_source_needs_a_base_url_and_full_score_vectors() -> None:
+    from config.errors import ConfigError
+    from config.settings import load_settings
+
+    with pytest.raises(ConfigError) as refused:
+        load_settings(for_worker=False, source="antenna", model={"scores": "top_k"})
+    lines = str(refused.value).splitlines()
+    assert any("WORKER_ANTENNA__BASE_URL" in line for line in lines)
+    assert any("WORKER_MODEL__SCORES=all" in line for line in lines)
+    with pytest.raises(ConfigError, match="WORKER_HEALTH__DRAIN_TIMEOUT_S"):
+        load_settings(
+            for_worker=False, source="antenna", antenna={"base_url": "http://h/api/v2", "ttr_s": 10}
+        )
