@@ -14,13 +14,21 @@ on a running Antenna, /work/antenna-real/OBSERVED.md), not from its code:
 - ``POST jobs/{id}/result/``: 413 above ``max_body_bytes``; 400 for a body the schema refuses;
   503 while ``results_unavailable`` (or for the next ``fail_results`` posts); else 200
   ``{"status": "accepted", ...}``, and then, as Antenna's background save does: a result
-  naming an unregistered algorithm key, another pipeline's slug, an image that is not its
-  task's, or scores that do not index the category map is dropped (not saved, not acked: its
-  task comes back once); otherwise its detections are saved for the image in
-  ``source_images`` (an identical repost adds nothing; different boxes add detections) and
-  the task is acked. An error result with ``image_id`` marks the image failed.
-- ``POST projects/{id}/pipelines/``: registers pipelines; algorithm keys are global and
-  write-once; a classifier without a category map gets a 500.
+  naming an unregistered detection algorithm key, another pipeline's slug, or scores that do
+  not index the category map is dropped (not saved, not acked: its task comes back once); an
+  unregistered classification key saves the detections only, and does not ack. Otherwise the
+  detections are saved on the image named in ``source_images`` (even when it is not the
+  task's: that image counts as done and the task is acked, so the task's own image stays
+  pending with no message left); detections dedupe on (image, bbox). An error result with
+  ``image_id`` marks that image failed; without one it is acked and counts nothing. Results for
+  a job that is no longer active are accepted and ignored. A job whose images are all done
+  ends SUCCESS, or FAILURE when more than half failed.
+- ``POST projects/{id}/pipelines/``: registers pipelines (201; ``pipelines_created`` lists the
+  new slugs and algorithm keys, empty on a repeat); algorithm keys are global and write-once
+  (a known key with another version: 500); a new classifier without a category map: 500;
+  no ``version``: 400. ``GET projects/{id}/pipelines/`` lists them.
+- Jobs not dispatched as ``async_api``: 400 on ``tasks/``. A bad ``tasks/`` body gets its 400
+  before the job is looked up; ``result/`` looks the job up first.
 - No token or a wrong one: 401; a token without the job's project: 403.
 """
 
@@ -114,6 +122,7 @@ class FakeJob:
     failed: set[str] = field(default_factory=set)
     saved: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     result_times: list[float] = field(default_factory=list)  # when a result was saved
+    dispatch_mode: str = "async_api"
 
 
 class FakeAntenna:
@@ -241,7 +250,7 @@ class FakeAntenna:
             if method == "GET" and len(parts) == 2 and parts[0] == "jobs":
                 job = self._job(parts[1])
                 if job is None:
-                    return 404, {"detail": "No Job matches the given query."}
+                    return 404, {"detail": "Not found."}
                 return 200, {"id": job.id, "status": job.status, "pipeline_slug": job.pipeline}
             if method == "GET" and len(parts) == 3 and parts[0] == "projects":
                 project = int(parts[1]) if parts[1].isdigit() else -1
@@ -276,11 +285,14 @@ class FakeAntenna:
             for j in sorted(self.jobs.values(), key=lambda j: j.id)
             if (not slugs or j.pipeline in slugs)
             and not (query.get("incomplete_only") in ("1", "true") and j.status in FINAL)
+            and query.get("dispatch_mode", j.dispatch_mode) == j.dispatch_mode
         ]
         listed = jobs[: int(query["limit"])] if "limit" in query else jobs[:0]
         if "limit" not in query and jobs:
             listed = [random.choice(jobs)]  # Antenna's default page: one job
-        results = [{"id": j.id, "pipeline_slug": j.pipeline} for j in listed]
+        results = [
+            {"id": j.id, "pipeline_slug": j.pipeline, "user_permissions": []} for j in listed
+        ]
         return 200, {"count": len(jobs), "next": None, "previous": None, "results": results}
 
     def _post(self, parts: list[str], user: set[int], body: bytes) -> tuple[int, Any]:
@@ -295,23 +307,25 @@ class FakeAntenna:
             if project not in user:
                 return 403, {"detail": "You do not have permission to perform this action."}
             return self._register(project, payload)
+        size = payload.get("batch_size") if isinstance(payload, dict) else None
+        if parts[2] == "tasks" and (not isinstance(size, int) or size < 1):
+            return 400, {"batch_size": ["Ensure this value is greater than or equal to 1."]}
         job = self._job(parts[1])
         if job is None:
-            return 404, {"detail": "No Job matches the given query."}
+            return 404, {"detail": "Not found."}
         if job.project not in user:
             return 403, {"detail": "You do not have permission to perform this action."}
         if parts[2] == "tasks":
-            return self._reserve(job, payload)
+            if job.dispatch_mode != "async_api":
+                return 400, ["Only async_api jobs have fetchable tasks"]
+            return self._reserve(job, int(size or 0))
         if parts[2] == "result":
             return self._result(job, payload, body)
         return 404, {"detail": "Not found."}
 
-    def _reserve(self, job: FakeJob, payload: Any) -> tuple[int, Any]:
-        size = payload.get("batch_size") if isinstance(payload, dict) else None
-        if not isinstance(size, int) or size < 1:
-            return 400, {"batch_size": ["Ensure this value is greater than or equal to 1."]}
+    def _reserve(self, job: FakeJob, size: int) -> tuple[int, Any]:
         if self.tasks_unavailable:
-            return 503, {"error": "Task queue unavailable"}
+            return 503, {"error": "Task queue temporarily unavailable"}
         if job.status not in ACTIVE:
             return 200, {"tasks": []}
         now = time.monotonic()
@@ -342,7 +356,11 @@ class FakeAntenna:
         self.bodies.append(body)
         if self.results_unavailable or self.fail_results > 0:
             self.fail_results = max(0, self.fail_results - 1)
-            return 503, {"error": "Result queue unavailable"}
+            return 503, {
+                "status": "error",
+                "job_id": job.id,
+                "detail": "Task queue temporarily unavailable",
+            }
         try:
             post = _Post.model_validate(payload)
         except pydantic.ValidationError as error:
@@ -365,10 +383,10 @@ class FakeAntenna:
         return next((t for t in job.tasks.values() if t.seq == seq), None)
 
     def _save(self, job: FakeJob, entry: _Item) -> None:
-        """Antenna's background save: accepted results that break a rule are dropped."""
+        """Antenna's background save (see the module's docstring)."""
         task = self._task_of(job, entry.reply_subject)
-        if task is None:
-            return
+        if task is None or job.status not in ACTIVE:
+            return  # accepted, then ignored
         result = entry.result
         if isinstance(result, _Error):
             task.acked = True
@@ -377,71 +395,89 @@ class FakeAntenna:
                 job.result_times.append(time.monotonic())
             self._maybe_done(job)
             return
-        if not self._saveable(job, task, result):
+        verdict = self._saveable(job, result)
+        if verdict == "drop":
             return  # accepted with 200, then not saved, not acked
-        (image,) = result.source_images
-        saved = job.saved.setdefault(image.id, [])
-        for detection in result.detections:
-            record = detection.model_dump(mode="json", exclude={"timestamp"})
-            for c in record["classifications"]:
-                c.pop("timestamp", None)
-            if record not in saved:
-                saved.append(record)
-        job.done.add(image.id)
+        for image in result.source_images:
+            saved = job.saved.setdefault(image.id, [])
+            for detection in result.detections:
+                record = detection.model_dump(mode="json", exclude={"timestamp"})
+                if verdict == "detections_only":
+                    record["classifications"] = []
+                if all(r["bbox"] != record["bbox"] for r in saved):
+                    saved.append(record)
+        if verdict == "detections_only":
+            return  # the boxes are saved, the classifications failed: no ack
+        job.done.update(i.id for i in result.source_images if i.id in job.tasks)
         job.result_times.append(time.monotonic())
         task.acked = True
         self._maybe_done(job)
 
-    def _saveable(self, job: FakeJob, task: FakeTask, result: _Results) -> bool:
-        if result.pipeline != job.pipeline:
-            return False
-        if [i.id for i in result.source_images] != [task.image_id]:
-            return False
+    def _saveable(self, job: FakeJob, result: _Results) -> str:
+        """``save``, ``drop`` (nothing saved), or ``detections_only`` (an unknown classifier)."""
         registered = self.projects[job.project].get(job.pipeline)
-        if registered is None:
-            return False
+        if result.pipeline != job.pipeline or registered is None:
+            return "drop"
         keys = registered["keys"]
+        verdict = "save"
         for detection in result.detections:
-            if detection.algorithm.key not in keys or detection.source_image_id != task.image_id:
-                return False
+            if detection.algorithm.key not in keys:
+                return "drop"
             for c in detection.classifications:
                 config = self.algorithms.get(c.algorithm.key)
                 if c.algorithm.key not in keys or config is None:
-                    return False
+                    verdict = "detections_only"
+                    continue
                 size = len((config.get("category_map") or {}).get("labels") or [])
                 if len(c.scores) != size:
-                    return False
-        return True
+                    return "drop"
+        return verdict
 
     def _maybe_done(self, job: FakeJob) -> None:
         if not self.pending(job.id) and job.status in ACTIVE:
-            job.status = "SUCCESS"
+            job.status = "FAILURE" if len(job.failed) > len(job.tasks) / 2 else "SUCCESS"
 
     def _register(self, project: int, payload: Any) -> tuple[int, Any]:
         if not isinstance(payload, dict) or not isinstance(payload.get("pipelines"), list):
             return 400, {"pipelines": ["This field is required."]}
         if not payload.get("processing_service_name"):
             return 400, {"processing_service_name": ["This field is required."]}
-        created, updated = [], []
         for pipeline in payload["pipelines"]:
+            if "version" not in pipeline:
+                return 400, {
+                    "pipelines": [{"loc": ["__root__", "0", "version"], "msg": "field required"}]
+                }
             for algorithm in pipeline.get("algorithms") or []:
-                if algorithm.get("task_type") == "classification" and not algorithm.get(
-                    "category_map"
+                known = self.algorithms.get(algorithm["key"])
+                if (
+                    known is None
+                    and algorithm.get("task_type") == "classification"
+                    and not (algorithm.get("category_map"))
                 ):
-                    return 500, "PipelineNotConfigured"  # an HTML error page
+                    return 500, "PipelineNotConfigured"  # a Django error page
+                if known is not None and known.get("version", 1) != algorithm.get("version", 1):
+                    return 500, "IntegrityError: ml_algorithm_key_key"
+        created: list[str] = []
         for pipeline in payload["pipelines"]:
             keys = set()
             for algorithm in pipeline.get("algorithms") or []:
-                self.algorithms.setdefault(algorithm["key"], algorithm)  # write-once
+                if algorithm["key"] not in self.algorithms:
+                    self.algorithms[algorithm["key"]] = algorithm  # write-once
+                    created.append(algorithm["key"])
                 keys.add(algorithm["key"])
             slug = pipeline["slug"]
-            (updated if slug in self.projects[project] else created).append(slug)
+            old = self.projects[project].get(slug)
+            if old is None:
+                created.append(slug)
+            else:
+                keys |= old["keys"]  # a subset does not remove algorithms
             self.projects[project][slug] = {"config": pipeline, "keys": keys}
         return 201, {
-            "pipelines_created": created,
-            "pipelines_updated": updated,
-            "processing_service_id": 1,
             "success": True,
+            "error": None,
+            "pipelines": payload["pipelines"],
+            "pipelines_created": created,
+            "algorithms_created": [],
         }
 
 

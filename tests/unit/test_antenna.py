@@ -170,9 +170,9 @@ async def test_reserving_nothing_when_antenna_is_down_refuses_or_the_job_is_unkn
 async def test_accepted_results_antenna_drops_are_not_saved_and_come_back(
     fake: FakeAntenna,
 ) -> None:
-    job = fake.add_job(SLUG, images(5))
+    job = fake.add_job(SLUG, images(6))
     source = source_of(fake)
-    d = {x.image_id: x for x in await reserve_all(source, 5)}
+    d = {x.image_id: x for x in await reserve_all(source, 6)}
     key = antenna_key(CLASSIFIER)
 
     def results(image: str, **change: Any) -> dict[str, Any]:
@@ -184,20 +184,26 @@ async def test_accepted_results_antenna_drops_are_not_saved_and_come_back(
         }
         return {**base, **change}
 
+    unknown_classifier = detection("i5", key, [0.8, 0.1, 0.1])
+    unknown_classifier["classifications"][0]["algorithm"]["key"] = "unregistered"
     posts = [
         (d["i0"], results("i0", pipeline="other-pipeline")),
         (d["i1"], results("i1", detections=[detection("i1", "unregistered", [0.8, 0.1, 0.1])])),
-        (d["i2"], results("i2", source_images=[{"id": "i3", "url": "http://x/y.jpg"}])),
+        (d["i2"], results("i2", source_images=[{"id": "i4", "url": "http://x/y.jpg"}])),
         (d["i3"], results("i3", detections=[detection("i3", key, [0.8, 0.2])])),
         (d["i4"], results("i4")),
+        (d["i5"], results("i5", detections=[unknown_classifier])),
     ]
     body = {"results": [{"reply_subject": x.reply_subject, "result": r} for x, r in posts]}
     reply = await client_of(fake).post(f"jobs/{job}/result/", "result", json.dumps(body).encode())
     assert reply.status == 200 and reply.body["status"] == "accepted"
-    assert fake.jobs[job].done == {"i4"} and set(fake.jobs[job].saved) == {"i4"}
+    # The image named in source_images counts as done, not the task's: i2 is stuck.
+    assert fake.jobs[job].done == {"i4"} and set(fake.jobs[job].saved) == {"i4", "i5"}
+    assert fake.jobs[job].saved["i5"][0]["classifications"] == []
     fake.expire_reservations()
-    again = await reserve_all(source, 4)
-    assert {x.image_id for x in again} == {"i0", "i1", "i2", "i3"}
+    again = await reserve_all(source, 6)
+    assert {x.image_id for x in again} == {"i0", "i1", "i3", "i4", "i5"} - {"i4"}
+    assert "i2" in fake.pending(job)
 
 
 async def test_identical_reposts_add_nothing_and_error_results_need_an_image_id(
@@ -373,6 +379,10 @@ async def test_check_names_an_unreachable_server_a_wrong_token_and_an_unknown_sl
     unknown = await antenna_problems(client_of(fake), ["not-registered"], [1], True)
     assert "'not-registered' is not registered" in unknown[0]
     assert await antenna_problems(client_of(fake), [SLUG], [1], True) == []
+    fake.add_job(SLUG, images(1))
+    fake.tokens["manager"] = {5}  # registers in project 5, may not post results in project 1
+    (denied,) = await antenna_problems(client_of(fake, "manager"), [SLUG], [], True)
+    assert "403" in denied and "may not take tasks or post results" in denied
 
 
 def test_amis_names_are_aliases_and_ours_win() -> None:

@@ -59,6 +59,25 @@ async def register(
     return lines
 
 
+async def _may_post_results(client: AntennaClient, listed: object) -> list[str]:
+    """Whether the token may post results, asked of a listed job with an empty post (Antenna
+    answers 403 before it reads the body; an empty list queues nothing)."""
+    jobs = listed.get("results") if isinstance(listed, dict) else None
+    if not jobs or not isinstance(jobs[0], dict) or not isinstance(jobs[0].get("id"), int):
+        return []  # no incomplete job to ask about
+    job = jobs[0]["id"]
+    reply = await client.post(f"jobs/{job}/result/", "result", b'{"results": []}')
+    if reply.status == 403:
+        return [
+            f"job {job}: {reply.why()}: this token's user may not take tasks or post results "
+            "(Antenna grants that to superusers, or by the tasks_ml_job/result_ml_job "
+            "permissions)"
+        ]
+    if reply.status == 401:
+        return [f"job {job}: {meaning(reply)}"]
+    return []
+
+
 async def antenna_problems(
     client: AntennaClient, pipelines: list[str], projects: list[int], token_set: bool
 ) -> list[str]:
@@ -67,10 +86,17 @@ async def antenna_problems(
     if not token_set:
         return ["WORKER_ANTENNA__TOKEN (or AMI_ANTENNA_API_AUTH_TOKEN) is not set"]
     try:
-        reply = await client.get("jobs/", "jobs", {"limit": 1, "ids_only": 1})
+        params = {
+            "pipeline__slug__in": ",".join(pipelines),
+            "ids_only": 1,
+            "incomplete_only": 1,
+            "dispatch_mode": "async_api",
+            "limit": 1,
+        }
+        reply = await client.get("jobs/", "jobs", params)
         if not reply.ok:
             return [f"Antenna at {client.shown()}: listing jobs: {meaning(reply)}"]
-        problems = []
+        problems = await _may_post_results(client, reply.body)
         for project in projects:
             listed = await client.get(f"projects/{project}/pipelines/", "pipelines")
             if not listed.ok:
