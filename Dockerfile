@@ -10,6 +10,7 @@ COPY pyproject.toml README.md ./
 COPY worker ./worker
 COPY datasets ./datasets
 COPY config ./config
+COPY pipelines ./pipelines
 COPY deploy ./deploy
 RUN pip install .
 RUN useradd --create-home worker

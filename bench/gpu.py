@@ -6,8 +6,8 @@
 Prints, per case: images/s; the share of the wall time the GPU was busy (kernel time from
 torch.profiler over the measured window); the time the engine waited on host-to-device copies
 (``Runner.copies``); the share of images already on the device when their batch started
-(staged while the one before ran); device memory peak. First, whether images staged on the
-side stream give the same results as images copied as their batch runs; and the host's
+(copied ahead while the one before ran); device memory peak. First, whether images copied
+ahead on the side stream give the same results as images copied as their batch runs; and the host's
 own work per batch (a linear model over 1000 classes). Then a ResNet-50 classifier alone
 (batch 16 and 64, float32 and bfloat16), the same fed by the worker's own loader children
 decoding 1080p JPEGs (the "GPU busy >= 90%" goal), and detect-and-classify on 4096x2160 JPEGs
@@ -35,7 +35,8 @@ from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.sources import SourceConfig
 from pipelines.declare import Classifier, Detector, Pipeline, Preprocess
 from pipelines.models import save_classifier, save_detector
-from pipelines.runner import Output, Runner, load_runner
+from pipelines.response import ResponseFormat
+from pipelines.runner import DeviceLimits, Runner, load_runner
 from worker.engine import Engine
 
 
@@ -77,9 +78,10 @@ def classifier(tmp: Path, device: str, precision: str, crop_batch: int) -> Runne
     labels = [f"s{i}" for i in range(1000)]
     weights = saved(tmp, "cls", lambda d: save_classifier("resnet50", labels, d))
     stage = Classifier("species", architecture="resnet50", weights=weights)
-    output = Output(scores="top_k", top_k=5, crop_batch=crop_batch)
+    limits = DeviceLimits(crop_batch=crop_batch)
+    fmt = ResponseFormat(scores="top_k", top_k=5)
     runner = load_runner(
-        Pipeline("cls", classifier=stage), SourceConfig(), device, output, precision
+        Pipeline("cls", classifier=stage), SourceConfig(), device, limits, fmt, precision
     )
     runner.measure_copies = True
     return runner
@@ -115,8 +117,9 @@ def detect_and_classify(tmp: Path, device: str, precision: str) -> Runner:
             preprocess=Preprocess(128),
         ),
     )
-    output = Output(scores="top_k", detector_batch=4, crop_batch=256, max_side=4096)
-    runner = load_runner(pipeline, SourceConfig(), device, output, precision)
+    limits = DeviceLimits(detector_batch=4, crop_batch=256, max_side=4096)
+    fmt = ResponseFormat(scores="top_k")
+    runner = load_runner(pipeline, SourceConfig(), device, limits, fmt, precision)
     runner.measure_copies = True
     return runner
 
@@ -161,13 +164,15 @@ def fed_by_loader(
     try:
         work()  # warm-up: children started, first batches loaded
         runner.copies.waited_s = 0.0
-        ran_before, staged_before = next_key - 2 * batch, engine.staged_ran
+        ran_before, copied_ahead_before = next_key - 2 * batch, engine.ran_copied_ahead
         measured = busy_share(work, seconds, device)
         measured["copy_wait_s"] = round(runner.copies.waited_s, 3)
         # Of the images run, the share already on the device when their batch started (its
-        # first chunk can be at most runner.stage_ahead of them).
+        # first chunk can be at most runner.copy_ahead_images of them).
         ran = next_key - 2 * batch - ran_before
-        measured["staged_share"] = round((engine.staged_ran - staged_before) / max(1, ran), 3)
+        measured["copied_ahead_share"] = round(
+            (engine.ran_copied_ahead - copied_ahead_before) / max(1, ran), 3
+        )
         measured["loader_children"] = workers
         measured["failures"] = failures
         return measured
@@ -175,13 +180,13 @@ def fed_by_loader(
         engine.close()
 
 
-def same_staged(runner: Runner, images: list[Decoded]) -> dict[str, Any]:
-    """The copies are right: results of images staged on the side stream while another batch
+def same_copied_ahead(runner: Runner, images: list[Decoded]) -> dict[str, Any]:
+    """The copies are right: results of images copied ahead on the side stream while another batch
     runs, against the same images copied as their batch runs (boxes, labels, scores)."""
     plain = runner.run(images)
-    staged: list[list[Decoded]] = []
-    runner.run(images, lambda: staged.append(runner.stage(images)))
-    again = runner.run(staged[0])
+    copied: list[list[Decoded]] = []
+    runner.run(images, lambda: copied.append(runner.copy_ahead(images)))
+    again = runner.run(copied[0])
 
     def flat(results: list[list[dict[str, Any]]]) -> tuple[list[Any], list[float]]:
         """Every box and label, in order; every score."""
@@ -204,7 +209,7 @@ def host_work(tmp: Path, device: str, squares: list[Decoded], seconds: float) ->
     classes, full scores written, 64 images a batch (the gap the GPU waits through)."""
     labels = [f"s{i}" for i in range(1000)]
     stage = Classifier("linear", architecture=Linear, labels=tuple(labels))
-    runner = load_runner(Pipeline("linear", classifier=stage), SourceConfig(), device, Output())
+    runner = load_runner(Pipeline("linear", classifier=stage), SourceConfig(), device)
     images = [squares[i % len(squares)] for i in range(64)]
     runner.run(images)
     measured = busy_share(lambda: len(runner.run(images)), seconds, device)
@@ -272,16 +277,16 @@ def main() -> None:
         if on_gpu or args.quick:
             scenes_1080p = [decode(p.read_bytes(), DecodePlan(max_side=4096)) for p in files[:4]]
             checks = {
-                "classifier": lambda: same_staged(
+                "classifier": lambda: same_copied_ahead(
                     classifier(tmp, args.device, "float32", crop_batch=8),
                     [squares[i % len(squares)] for i in range(32)],
                 ),
-                "detect and classify": lambda: same_staged(
+                "detect and classify": lambda: same_copied_ahead(
                     detect_and_classify(tmp, args.device, "float32"), scenes_1080p
                 ),
             }
             for name, check in checks.items():
-                case({"case": f"staged equals unstaged, {name}"}, check, deadline)
+                case({"case": f"copied ahead equals not, {name}"}, check, deadline)
         case(
             {"case": "host work per batch of 64 (1000 classes)"},
             lambda: host_work(tmp, args.device, squares, seconds),
@@ -294,11 +299,11 @@ def main() -> None:
                     runner = classifier(tmp, args.device, precision, crop_batch=32)
                     images = [squares[i % len(squares)] for i in range(batch)]
 
-                    staged = [runner.stage(images)]
+                    copied = [runner.copy_ahead(images)]
 
                     def forward() -> int:
-                        # As the engine does: the next batch is staged while this one runs.
-                        runner.run(staged.pop(), lambda: staged.append(runner.stage(images)))
+                        # As the engine does: the next batch is copied ahead while this one runs.
+                        runner.run(copied.pop(), lambda: copied.append(runner.copy_ahead(images)))
                         return len(images)
 
                     forward()

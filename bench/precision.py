@@ -19,7 +19,7 @@ from datasets.sources import SourceConfig
 from pipelines.architectures import build_classifier
 from pipelines.declare import Detector, Pipeline
 from pipelines.models import save_detector
-from pipelines.runner import Output, load_runner
+from pipelines.runner import load_runner
 
 PRECISIONS = ("bfloat16", "float16")
 
@@ -78,7 +78,7 @@ def detector_agreement(data: list[bytes], device: str) -> dict[str, object]:
         images = [torch.from_numpy(decode(d, plan).pixels) for d in data]
         runs = {}
         for precision in ("float32", *PRECISIONS):
-            runner = load_runner(pipeline, SourceConfig(), device, Output(), precision)
+            runner = load_runner(pipeline, SourceConfig(), device, precision=precision)
             assert runner.detector is not None
             try:
                 runs[precision] = runner.detector.detect(images)

@@ -23,7 +23,7 @@ from datasets.images import decode
 from datasets.sources import SourceConfig
 from pipelines.declare import Classifier, Detector, Pipeline, Preprocess
 from pipelines.models import save_classifier, save_detector
-from pipelines.runner import Output, decode_plan, load_runner
+from pipelines.runner import DeviceLimits, decode_plan, load_runner
 
 
 def main() -> None:
@@ -62,7 +62,7 @@ def main() -> None:
                 preprocess=Preprocess(128, mean=(0.5,) * 3, std=(0.5,) * 3),
             ),
         )
-        runner = load_runner(pipeline, SourceConfig(), "cpu", Output(detector_batch=1))
+        runner = load_runner(pipeline, SourceConfig(), "cpu", DeviceLimits(detector_batch=1))
         plan = decode_plan(pipeline, args.max_side, fast=False)
         data = [scene(4096, 2160, seed) for seed in range(args.images)]
         started = time.perf_counter()

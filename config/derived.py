@@ -1,8 +1,10 @@
 """Values derived from the settings, computed in one place: held-task cap, ports, deadlines,
-threads, this process's device. Pure functions of a validated ``Settings``."""
+threads, this process's device, the run directories. Pure functions of a validated ``Settings``."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -44,3 +46,8 @@ def chosen_device(s: Settings) -> str:
     """This process's entry of WORKER_MODEL__DEVICE (a list gives one entry per process)."""
     entries = [entry.strip() for entry in s.model.device.split(",") if entry.strip()]
     return entries[s.process_index % len(entries)]
+
+
+def run_dir_base(s: Settings) -> Path:
+    """Where the processes' run directories are (``process-<index>`` under it)."""
+    return Path(s.run_dir) if s.run_dir else Path(tempfile.gettempdir()) / "inference-worker"

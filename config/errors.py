@@ -2,7 +2,8 @@
 
 A ``Failure`` (kind, message, retryable) is made once, where the failure is understood (a
 loader child, the engine, the store), and travels unchanged to the stored result's
-``error``. The exceptions below are the families: permanent ones are never retried,
+``error``. Its kind is one of ``ErrorKind``, the declared set the README lists (a test holds
+the two together). The exceptions below are the families: permanent ones are never retried,
 transient ones are, with the server's delivery count as the budget.
 
 Imports nothing of ours but the redaction helper.
@@ -11,18 +12,53 @@ Imports nothing of ours but the redaction helper.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from config.redact import scrub, shorten
 
 MAX_ERROR_MESSAGE_CHARS = 1000
+
+ErrorKind = Literal[
+    # Permanent: no retry can help (``retryable: false``).
+    "object_missing",
+    "corrupt_image",
+    "unsupported_format",
+    "too_large",
+    "access_denied",
+    "unreadable",
+    "invalid_task",
+    "invalid_uri",
+    "file_refused",
+    "address_refused",
+    "redirect_refused",
+    "tls_error",
+    "http_error",
+    "s3_error",
+    "result_too_large",
+    "invalid_result_subject",
+    "invalid_model_output",
+    "load_failed",
+    # Transient: retried; stored after the last delivery (``retryable: true``).
+    "s3_unavailable",
+    "http_unavailable",
+    "deadline_exceeded",
+    "loader_failed",
+    "loader_stopped",
+    "inference_failed",
+    "too_large_for_device",
+    "deliveries_exhausted",
+    "results_unavailable",  # the store did not confirm a write: a retry's reason, never stored
+    # An error raised without naming its kind (a bug to report).
+    "internal_error",
+]
+ERROR_KINDS: frozenset[ErrorKind] = frozenset(get_args(ErrorKind))
 
 
 @dataclass(frozen=True)
 class Failure:
     """Why a task has no predictions; becomes the result's ``error`` as it is."""
 
-    kind: str
+    kind: ErrorKind
     message: str
     retryable: bool = False
 
@@ -40,9 +76,9 @@ class WorkerError(Exception):
 
     retryable = False
 
-    def __init__(self, message: str, *, kind: str | None = None) -> None:
+    def __init__(self, message: str, *, kind: ErrorKind = "internal_error") -> None:
         super().__init__(message)
-        self.kind = kind or type(self).__name__
+        self.kind: ErrorKind = kind
 
     def failure(self) -> Failure:
         return Failure(self.kind, str(self), self.retryable)
@@ -62,7 +98,7 @@ class RetryableRead(TransientError):
     """An object read that another attempt, on a new connection, may complete. ``reason``:
     ``stalled`` (no byte in time), ``throttled`` (429, 503 SlowDown) or ``unavailable``."""
 
-    def __init__(self, message: str, *, kind: str, reason: str) -> None:
+    def __init__(self, message: str, *, kind: ErrorKind, reason: str) -> None:
         super().__init__(message, kind=kind)
         self.reason = reason
 

@@ -6,7 +6,7 @@ and the resulting object is passed down to every layer.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -17,7 +17,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from config.errors import ConfigError
 from config.names import NESTED_DELIMITER, PREFIX, env_name
@@ -182,10 +182,34 @@ class ModelSettings(BaseModel):
         description="a built-in pipeline name, a .toml file declaring one, module:attribute, or "
         "a name from an installed package's inference_worker.pipelines entry points",
     )
+    pipelines: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="several pipelines served by one process, comma-separated (or a JSON list), "
+        "each entry as WORKER_MODEL__PIPELINE takes it; when set, WORKER_MODEL__PIPELINE is "
+        "not used",
+    )
     weights: str = Field(
         "",
         description="built-in single-stage pipelines: state_dict (or .pt2) path or s3:// URI; "
         "labels.txt lies beside it",
+    )
+    memory_budget_bytes: int = Field(
+        0,
+        description="models kept loaded at once, in bytes of their weights (device memory on "
+        "CUDA, host memory on the CPU); the least recently used idle pipeline is unloaded to "
+        "make room; 0 = half the device's memory on CUDA, a quarter of the host's on the CPU",
+        ge=0,
+    )
+    load_at_start: bool = Field(
+        False,
+        description="load every pipeline's models at start (as many as the budget holds; a "
+        "load failure is then a config error) instead of on each pipeline's first task",
+    )
+    idle_unload_s: float = Field(
+        0.0,
+        description="unload a pipeline's models after this many seconds without a batch; "
+        "0 = only when another pipeline needs the room",
+        ge=0,
     )
     device: str = Field(
         "auto",
@@ -214,6 +238,26 @@ class ModelSettings(BaseModel):
         description="intra-op threads for the forward pass; 0 = the cores left over by the "
         "loader children (at least 1), so inference does not fight decoding for the CPU",
     )
+
+    @field_validator("pipelines", mode="before")
+    @classmethod
+    def _pipeline_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                import json
+
+                try:
+                    return json.loads(text)
+                except ValueError as error:
+                    raise ValueError(f"not a JSON list: {error}") from None
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
+
+    def served(self) -> list[str]:
+        """The pipelines this process serves, as given: WORKER_MODEL__PIPELINES when set,
+        else WORKER_MODEL__PIPELINE alone."""
+        return list(self.pipelines) if self.pipelines else [self.pipeline]
 
     @field_validator("device")
     @classmethod
@@ -363,6 +407,11 @@ class Settings(BaseSettings):
         0,
         ge=0,
         description="this process's number among its siblings (supervisord's process_num)",
+    )
+    run_dir: str = Field(
+        "",
+        description="where each process keeps its temporary files, under process-<index>; "
+        "empty: <system temp dir>/inference-worker",
     )
 
     @model_validator(mode="after")

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
-from config.errors import PermanentError, RetryableRead, TransientError
+from config.errors import ErrorKind, PermanentError, RetryableRead, TransientError
+from config.names import env_name
 from config.redact import redact_url
 from datasets.budget import Admit, admit_all
 from datasets.deadline import Cutoff
@@ -110,7 +111,7 @@ def _resolve(url: str, host: str, port: int, policy: HttpPolicy, cutoff: Cutoff)
                 raise PermanentError(
                     f"{redact_url(url)}: refused, the host resolves to a loopback, private, "
                     "link-local, multicast or reserved address (allow it with "
-                    "WORKER_SOURCES__ALLOWED_HOSTS)",
+                    f"{env_name('sources', 'allowed_hosts')})",
                     kind="address_refused",
                 )
     return addresses
@@ -175,7 +176,9 @@ def read_http(
         if status not in _REDIRECTS:
             return _body_or_error(url, status, body)
         if not location:
-            raise PermanentError(f"{redact_url(url)}: redirect without a Location")
+            raise PermanentError(
+                f"{redact_url(url)}: redirect without a Location", kind="redirect_refused"
+            )
         target = urljoin(url, location)
         if urlsplit(target).scheme != urlsplit(url).scheme:
             raise PermanentError(
@@ -196,7 +199,7 @@ def _body_or_error(url: str, status: int, body: bytes) -> bytes:
         raise RetryableRead(
             f"HTTP {status} for {redact_url(url)}", kind="http_unavailable", reason=reason
         )
-    kind = "object_missing" if status in (404, 410) else "http_error"
+    kind: ErrorKind = "object_missing" if status in (404, 410) else "http_error"
     raise PermanentError(f"HTTP {status} for {redact_url(url)}", kind=kind)
 
 

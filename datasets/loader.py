@@ -44,7 +44,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from config.errors import Failure, LoaderFailure, WorkerError
-from datasets import processes
+from datasets import processes, rundir
 from datasets.images import Decoded, DecodePlan, decode
 from datasets.reads import Read, ReadPool, ReadStats
 from datasets.semaphores import semlock_names, unlink_names, wait_until_mapped
@@ -166,6 +166,7 @@ def _init_child(_worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
+    rundir.mark_child()
     info = torch.utils.data.get_worker_info()
     dataset = info.dataset if info is not None else None
     if isinstance(dataset, RequestStream):

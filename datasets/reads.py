@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from config.errors import Failure, TransientError, WorkerError
+from config.names import env_name
 from datasets.budget import ByteBudget, Reading
 
 _POLL_S = 0.5
@@ -148,7 +149,7 @@ class ReadPool:
             if not self._budget.take(size_bytes - held, held, wait_s):
                 raise TransientError(
                     "no room for the object's bytes within its deadline "
-                    "(WORKER_LOADER__READ_BYTES_PER_WORKER)",
+                    f"({env_name('loader', 'read_bytes_per_worker')})",
                     kind="deadline_exceeded",
                 )
             held = size_bytes

@@ -12,7 +12,7 @@ the names ourselves and drop the finalisers and tracker entries that would unlin
 from __future__ import annotations
 
 import time
-from multiprocessing import resource_tracker, util
+from multiprocessing import process, resource_tracker, util
 from multiprocessing.synchronize import SemLock
 from typing import Any
 
@@ -67,3 +67,9 @@ def unlink_names(names: set[str]) -> None:
         except FileNotFoundError:
             pass
         resource_tracker.unregister(name, "semaphore")
+
+
+def use_prefix(prefix: str) -> None:
+    """Name this process's (and its future children's) semaphores ``<prefix>-<random>``."""
+    config = getattr(process.current_process(), "_config")  # noqa: B009 - private, untyped
+    config["semprefix"] = prefix

@@ -24,13 +24,14 @@ import random
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from config.errors import PermanentError, RetryableRead, TransientError
+from config.errors import PermanentError, RetryableRead, TransientError, WorkerError
+from config.names import env_name
 from config.redact import redact_url
 from datasets.budget import Admit, Reading
 from datasets.deadline import Cutoff
@@ -43,6 +44,7 @@ _THROTTLED_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLim
 _CHUNK_BYTES = 1024 * 1024
 _BACKOFF_BASE_S = {"throttled": 0.2, "unavailable": 0.05}
 _BACKOFF_MAX_S = 5.0
+_FILE_ROOTS = env_name("sources", "file_roots")
 
 
 @dataclass(frozen=True)
@@ -196,9 +198,7 @@ def _with_retries(
                     raise
                 reading.retries.append(retry.reason)
                 time.sleep(pause_s)
-    raise TransientError(
-        f"{shown}: no whole object within the object deadline", kind="deadline_exceeded"
-    )
+    raise _past_deadline(shown)
 
 
 def backoff_s(reason: str, attempt: int) -> float:
@@ -217,6 +217,8 @@ def _s3_attempt(
     reading: Reading,
     cutoff: Cutoff,
 ) -> bytes:
+    """One GET of the object, its errors sorted: permanent, worth another attempt
+    (``RetryableRead``), or transient."""
     from botocore.exceptions import (
         BotoCoreError,
         ClientError,
@@ -230,35 +232,11 @@ def _s3_attempt(
     )
 
     try:
-        response = s3_client(config).get_object(Bucket=bucket, Key=key)
-        declared = response.get("ContentLength")
-        size = int(declared) if declared is not None else (max_bytes or 0)
-        body = response["Body"]
-        try:
-            if max_bytes is not None and size > max_bytes:
-                raise PermanentError(f"{shown} is {size} bytes, over {max_bytes}", kind="too_large")
-            reading.admit(size, cutoff.remaining_s())
-            cutoff.watch(body_socket(body))
-            return _read_capped(body, shown, max_bytes, cutoff)
-        finally:
-            body.close()  # unread: the connection is dropped, a retry gets a new one
+        return _s3_get(bucket, key, shown, config, max_bytes, reading, cutoff)
     except ParamValidationError as error:
         raise PermanentError(f"invalid S3 location {shown}: {error}", kind="invalid_uri") from None
     except ClientError as error:
-        code = str(error.response.get("Error", {}).get("Code", ""))
-        status = int(error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-        if code in _MISSING_CODES:
-            raise PermanentError(
-                f"{shown} does not exist ({code})", kind="object_missing"
-            ) from None
-        if code in _DENIED_CODES:
-            raise PermanentError(f"{shown}: access denied ({code})", kind="access_denied") from None
-        if status >= 500 or code in _THROTTLED_CODES or code == "RequestTimeout":
-            reason = "throttled" if code in _THROTTLED_CODES or status == 503 else "unavailable"
-            raise RetryableRead(
-                f"S3 answered {status} {code} for {shown}", kind="s3_unavailable", reason=reason
-            ) from None
-        raise PermanentError(f"S3 refused {shown}: {status} {code}", kind="s3_error") from None
+        raise _s3_answered(error.response, shown) from None
     except (ReadTimeoutError, ConnectTimeoutError) as error:
         waited = "no connection" if isinstance(error, ConnectTimeoutError) else "no byte"
         raise RetryableRead(
@@ -273,9 +251,7 @@ def _s3_attempt(
         ValueError,
     ) as error:
         if cutoff.expired():
-            raise TransientError(
-                f"{shown}: no whole object within the object deadline", kind="deadline_exceeded"
-            ) from None
+            raise _past_deadline(shown) from None
         raise RetryableRead(
             f"S3 unreachable for {shown}: {type(error).__name__}",
             kind="s3_unavailable",
@@ -285,6 +261,52 @@ def _s3_attempt(
         raise TransientError(
             f"S3 client error for {shown}: {type(error).__name__}", kind="s3_unavailable"
         ) from None
+
+
+def _s3_get(
+    bucket: str,
+    key: str,
+    shown: str,
+    config: SourceConfig,
+    max_bytes: int | None,
+    reading: Reading,
+    cutoff: Cutoff,
+) -> bytes:
+    """The object's bytes: its size checked and admitted before the body is read."""
+    response = s3_client(config).get_object(Bucket=bucket, Key=key)
+    declared = response.get("ContentLength")
+    size = int(declared) if declared is not None else (max_bytes or 0)
+    body = response["Body"]
+    try:
+        if max_bytes is not None and size > max_bytes:
+            raise PermanentError(f"{shown} is {size} bytes, over {max_bytes}", kind="too_large")
+        reading.admit(size, cutoff.remaining_s())
+        cutoff.watch(body_socket(body))
+        return _read_capped(body, shown, max_bytes, cutoff)
+    finally:
+        body.close()  # unread: the connection is dropped, a retry gets a new one
+
+
+def _s3_answered(response: Mapping[str, Any], shown: str) -> WorkerError:
+    """What an S3 error answer means: missing, denied, worth another attempt, or refused."""
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    if code in _MISSING_CODES:
+        return PermanentError(f"{shown} does not exist ({code})", kind="object_missing")
+    if code in _DENIED_CODES:
+        return PermanentError(f"{shown}: access denied ({code})", kind="access_denied")
+    if status >= 500 or code in _THROTTLED_CODES or code == "RequestTimeout":
+        reason = "throttled" if code in _THROTTLED_CODES or status == 503 else "unavailable"
+        return RetryableRead(
+            f"S3 answered {status} {code} for {shown}", kind="s3_unavailable", reason=reason
+        )
+    return PermanentError(f"S3 refused {shown}: {status} {code}", kind="s3_error")
+
+
+def _past_deadline(shown: str) -> TransientError:
+    return TransientError(
+        f"{shown}: no whole object within the object deadline", kind="deadline_exceeded"
+    )
 
 
 def _read_capped(body: Any, shown: str, max_bytes: int | None, cutoff: Cutoff) -> bytes:
@@ -299,9 +321,7 @@ def _read_capped(body: Any, shown: str, max_bytes: int | None, cutoff: Cutoff) -
             break
         chunks.append(chunk)
     if cutoff.expired():
-        raise TransientError(
-            f"{shown}: no whole object within the object deadline", kind="deadline_exceeded"
-        )
+        raise _past_deadline(shown)
     return b"".join(chunks)
 
 
@@ -323,7 +343,7 @@ def _read_file(uri: str, config: SourceConfig, admit: Admit) -> bytes:
     shown = redact_url(uri)
     if not config.file_roots:
         raise PermanentError(
-            f"{shown}: file:// is off (WORKER_SOURCES__FILE_ROOTS is empty)", kind="file_refused"
+            f"{shown}: file:// is off ({_FILE_ROOTS} is empty)", kind="file_refused"
         )
     if parts.netloc not in ("", "localhost"):
         raise PermanentError(f"{shown}: file:// on another host is refused", kind="file_refused")
@@ -331,16 +351,12 @@ def _read_file(uri: str, config: SourceConfig, admit: Admit) -> bytes:
         path = os.path.realpath(unquote(parts.path))
         roots = _roots(config)
         if not any(_inside(path, root) for root in roots):
-            raise PermanentError(
-                f"{shown}: not under WORKER_SOURCES__FILE_ROOTS", kind="file_refused"
-            )
+            raise PermanentError(f"{shown}: not under {_FILE_ROOTS}", kind="file_refused")
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         opened = os.readlink(f"/proc/self/fd/{fd}")  # what was opened, after any swap
         if not any(_inside(opened, root) for root in roots):
             os.close(fd)
-            raise PermanentError(
-                f"{shown}: not under WORKER_SOURCES__FILE_ROOTS", kind="file_refused"
-            )
+            raise PermanentError(f"{shown}: not under {_FILE_ROOTS}", kind="file_refused")
     except FileNotFoundError:
         raise PermanentError(f"{shown} does not exist", kind="object_missing") from None
     except (OSError, ValueError) as error:

@@ -92,7 +92,7 @@ def to_device_overlapped(
     compute = torch.cuda.current_stream(device)
 
     def start(chunk: Sequence[torch.Tensor]) -> _Copy:
-        if all(tensor.is_cuda for tensor in chunk):  # staged, cut or decoded there already
+        if all(tensor.is_cuda for tensor in chunk):  # copied ahead, cut or decoded there already
             return _Copy(list(chunk), None)
         done = torch.cuda.Event()
         with torch.cuda.stream(copy_stream):
@@ -113,7 +113,7 @@ def to_device_overlapped(
         yield _handed_over(pending, compute, stats)
 
 
-def stage(
+def copy_ahead(
     tensors: Sequence[torch.Tensor], device: torch.device, copy_stream: Any
 ) -> list[torch.Tensor]:
     """``tensors`` copied to ``device`` now, pinned, on ``copy_stream``, without the host waiting:

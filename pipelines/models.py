@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from config.errors import ConfigError, PermanentError
+from config.names import env_name
 from datasets.sources import SourceConfig, read_trusted
 from pipelines import architectures
 from pipelines.declare import Classifier, Detector
@@ -69,7 +70,7 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = torch.device(device)
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise PermanentError(f"WORKER_MODEL__DEVICE={device} but CUDA is not available")
+        raise PermanentError(f"{env_name('model', 'device')}={device} but CUDA is not available")
     return resolved
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from config.errors import ConfigError
+from config.names import env_name
 from pipelines.declare import Classifier, Detector, Pipeline, Preprocess, problems
 
 ENTRY_POINT_GROUP = "inference_worker.pipelines"
@@ -29,14 +30,15 @@ _DETECTORS = {
     "fasterrcnn-resnet50-detector": "fasterrcnn_resnet50_fpn",
 }
 BUILT_IN = (*_CLASSIFIERS, *_DETECTORS)
+_PIPELINE = env_name("model", "pipeline")
 
 
 def resolve(name: str, weights: str = "") -> Pipeline:
     """The pipeline ``name`` stands for; ConfigError saying why when there is none."""
     if name in BUILT_IN and not weights:
         raise ConfigError(
-            f"WORKER_MODEL__WEIGHTS is not set; pipeline {name} needs a state_dict path or an "
-            "s3:// URI (labels.txt beside it)"
+            f"{env_name('model', 'weights')} is not set; pipeline {name} needs a state_dict "
+            "path or an s3:// URI (labels.txt beside it)"
         )
     if name in _CLASSIFIERS:
         pipeline = Pipeline(
@@ -50,7 +52,7 @@ def resolve(name: str, weights: str = "") -> Pipeline:
         pipeline = _declared(name)
     found = problems(pipeline)
     if found:
-        raise ConfigError(f"WORKER_MODEL__PIPELINE={name!r}: " + "; ".join(found))
+        raise ConfigError(f"{_PIPELINE}={name!r}: " + "; ".join(found))
     return pipeline
 
 
@@ -61,7 +63,7 @@ def name_of(value: str) -> str:
         return value
     pipeline = _declared(value)
     if not isinstance(pipeline, Pipeline):
-        raise ConfigError(f"WORKER_MODEL__PIPELINE={value!r} is not a Pipeline")
+        raise ConfigError(f"{_PIPELINE}={value!r} is not a Pipeline")
     return pipeline.name
 
 
@@ -83,8 +85,7 @@ def _called(name: str, value: Any) -> Any:
         return value()
     except Exception as error:  # noqa: BLE001 - the user's code: a configuration problem
         raise ConfigError(
-            f"WORKER_MODEL__PIPELINE={name!r}: making the pipeline failed: "
-            f"{type(error).__name__}: {error}"
+            f"{_PIPELINE}={name!r}: making the pipeline failed: {type(error).__name__}: {error}"
         ) from None
 
 
@@ -96,7 +97,7 @@ def _from_attribute(name: str) -> Pipeline:
             value = getattr(value, part)
     except Exception as error:  # noqa: BLE001 - an import runs the user's code
         raise ConfigError(
-            f"WORKER_MODEL__PIPELINE={name!r}: cannot import it: {type(error).__name__}: {error}"
+            f"{_PIPELINE}={name!r}: cannot import it: {type(error).__name__}: {error}"
         ) from None
     return _called(name, value)
 
@@ -106,7 +107,7 @@ def _from_entry_point(name: str) -> Pipeline:
     if not found:
         installed = sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
         raise ConfigError(
-            f"WORKER_MODEL__PIPELINE={name!r} is not a known pipeline; built in: "
+            f"{_PIPELINE}={name!r} is not a known pipeline; built in: "
             f"{', '.join(BUILT_IN)}; installed: {', '.join(installed) or 'none'}; "
             "or a .toml file, or module:attribute"
         )
@@ -114,7 +115,7 @@ def _from_entry_point(name: str) -> Pipeline:
         value = found[0].load()
     except Exception as error:  # noqa: BLE001 - a broken plugin is a configuration problem
         raise ConfigError(
-            f"WORKER_MODEL__PIPELINE={name!r}: the entry point {found[0].value} failed to "
+            f"{_PIPELINE}={name!r}: the entry point {found[0].value} failed to "
             f"load: {type(error).__name__}: {error}"
         ) from None
     return _called(name, value)
@@ -126,7 +127,7 @@ def from_toml(path: Path) -> Pipeline:
     try:
         table = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"WORKER_MODEL__PIPELINE={str(path)!r}: {error}") from None
+        raise ConfigError(f"{_PIPELINE}={str(path)!r}: {error}") from None
     base = path.resolve().parent
     try:
         return Pipeline(
@@ -137,7 +138,7 @@ def from_toml(path: Path) -> Pipeline:
             classifier=_stage(Classifier, table.get("classifier"), base),
         )
     except (TypeError, ValueError) as error:
-        raise ConfigError(f"WORKER_MODEL__PIPELINE={str(path)!r}: {error}") from None
+        raise ConfigError(f"{_PIPELINE}={str(path)!r}: {error}") from None
 
 
 def _stage(kind: Any, table: Any, base: Path) -> Any:

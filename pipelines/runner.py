@@ -27,17 +27,14 @@ from pipelines.device import (
     to_device_overlapped,
     to_host,
 )
-from pipelines.device import stage as stage_on_device
+from pipelines.device import copy_ahead as device_copy_ahead
 from pipelines.models import Algorithm, ClassifierModel, DetectorModel
 
 
 @dataclass(frozen=True)
-class Output:
-    """How classifications are written."""
+class DeviceLimits:
+    """How much of a batch the device holds at once (README, "Memory")."""
 
-    scores: response.Scores = "all"  # the full softmax vector (Antenna's default), or top k
-    top_k: int = 5
-    labels_inline_max: int = 100  # longer class lists are published once, not per result
     detector_batch: int = 4
     crop_batch: int = 64
     max_side: int = 4096  # for JPEGs the loader left encoded (decoded on the device)
@@ -75,16 +72,15 @@ class Runner:
         detector: DetectorModel | None,
         filter: ClassifierModel | None,
         classifier: ClassifierModel | None,
-        output: Output,
+        limits: DeviceLimits,
+        response_format: response.ResponseFormat,
     ) -> None:
         self.pipeline = pipeline
         self.detector = detector
         self.filter = filter
         self.classifier = classifier
-        self.output = output
-        self.response_format = response.ResponseFormat(
-            output.scores, output.top_k, output.labels_inline_max
-        )
+        self.limits = limits
+        self.response_format = response_format
         self.copies = CopyStats()
         self.measure_copies = False  # bench.gpu: time the waits (the host then waits too)
         self._copy_stream: Any = None
@@ -106,12 +102,12 @@ class Runner:
         return [m.algorithm for m in (self.detector, self.filter, self.classifier) if m]
 
     @property
-    def stage_ahead(self) -> int:
+    def copy_ahead_images(self) -> int:
         """Images of the next batch worth putting on the device while this one runs: its first
         chunk (later chunks are copied while earlier ones run, see ``to_device_overlapped``)."""
-        return self.output.detector_batch if self.detector else self.output.crop_batch
+        return self.limits.detector_batch if self.detector else self.limits.crop_batch
 
-    def stage(self, images: Sequence[Decoded]) -> list[Decoded]:
+    def copy_ahead(self, images: Sequence[Decoded]) -> list[Decoded]:
         """``images`` with their pixels on the device, copies started now on the copy stream
         (the host does not wait): called while the device still runs the current batch. JPEGs
         left encoded stay so; they are decoded when their batch runs. Off CUDA, the pixels
@@ -119,11 +115,11 @@ class Runner:
         where = self.device
         host = [i for i, image in enumerate(images) if image.encoded is None]
         pixels = [self._input(images[i]) for i in host]
-        moved = stage_on_device(pixels, where, self._copying(where)[1]) if pixels else []
-        staged = list(images)
+        moved = device_copy_ahead(pixels, where, self._copying(where)[1]) if pixels else []
+        copied = list(images)
         for i, tensor in zip(host, moved, strict=True):
-            staged[i] = images[i]._replace(pixels=tensor)
-        return staged
+            copied[i] = images[i]._replace(pixels=tensor)
+        return copied
 
     def _input(self, image: Decoded) -> torch.Tensor:
         """What the first stage takes of an image: the classifier's square, or the image."""
@@ -145,7 +141,7 @@ class Runner:
         hook = _Hook(while_running)
         where = self.device
         if any(image.encoded is not None for image in images):
-            side = self.output.max_side
+            side = self.limits.max_side
             images = [
                 decode_on_device(image, where, side) if image.encoded is not None else image
                 for image in images
@@ -161,7 +157,7 @@ class Runner:
     def _classify_whole(
         self, images: Sequence[Decoded], classifier: ClassifierModel, hook: _Hook
     ) -> list[list[dict[str, Any]]]:
-        step = self.output.crop_batch
+        step = self.limits.crop_batch
         chunks = (
             [self._input(image) for image in images[start : start + step]]
             for start in range(0, len(images), step)
@@ -205,7 +201,7 @@ class Runner:
         crops: list[_Crop] = []
         seen: list[torch.Tensor] = []  # what the detector saw: crops are cut from it
         alone = self.filter is None and self.classifier is None
-        step = self.output.detector_batch
+        step = self.limits.detector_batch
         starts = range(0, len(images), step)
         ends = [min(len(images), start + step) for start in starts]
         chunks = ([self._input(image) for image in images[s : s + step]] for s in starts)
@@ -243,7 +239,8 @@ class Runner:
     def _classify_crops(self, seen: list[torch.Tensor], crops: list[_Crop], hook: _Hook) -> None:
         """Filter then classifier over every crop, ``crop_batch`` crops in memory at a time,
         cut from the images as the detector saw them (on CUDA: on the device, so an image
-        gives the same crops whether it was staged ahead, decoded there, or copied)."""
+        gives the same crops whether it was copied ahead, decoded there, or copied with its
+        batch)."""
         passed = crops
         if self.filter is not None:
             keep = set(self.filter.stage.keep)
@@ -274,7 +271,7 @@ class Runner:
         hook: _Hook | None,
     ) -> tuple[torch.Tensor, float]:
         pre = model.stage.preprocess
-        step = self.output.crop_batch
+        step = self.limits.crop_batch
         chunks = (
             [
                 resize_square(_cut(seen[c.image], c.box), pre.size, pre.resize)
@@ -318,7 +315,12 @@ def _cut(pixels: Any, box: tuple[float, float, float, float]) -> torch.Tensor:
 
 
 def load_runner(
-    pipeline: Pipeline, sources: Any, device: str, output: Output, precision: str = "float32"
+    pipeline: Pipeline,
+    sources: Any,
+    device: str,
+    limits: DeviceLimits | None = None,
+    response_format: response.ResponseFormat | None = None,
+    precision: str = "float32",
 ) -> Runner:
     """Every stage of ``pipeline`` loaded on ``device`` (weights read once, here). ConfigError
     for anything that stops it loading, but a TransientError (its weights' store is down)."""
@@ -332,7 +334,8 @@ def load_runner(
             DetectorModel(d, sources, where, precision) if d else None,
             ClassifierModel(f, sources, where, precision) if f else None,
             ClassifierModel(c, sources, where, precision) if c else None,
-            output,
+            limits or DeviceLimits(),
+            response_format or response.ResponseFormat(),
         )
     except (ConfigError, TransientError):
         raise

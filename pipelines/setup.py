@@ -13,14 +13,16 @@ from config.settings import Settings
 from datasets.images import DecodePlan
 from pipelines.declare import Pipeline
 from pipelines.registry import resolve
-from pipelines.runner import Output, Runner, decode_plan
+from pipelines.response import ResponseFormat
+from pipelines.runner import DeviceLimits, Runner, decode_plan
 
 
 @dataclass(frozen=True)
 class Chosen:
     pipeline: Pipeline
     plan: DecodePlan
-    output: Output
+    limits: DeviceLimits
+    response_format: ResponseFormat
 
 
 def choose(s: Settings) -> Chosen:
@@ -36,15 +38,13 @@ def choose(s: Settings) -> Chosen:
     problems += memory_problems(s, plan.max_image_bytes())
     if problems:
         raise ConfigError("\n".join(problems))
-    output = Output(
-        scores=s.model.scores,
-        top_k=s.model.top_k,
-        labels_inline_max=s.model.labels_inline_max,
+    limits = DeviceLimits(
         detector_batch=s.model.detector_batch_size,
         crop_batch=s.model.crop_batch_size,
         max_side=s.loader.max_side,
     )
-    return Chosen(pipeline, plan, output)
+    fmt = ResponseFormat(s.model.scores, s.model.top_k, s.model.labels_inline_max)
+    return Chosen(pipeline, plan, limits, fmt)
 
 
 def model_info(runner: Runner) -> dict[str, Any]:

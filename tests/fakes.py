@@ -20,11 +20,11 @@ _seq = iter(range(1, 1_000_000))
 
 
 class FakePredictor:
-    """What the engine asks of a pipeline besides ``run``: here, nothing staged ahead."""
+    """What the engine asks of a pipeline besides ``run``: here, nothing copied ahead."""
 
-    stage_ahead = 0
+    copy_ahead_images = 0
 
-    def stage(self, images):
+    def copy_ahead(self, images):
         return list(images)
 
 

@@ -1,20 +1,20 @@
-"""Admission: what a fetched message becomes. With ``settle.py``, the one home of the
-delivery rules.
-
-A message that cannot name its job and task is dead-lettered; one that names them but
-cannot be run gets an ``error`` result; a redelivered one whose result is already stored is
-only acked; the rest are entered in the claims (held tasks), to be loaded.
+"""Admission: a fetched message's way in. What becomes of it is the delivery rules' decision
+(``settle.py``: ``read_task`` says what its bytes make; the ``DeliveryRules`` act): a message
+that cannot name its job and task is dead-lettered; one that names them but cannot be run
+gets an ``error`` result; a redelivered one whose result is already stored is only acked;
+the rest are entered in the claims (held tasks), to be loaded.
 """
 
 from __future__ import annotations
 
 import structlog
 
-from config.errors import InvalidTask, ResultsUnavailable, Undeliverable
-from worker.claims import Claim, Claims, best_effort
+from config.errors import ResultsUnavailable
+from worker.claims import Claim, Claims
 from worker.outcome import Outcome
 from worker.ports import Delivery, DeliveryRules, Results
-from worker.schemas import Task, invalid_task, parse_task
+from worker.schemas import Task
+from worker.settle import read_task
 
 log = structlog.get_logger(__name__)
 
@@ -32,31 +32,27 @@ class Admission:
             return await self._admit(msg)
         except Exception:
             log.exception("admission_failed", subject=msg.subject)
-            await best_effort(msg.nak())
+            await self._settler.give_back(msg)
             return None
 
     async def _admit(self, msg: Delivery) -> Claim | None:
         delivered = msg.metadata.num_delivered
-        try:
-            task = parse_task(msg.data, msg.subject)
-        except Undeliverable as error:
-            await self._settler.dead_letter(msg, str(error))
+        read = read_task(msg.data, msg.subject)
+        if read.task is None:
+            await self._settler.dead_letter(msg, read.dead_letter_reason)
             return None
-        except InvalidTask as error:
-            task = invalid_task(error)
-            await self._settler.settle(task, msg, delivered, Outcome(failure=error.failure()))
+        if read.failure is not None:
+            await self._settler.settle(read.task, msg, delivered, Outcome(failure=read.failure))
             return None
-        if delivered > 1 and await self._already_stored(msg, task):
+        if delivered > 1 and await self._already_stored(msg, read.task):
             return None
-        return self._claims.add(msg, task, delivered)
+        return self._claims.add(msg, read.task, delivered)
 
     async def _already_stored(self, msg: Delivery, task: Task) -> bool:
-        """A redelivered task whose result is stored (its ack was lost) is only acked."""
         try:
             stored = await self._store.exists(task.job_id, task.id)
         except ResultsUnavailable:
             return False  # the store refuses duplicates anyway
         if stored:
-            await msg.ack()  # if it fails, the admission boundary logs it and gives it back
-            log.info("redelivered_task_already_stored", task_id=task.id, job_id=task.job_id)
+            await self._settler.already_stored(msg, task)
         return stored

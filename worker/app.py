@@ -106,7 +106,8 @@ def in_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
 
 
 class WorkerApp:
-    """One worker process's parts. ``start`` -> ``run(stop)`` -> ``close``.
+    """One worker process's parts. ``start`` -> ``run(stop)`` -> ``close``, driven by
+    ``worker.serve.Server`` (signals, the run directory, the process's exit code).
 
     ``start`` reads as the process map: the engine (model on the engine thread, the loader
     and its children), the transport (NATS connection, streams, the consumer), the health
@@ -241,7 +242,13 @@ class WorkerApp:
         started, runner = await asyncio.gather(
             loop.run_in_executor(self.engine_thread, loader.start),
             in_daemon_thread(
-                load_runner, chosen.pipeline, sources, device, chosen.output, s.model.precision
+                load_runner,
+                chosen.pipeline,
+                sources,
+                device,
+                chosen.limits,
+                chosen.response_format,
+                s.model.precision,
             ),
             return_exceptions=True,
         )

@@ -26,11 +26,11 @@ class Predictor(Protocol):
     """A pipeline's forward pass (``pipelines.runner.Runner``): per image, its detections."""
 
     @property
-    def stage_ahead(self) -> int:
+    def copy_ahead_images(self) -> int:
         """Images of the next batch to put on the device while one runs (0: none)."""
         ...
 
-    def stage(self, images: Sequence[Decoded]) -> list[Decoded]:
+    def copy_ahead(self, images: Sequence[Decoded]) -> list[Decoded]:
         """``images`` on their way to the device; the host does not wait for the copies."""
         ...
 
@@ -62,12 +62,12 @@ class Engine:
         self.read_retries: Counter[str] = Counter()  # by reason, since the start (a metric)
         self._reads: dict[int, ReadStats] = {}  # per loader child, as it last reported
         self._stash: dict[int, Loaded] = {}  # loaded, for a later batch
-        self._staged: dict[int, Decoded] = {}  # of those, on their way to the device
+        self._copied_ahead: dict[int, Decoded] = {}  # of those, on their way to the device
         self._queued: dict[int, None] = {}  # keys submitted and not yet run, in order
         self._queued_lock = threading.Lock()  # submit runs on the event loop's thread
         self._loader_failed: str | None = None  # seen while preparing the next batch
-        self.staged_ran = 0  # images that were on the device before their batch ran (bench)
-        self._split_batch = False  # this batch ran out of device memory: nothing staged ahead
+        self.ran_copied_ahead = 0  # images that were on the device before their batch ran (bench)
+        self._split_batch = False  # this batch ran out of device memory: nothing copied ahead
         self._prepared_s = 0.0  # spent preparing next batches, not in this one's inference
 
     def start(self) -> None:
@@ -76,7 +76,7 @@ class Engine:
     def close(self) -> None:
         self.loader.close()
         self._stash.clear()
-        self._staged.clear()
+        self._copied_ahead.clear()
 
     def submit(self, requests: Sequence[tuple[int, str]]) -> None:
         """Queue loads of (key, URI); any thread. Loader children start on them at once."""
@@ -89,7 +89,7 @@ class Engine:
         self._dequeue(keys)
         for key in keys:
             self._stash.pop(key, None)
-            self._staged.pop(key, None)
+            self._copied_ahead.pop(key, None)
 
     def _dequeue(self, keys: Sequence[int]) -> None:
         with self._queued_lock:
@@ -211,7 +211,7 @@ class Engine:
         """Out of device memory: trim the allocator's cache, then run each half on its own; an
         image that does not fit alone gets ``too_large_for_device``. The process keeps going."""
         self.out_of_memory += 1
-        self._staged.clear()  # the next batch's images wait on the host until it runs
+        self._copied_ahead.clear()  # the next batch's images wait on the host until it runs
         self._split_batch = True
         self._release_memory()
         if len(keys) == 1:
@@ -229,9 +229,11 @@ class Engine:
         started = time.perf_counter()
         images = []
         for key in keys:
-            staged = self._staged.pop(key, None)  # forget() may pop it too, from another thread
-            self.staged_ran += staged is not None
-            images.append(staged if staged is not None else loaded[key].image)
+            ahead = self._copied_ahead.pop(
+                key, None
+            )  # forget() may pop it too, from another thread
+            self.ran_copied_ahead += ahead is not None
+            images.append(ahead if ahead is not None else loaded[key].image)
         prepared_s = self._prepared_s
         detections = self.predictor.run(images, self._prepare_next)  # type: ignore[arg-type]
         infer_s = time.perf_counter() - started - (self._prepared_s - prepared_s)
@@ -249,7 +251,7 @@ class Engine:
         next batch to the device, so it does not wait for them. Never fails the batch it runs
         in: a broken loader is recovered at the next batch, a failed copy is made again when
         its batch runs."""
-        ahead = self.predictor.stage_ahead
+        ahead = self.predictor.copy_ahead_images
         if ahead <= 0 or self._split_batch:
             return
         started = time.perf_counter()
@@ -257,19 +259,19 @@ class Engine:
             upcoming = list(itertools.islice(self._queued, ahead))
         try:
             self._take_ready(upcoming)
-            for key in [key for key in list(self._staged) if key not in upcoming]:
-                self._staged.pop(key, None)  # no longer next (forgotten): only those are held
+            for key in [key for key in list(self._copied_ahead) if key not in upcoming]:
+                self._copied_ahead.pop(key, None)  # no longer next (forgotten): only those are held
             ready = {key: item.image for key in upcoming if (item := self._stash.get(key))}
             fresh = [
                 key
                 for key, image in ready.items()
-                if image is not None and image.encoded is None and key not in self._staged
+                if image is not None and image.encoded is None and key not in self._copied_ahead
             ]  # a JPEG left encoded is decoded on the device when its batch runs
             if fresh:
-                staged = self.predictor.stage([ready[key] for key in fresh])  # type: ignore[misc]
-                self._staged.update(zip(fresh, staged, strict=True))
+                copies = self.predictor.copy_ahead([ready[key] for key in fresh])  # type: ignore[misc]
+                self._copied_ahead.update(zip(fresh, copies, strict=True))
         except Exception as error:  # noqa: BLE001 - the next batch copies its images itself
-            self._staged.clear()
+            self._copied_ahead.clear()
             if is_out_of_memory(error):
                 self._release_memory()
             log.warning("preparing_next_batch_failed", error=repr(error))

@@ -3,12 +3,13 @@
 The event loop only orchestrates; loads and forward passes run on the engine's thread.
 Its parts, each in a module of its own:
 
-- ``TaskSource`` (``transport.py``): bounded fetches from the durable consumer;
+- ``TaskSource`` (``nats/feed.py``): bounded fetches from the durable consumer;
 - ``Admission`` (``admission.py``): what a message becomes (dead letter, error result,
   duplicate, or a held task);
 - ``Claims`` (``claims.py``): what is held, the room left, the ack-wait keep-alive;
 - ``Batches`` (``batches.py``): batch formation and dispatch to the engine thread;
-- ``Settler`` (``settle.py``): store-then-ack, or nak; ``BatchObserver`` (``health.py``).
+- ``Settler`` (``settle.py``): store-then-ack, or nak; ``BatchObserver``
+  (``health/observer.py``): liveness, metrics and guards after each batch.
 
 How the process ends is a value (``Exit``), decided here.
 """

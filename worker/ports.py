@@ -40,11 +40,16 @@ class Results(Protocol):
 
 
 class DeliveryRules(Protocol):
-    """The delivery rules (``settle.Settler``): store-then-ack, nak, or dead-letter."""
+    """The delivery rules (``settle.Settler``): every decision about what becomes of a
+    delivery: store-then-ack, nak, dead-letter, ack a duplicate, give back."""
 
     async def settle(self, task: Task, msg: Delivery, delivered: int, verdict: Outcome) -> str: ...
 
     async def dead_letter(self, msg: Delivery, reason: str) -> str: ...
+
+    async def already_stored(self, msg: Delivery, task: Task) -> None: ...
+
+    async def give_back(self, msg: Delivery) -> None: ...
 
 
 class TaskSource(Protocol):

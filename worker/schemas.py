@@ -56,6 +56,14 @@ def token_value(token: str) -> str | None:
     return value if subject_token(value) == token else None
 
 
+def subject_pipeline(subject: str) -> str:
+    """The pipeline a task's subject names (``tasks.<pipeline>[.<job token>]``); "" if none."""
+    parts = subject.split(".")
+    if len(parts) in (2, 3) and parts[0] == "tasks":
+        return parts[1]
+    return ""
+
+
 def subject_job(subject: str) -> str | None:
     """The job a task's subject names (``tasks.<pipeline>.<job token>``), if it names one."""
     parts = subject.split(".")
@@ -72,6 +80,9 @@ class Task:
     image_url: str
     config: dict[str, Any] = field(default_factory=dict)
     reply_subject: str | None = None
+    # The pipeline that answers it: the subject's (tasks.<pipeline>[.<job>]), or the source's
+    # (an Antenna job's pipeline). Not part of the task's JSON.
+    pipeline: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         payload = {
@@ -86,9 +97,16 @@ class Task:
         return payload
 
 
-def invalid_task(error: InvalidTask) -> Task:
+def invalid_task(error: InvalidTask, pipeline: str = "") -> Task:
     """The task an InvalidTask names, as far as it could be read: enough for its error result."""
-    return Task(error.task_id, error.job_id, error.image_id, "", reply_subject=error.reply_subject)
+    return Task(
+        error.task_id,
+        error.job_id,
+        error.image_id,
+        "",
+        reply_subject=error.reply_subject,
+        pipeline=pipeline,
+    )
 
 
 def _id_text(value: Any, max_bytes: int) -> tuple[str | None, str]:
@@ -178,7 +196,7 @@ def parse_task(data: bytes, subject: str = "") -> Task:
             f"'reply_subject' must be one NATS subject of at most {MAX_REPLY_SUBJECT_CHARS} "
             "printable characters when given"
         )
-    return Task(task_id, job_id, image_id, url, config, reply)
+    return Task(task_id, job_id, image_id, url, config, reply, subject_pipeline(subject))
 
 
 def make_result(

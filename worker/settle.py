@@ -1,9 +1,13 @@
-"""The delivery rules for one task, in one place.
+"""The delivery rules, in one place: every decision about what becomes of a delivery.
 
-A task is acked only after its result is stored. Permanent failures get an ``error`` result
-and an ack; transient ones are naked with a backoff delay, except on the last delivery,
-which gets an ``error`` result saying the deliveries ran out. Retries are counted with the
-server's ``num_delivered``, never in memory.
+A message that cannot name its job and task is dead-lettered (kept with the reason, then
+terminated); one that names them but cannot be run gets an ``error`` result; a redelivered one
+whose result is already stored is only acked. A task is acked only after its result is
+stored. Permanent failures get an ``error`` result and an ack; transient ones are naked with
+a backoff delay, except on the last delivery, which gets an ``error`` result saying the
+deliveries ran out; so does a task whose last delivery died with its worker (the
+max-deliveries advisory asks ``exhausted``). Retries are counted with the server's
+``num_delivered``, never in memory. Admission and the advisory handler only ask.
 """
 
 from __future__ import annotations
@@ -22,22 +26,49 @@ import nats
 import structlog
 from nats.js import JetStreamContext
 
-from config.errors import Failure, ResultRefused, ResultsUnavailable
+from config.errors import (
+    ErrorKind,
+    Failure,
+    InvalidTask,
+    ResultRefused,
+    ResultsUnavailable,
+    Undeliverable,
+)
 from config.redact import scrub, shorten
 from config.settings import NatsSettings
 from worker.outcome import Outcome
 from worker.ports import Delivery
 from worker.results import ResultStore, unavailable
-from worker.schemas import Task, make_result
+from worker.schemas import Task, invalid_task, make_result, parse_task, subject_pipeline
 
 log = structlog.get_logger(__name__)
 _STORE_RETRY_FIRST_S = 0.2
 _STORE_RETRY_MAX_S = 5.0
 _HEADER_VALUE_CHARS = 1000
+EXHAUSTED_KIND: ErrorKind = "deliveries_exhausted"
 
 
 def backoff_s(delivered: int, base_s: float, max_s: float) -> float:
     return float(min(max_s, base_s * (2 ** max(0, delivered - 1))))
+
+
+@dataclass(frozen=True)
+class Read:
+    """What a message's bytes make: a task, a task that cannot be run (``failure``: it gets an
+    error result), or nothing that names a job and a task (``task`` None: a dead letter)."""
+
+    task: Task | None
+    failure: Failure | None = None
+    dead_letter_reason: str = ""
+
+
+def read_task(data: bytes, subject: str) -> Read:
+    try:
+        return Read(parse_task(data, subject))
+    except Undeliverable as error:
+        return Read(None, dead_letter_reason=str(error))
+    except InvalidTask as error:
+        return Read(invalid_task(error, subject_pipeline(subject)), error.failure())
 
 
 @dataclass
@@ -76,6 +107,68 @@ class Settler:
         self.count(outcome)
         _log_done(bound, result)
         return str(outcome)
+
+    async def already_stored(self, msg: Delivery, task: Task) -> None:
+        """A redelivered task whose result is stored (its ack was lost): ack only."""
+        await msg.ack()  # if it fails, the admission boundary logs it and gives it back
+        log.info("redelivered_task_already_stored", task_id=task.id, job_id=task.job_id)
+
+    async def give_back(self, msg: Delivery) -> None:
+        """Nak now: a message we could not even admit comes back at once."""
+        try:
+            await msg.nak()
+        except Exception as error:  # noqa: BLE001 - the ack wait brings it back anyway
+            log.warning("settle_action_failed", error=f"{type(error).__name__}: {error}")
+
+    async def exhausted(self, data: bytes, subject: str, seq: int, deliveries: int) -> bool:
+        """The last delivery of a task died with its worker: store its ``error`` result
+        (create-if-absent: a result the dying worker stored stands), or dead-letter it when it
+        names no task or no result fits. False when the store did not confirm (ask again)."""
+        read = read_task(data, subject)
+        if read.task is None:
+            # Its last delivery failed to dead-letter it (or died first): do it here. The
+            # dead-letter stream keeps one copy if the worker's attempt did land.
+            if not await self._confirmed(
+                self.keep_dead_letter(data, subject, seq, read.dead_letter_reason)
+            ):
+                return False
+            log.warning(
+                "exhausted_task_dead_lettered", stream_seq=seq, reason=read.dead_letter_reason
+            )
+            return True
+        message = (
+            f"deliveries ran out: all {deliveries} deliveries ended without a result "
+            "(the worker holding it died, was killed or stopped answering)"
+        )
+        failure = Failure(EXHAUSTED_KIND, message, retryable=True)
+        result = self.result(read.task, deliveries, Outcome(failure=failure))
+        try:
+            stored = await self.store.store(result)
+        except ResultsUnavailable:
+            return False
+        except ResultRefused as refused:
+            why = f"no result fits: {refused}"
+            if not await self._confirmed(self.keep_dead_letter(data, subject, seq, why)):
+                return False
+            stored = False
+        if stored:
+            self.count("error")
+        log.warning(
+            "task_deliveries_exhausted",
+            task_id=read.task.id,
+            job_id=read.task.job_id,
+            deliveries=deliveries,
+            result_stored=stored,
+        )
+        return True
+
+    @staticmethod
+    async def _confirmed(write: Awaitable[None]) -> bool:
+        try:
+            await write
+        except ResultsUnavailable:
+            return False
+        return True
 
     async def _store_or_smaller(
         self, result: dict[str, Any], task: Task, delivered: int

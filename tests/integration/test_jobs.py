@@ -220,11 +220,11 @@ class GatedPredictor:
         self.release = threading.Event()
 
     @property
-    def stage_ahead(self):
-        return self.inner.stage_ahead
+    def copy_ahead_images(self):
+        return self.inner.copy_ahead_images
 
-    def stage(self, images):
-        return self.inner.stage(images)
+    def copy_ahead(self, images):
+        return self.inner.copy_ahead(images)
 
     def run(self, images, while_running):
         self.sizes.append(len(images))

@@ -14,7 +14,7 @@ from datasets.loader import Loaded
 from datasets.sources import SourceConfig
 from pipelines.declare import Classifier, Pipeline, Preprocess
 from pipelines.device import visibility
-from pipelines.runner import Output, load_runner
+from pipelines.runner import load_runner
 from tests.fakes import FakePredictor
 from tests.unit.test_engine import FlakyLoader, submit
 from worker.engine import Engine
@@ -119,7 +119,7 @@ def test_precision_is_the_forward_pass_dtype_and_outputs_stay_float32(precision,
 
     stage = Classifier("c", architecture=build, labels=("a", "b"), preprocess=Preprocess(16))
     runner = load_runner(
-        Pipeline("p", classifier=stage), SourceConfig(), "cpu", Output(), precision
+        Pipeline("p", classifier=stage), SourceConfig(), "cpu", precision=precision
     )
     assert runner.classifier is not None
     logits = runner.classifier.logits(torch.randint(0, 256, (3, 3, 16, 16), dtype=torch.uint8))

@@ -137,55 +137,55 @@ class ReadyLoader(FlakyLoader):
         return len(self.queue)
 
 
-class Staging:
-    """A device that records what it was given: images staged ahead (by key), and for each
-    batch its keys, which of its images came staged, and what was staged while it ran."""
+class CopiesAhead:
+    """A device that records what it was given: images copied ahead (by key), and for each
+    batch its keys, which of its images came copied ahead, and what was copied while it ran."""
 
-    def __init__(self, stage_ahead=2, fail_staging=None):
-        self.stage_ahead = stage_ahead
-        self.fail_staging = fail_staging
-        self.staged: dict[int, int] = {}  # id of the staged image -> key
+    def __init__(self, copy_ahead_images=2, fail_copy_ahead=None):
+        self.copy_ahead_images = copy_ahead_images
+        self.fail_copy_ahead = fail_copy_ahead
+        self.copied: dict[int, int] = {}  # id of the image copied ahead -> key
         self.runs = []
 
-    def stage(self, images):
-        if self.fail_staging is not None:
-            raise self.fail_staging
-        staged = [image._replace() for image in images]  # new objects, the same pixels
-        self.staged.update({id(image): int(image.pixels[0, 0, 0]) for image in staged})
-        return staged
+    def copy_ahead(self, images):
+        if self.fail_copy_ahead is not None:
+            raise self.fail_copy_ahead
+        copies = [image._replace() for image in images]  # new objects, the same pixels
+        self.copied.update({id(image): int(image.pixels[0, 0, 0]) for image in copies})
+        return copies
 
     def run(self, images, while_running):
         keys = [int(image.pixels[0, 0, 0]) for image in images]
-        came_staged = [self.staged.get(id(image)) for image in images]
-        before = set(self.staged.values())
+        came_copied_ahead = [self.copied.get(id(image)) for image in images]
+        before = set(self.copied.values())
         while_running()
-        during = sorted(set(self.staged.values()) - before)
-        self.runs.append((keys, came_staged, during))
+        during = sorted(set(self.copied.values()) - before)
+        self.runs.append((keys, came_copied_ahead, during))
         return [[{"bbox": None, "classifications": []}] for _ in images]
 
 
-def test_the_next_batchs_first_images_are_staged_while_this_batch_runs():
-    loader, device = ReadyLoader(), Staging(stage_ahead=2)
+def test_the_next_batchs_first_images_are_copied_ahead_while_this_batch_runs():
+    loader, device = ReadyLoader(), CopiesAhead(copy_ahead_images=2)
     engine = Engine(loader, device)  # type: ignore[arg-type]
     submit(engine, [1, 2])
     submit(engine, [3, 4, 5])  # the next batches, already submitted
 
     assert engine.run_batch([1, 2]).outcomes[1].ok
-    keys, came_staged, during = device.runs[-1]
+    keys, came_copied_ahead, during = device.runs[-1]
     assert keys == [1, 2]
-    assert came_staged == [None, None], "nothing ran before the first batch"
+    assert came_copied_ahead == [None, None], "nothing ran before the first batch"
     assert during == [3, 4], "the next two, in order, taken from the loader as it runs"
 
     report = engine.run_batch([3, 4, 5])
     assert all(v.ok for v in report.outcomes.values())
-    keys, came_staged, during = device.runs[-1]
+    keys, came_copied_ahead, during = device.runs[-1]
     assert keys == [3, 4, 5]
-    assert came_staged == [3, 4, None], "the staged images are the ones that ran"
+    assert came_copied_ahead == [3, 4, None], "the images copied ahead are the ones that ran"
     assert during == []
 
 
-def test_staging_never_waits_on_the_loader_and_forgotten_images_are_dropped():
-    loader, device = ReadyLoader(), Staging(stage_ahead=4)
+def test_copying_ahead_never_waits_on_the_loader_and_forgotten_images_are_dropped():
+    loader, device = ReadyLoader(), CopiesAhead(copy_ahead_images=4)
     engine = Engine(loader, device)  # type: ignore[arg-type]
     submit(engine, [1])
     submit(engine, [2])
@@ -203,7 +203,7 @@ def test_staging_never_waits_on_the_loader_and_forgotten_images_are_dropped():
     submit(engine, [5])
     engine.run_batch([4])
     assert device.runs[-1][1] == [4] and device.runs[-1][2] == [5]
-    assert 3 not in engine._staged and 3 not in engine._stash
+    assert 3 not in engine._copied_ahead and 3 not in engine._stash
 
 
 def test_a_loader_that_breaks_while_a_batch_runs_is_recovered_by_the_next_batch():
@@ -216,7 +216,7 @@ def test_a_loader_that_breaks_while_a_batch_runs_is_recovered_by_the_next_batch(
                 raise LoaderFailure("DataLoader worker (pid 7) is killed by signal: Killed")
             return super().next_loaded()
 
-    loader, device = BreaksOnSecondCall(), Staging(stage_ahead=2)
+    loader, device = BreaksOnSecondCall(), CopiesAhead(copy_ahead_images=2)
     engine = Engine(loader, device)  # type: ignore[arg-type]
     submit(engine, [1])
     submit(engine, [2, 3])
@@ -252,7 +252,7 @@ def test_a_loader_broken_while_a_batch_runs_and_seen_dead_at_the_next_is_rebuilt
             self.dead = False
             return super().restart()
 
-    loader, device = DiesWhilePolled(), Staging(stage_ahead=2)
+    loader, device = DiesWhilePolled(), CopiesAhead(copy_ahead_images=2)
     engine = Engine(loader, device)  # type: ignore[arg-type]
     submit(engine, [1])
     submit(engine, [2, 3])
@@ -263,32 +263,32 @@ def test_a_loader_broken_while_a_batch_runs_and_seen_dead_at_the_next_is_rebuilt
     assert all(v.ok for v in report.outcomes.values())
 
 
-def test_staging_that_runs_out_of_device_memory_fails_nothing_and_frees_the_cache():
+def test_copying_ahead_that_runs_out_of_device_memory_fails_nothing_and_frees_the_cache():
     trims = []
     loader = ReadyLoader()
-    device = Staging(fail_staging=torch.OutOfMemoryError("CUDA out of memory"))
+    device = CopiesAhead(fail_copy_ahead=torch.OutOfMemoryError("CUDA out of memory"))
     engine = Engine(loader, device, release_memory=lambda: trims.append(1))  # type: ignore[arg-type]
     submit(engine, [1])
     submit(engine, [2])
     assert engine.run_batch([1]).outcomes[1].ok
-    assert trims == [1] and engine._staged == {}
+    assert trims == [1] and engine._copied_ahead == {}
     assert engine.run_batch([2]).outcomes[2].ok, "the image is copied when its batch runs"
 
 
-def test_nothing_is_staged_ahead_while_a_batch_is_split_for_lack_of_device_memory():
-    class OneAtATime(Staging):
+def test_nothing_is_copied_ahead_while_a_batch_is_split_for_lack_of_device_memory():
+    class OneAtATime(CopiesAhead):
         def run(self, images, while_running):
             if len(images) > 1:
-                while_running()  # the next batch is staged, then the results do not fit
+                while_running()  # the next batch is copied ahead, then the results do not fit
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
             return super().run(images, while_running)
 
-    loader, device = ReadyLoader(), OneAtATime(stage_ahead=2)
+    loader, device = ReadyLoader(), OneAtATime(copy_ahead_images=2)
     engine = Engine(loader, device, release_memory=lambda: None)  # type: ignore[arg-type]
     submit(engine, [1, 2])
     submit(engine, [3, 4])
     assert all(v.ok for v in engine.run_batch([1, 2]).outcomes.values())
     assert [(run[0], run[2]) for run in device.runs] == [([1], []), ([2], [])]
-    assert engine._staged == {}, "what the whole batch staged was let go for the halves"
+    assert engine._copied_ahead == {}, "what the whole batch copied ahead was let go for the halves"
     assert all(v.ok for v in engine.run_batch([3]).outcomes.values())
-    assert list(engine._staged) == [4], "the next batch stages ahead again"
+    assert list(engine._copied_ahead) == [4], "the next batch stages ahead again"

@@ -16,7 +16,8 @@ from datasets.sources import SourceConfig
 from pipelines.declare import Classifier, Detector, Pipeline, Preprocess
 from pipelines.models import save_classifier, save_detector
 from pipelines.registry import name_of, resolve
-from pipelines.runner import Output, decode_plan, load_runner
+from pipelines.response import ResponseFormat
+from pipelines.runner import DeviceLimits, decode_plan, load_runner
 from tests.antenna import PipelineResults
 from tests.fakes import FakePredictor
 from worker.commands.demo_images import image_bytes, rectangles_bytes
@@ -56,7 +57,7 @@ def test_boxes_are_reported_in_source_pixels_when_the_image_is_decoded_smaller(t
     plan = decode_plan(pipeline, max_side=800, fast=False)
     image = decode(rectangles_bytes(1600, 1000, TRUTH), plan)
     assert image.pixels.shape == (3, 500, 800)  # decoded at half scale
-    runner = load_runner(pipeline, SourceConfig(), "cpu", Output())
+    runner = load_runner(pipeline, SourceConfig(), "cpu")
 
     (detections,) = runner.run([image])
 
@@ -70,7 +71,7 @@ def test_boxes_are_reported_in_source_pixels_when_the_image_is_decoded_smaller(t
 
 def test_the_filter_decides_which_crops_go_on_to_the_classifier(toy):
     pipeline = resolve("toy_moths:moths")
-    runner = load_runner(pipeline, SourceConfig(), "cpu", Output())
+    runner = load_runner(pipeline, SourceConfig(), "cpu")
     image = decode(rectangles_bytes(1600, 1000, TRUTH, fmt="PNG"), DecodePlan(max_side=4096))
 
     (detections,) = runner.run([image])
@@ -93,7 +94,7 @@ def test_a_classifier_alone_gives_one_detection_without_a_box(tmp_path):
     pipeline = resolve("mobilenet-v3-small-classifier", weights)
     plan = decode_plan(pipeline, max_side=4096, fast=False)
     assert plan == DecodePlan(size=224, resize="squash", max_side=4096, fast=False)
-    runner = load_runner(pipeline, SourceConfig(), "cpu", Output())
+    runner = load_runner(pipeline, SourceConfig(), "cpu")
     images = [decode(image_bytes(640, 480, seed=i), plan) for i in range(2)]
 
     results = runner.run(images)
@@ -113,8 +114,10 @@ def test_a_classifier_alone_gives_one_detection_without_a_box(tmp_path):
 def test_top_k_scores_carry_their_labels_and_long_class_lists_are_left_out(toy):
     many = resolve("toy_moths:many")
     image = decode(image_bytes(320, 240, seed=1), decode_plan(many, 4096, False))
-    full = load_runner(many, SourceConfig(), "cpu", Output(crop_batch=128)).run([image])[0]
-    top = load_runner(many, SourceConfig(), "cpu", Output(scores="top_k", top_k=3)).run([image])[0]
+    full = load_runner(many, SourceConfig(), "cpu", DeviceLimits(crop_batch=128)).run([image])[0]
+    top = load_runner(
+        many, SourceConfig(), "cpu", None, ResponseFormat(scores="top_k", top_k=3)
+    ).run([image])[0]
 
     assert len(full) == len(top) == 500
     whole, best = full[0]["classifications"][0], top[0]["classifications"][0]
@@ -124,7 +127,9 @@ def test_top_k_scores_carry_their_labels_and_long_class_lists_are_left_out(toy):
 
 
 def test_crops_are_classified_a_chunk_at_a_time(toy):
-    runner = load_runner(resolve("toy_moths:many"), SourceConfig(), "cpu", Output(crop_batch=64))
+    runner = load_runner(
+        resolve("toy_moths:many"), SourceConfig(), "cpu", DeviceLimits(crop_batch=64)
+    )
     assert runner.classifier is not None
     sizes: list[int] = []
     forward = runner.classifier.forward
@@ -151,7 +156,7 @@ def test_a_built_in_detector_reports_boxes_inside_the_source_image(tmp_path):
         max_size=160,
     )
     pipeline = Pipeline("detect", detector=detector)
-    runner = load_runner(pipeline, SourceConfig(), "cpu", Output())
+    runner = load_runner(pipeline, SourceConfig(), "cpu")
     plan = decode_plan(pipeline, max_side=400, fast=False)
     images = [decode(image_bytes(w, h, seed=w), plan) for w, h in [(800, 600), (300, 500)]]
 
@@ -182,7 +187,7 @@ def test_an_exported_classifier_is_served_without_code(tmp_path):
     stage = Classifier(
         "exported", architecture="exported", weights=str(path), preprocess=Preprocess(size=32)
     )
-    runner = load_runner(Pipeline("exported", classifier=stage), SourceConfig(), "cpu", Output())
+    runner = load_runner(Pipeline("exported", classifier=stage), SourceConfig(), "cpu")
     assert runner.classifier is not None
 
     images = torch.randint(0, 256, (5, 3, 32, 32), dtype=torch.uint8)
@@ -254,7 +259,7 @@ def test_weights_that_do_not_fit_the_architecture_are_refused_with_the_stage(tmp
     weights = save_classifier("resnet18", ["a", "b"], str(tmp_path))
     stage = Classifier("species", architecture="mobilenet_v3_small", weights=weights)
     with pytest.raises(Exception, match="do not fit stage 'species'"):
-        load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu", Output())
+        load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu")
 
 
 @pytest.mark.parametrize(
@@ -264,7 +269,7 @@ def test_weights_that_do_not_fit_the_architecture_are_refused_with_the_stage(tmp
 def test_every_built_in_classifier_loads_its_saved_weights_and_classifies(tmp_path, architecture):
     weights = save_classifier(architecture, ["a", "b"], str(tmp_path))
     stage = Classifier("c", architecture=architecture, weights=weights, preprocess=Preprocess(32))
-    runner = load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu", Output())
+    runner = load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu")
     (detections,) = runner.run([decode(image_bytes(64, 48, seed=1), DecodePlan(size=32))])
     assert detections[0]["classifications"][0]["classification"] in ("a", "b")
 
@@ -293,7 +298,7 @@ def test_the_bytes_cap_counts_the_largest_image_a_detector_pipeline_can_load(tmp
 
 def test_a_detector_alone_reports_each_box_with_its_class_and_score(toy):
     detector = resolve("toy_moths:moths").detector
-    runner = load_runner(Pipeline("boxes", detector=detector), SourceConfig(), "cpu", Output())
+    runner = load_runner(Pipeline("boxes", detector=detector), SourceConfig(), "cpu")
     image = decode(rectangles_bytes(1600, 1000, TRUTH, fmt="PNG"), DecodePlan(max_side=4096))
 
     (detections,) = runner.run([image])
@@ -312,15 +317,15 @@ def test_a_filter_keeping_a_label_it_does_not_have_is_refused_at_load(toy):
     assert pipeline.filter is not None
     broken = replace(pipeline, filter=replace(pipeline.filter, keep=("moth",)))
     with pytest.raises(ConfigError, match="keeps labels it does not have"):
-        load_runner(broken, SourceConfig(), "cpu", Output())
+        load_runner(broken, SourceConfig(), "cpu")
 
 
 def test_a_classifier_whose_output_does_not_fit_its_labels_fails_the_start(toy):
     stage = Classifier("c", architecture=toy.seeded_classifier, labels=("a", "b"))
     wrong = Classifier("c", architecture=lambda _n: toy.seeded_classifier(5), labels=("a", "b"))
-    load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu", Output())
+    load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu")
     with pytest.raises(ConfigError, match=r"logits of shape \(2, 5\) for 2 images and 2 labels"):
-        load_runner(Pipeline("p", classifier=wrong), SourceConfig(), "cpu", Output())
+        load_runner(Pipeline("p", classifier=wrong), SourceConfig(), "cpu")
 
 
 def test_total_time_is_the_tasks_time_not_a_sum_of_overlapping_timings():
@@ -340,7 +345,7 @@ def test_total_time_is_the_tasks_time_not_a_sum_of_overlapping_timings():
 
 def test_jpegs_left_encoded_for_the_device_give_the_same_boxes_through_the_cpu_fallback(toy):
     pipeline = resolve("toy_moths:moths")
-    runner = load_runner(pipeline, SourceConfig(), "cpu", Output(max_side=800))
+    runner = load_runner(pipeline, SourceConfig(), "cpu", DeviceLimits(max_side=800))
     data = rectangles_bytes(1600, 1000, TRUTH)
     usual = decode(data, decode_plan(pipeline, 800, fast=False))
     encoded = decode(data, decode_plan(pipeline, 800, fast=False, device_decode=True))
@@ -459,8 +464,8 @@ def test_the_next_batch_is_prepared_once_after_the_last_stage_is_given_to_the_de
         "detector-only": Pipeline("boxes", detector=moths.detector),
         "classifier-only": Pipeline("colour", classifier=moths.classifier),
     }[pipeline]
-    output = Output(detector_batch=2, crop_batch=2)
-    runner = load_runner(chosen, SourceConfig(), "cpu", output)
+    limits = DeviceLimits(detector_batch=2, crop_batch=2)
+    runner = load_runner(chosen, SourceConfig(), "cpu", limits)
     events: list[str] = []
     _traced(runner, events)
     rectangles = [(10 + 40 * i, 10, 30 + 40 * i, 40, "red") for i in range(5)]
@@ -474,7 +479,7 @@ def test_the_next_batch_is_prepared_once_after_the_last_stage_is_given_to_the_de
 
 
 def test_the_next_batch_is_prepared_once_when_no_crop_reaches_the_device(toy):
-    runner = load_runner(resolve("toy_moths:moths"), SourceConfig(), "cpu", Output())
+    runner = load_runner(resolve("toy_moths:moths"), SourceConfig(), "cpu")
     black = decode(rectangles_bytes(64, 64, []), DecodePlan(max_side=4096))
     calls: list[int] = []
     assert runner.run([black, black], lambda: calls.append(1)) == [[], []]
@@ -495,13 +500,15 @@ def _without_clocks(results):
 
 
 @pytest.mark.parametrize("pipeline", ["toy_moths:moths", "toy_moths:many"])
-def test_images_staged_ahead_give_the_same_results_as_images_that_were_not(toy, pipeline):
+def test_images_copied_ahead_give_the_same_results_as_images_that_were_not(toy, pipeline):
     chosen = resolve(pipeline)
-    runner = load_runner(chosen, SourceConfig(), "cpu", Output(detector_batch=2, crop_batch=64))
+    runner = load_runner(
+        chosen, SourceConfig(), "cpu", DeviceLimits(detector_batch=2, crop_batch=64)
+    )
     rectangles = [(10, 10, 40, 50, "red"), (60, 5, 90, 30, "green"), (120, 20, 150, 60, "blue")]
     plan = decode_plan(chosen, 4096, False)
     images = [decode(rectangles_bytes(200, 80, rectangles), plan) for _ in range(3)]
-    staged = runner.stage(images[:2]) + images[2:]  # the next batch's first chunk, staged
+    ahead = runner.copy_ahead(images[:2]) + images[2:]  # the next batch's first chunk, ahead
 
-    assert _without_clocks(runner.run(staged)) == _without_clocks(runner.run(images))
-    assert runner.stage_ahead == 2
+    assert _without_clocks(runner.run(ahead)) == _without_clocks(runner.run(images))
+    assert runner.copy_ahead_images == 2

@@ -172,3 +172,12 @@ def test_an_invalid_url_is_named_without_its_query_string():
         parse_task(json.dumps({**TASK, "image_url": url}).encode())
     assert "ftp://host/key.jpg" in str(invalid.value)
     assert "SECRETSIG" not in str(invalid.value) and "AKIA" not in str(invalid.value)
+
+
+@pytest.mark.parametrize(
+    ("subject", "pipeline"),
+    [("tasks.moths.j", "moths"), ("tasks.orders", "orders"), ("elsewhere", "")],
+)
+def test_a_task_knows_the_pipeline_its_subject_names(subject, pipeline):
+    data = json.dumps({"id": "t", "job_id": "j", "image_id": "i", "image_url": "s3://b/k"})
+    assert parse_task(data.encode(), subject).pipeline == pipeline

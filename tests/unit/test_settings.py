@@ -116,3 +116,16 @@ def test_allowed_hosts_take_names_ports_and_bracketed_v6(weights):
         sources={"allowed_hosts": "minio.internal:9000, 10.0.0.5, [::1]:9000, fd00::1"},
     )
     assert len(s.sources.hosts()) == 4
+
+
+@pytest.mark.parametrize("given", ["moths.toml, orders.toml", '["moths.toml", "orders.toml"]'])
+def test_several_pipelines_are_a_list_comma_separated_or_json(monkeypatch, given):
+    monkeypatch.setenv("WORKER_MODEL__PIPELINES", given)
+    settings = load_settings(for_worker=False)
+    assert settings.model.served() == ["moths.toml", "orders.toml"]
+
+
+def test_one_pipeline_keeps_working_when_no_list_is_given(monkeypatch):
+    monkeypatch.delenv("WORKER_MODEL__PIPELINES", raising=False)
+    monkeypatch.setenv("WORKER_MODEL__PIPELINE", "moths.toml")
+    assert load_settings(for_worker=False).model.served() == ["moths.toml"]

@@ -61,3 +61,25 @@ async def test_a_dead_letter_of_a_message_near_max_payload_is_cut_to_fit_with_it
     ((_subject, data, headers),) = js.published
     assert len(data) <= 1024 * 1024 - 4096
     assert headers["Worker-Truncated-From-Bytes"] == str(len(huge.data))
+
+
+TASK_BYTES = b'{"id": "t", "job_id": "j", "image_id": "i", "image_url": "s3://b/k.jpg"}'
+
+
+async def test_a_task_whose_deliveries_ran_out_with_its_worker_gets_one_error_result():
+    store = FakeStore()
+    done = await settler(store, FakeJetStream()).exhausted(TASK_BYTES, "tasks.p", 7, 5)
+    assert done
+    ((result,),) = [store.stored]
+    assert result["task_id"] == "t" and result["attempt"] == 5
+    assert result["error"]["type"] == "deliveries_exhausted"
+    assert "all 5 deliveries ended without a result" in result["error"]["message"]
+
+
+async def test_an_exhausted_message_without_ids_is_dead_lettered_and_an_outage_asks_again():
+    store, js = FakeStore(), FakeJetStream()
+    assert await settler(store, js).exhausted(b"not json", "tasks.p", 7, 5)
+    assert [subject for subject, _, _ in js.published] == ["dead.tasks"] and store.stored == []
+    down = FakeStore(unavailable=True)
+    assert not await settler(down, FakeJetStream()).exhausted(TASK_BYTES, "tasks.p", 7, 5)
+    assert not await settler(store, FakeJetStream(fail=True)).exhausted(b"x", "tasks.p", 7, 5)

@@ -29,7 +29,7 @@ class AntennaUnreachable(TransientError):
     """No HTTP answer: refused, reset, timed out, or a name that does not resolve."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(message, kind="antenna_unreachable")
+        super().__init__(message, kind="http_unavailable")
 
 
 @dataclass(frozen=True)

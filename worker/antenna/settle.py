@@ -122,6 +122,14 @@ class AntennaRules:
                 pipeline = ""
         return pipeline or self.served.slug
 
+    async def already_stored(self, msg: Delivery, task: Task) -> None:
+        """Never asked: Antenna cannot say whether a task's result is saved."""
+        await msg.ack()
+
+    async def give_back(self, msg: Delivery) -> None:
+        """Antenna has no nak: the reservation runs out and the task is delivered again."""
+        await msg.nak()
+
     async def dead_letter(self, msg: Delivery, reason: str) -> str:
         """A task too broken to name its image: nothing can be posted for it. Logged; Antenna
         delivers it again once and then drops it."""

@@ -53,7 +53,9 @@ def _model_problems(settings: Settings) -> list[str]:
     try:
         chosen = choose(settings)
         _visible, device = visibility(chosen_device(settings))  # check reads; it sets nothing
-        load_runner(chosen.pipeline, source_config(settings), device, chosen.output)
+        load_runner(
+            chosen.pipeline, source_config(settings), device, chosen.limits, chosen.response_format
+        )
     except WorkerError as error:
         return [f"model: {line}" for line in str(error).splitlines()]
     except Exception as error:  # noqa: BLE001 - reported as a problem line

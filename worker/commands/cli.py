@@ -5,28 +5,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import signal
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from config.errors import TransientError
 from config.logging import configure_logging
+from config.names import env_name
 from config.settings import ConfigError, Settings, load_settings
-from worker.exits import ExitReason
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_CONFIG = 2
-# 3, 4, 5: see worker.exits.ExitReason (how `run` ends)
+from worker.exits import CommandExit, JobEnd
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inference-worker", description=__doc__)
-    parser.add_argument("--log-level", default=os.environ.get("WORKER_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=os.environ.get(env_name("log_level"), "INFO"))
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
         "run", help="run the worker until SIGTERM/SIGINT (settings from env/.env)"
@@ -40,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("demo", help="a whole job on local servers, with a report; cleans up")
     submit = commands.add_parser("submit", help="publish one task per image for a job")
     submit.add_argument("--job", required=True, help="job id")
-    submit.add_argument("--pipeline", help="pipeline (default: WORKER_MODEL__PIPELINE)")
+    submit.add_argument("--pipeline", help=f"pipeline (default: {env_name('model', 'pipeline')})")
     submit.add_argument("uris", nargs="*", help="image URIs, or one s3://bucket/prefix/ to list")
     submit.add_argument(
         "--wait", action="store_true", help="then follow the job as `watch` does (exit 0/10/11)"
@@ -111,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         for line in str(error).splitlines():
             print(f"config error: {line}", file=sys.stderr)
-        return EXIT_CONFIG
+        return CommandExit.CONFIG
     handlers: dict[str, Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]] = {
         "run": _run,
         "submit": _submit,
@@ -126,56 +120,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:  # the pipeline: resolved when a command first needs it
         for line in str(error).splitlines():
             print(f"config error: {line}", file=sys.stderr)
-        return EXIT_CONFIG
+        return CommandExit.CONFIG
     except TransientError as error:  # NATS not reachable, for a command that runs once
         print(f"error: {error}", file=sys.stderr)
-        return EXIT_FAILED
+        return CommandExit.FAILED
 
 
 async def _run(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.app import WorkerApp
+    from worker.serve import serve
 
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-
-    def on_signal(signum: int) -> None:
-        # Record the signal only; the worker drains. A second one means "now".
-        if stop.is_set():
-            print(f"second signal {signal.Signals(signum).name}: exiting now", file=sys.stderr)
-            os._exit(128 + signum)
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
-    app = WorkerApp(settings, until_idle=args.until_idle)
-    try:
-        if not await _started(app, stop):
-            # Stopped while starting (NATS unreachable, a slow model): no task is held yet;
-            # close() below ends what the start had begun (loader children included).
-            print("stopped while starting: exiting 0", file=sys.stderr)
-            return ExitReason.STOPPED.code
-        exit = await app.run(stop)
-    finally:
-        await app.close()
-    return exit.code
-
-
-async def _started(app: Any, stop: asyncio.Event) -> bool:
-    """``app.start()``, given up when ``stop`` is set first (a start waiting on an unreachable
-    NATS server retries for ever; a SIGTERM must still end the process)."""
-    starting = asyncio.ensure_future(app.start())
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
-    if not starting.done():
-        starting.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await starting
-        return False
-    starting.result()  # its failure, if it failed
-    return True
+    return await serve(settings, until_idle=args.until_idle)
 
 
 async def _connect_once(settings: Settings, command: str) -> Any:
@@ -206,7 +160,7 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
             "nothing to submit: give image URIs or an s3://bucket/prefix/ with objects",
             file=sys.stderr,
         )
-        return EXIT_FAILED
+        return CommandExit.FAILED
     from pipelines.registry import name_of
 
     pipeline = args.pipeline or name_of(settings.model.pipeline)
@@ -218,7 +172,7 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
         said = f"submitted {count} tasks for job {args.job} on tasks.{pipeline}.<job>"
         if not args.wait:
             print(said)
-            return EXIT_OK
+            return CommandExit.OK
         print(said, file=sys.stderr, flush=True)  # stdout stays empty with --wait
         return await _follow(js, settings, args.job, args.timeout_s, 1.0, len(tasks))
     finally:
@@ -262,7 +216,7 @@ async def _follow(
         print(
             f"cannot follow job {job}: {error}; run `inference-worker provision`", file=sys.stderr
         )
-        return EXIT_FAILED
+        return JobEnd.NO_TASKS
     return progress.exit_code()
 
 
@@ -279,7 +233,7 @@ async def _results(settings: Settings, args: argparse.Namespace) -> int:
     for result in sorted(results, key=lambda r: r["task_id"]):
         print(json.dumps(result, sort_keys=True))
     print(summarize(results, expected).line(), file=sys.stderr)
-    return EXIT_OK
+    return CommandExit.OK
 
 
 async def _provision(settings: Settings, _args: argparse.Namespace) -> int:
@@ -293,7 +247,7 @@ async def _provision(settings: Settings, _args: argparse.Namespace) -> int:
             print(line)
     finally:
         await nc.close()
-    return EXIT_OK
+    return CommandExit.OK
 
 
 async def _check(settings: Settings, _args: argparse.Namespace) -> int:
@@ -308,7 +262,7 @@ async def _check(settings: Settings, _args: argparse.Namespace) -> int:
     source = "Antenna" if settings.source == "antenna" else "NATS"
     if not problems:
         print(f"ready: settings valid; {source}, S3 and the model reachable")
-    return EXIT_FAILED if problems else EXIT_OK
+    return CommandExit.FAILED if problems else CommandExit.OK
 
 
 async def _register(settings: Settings, _args: argparse.Namespace) -> int:

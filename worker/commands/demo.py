@@ -20,6 +20,7 @@ from config.settings import load_settings
 from worker.commands.client import job_results, make_tasks, publish_tasks, summarize
 from worker.commands.demo_images import corrupt_bytes, image_bytes
 from worker.commands.localservers import NatsServer, S3Server
+from worker.exits import CommandExit
 
 log = structlog.get_logger(__name__)
 
@@ -74,7 +75,8 @@ def _print_report(results: list[dict[str, Any]], expected: set[str]) -> int:
     summary = summarize(results, expected)
     print("-" * 100)
     print(f"summary: {summary.line()} duplicates={summary.duplicates} total={len(expected)}")
-    return 0 if summary.missing == 0 and summary.duplicates == 0 else 1
+    whole = summary.missing == 0 and summary.duplicates == 0
+    return CommandExit.OK if whole else CommandExit.FAILED
 
 
 async def run_demo() -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from config.derived import port_for
+from worker.exits import CommandExit
 
 RUNNING = 20  # supervisor's ProcessStates.RUNNING
 
@@ -134,4 +135,4 @@ def main(
     watch = HealthWatch(rpc, group, port_base, failures, startup_grace_s, timeout_s)
     watch._say(f"watching group {group}, ports from {port_base}, {failures} strikes")
     serve(watch)
-    return 0
+    return CommandExit.OK  # supervisord went away

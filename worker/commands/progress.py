@@ -20,18 +20,13 @@ import nats
 from nats.js import JetStreamContext, api
 
 from config.settings import NatsSettings
+from worker.exits import JobEnd
 from worker.nats.subjects import job_results_subject
 from worker.schemas import subject_token
 
 _READ_BATCH = 512
 _BAR_CELLS = 30
 _RECOUNT_EVERY = 30
-
-# Exit codes of submit --wait and watch (README, "Command line"); missing wins over error.
-EXIT_ALL_OK = 0
-EXIT_NO_TASKS = 1
-EXIT_SOME_ERROR = 10
-EXIT_SOME_MISSING = 11
 
 
 @dataclass
@@ -62,11 +57,12 @@ class Progress:
         return f"ok={self.ok} error={self.error} missing={self.missing}"
 
     def exit_code(self) -> int:
+        """How the job stands (``exits.JobEnd``): missing wins over error."""
         if self.total == 0:
-            return EXIT_NO_TASKS
+            return JobEnd.NO_TASKS
         if self.missing:
-            return EXIT_SOME_MISSING
-        return EXIT_SOME_ERROR if self.error else EXIT_ALL_OK
+            return JobEnd.SOME_MISSING
+        return JobEnd.SOME_ERROR if self.error else JobEnd.ALL_OK
 
 
 def render(progress: Progress, now_s: float, tty: bool) -> str:

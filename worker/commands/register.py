@@ -21,7 +21,9 @@ def _served(settings: Settings) -> Served:
 
     chosen = choose(settings)
     _visible, device = visibility(chosen_device(settings))
-    runner = load_runner(chosen.pipeline, source_config(settings), device, chosen.output)
+    runner = load_runner(
+        chosen.pipeline, source_config(settings), device, chosen.limits, chosen.response_format
+    )
     return served(chosen.pipeline, runner.algorithms())
 
 

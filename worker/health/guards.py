@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from config.names import env_name
 from config.settings import GuardSettings
 from worker.health.procstats import collect_stats
 
@@ -42,13 +43,13 @@ class ResourceGuard:
         if limit and rss > limit:
             return (
                 f"resident memory of the process tree is {rss} bytes, over "
-                f"WORKER_GUARDS__MAX_TREE_RSS_BYTES={limit}"
+                f"{env_name('guards', 'max_tree_rss_bytes')}={limit}"
             )
         fds_limit = self._settings.max_open_fds
         worst = max(stats, key=lambda stat: stat.open_fds, default=None)
         if fds_limit and worst is not None and worst.open_fds > fds_limit:
             return (
                 f"{worst.role} process {worst.pid} has {worst.open_fds} open descriptors, over "
-                f"WORKER_GUARDS__MAX_OPEN_FDS={fds_limit}"
+                f"{env_name('guards', 'max_open_fds')}={fds_limit}"
             )
         return None

@@ -7,6 +7,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from config.names import env_name
 from datasets.reads import ReadStats
 from worker.health.liveness import Liveness
 
@@ -133,8 +134,9 @@ class ReadsCollector:
         yield held
         retries = CounterMetricFamily(
             f"{PREFIX}_source_retries",
-            "Object reads made again: stalled (no byte for WORKER_S3__READ_TIMEOUT_S, retried "
-            "on a new connection), throttled (429, 503 SlowDown: after a backoff), unavailable.",
+            "Object reads made again: stalled (no byte for "
+            f"{env_name('s3', 'read_timeout_s')}, retried on a new connection), throttled "
+            "(429, 503 SlowDown: after a backoff), unavailable.",
             labels=["reason"],
         )
         counts = self._retries()

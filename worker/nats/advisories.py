@@ -3,8 +3,9 @@
 When the last delivery of a task dies with its worker (killed, wedged, restarted), no live
 worker sees the task again. JetStream then publishes a max-deliveries advisory; provision
 keeps those advisories in a stream, and every worker pulls them from one shared durable
-consumer, reads the original task by its stream sequence, and stores an ``error`` result for
-it (create-if-absent: if the dying worker had stored one, that one stands).
+consumer and reads the original task by its stream sequence; what becomes of it (an
+``error`` result, create-if-absent, or a dead letter) is the delivery rules' decision
+(``worker.settle.Settler.exhausted``). This module only pulls, reads and paces advisories.
 """
 
 from __future__ import annotations
@@ -20,20 +21,16 @@ from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
-from config.errors import Failure, InvalidTask, ResultRefused, ResultsUnavailable, Undeliverable
 from config.settings import NatsSettings
 from worker.nats.subjects import advisory_consumer
-from worker.outcome import Outcome
-from worker.schemas import invalid_task, parse_task
 from worker.settle import Settler, backoff_s
 
 log = structlog.get_logger(__name__)
-EXHAUSTED_KIND = "deliveries_exhausted"
 POISON_ATTEMPTS = 10  # an advisory that fails this often for reasons of its own is dropped
 _FAILURES_KEPT = 1000
 
 
-async def _quietly(action: Awaitable[None]) -> None:
+async def _settle_advisory(action: Awaitable[None]) -> None:
     """Ack, nak or term; if the connection is gone, the ack wait brings the advisory back."""
     try:
         await action
@@ -87,10 +84,10 @@ class ExhaustedTasks:
             if failures >= POISON_ATTEMPTS:
                 log.exception("advisory_given_up", failures=failures, data=msg.data[:200])
                 self._failures.pop(key, None)
-                await _quietly(msg.term())
+                await _settle_advisory(msg.term())
             else:
                 log.exception("advisory_handling_failed", failures=failures, data=msg.data[:200])
-                await _quietly(msg.nak(delay=self._settings.nak_backoff_max_s))
+                await _settle_advisory(msg.nak(delay=self._settings.nak_backoff_max_s))
 
     async def _later(self, msg: Msg) -> None:
         """An outage (store or stream): try again with backoff, as long as it lasts."""
@@ -99,10 +96,12 @@ class ExhaustedTasks:
             self._settings.nak_backoff_base_s,
             self._settings.nak_backoff_max_s,
         )
-        await _quietly(msg.nak(delay=delay_s))
+        await _settle_advisory(msg.nak(delay=delay_s))
 
     async def handle(self, msg: Msg) -> None:
-        """One advisory: the original task gets its error result (or its dead letter)."""
+        """One advisory: the delivery rules settle the original task (``Settler.exhausted``);
+        the advisory is acked once they have, and comes back later when the store did not
+        confirm."""
         read = _read_advisory(msg.data)
         if read is None:
             log.error("advisory_unreadable", data=msg.data[:200])
@@ -113,48 +112,10 @@ class ExhaustedTasks:
         if original is None:
             return
         data, subject = original.data or b"", original.subject or ""
-        try:
-            task = parse_task(data, subject)
-        except Undeliverable as error:
-            # Its last delivery failed to dead-letter it (or died first): do it here. The
-            # dead-letter stream keeps one copy if the worker's attempt did land.
-            if await self._or_later(
-                msg, self._settler.keep_dead_letter(data, subject, seq, str(error))
-            ):
-                await msg.ack()
-                log.warning("exhausted_task_dead_lettered", stream_seq=seq, reason=str(error))
-            return
-        except InvalidTask as invalid:
-            task = invalid_task(invalid)
-        message = (
-            f"deliveries ran out: all {deliveries} deliveries ended without a result "
-            "(the worker holding it died, was killed or stopped answering)"
-        )
-        result = self._settler.result(
-            task, deliveries, Outcome(failure=Failure(EXHAUSTED_KIND, message, retryable=True))
-        )
-        try:
-            stored = await self._settler.store.store(result)
-        except ResultsUnavailable:
+        if await self._settler.exhausted(data, subject, seq, deliveries):
+            await msg.ack()
+        else:
             await self._later(msg)
-            return
-        except ResultRefused as refused:
-            why = f"no result fits: {refused}"
-            if not await self._or_later(
-                msg, self._settler.keep_dead_letter(data, subject, seq, why)
-            ):
-                return
-            stored = False
-        await msg.ack()
-        if stored:
-            self._settler.count("error")
-        log.warning(
-            "task_deliveries_exhausted",
-            task_id=task.id,
-            job_id=task.job_id,
-            deliveries=deliveries,
-            result_stored=stored,
-        )
 
     async def _original(self, msg: Msg, seq: int) -> RawStreamMsg | None:
         """The task message the advisory names; None once the advisory is settled here."""
@@ -171,15 +132,6 @@ class ExhaustedTasks:
         except nats.errors.Error:
             await self._later(msg)
         return None
-
-    async def _or_later(self, msg: Msg, write: Awaitable[None]) -> bool:
-        """``write`` done: True; the store did not confirm: the advisory comes back later."""
-        try:
-            await write
-        except ResultsUnavailable:
-            await self._later(msg)
-            return False
-        return True
 
 
 def _read_advisory(data: bytes) -> tuple[int, int] | None:

@@ -1,0 +1,154 @@
+"""A worker killed with its whole process group, again and again mid-job, leaves nothing
+behind once a clean process with its index has started: no ``pymp-*`` directory in its temp
+dir, no ``sem.mp-*`` or ``torch_*`` entry of the dead processes in /dev/shm, and the job
+still ends with one result per task."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from datasets.rundir import semprefix_for
+from tests.helpers import client, submit, until_gone, upload_images, wait_results, worker_env
+from worker.commands.client import job_results
+from worker.nats.provision import provision
+
+pytestmark = pytest.mark.integration
+KILLS = 4
+INDEX = 7
+SHM = Path("/dev/shm")
+
+# Short timeouts: a task held by a killed worker comes back after a 4 s ack wait.
+SHORT = {
+    "nats": {"ack_wait_s": 4, "max_deliver": 10, "fetch_timeout_s": 0.3, "store_retry_s": 1},
+    "loader": {"timeout_s": 1.5},
+    "s3": {"connect_timeout_s": 0.3, "read_timeout_s": 0.4, "max_attempts": 1},
+    "health": {"stall_timeout_s": 2, "drain_timeout_s": 1, "watchdog_timeout_s": 0},
+}
+ENV = {
+    "WORKER_NATS__ACK_WAIT_S": "4",
+    "WORKER_NATS__MAX_DELIVER": "10",
+    "WORKER_NATS__FETCH_TIMEOUT_S": "0.3",
+    "WORKER_NATS__STORE_RETRY_S": "1",
+    "WORKER_LOADER__TIMEOUT_S": "1.5",
+    "WORKER_S3__CONNECT_TIMEOUT_S": "0.3",
+    "WORKER_S3__READ_TIMEOUT_S": "0.4",
+    "WORKER_S3__MAX_ATTEMPTS": "1",
+    "WORKER_HEALTH__STALL_TIMEOUT_S": "2",
+    "WORKER_HEALTH__DRAIN_TIMEOUT_S": "1",
+    "WORKER_HEALTH__WATCHDOG_TIMEOUT_S": "0",
+    "WORKER_METRICS__PORT": "0",
+    "WORKER_LOADER__READS_PER_WORKER": "1",
+    "WORKER_PROCESS_INDEX": str(INDEX),
+}
+
+
+def semaphores_mapped(pids: list[int]) -> set[str]:
+    """/dev/shm/sem.* names the processes have mapped (unlinked ones included)."""
+    names = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            if "/dev/shm/sem." in line:
+                names.add(line.split("/dev/shm/", 1)[1].removesuffix(" (deleted)").strip())
+    return names
+
+
+def start(env: dict[str, str], log: Path, *args: str) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "worker", "run", *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, as under supervisord
+        )
+
+
+async def kill_group_mid_job(
+    js, settings, proc: subprocess.Popen[bytes], log: Path, done_before: int
+) -> tuple[list[int], set[str]]:
+    """Once this worker has stored a result of its own: SIGKILL its whole group."""
+    deadline = time.monotonic() + 90
+    while len(await job_results(js, settings.nats, "job-killed")) <= done_before:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no progress: {log.read_text()[-3000:]}"
+        await asyncio.sleep(0.1)
+    tree = [proc.pid, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))]
+    mapped = semaphores_mapped(tree)
+    os.killpg(proc.pid, signal.SIGKILL)
+    await asyncio.to_thread(proc.wait, 10)
+    return tree, mapped
+
+
+async def test_group_kills_mid_job_leave_nothing_once_a_clean_process_starts(
+    nats_server, s3_server, bucket, settings_for, tmp_path
+):
+    from testing.shapednet import Shape, ShapedProxy
+
+    settings = settings_for(nats_server.url, **SHORT)
+    uris = upload_images(s3_server.client(), bucket, 60)
+    # The workers' system temp dir: short (the fork server's Unix socket lives below it).
+    system_tmp = Path(tempfile.mkdtemp(prefix="iw-tmp-", dir="/tmp"))
+    run_dir = system_tmp / "inference-worker" / f"process-{INDEX}"
+    log = tmp_path / "worker.log"
+    # Reads of 0.2 s, one at a time per child: a kill lands in the middle of the job.
+    slow = Shape(first_byte_median_s=0.2, first_byte_p99_s=0.2, bytes_per_s=0.0)
+    killed: list[int] = []
+    mapped: set[str] = set()
+    async with client(settings) as js:
+        await provision(js, settings.nats, settings.model.pipeline)
+        tasks = await submit(js, settings, "job-killed", uris)
+        with ShapedProxy(s3_server.port, slow) as proxy:
+            env = worker_env(settings, TMPDIR=str(system_tmp), WORKER_S3__ENDPOINT_URL=proxy.url)
+            env.update(ENV)
+            for _ in range(KILLS):
+                done = len(await job_results(js, settings.nats, "job-killed"))
+                proc = start(env, log)
+                try:
+                    tree, seen = await kill_group_mid_job(js, settings, proc, log, done)
+                finally:
+                    if proc.poll() is None:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait(10)
+                assert until_gone(tree) == []
+                killed += tree
+                mapped |= seen
+            partial = len(await job_results(js, settings.nats, "job-killed"))
+            left_by_kills = sorted(p.name for p in run_dir.rglob("pymp-*"))
+            clean = start(env, log, "--until-idle")
+            code = await asyncio.to_thread(clean.wait, 180)
+        results = await wait_results(js, settings, "job-killed", len(tasks), timeout_s=10)
+
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert 0 < partial < len(tasks)  # every kill came mid-job
+    assert sorted(r["task_id"] for r in results) == sorted(t.id for t in tasks)
+    # The kills did leave their temp dirs, and only in the run directory...
+    assert left_by_kills, "no pymp-* directory of the killed workers in their run directory"
+    assert "run_dir_emptied" in text
+    # ...which the clean process emptied: nothing else in the workers' temp dir.
+    everything = sorted(str(p.relative_to(system_tmp)) for p in system_tmp.rglob("*"))
+    assert not [p for p in everything if "pymp-" in p], everything
+    assert {Path(p).parts[0] for p in everything} <= {"inference-worker"}, everything
+    assert {Path(p).parts[1] for p in everything if len(Path(p).parts) > 1} == {run_dir.name}
+    # /dev/shm: the killed processes' semaphores carried the run dir's prefix, and are gone.
+    prefix = "sem." + semprefix_for(run_dir).lstrip("/") + "-"
+    # (The creator maps glibc's temporary name; a process that opens one maps the real one.)
+    opened = {name for name in mapped if name.startswith("sem.mp")}
+    assert opened and all(name.startswith(prefix) for name in opened), mapped
+    shm = os.listdir(SHM)
+    assert not [n for n in shm if n.startswith(prefix)]
+    assert not [n for n in shm for pid in killed if n.startswith(f"torch_{pid}_")]
