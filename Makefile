@@ -36,6 +36,8 @@ chaos: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench.throughput --runs 5
+	$(BIN)/python -m bench.preprocess --images 30
+	$(BIN)/python -m bench.workload
 	$(BIN)/python -m bench.network --images 24 --tasks 96 --runs 3
 	$(BIN)/python -m bench.scale
 	$(BIN)/python -m bench.recovery

@@ -26,6 +26,8 @@ from worker.commands.localservers import NatsServer, S3Server, stop_process
 PIPELINE = "mobilenet-v3-small-classifier"
 ARCHITECTURE = "mobilenet_v3_small"
 RESULTS = Path(__file__).parent / "results"
+# A smoke run (the test suite's) writes its results here instead, never over the real ones.
+RESULTS_ENV = "BENCH_RESULTS_DIR"
 
 
 @dataclass
@@ -163,6 +165,41 @@ def cycle(uris: list[str], count: int) -> list[str]:
     return [uris[i % len(uris)] for i in range(count)]
 
 
+class TreeCpu:
+    """Process CPU seconds (user + system) of the processes ``pids()`` names, summed over
+    ``with`` blocks: what those processes spent, whatever else the machine ran."""
+
+    def __init__(self, pids: Callable[[], list[int]]) -> None:
+        self._pids = pids
+        self.cpu_s = 0.0
+
+    def _read(self) -> dict[int, float]:
+        times = {}
+        for pid in self._pids():
+            try:
+                t = psutil.Process(pid).cpu_times()
+            except psutil.Error:
+                continue
+            times[pid] = float(t.user + t.system)
+        return times
+
+    def __enter__(self) -> TreeCpu:
+        self._start = self._read()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        end = self._read()
+        self.cpu_s += sum(cpu - self._start.get(pid, 0.0) for pid, cpu in end.items())
+
+    def ms_per_image(self, images: int) -> float:
+        return round(1000 * self.cpu_s / max(1, images), 2)
+
+
+def tree(pid: int) -> Callable[[], list[int]]:
+    """The pids of ``pid`` and its descendants, as they are when called."""
+    return lambda: _tree(pid)
+
+
 class CpuMeter:
     """Machine-wide busy CPU seconds over a ``with`` block (all processes, every core)."""
 
@@ -194,19 +231,29 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values))
 
 
+def results_dir() -> Path:
+    return Path(os.environ.get(RESULTS_ENV) or RESULTS)
+
+
 def save(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    results = results_dir()
+    results.mkdir(parents=True, exist_ok=True)
+    path = results / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
 
 
-def run_benchmark(name: str, run: Any) -> tuple[dict[str, Any], Path]:
+SMOKE = {"images": 4, "tasks": 8, "runs": 1}
+
+
+def run_benchmark(name: str, run: Any) -> tuple[dict[str, Any], Path, bool]:
     """``--images N --tasks T --runs R``: run ``run(images, tasks, runs)``, save, print.
 
     ``images`` distinct images are generated and uploaded; each job has ``tasks`` tasks that
     cycle over them (the loader keeps no cache, so a repeated image costs what a new one does).
     Jobs much longer than a batch keep the pipeline's fill and drain out of the rate.
+    ``--smoke``: 4 images, 8-task jobs, one run (the test suite's check that it still works;
+    its rates mean nothing). Every stage checks its outcomes first (``bench.outcomes``).
     """
     import argparse
 
@@ -214,8 +261,13 @@ def run_benchmark(name: str, run: Any) -> tuple[dict[str, Any], Path]:
     parser.add_argument("--images", type=int, default=48)
     parser.add_argument("--tasks", type=int, default=192)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="tiny and quick: outcomes only")
     args = parser.parse_args()
-    result = asyncio.run(run(args.images, args.tasks, args.runs))
+    if args.smoke:
+        args.images, args.tasks, args.runs = SMOKE["images"], SMOKE["tasks"], SMOKE["runs"]
+    result = asyncio.run(run(args.images, args.tasks, args.runs, args.smoke))
+    result["command"] = " ".join(["python -m", f"bench.{name}", *sys.argv[1:]])
+    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     path = save(name, result)
     print(json.dumps(result, indent=2))
-    return result, path
+    return result, path, args.smoke

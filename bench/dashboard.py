@@ -16,6 +16,7 @@ import json
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ def free_port_base() -> int:
 
 
 def panels() -> list[dict[str, Any]]:
-    def walk(items):
+    def walk(items: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         for item in items:
             if item.get("targets"):
                 yield item

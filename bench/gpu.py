@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from bench.outcomes import BenchmarkFailed, refusing
 from bench.preprocess import scene
 from datasets.images import Decoded, DecodePlan, decode
 from datasets.loader import LoaderConfig, StreamingLoader
@@ -165,7 +166,9 @@ def fed_by_loader(
         work()  # warm-up: children started, first batches loaded
         runner.copies.waited_s = 0.0
         ran_before, copied_ahead_before = next_key - 2 * batch, engine.ran_copied_ahead
-        measured = busy_share(work, seconds, device)
+        measured: dict[str, Any] = dict(busy_share(work, seconds, device))
+        if failures:  # a rate of failures is no rate: the case reports the error instead
+            raise BenchmarkFailed(f"images failed in the loader or the engine: {failures}")
         measured["copy_wait_s"] = round(runner.copies.waited_s, 3)
         # Of the images run, the share already on the device when their batch started (its
         # first chunk can be at most runner.copy_ahead_images of them).
@@ -236,8 +239,12 @@ class Linear(torch.nn.Module):
         return self.head(batch.mean(dim=(2, 3)))
 
 
+_ERRORS: list[str] = []
+
+
 def case(row: dict[str, Any], measure: Callable[[], dict[str, Any]], deadline: float) -> None:
-    """One case: its JSON line with the measurement, or with the error that stopped it."""
+    """One case: its JSON line with the measurement, or with the error that stopped it (the
+    run then exits 1, after the other cases)."""
     if time.monotonic() > deadline:
         row["skipped"] = "past --budget-s"
     else:
@@ -245,13 +252,21 @@ def case(row: dict[str, Any], measure: Callable[[], dict[str, Any]], deadline: f
             row.update(measure())
         except Exception as error:  # noqa: BLE001 - one case's failure must not hide the rest
             row["error"] = f"{type(error).__name__}: {error}"[:500]
+            _ERRORS.append(f"{row.get('case')}: {row['error']}")
     print(json.dumps(row), flush=True)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
+@refusing
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    run_cases()
+    if _ERRORS:
+        raise BenchmarkFailed(f"{len(_ERRORS)} case(s) failed; first: {_ERRORS[0]}")
+
+
+def run_cases() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument("--budget-s", type=float, default=420.0, help="no new case after this")

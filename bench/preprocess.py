@@ -1,10 +1,18 @@
-"""How far the loader's fast path (reduced-scale JPEG decode, PIL resize) moves a classifier's
-outputs from the reference path (full decode, then torchvision's transform of the same name),
-and what each path costs per image. No downloads: the images are generated camera-trap-like
-scenes (textured background, moth-like blobs), the classifiers are randomly initialised with
-trained-looking batch norms (a trained model is, if anything, less sensitive).
+"""How far the loader's default path (reduced-scale JPEG decode leaving twice the input size,
+then torchvision's antialiased resize) and its fast path (reduced scale down to about the
+input size, PIL's resize) move a classifier's input and outputs from the reference (full
+decode, then torchvision's transform of the same name), and what each path costs per image.
+No downloads: the images are generated camera-trap-like scenes (textured background,
+moth-like blobs; ``--noisy``: with sensor-like noise, 20+ MB JPEGs as a camera trap's), the
+classifiers randomly initialised with trained-looking batch norms (a trained model is, if
+anything, less sensitive).
 
-    .venv/bin/python -m bench.preprocess [--images 40] [--width 4096 --height 2160]
+    .venv/bin/python -m bench.preprocess [--images 40] [--width 4096 --height 2160] [--noisy]
+    .venv/bin/python -m bench.preprocess --smoke     # outcomes only (the test suite runs it)
+
+Tolerance (the default path against the reference; exit 1 and an error line when missed):
+mean absolute pixel difference at most ``MEAN_PIXEL_TOLERANCE`` (0-255) and standardised
+top-1 agreement at least ``TOP1_AGREEMENT_TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -13,14 +21,20 @@ import argparse
 import io
 import json
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
+from bench.outcomes import BenchmarkFailed, refusing
 from datasets.images import DecodePlan, decode
 from pipelines.architectures import build_classifier
 
+MEAN_PIXEL_TOLERANCE = 0.5
+TOP1_AGREEMENT_TOLERANCE = 0.85
+PATHS = {"default": {}, "fast": {"fast": True}}
 CASES = [  # (architecture, size, resize) as AMI's classifiers use them
     ("resnet50", 128, "squash"),
     ("resnet50", 300, "shorter_crop"),
@@ -59,6 +73,7 @@ def trained_looking(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     for module in model.modules():
         if isinstance(module, torch.nn.BatchNorm2d):
             n = module.num_features
+            assert module.running_mean is not None and module.running_var is not None
             module.running_mean.copy_(torch.randn(n, generator=generator) * 0.5)
             module.running_var.copy_(torch.rand(n, generator=generator) + 0.5)
     return model.eval()
@@ -81,13 +96,13 @@ def decode_costs(data: list[bytes]) -> dict[str, float]:
     1/8) and torchvision.io.decode_jpeg."""
     from torchvision.io import decode_jpeg
 
-    def cost(step) -> float:
+    def cost(step: Callable[[bytes], object]) -> float:
         started = time.process_time()
         for d in data:
             step(d)
         return round((time.process_time() - started) * 1000 / len(data), 1)
 
-    def draft(scale: int):
+    def draft(scale: int) -> Callable[[bytes], None]:
         def step(d: bytes) -> None:
             image = Image.open(io.BytesIO(d))
             image.draft("RGB", (image.width // scale, image.height // scale))
@@ -105,53 +120,105 @@ def decode_costs(data: list[bytes]) -> dict[str, float]:
     }
 
 
+def compare(model: torch.nn.Module, exact: np.ndarray, other: np.ndarray) -> dict[str, float | int]:
+    """How far ``other`` (a path's batch) is from ``exact`` (the reference's), in pixels and
+    in the classifier's top-1."""
+    with torch.inference_mode():
+        l_other, l_exact = model(normalised(other)), model(normalised(exact))
+    p_other, p_exact = torch.softmax(l_other, dim=1), torch.softmax(l_exact, dim=1)
+    # A random network's logits are mostly a constant offset; standardising each class over
+    # the reference images leaves the part that depends on the image, so these labels move
+    # with the input as a trained model's do (a harsh test).
+    mean, std = l_exact.mean(0), l_exact.std(0) + 1e-6
+    z_other, z_exact = (l_other - mean) / std, (l_exact - mean) / std
+    n = len(exact)
+    between = torch.cdist(l_exact, l_exact).sum() / (n * (n - 1))
+    diff = np.abs(other.astype(np.int16) - exact.astype(np.int16))
+    return {
+        "max_pixel_diff": int(diff.max()),
+        "mean_pixel_diff": round(float(diff.mean()), 3),
+        "top1_changed": int((p_other.argmax(1) != p_exact.argmax(1)).sum()),
+        "top1_changed_standardised": int((z_other.argmax(1) != z_exact.argmax(1)).sum()),
+        "top1_agreement_standardised": round(
+            float((z_other.argmax(1) == z_exact.argmax(1)).float().mean()), 3
+        ),
+        "logit_shift_vs_between_images": round(
+            float((l_other - l_exact).norm(dim=1).mean() / between), 3
+        ),
+        "max_score_diff": round(float((p_other - p_exact).abs().max()), 5),
+    }
+
+
+def one_case(data: list[bytes], architecture: str, size: int, resize: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = trained_looking(build_classifier(architecture, 1000), seed=1)
+    exact, exact_ms = timed_decode(data, DecodePlan(size=size, resize=resize, exact=True))
+    row: dict[str, Any] = {
+        "model": f"{architecture} {size} {resize}",
+        "of": len(data),
+        "exact_cpu_ms_per_image": round(exact_ms, 1),
+    }
+    for name, path in PATHS.items():
+        batch, ms = timed_decode(data, DecodePlan(size=size, resize=resize, **path))
+        if batch.shape != exact.shape:
+            raise BenchmarkFailed(f"{name} path made {batch.shape}, reference {exact.shape}")
+        row[name] = {"cpu_ms_per_image": round(ms, 1), **compare(model, exact, batch)}
+    return row
+
+
+def within_tolerance(cases: list[dict[str, Any]]) -> None:
+    """``BenchmarkFailed`` when the default path is further from the reference than stated."""
+    for row in cases:
+        default = row["default"]
+        if (
+            default["mean_pixel_diff"] > MEAN_PIXEL_TOLERANCE
+            or default["top1_agreement_standardised"] < TOP1_AGREEMENT_TOLERANCE
+        ):
+            raise BenchmarkFailed(
+                f"{row['model']}: the default path is outside its tolerance (mean pixel diff "
+                f"{default['mean_pixel_diff']} > {MEAN_PIXEL_TOLERANCE} or standardised top-1 "
+                f"agreement {default['top1_agreement_standardised']} < "
+                f"{TOP1_AGREEMENT_TOLERANCE})"
+            )
+
+
+@refusing
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--images", type=int, default=40)
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--height", type=int, default=2160)
+    parser.add_argument("--noisy", action="store_true", help="sensor-like noise, 20+ MB JPEGs")
+    parser.add_argument("--smoke", action="store_true", help="tiny and quick: outcomes only")
     args = parser.parse_args()
+    if args.smoke:
+        args.images, args.width, args.height = 4, 640, 480
     torch.set_num_threads(2)
-    data = [scene(args.width, args.height, seed) for seed in range(args.images)]
-    report: dict[str, object] = {
+    if args.noisy:
+        from bench.network import noisy_jpeg
+
+        data = [noisy_jpeg(args.width, args.height, 95, 18.0, seed) for seed in range(args.images)]
+    else:
+        data = [scene(args.width, args.height, seed) for seed in range(args.images)]
+    report: dict[str, Any] = {
         "images": args.images,
         "size": f"{args.width}x{args.height}",
+        "noisy": args.noisy,
         "mean_jpeg_bytes": int(np.mean([len(d) for d in data])),
         "decode": decode_costs(data[:10]),
+        "tolerance": {
+            "mean_pixel_diff_at_most": MEAN_PIXEL_TOLERANCE,
+            "top1_agreement_standardised_at_least": TOP1_AGREEMENT_TOLERANCE,
+        },
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     cases = []
-    for architecture, size, resize in CASES:
-        torch.manual_seed(0)
-        model = trained_looking(build_classifier(architecture, 1000), seed=1)
-        fast, fast_ms = timed_decode(data, DecodePlan(size=size, resize=resize, fast=True))
-        exact, exact_ms = timed_decode(data, DecodePlan(size=size, resize=resize, fast=False))
-        with torch.inference_mode():
-            l_fast, l_exact = model(normalised(fast)), model(normalised(exact))
-        p_fast, p_exact = torch.softmax(l_fast, dim=1), torch.softmax(l_exact, dim=1)
-        # A random network's logits are mostly a constant offset; standardising each class
-        # over the reference images leaves the part that depends on the image, so these labels
-        # move with the input as a trained model's do (a harsh test of the fast path).
-        mean, std = l_exact.mean(0), l_exact.std(0) + 1e-6
-        z_fast, z_exact = (l_fast - mean) / std, (l_exact - mean) / std
-        between = torch.cdist(l_exact, l_exact).sum() / (len(data) * (len(data) - 1))
-        cases.append(
-            {
-                "model": f"{architecture} {size} {resize}",
-                "top1_changed": int((p_fast.argmax(1) != p_exact.argmax(1)).sum()),
-                "top1_changed_standardised": int((z_fast.argmax(1) != z_exact.argmax(1)).sum()),
-                "of": args.images,
-                "logit_shift_vs_between_images": round(
-                    float((l_fast - l_exact).norm(dim=1).mean() / between), 3
-                ),
-                "max_score_diff": round(float((p_fast - p_exact).abs().max()), 5),
-                "mean_pixel_diff": round(float(np.abs(fast.astype(int) - exact).mean()), 2),
-                "fast_ms_per_image": round(fast_ms, 1),
-                "exact_ms_per_image": round(exact_ms, 1),
-            }
-        )
+    for architecture, size, resize in CASES[-1:] if args.smoke else CASES:
+        cases.append(one_case(data, architecture, size, resize))
         print(json.dumps(cases[-1]), flush=True)
     report["cases"] = cases
     print(json.dumps(report, indent=2))
+    within_tolerance(cases)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import PIPELINE, RESULTS, start_worker, stop_worker, upload, wait_stored, world
-from bench.throughput import SIZES, nats_settings
-from worker.commands.client import make_tasks, publish_tasks
+from bench.common import PIPELINE, results_dir, start_worker, stop_worker, upload, world
+from bench.outcomes import BenchmarkFailed, refusing
+from bench.throughput import SIZES, nats_settings, run_job
 from worker.nats.connection import connect
 from worker.nats.provision import provision
 
@@ -54,10 +54,10 @@ async def run(images: int) -> Path:
         js = nc.jetstream()
         await provision(js, settings, PIPELINE)
         proc = start_worker(w, "profile-worker.log", WORKER_LOADER__BATCH_SIZE="16")
-        raw = RESULTS / "profile.raw"
+        raw = results_dir() / "profile.raw"
+        raw.parent.mkdir(parents=True, exist_ok=True)
         try:
-            await publish_tasks(js, settings, PIPELINE, make_tasks("warm", uris[:16]))
-            await wait_stored(js, settings.results_stream, 16)
+            await run_job(js, settings, "warm", uris[:16])
             spy = subprocess.Popen(
                 [
                     shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"),
@@ -75,23 +75,28 @@ async def run(images: int) -> Path:
                 stderr=subprocess.DEVNULL,
             )
             time.sleep(1.0)
-            await publish_tasks(js, settings, PIPELINE, make_tasks("profiled", uris))
-            await wait_stored(js, settings.results_stream, 16 + images)
+            await run_job(js, settings, "profiled", uris)  # checks every result is ok
             spy.send_signal(2)
             spy.wait(timeout=30)
+            if not raw.exists() or not raw.read_text().strip():
+                raise BenchmarkFailed(f"py-spy recorded no samples (exit {spy.returncode})")
         finally:
             stop_worker(proc)
             await nc.close()
-    out = RESULTS / "profile.txt"
+    out = results_dir() / "profile.txt"
     out.write_text(summarize(raw) + "\n")
     raw.unlink(missing_ok=True)
     return out
 
 
+@refusing
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--images", type=int, default=96)
+    parser.add_argument("--smoke", action="store_true", help="8 images: outcomes only")
     args = parser.parse_args()
+    if args.smoke:
+        args.images = 8
     print(asyncio.run(run(args.images)).read_text())
 
 

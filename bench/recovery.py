@@ -18,6 +18,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from bench.common import machine, median, save
+from bench.outcomes import BenchmarkFailed, refusing
 from datasets.images import DecodePlan
 from datasets.loader import LoaderConfig, StreamingLoader, _init_child
 from worker.health.procstats import living
@@ -67,17 +68,24 @@ def torchs() -> tuple[float, int]:
     return elapsed, len(left)
 
 
+@refusing
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="one run: outcomes only")
     args = parser.parse_args()
+    if args.smoke:
+        args.runs = 1
     result: dict[str, Any] = {"machine": machine(), "runs": args.runs}
-    for name, teardown in (("ours", ours), ("torch_shutdown_workers", torchs)):
+    teardowns = [("ours", ours), ("torch_shutdown_workers", torchs)]
+    for name, teardown in teardowns[:1] if args.smoke else teardowns:  # torch's takes 10 s
         times, left = [], []
         for _ in range(args.runs):
             seconds, alive_after = teardown()
             times.append(seconds)
             left.append(alive_after)
+        if name == "ours" and any(left):
+            raise BenchmarkFailed(f"our teardown left children alive: {left}")
         result[name] = {
             "median_s": round(median(times), 3),
             "max_s": round(max(times), 3),

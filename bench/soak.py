@@ -4,14 +4,16 @@
 
 Samples: resident memory of the main process and of each loader child, open descriptors of
 every process in the tree, bytes of /dev/shm the tree holds, entries in /dev/shm, and the
-loader child pids. The goal is flat: descriptors and /dev/shm entries do not grow, pids do not
-change, and resident memory grows less than 1 MB per 1,000 batches after warm-up.
+loader child pids; every task's result is checked (all ``ok``). The goal is flat:
+descriptors and /dev/shm entries do not grow, pids do not change, and resident memory grows
+less than 1 MB per 1,000 batches after warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import time
 from typing import Any
@@ -19,6 +21,8 @@ from typing import Any
 import psutil
 
 from bench.common import PIPELINE, save, start_worker, stop_worker, upload, wait_stored, world
+from bench.outcomes import Outcomes, refusing
+from bench.throughput import count
 from worker.commands.client import make_tasks, publish_tasks
 from worker.health.procstats import shm_bytes
 from worker.nats.connection import connect
@@ -58,6 +62,15 @@ async def soak(tasks_total: int, every: int, batch_size: int) -> dict[str, Any]:
         settings = load_nats(w)
         await provision(js, settings, PIPELINE)
         samples = []
+        outcomes = Outcomes("soak")
+        seen: set[str] = set()
+
+        async def on_result(msg: Any) -> None:
+            if msg.subject not in seen:  # one subject per task
+                seen.add(msg.subject)
+                count(outcomes, json.loads(msg.data))
+
+        results = await nc.subscribe("results.>", cb=on_result)
         started = time.monotonic()
         try:
             await wait_stored(js, settings.results_stream, 0)
@@ -79,8 +92,10 @@ async def soak(tasks_total: int, every: int, batch_size: int) -> dict[str, Any]:
                     flush=True,
                 )
         finally:
+            await results.unsubscribe()
             await nc.close()
             code = stop_worker(proc)
+    outcomes.check(tasks_total)
     warm = samples[1:]  # the first 1,000 are warm-up
     batches_per_sample = every / batch_size
     rss_growth = (warm[-1]["main_rss_mb"] - warm[0]["main_rss_mb"]) if len(warm) > 1 else 0.0
@@ -92,6 +107,7 @@ async def soak(tasks_total: int, every: int, batch_size: int) -> dict[str, Any]:
         "batch_size": batch_size,
         "samples": samples,
         "exit_code": code,
+        "outcomes": outcomes.summary(),
         "summary": {
             "main_rss_growth_mb_after_warmup": round(rss_growth, 2),
             "main_rss_mb_per_1000_batches": round(per_1000_batches, 3),
@@ -112,12 +128,16 @@ def load_nats(w: Any) -> Any:
     return load_settings(for_worker=False, nats={"url": w.nats.url}).nats
 
 
+@refusing
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tasks", type=int, default=10_000)
     parser.add_argument("--every", type=int, default=1_000)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--smoke", action="store_true", help="40 tasks: outcomes only")
     args = parser.parse_args()
+    if args.smoke:
+        args.tasks, args.every = 40, 20
     result = asyncio.run(soak(args.tasks, args.every, args.batch_size))
     print(result["summary"])
     arenas = os.environ.get("MALLOC_ARENA_MAX")  # the allocator setting is part of the result

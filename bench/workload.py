@@ -1,90 +1,369 @@
-"""The real workload on this machine's CPU: 4096x2160 JPEGs through decode (bounded by
-MAX_SIDE), a FasterRCNN detector, crops, a binary filter and a species classifier, with the
-pipeline's own code (``pipelines.runner``). Seconds per image by stage and peak RSS.
+"""The real workload end to end on this machine's CPU: detect-and-classify on 4096x2160 JPEGs.
 
-Random weights: the detector keeps its top ``--boxes`` boxes whatever their score, so the crop
-stages see a realistic count.
+The pipeline: the fast CPU detector (``fasterrcnn_mobilenet_v3_large_fpn``, its top
+``--boxes`` boxes whatever their random scores, so the crop stages see that many), crops cut at
+source resolution, a binary filter and a species classifier (ResNet-50, 128 px; the filter
+keeps every crop: the worst case). Measured in one run, interleaved round by round:
 
-    .venv/bin/python -m bench.workload [--images 4] [--boxes 100] [--detector ARCH]
+- the loader alone: the worker's ``StreamingLoader`` (``--loader-workers`` children) making
+  the detector's input (the image bounded by ``MAX_SIDE``);
+- the models alone: the pipeline's own ``Runner`` on images decoded beforehand;
+- ``inference-worker run`` with the pipeline declared in TOML, publish to the job's last
+  stored result;
+
+then AMI's pattern on the same images (``bench.workload_ami``: a DataLoader rebuilt per job,
+full-resolution float32 tensors, one stacked crop batch per job). Every stage counts its
+outcomes (an image of the right shape, a result with detections) before a rate is reported.
+Images/s, CPU ms per image (process CPU of the stage's processes) and peak RSS of each
+stage's process tree. Writes bench/results/workload.json.
+
+    .venv/bin/python -m bench.workload [--images 8] [--runs 2] [--boxes 20]
+    .venv/bin/python -m bench.workload --smoke     # outcomes only (the test suite runs it)
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-import resource
-import tempfile
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import psutil
 import torch
 
+from bench.common import (
+    PeakRss,
+    TreeCpu,
+    World,
+    machine,
+    median,
+    save,
+    start_worker,
+    stop_worker,
+    tree,
+    world,
+)
+from bench.outcomes import BenchmarkFailed, Outcomes, refusing
 from bench.preprocess import scene
-from datasets.images import decode
-from datasets.sources import SourceConfig
-from pipelines.declare import Classifier, Detector, Pipeline, Preprocess
+from datasets.images import Decoded, DecodePlan
 from pipelines.models import save_classifier, save_detector
-from pipelines.runner import DeviceLimits, decode_plan, load_runner
+
+DETECTOR = "fasterrcnn_mobilenet_v3_large_fpn"
+CLASSIFIER = "resnet50"
+CROP_SIZE = 128
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=int, default=4)
-    parser.add_argument("--boxes", type=int, default=100)
-    parser.add_argument("--detector", default="fasterrcnn_mobilenet_v3_large_fpn")
-    parser.add_argument("--max-side", type=int, default=4096)
-    parser.add_argument("--species", type=int, default=1000)
-    args = parser.parse_args()
-    torch.set_num_threads(2)
-    with tempfile.TemporaryDirectory() as tmp:
-        pipeline = Pipeline(
-            "moths",
-            detector=Detector(
-                "detector",
-                architecture=args.detector,
-                weights=save_detector(args.detector, ["moth"], f"{tmp}/d"),
-                labels=None,
-                score_threshold=0.0,
-                max_detections=args.boxes,
-            ),
-            filter=Classifier(
-                "binary",
-                architecture="resnet50",
-                weights=save_classifier("resnet50", ["moth", "nonmoth"], f"{tmp}/b"),
-                keep=("moth", "nonmoth"),  # random weights: keep every crop, the worst case
-                preprocess=Preprocess(128),
-            ),
-            classifier=Classifier(
-                "species",
-                architecture="resnet50",
-                weights=save_classifier(
-                    "resnet50", [f"s{i}" for i in range(args.species)], f"{tmp}/s"
-                ),
-                preprocess=Preprocess(128, mean=(0.5,) * 3, std=(0.5,) * 3),
-            ),
-        )
-        runner = load_runner(pipeline, SourceConfig(), "cpu", DeviceLimits(detector_batch=1))
-        plan = decode_plan(pipeline, args.max_side, fast=False)
-        data = [scene(4096, 2160, seed) for seed in range(args.images)]
-        started = time.perf_counter()
-        images = [decode(d, plan) for d in data]
-        decode_s = (time.perf_counter() - started) / args.images
-        started = time.perf_counter()
-        results = runner.run(images)
-        run_s = (time.perf_counter() - started) / args.images
-    detections = sum(len(r) for r in results) / args.images
-    per_image = json.dumps(results[0]).encode()
-    report = {
-        "detector": args.detector,
-        "max_side": args.max_side,
-        "images": args.images,
-        "decoded": list(images[0].pixels.shape),
-        "detections_per_image": detections,
-        "decode_s_per_image": round(decode_s, 3),
-        "detect_and_classify_s_per_image": round(run_s, 3),
-        "response_bytes_per_image": len(per_image),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+@dataclass(frozen=True)
+class Shape:
+    images: int
+    width: int
+    height: int
+    boxes: int
+    species: int
+    runs: int
+    loader_workers: int
+    torch_threads: int
+    batch: int
+    classifier: str = CLASSIFIER
+    detector_min_size: int = 800  # torchvision's defaults: shorter side 800, longer <= 1333
+    detector_max_size: int = 1333
+
+
+def declare(workdir: Path, shape: Shape) -> tuple[Path, dict[str, str]]:
+    """The pipeline as a TOML file beside its (random) weights; and the weights' paths."""
+    weights = {
+        "detector": save_detector(DETECTOR, ["moth"], str(workdir / "detector")),
+        "binary": save_classifier(shape.classifier, ["moth", "nonmoth"], str(workdir / "binary")),
+        "species": save_classifier(
+            shape.classifier, [f"s{i}" for i in range(shape.species)], str(workdir / "species")
+        ),
     }
-    print(json.dumps(report, indent=2))
+    toml = workdir / "moths.toml"
+    toml.write_text(
+        f"""name = "moths"
+
+[detector]
+key = "detector"
+architecture = "{DETECTOR}"
+weights = "{weights["detector"]}"
+score_threshold = 0.0
+max_detections = {shape.boxes}
+min_size = {shape.detector_min_size}
+max_size = {shape.detector_max_size}
+
+[filter]
+key = "binary"
+architecture = "{shape.classifier}"
+weights = "{weights["binary"]}"
+keep = ["moth", "nonmoth"]
+preprocess = {{ size = {CROP_SIZE} }}
+
+[classifier]
+key = "species"
+architecture = "{shape.classifier}"
+weights = "{weights["species"]}"
+preprocess = {{ size = {CROP_SIZE} }}
+"""
+    )
+    return toml, weights
+
+
+def upload_scenes(w: World, shape: Shape) -> list[str]:
+    s3 = w.s3.client()
+    s3.create_bucket(Bucket="workload")
+    uris = []
+    for i in range(shape.images):
+        key = f"scene-{i:03d}.jpg"
+        s3.put_object(Bucket="workload", Key=key, Body=scene(shape.width, shape.height, i))
+        uris.append(f"s3://workload/{key}")
+    return uris
+
+
+class Loader:
+    """The worker's loader alone, making the detector's input; outcomes checked."""
+
+    def __init__(self, w: World, plan: DecodePlan, shape: Shape) -> None:
+        from datasets.loader import LoaderConfig, StreamingLoader
+        from datasets.sources import SourceConfig
+
+        self.expected = (3, shape.height, shape.width)
+        sources = SourceConfig(s3_endpoint_url=w.s3.endpoint_url)
+        self.loader = StreamingLoader(
+            LoaderConfig(shape.loader_workers, 120.0, plan, sources, prefetch_per_worker=4)
+        )
+        self.cpu = TreeCpu(self.loader.child_pids)
+        self._keys = 0
+
+    def load(self, uris: list[str]) -> tuple[float, list[Decoded]]:
+        from datasets.loader import LoadRequest
+
+        outcomes, images = Outcomes("loader alone (detector input)"), []
+        started = time.perf_counter()
+        with self.cpu:
+            self.loader.submit([LoadRequest(self._keys + i, u) for i, u in enumerate(uris)])
+            self._keys += len(uris)
+            for _ in uris:
+                loaded = self.loader.next_loaded()
+                if loaded.failure is not None:
+                    outcomes.bad(loaded.failure.kind, loaded.failure.message)
+                elif loaded.image is None or tuple(loaded.image.pixels.shape) != self.expected:
+                    outcomes.bad("wrong_shape", f"not {self.expected}")
+                else:
+                    outcomes.good()
+                    images.append(loaded.image)
+        elapsed = time.perf_counter() - started
+        outcomes.check(len(uris))
+        return elapsed, images
+
+
+def models_alone(runner: Any, images: list[Decoded], batch: int, boxes: int) -> float:
+    """Seconds for the pipeline's models on ``images``, ``batch`` at a time; every image must
+    come back with detections, each classified by both classifiers."""
+    outcomes = Outcomes("models alone (detect and classify)")
+    started = time.perf_counter()
+    for first in range(0, len(images), batch):
+        for found in runner.run(images[first : first + batch]):
+            classified = [d for d in found if len(d.get("classifications", [])) == 2]
+            if found and len(classified) == len(found) and len(found) <= boxes:
+                outcomes.good()
+            else:
+                outcomes.bad("detections", f"{len(found)} detections, {len(classified)} classified")
+    elapsed = time.perf_counter() - started
+    outcomes.check(len(images))
+    return elapsed
+
+
+def ami(w: World, uris: list[str], weights: dict[str, str], shape: Shape) -> dict[str, Any]:
+    config = {
+        "uris": uris,
+        "endpoint": w.s3.endpoint_url,
+        "detector_architecture": DETECTOR,
+        "classifier_architecture": shape.classifier,
+        "detector_weights": weights["detector"],
+        "binary_weights": weights["binary"],
+        "species_weights": weights["species"],
+        "species": shape.species,
+        "boxes": shape.boxes,
+        "detector_min_size": shape.detector_min_size,
+        "detector_max_size": shape.detector_max_size,
+        "size": CROP_SIZE,
+        "runs": shape.runs,
+        "torch_threads": shape.torch_threads,
+    }
+    path = w.workdir / "ami.json"
+    path.write_text(json.dumps(config))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.workload_ami", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    with PeakRss(proc.pid) as peak:
+        out, err = proc.communicate(timeout=3600)
+    lines = out.decode().strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = " | ".join(err.decode(errors="replace").strip().splitlines()[-3:])
+        raise BenchmarkFailed(f"AMI's pattern exited {proc.returncode}: {tail}")
+    result = json.loads(lines[-1])
+    outcomes = Outcomes("AMI's pattern")
+    outcomes.good(result["images_with_detections"])
+    outcomes.check(result["images"])
+    rates = [len(uris) / s for s in result["seconds"]]
+    return {
+        "images_per_s": median(rates),
+        "runs_images_per_s": rates,
+        "crops_classified": result["crops_classified"],
+        "cpu_ms_per_image": round(result["cpu_ms_per_image"], 1),
+        "peak_rss_bytes": peak.peak_bytes,
+    }
+
+
+async def measured(shape: Shape) -> dict[str, Any]:
+    from bench.throughput import nats_settings, run_job
+    from datasets.sources import SourceConfig
+    from pipelines.registry import resolve
+    from pipelines.runner import DeviceLimits, decode_plan, load_runner
+    from worker.nats.connection import connect
+    from worker.nats.provision import provision
+
+    with world() as w:
+        toml, weights = declare(w.workdir, shape)
+        pipeline = resolve(str(toml))
+        uris = upload_scenes(w, shape)
+        plan = decode_plan(pipeline, 4096, fast=False)
+        torch.set_num_threads(shape.torch_threads)
+        runner = load_runner(
+            pipeline, SourceConfig(), "cpu", DeviceLimits(detector_batch=shape.batch)
+        )
+        settings = nats_settings(w)
+        nc = await connect(settings)
+        js = nc.jetstream()
+        await provision(js, settings, pipeline.name)
+        proc = start_worker(
+            w,
+            "workload-worker.log",
+            WORKER_MODEL__PIPELINE=str(toml),
+            WORKER_MODEL__WEIGHTS="",
+            WORKER_MODEL__TORCH_THREADS=str(shape.torch_threads),
+            WORKER_MODEL__DETECTOR_BATCH_SIZE=str(shape.batch),
+            WORKER_LOADER__BATCH_SIZE=str(shape.batch),
+            WORKER_LOADER__NUM_WORKERS=str(shape.loader_workers),
+            WORKER_LOADER__TIMEOUT_S="120",
+            WORKER_HEALTH__STALL_TIMEOUT_S="600",
+            WORKER_HEALTH__WATCHDOG_TIMEOUT_S="900",
+            WORKER_NATS__ACK_WAIT_S="1200",
+        )
+        loader = Loader(w, plan, shape)
+        loader.loader.start()
+        me = psutil.Process()
+        models_cpu = TreeCpu(lambda: [me.pid])
+        worker_cpu = TreeCpu(tree(proc.pid))
+        rounds = []
+        try:
+            with PeakRss(proc.pid) as worker_peak, PeakRss(pids=loader.loader.child_pids) as lp:
+                for run in range(shape.runs + 1):  # the first round warms up
+                    with loader.cpu if run else unmeasured():
+                        loader_s, images = loader.load(uris)
+                    with models_cpu if run else unmeasured():
+                        models_s = models_alone(runner, images, shape.batch, shape.boxes)
+                    del images
+                    with worker_cpu if run else unmeasured():
+                        worker_s = await run_job(js, settings, f"w-{run}", uris, pipeline.name)
+                    if run:
+                        rounds.append(one_round(len(uris), loader_s, models_s, worker_s))
+        finally:
+            loader.loader.close()
+            stop_worker(proc)
+            await nc.close()
+        # The benchmark's process holds the models and moto's S3 while the models run alone.
+        models_peak = me.memory_info().rss
+        amis = ami(w, uris, weights, shape)
+    n = len(uris) * shape.runs
+    return {
+        "rounds": rounds,
+        "loader_alone": {
+            "images_per_s": median([r["loader_images_per_s"] for r in rounds]),
+            "children_cpu_ms_per_image": loader.cpu.ms_per_image(n),
+            "children_peak_rss_bytes": lp.peak_bytes,
+        },
+        "models_alone": {
+            "images_per_s": median([r["models_images_per_s"] for r in rounds]),
+            "cpu_ms_per_image": models_cpu.ms_per_image(n),
+            "benchmark_process_rss_bytes": models_peak,
+        },
+        "end_to_end": {
+            "images_per_s": median([r["end_to_end_images_per_s"] for r in rounds]),
+            "tree_cpu_ms_per_image": worker_cpu.ms_per_image(n),
+            "peak_rss_bytes": worker_peak.peak_bytes,
+        },
+        "ratio_end_to_end_to_slower_stage": median([r["ratio"] for r in rounds]),
+        "ami_pattern": amis,
+        "end_to_end_to_ami": round(
+            median([r["end_to_end_images_per_s"] for r in rounds]) / amis["images_per_s"], 2
+        ),
+    }
+
+
+def unmeasured() -> TreeCpu:
+    """A meter of no process: the warm-up round is not counted."""
+    return TreeCpu(lambda: [])
+
+
+def one_round(n: int, loader_s: float, models_s: float, worker_s: float) -> dict[str, float]:
+    return {
+        "loader_images_per_s": n / loader_s,
+        "models_images_per_s": n / models_s,
+        "end_to_end_images_per_s": n / worker_s,
+        "ratio": max(loader_s, models_s) / worker_s,
+    }
+
+
+@refusing
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--images", type=int, default=8)
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--boxes", type=int, default=20)
+    parser.add_argument("--species", type=int, default=1000)
+    parser.add_argument("--loader-workers", type=int, default=1)
+    parser.add_argument("--torch-threads", type=int, default=2)
+    parser.add_argument(
+        "--batch", type=int, default=4, help="tasks per batch, images per detector pass"
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny and quick: outcomes only")
+    args = parser.parse_args()
+    width, height, classifier = 4096, 2160, CLASSIFIER
+    if args.smoke:
+        args.images, args.runs, args.boxes, args.species = 2, 1, 2, 10
+        width, height, classifier = 1280, 720, "resnet18"
+    shape = Shape(
+        args.images,
+        width,
+        height,
+        args.boxes,
+        args.species,
+        args.runs,
+        args.loader_workers,
+        args.torch_threads,
+        args.batch,
+        classifier,
+        *((320, 576) if args.smoke else ()),
+    )
+    result: dict[str, Any] = {
+        "machine": machine(),
+        "shape": shape.__dict__,
+        "detector": DETECTOR,
+        "classifiers": f"{classifier} x2 at {CROP_SIZE} px",
+        "command": " ".join(["python -m bench.workload", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    result.update(asyncio.run(measured(shape)))
+    print(json.dumps(result, indent=2))
+    print("saved", save("workload", result))
 
 
 if __name__ == "__main__":

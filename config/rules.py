@@ -174,8 +174,18 @@ def antenna_source_usable(s: Settings) -> list[str]:
     return problems
 
 
+def one_decode_path(s: Settings) -> list[str]:
+    if s.loader.fast_decode and s.loader.exact_decode:
+        return [
+            f"{n('loader', 'fast_decode')} and {n('loader', 'exact_decode')} are both true; "
+            "choose one (neither: the default, reduced-scale decode and torchvision's resize)"
+        ]
+    return []
+
+
 RULES: tuple[Rule, ...] = (
     antenna_source_usable,
+    one_decode_path,
     loader_recovers_before_stall,
     stall_before_redelivery,
     s3_retries_within_loader_timeout,

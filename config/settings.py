@@ -168,8 +168,14 @@ class LoaderSettings(BaseModel):
     )
     fast_decode: bool = Field(
         False,
-        description="classifier-only pipelines: reduced-scale JPEG decode and PIL resize instead "
-        "of full decode and torchvision's resize (README, Preprocessing: it changes labels)",
+        description="classifier-only pipelines: JPEG decoded at a reduced scale down to about the "
+        "input size, then PIL's resize (README, Preprocessing: it changes labels)",
+    )
+    exact_decode: bool = Field(
+        False,
+        description="classifier-only pipelines: the reference preprocessing, full decode then "
+        "torchvision's resize; by default a JPEG is decoded at a reduced scale that leaves twice "
+        "the input size, then resized by torchvision (README, Preprocessing)",
     )
     max_consecutive_failures: int = Field(
         3, description="loader timeouts/deaths in a row before the process exits (code 3)"
@@ -374,10 +380,11 @@ class FaultSettings(BaseModel):
         description="testing only: the first process to create this file wedges its engine "
         "thread at its next batch (see WORKER_FAULTS__WEDGE_MODE)",
     )
-    wedge_mode: Literal["gil", "sleep"] = Field(
+    wedge_mode: Literal["gil", "sleep", "raise"] = Field(
         "gil",
         description="testing only: gil = spin holding the GIL (only the watchdog can act), "
-        "sleep = block without it (/healthz reports the stall)",
+        "sleep = block without it (/healthz reports the stall), raise = fail the batch with "
+        "an unexpected error (a part of the worker failed: exit 1)",
     )
 
 

@@ -5,9 +5,18 @@ model was trained (``squash`` or ``shorter_crop``); a pipeline with a detector g
 image itself, its longest side bounded by ``max_side``, with the source's size beside it so
 boxes can be reported in source pixels.
 
-``fast`` decodes JPEGs at a reduced scale (libjpeg's DCT scaling through PIL's ``draft``) and
-resizes with PIL; otherwise the image is decoded whole and resized by torchvision, as
-torchvision's ``Resize``/``CenterCrop`` do in training (README, "Preprocessing").
+Three ways to make a classifier's square (README, "Preprocessing"):
+
+- ``reduced`` (the default): a JPEG decoded at the smallest of libjpeg's DCT scales (1/2, 1/4,
+  1/8, through PIL's ``draft``) that still leaves ``DRAFT_MARGIN`` (2) source pixels per
+  output pixel on each side (``FINE_MARGIN``, 4, where that costs no finer scale than 1/4),
+  then the reference's antialiased bilinear resize by the true scale, and its crop: within a
+  mean 0.2-0.4 (0-255) of the reference on camera-trap-like 4K JPEGs, for about the fast
+  path's CPU (BENCHMARKS.md, "Preprocessing"). An image too small to reduce takes the exact
+  path, and so gives the reference's pixels;
+- ``exact``: the reference: the image decoded whole and resized by torchvision, as
+  torchvision's ``Resize``/``CenterCrop`` do in training;
+- ``fast``: the old fast path: reduced-scale decode to just the output size, PIL's resize.
 """
 
 from __future__ import annotations
@@ -37,6 +46,11 @@ from config.errors import PermanentError
 DECODERS = ("JPEG", "PNG")
 SUPPORTED_FORMATS = frozenset({"JPEG", "MPO", "PNG"})
 MAX_PIXELS = 64_000_000
+# The reduced path's JPEG scale leaves at least DRAFT_MARGIN source pixels per output pixel on
+# each side, and FINE_MARGIN where that still allows 1/4 or less: decoding at 1/4 costs
+# little more than at 1/8 (entropy decoding dominates), at 1/2 about a third more.
+DRAFT_MARGIN = 2
+FINE_MARGIN = 4
 
 
 @dataclass(frozen=True)
@@ -44,10 +58,15 @@ class DecodePlan:
     size: int = 0  # > 0: a square of this side; 0: the image, bounded by max_side
     resize: str = "squash"  # squash | shorter_crop (square plans only)
     max_side: int = 4096
-    fast: bool = False
+    fast: bool = False  # square plans: the old fast path (reduced scale to ~1x, PIL resize)
+    exact: bool = False  # square plans: the reference path (full decode); else ``reduced``
     # Detector pipelines: hand a JPEG over still encoded (checked, not decoded), for the engine
     # to decode on the GPU; anything else is decoded here as usual.
     encoded: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fast and self.exact:
+            raise ValueError("a decode plan is fast or exact, not both")
 
     def max_image_bytes(self) -> int:
         """The most host bytes one decoded image can take under this plan."""
@@ -158,9 +177,66 @@ def _full(image: Image.Image, data: bytes) -> torch.Tensor:
 
 
 def _square(image: Image.Image, data: bytes, plan: DecodePlan) -> np.ndarray:
+    if plan.fast:
+        return _fast_square(image, plan)
+    width, height = resized_size(image.size, plan.size, plan.resize)
+    if plan.exact or not _reducible(image, width, height):
+        return resize_square(_full(image, data), plan.size, plan.resize).numpy()
+    margin = FINE_MARGIN if _room(image, width, height, FINE_MARGIN) >= 4 else DRAFT_MARGIN
+    drafted = image.draft("RGB", (margin * width, margin * height))
+    if drafted is None:  # the decoder would not take a scale: decode it whole
+        return resize_square(_full(image, data), plan.size, plan.resize).numpy()
+    # The reduced image covers the source's (W / scale) x (H / scale) pixels, which libjpeg
+    # rounds up to whole ones: resize by that true scale, not by the rounded size, so the
+    # output's pixels sit where the reference's do.
+    _, (_, _, reduced_width, reduced_height) = drafted
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only array: only read
+        pixels = torch.from_numpy(np.asarray(image.convert("RGB"))).permute(2, 0, 1)
+    # Channels-last uint8 in, as torch's antialiased kernel prefers (torchvision's Resize
+    # calls the same kernel); the same output size and crop as the reference's.
+    square = torch.nn.functional.interpolate(
+        pixels[None],
+        scale_factor=(height / reduced_height, width / reduced_width),
+        mode="bilinear",
+        antialias=True,
+        align_corners=False,
+        recompute_scale_factor=False,
+    )[0]
+    if tuple(square.shape[-2:]) != (height, width):  # never seen; the reference's size wins
+        square = F.resize(pixels, [height, width], antialias=True)
+    if plan.resize == "shorter_crop":
+        square = F.center_crop(square, [plan.size, plan.size])
+    return np.ascontiguousarray(square.numpy())
+
+
+def resized_size(source: tuple[int, int], size: int, resize: str) -> tuple[int, int]:
+    """(width, height) of the image torchvision's ``Resize`` makes before any crop:
+    ``(size, size)`` for squash, the shorter side to ``size`` (the longer truncated, as
+    torchvision does) for shorter_crop."""
+    if resize != "shorter_crop":
+        return size, size
+    width, height = source
+    if width <= height:
+        return size, int(size * height / width)
+    return int(size * width / height), size
+
+
+def _reducible(image: Image.Image, width: int, height: int) -> bool:
+    """A JPEG at least twice ``DRAFT_MARGIN`` times the output on each side: libjpeg can
+    decode it at 1/2 or less and still leave the margin."""
+    if image.format not in ("JPEG", "MPO"):
+        return False
+    return _room(image, width, height, DRAFT_MARGIN) >= 2
+
+
+def _room(image: Image.Image, width: int, height: int, margin: int) -> int:
+    """How many times the source holds ``margin`` x the output on its tighter side."""
+    return min(image.width // (margin * width), image.height // (margin * height))
+
+
+def _fast_square(image: Image.Image, plan: DecodePlan) -> np.ndarray:
     size = plan.size
-    if not plan.fast:
-        return resize_square(_full(image, data), size, plan.resize).numpy()
     if image.format in ("JPEG", "MPO"):
         image.draft("RGB", (size, size))  # decodes at the smallest scale still >= size a side
     image = image.convert("RGB")

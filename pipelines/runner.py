@@ -346,12 +346,18 @@ def load_runner(
 
 
 def decode_plan(
-    pipeline: Pipeline, max_side: int, fast: bool, device_decode: bool = False
+    pipeline: Pipeline,
+    max_side: int,
+    fast: bool,
+    device_decode: bool = False,
+    exact: bool = False,
 ) -> DecodePlan:
     """What the loader children make of each image for this pipeline: the classifier's square
-    input when there is no detector, else the image bounded by ``max_side`` (a JPEG left
-    encoded for the device when ``device_decode``)."""
+    input when there is no detector (by the fast, exact or default reduced path), else the
+    image bounded by ``max_side`` (a JPEG left encoded for the device when ``device_decode``)."""
     if pipeline.detector is None and pipeline.classifier is not None:
         pre = pipeline.classifier.preprocess
-        return DecodePlan(size=pre.size, resize=pre.resize, max_side=max_side, fast=fast)
+        return DecodePlan(
+            size=pre.size, resize=pre.resize, max_side=max_side, fast=fast, exact=exact
+        )
     return DecodePlan(size=0, max_side=max_side, fast=fast, encoded=device_decode)

@@ -28,7 +28,13 @@ class Chosen:
 def choose(s: Settings) -> Chosen:
     """ConfigError with one line per problem when the pipeline cannot be served."""
     pipeline = resolve(s.model.pipeline, s.model.weights)
-    plan = decode_plan(pipeline, s.loader.max_side, s.loader.fast_decode, s.loader.device_decode)
+    plan = decode_plan(
+        pipeline,
+        s.loader.max_side,
+        s.loader.fast_decode,
+        s.loader.device_decode,
+        exact=s.loader.exact_decode,
+    )
     problems = [
         line
         for stage in pipeline.stages()

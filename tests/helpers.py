@@ -102,6 +102,33 @@ async def quiescent(js: Any, settings: Any, timeout_s: float = 30.0) -> None:
     raise AssertionError("the max-deliveries consumer still has work")
 
 
+async def take_back(
+    js: Any, settings: Any, count: int, timeout_s: float = 10.0, *, hand_on: bool = False
+) -> list[Any]:
+    """Fetch up to ``count`` tasks from the durable consumer within ``timeout_s``. A task a
+    worker gave back (nak) comes at once; one a worker left unsettled only after its ack
+    wait (minutes). ``hand_on``: nak them again, for the next worker."""
+    import nats
+
+    sub = await js.pull_subscribe_bind(
+        durable=settings.nats.consumer, stream=settings.nats.tasks_stream
+    )
+    taken: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(taken) < count and time.monotonic() < deadline:
+            try:
+                taken += await sub.fetch(count - len(taken), timeout=1)
+            except nats.errors.TimeoutError:
+                pass
+        if hand_on:
+            for msg in taken:
+                await msg.nak()
+    finally:
+        await sub.unsubscribe()
+    return taken
+
+
 def until_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
     """Poll until none of ``pids`` lives (zombies count as gone); return those still living."""
     from worker.health.procstats import living

@@ -171,6 +171,7 @@ class WorkerApp:
         )
         metrics = self._build_health(liveness, engine, runner)
         settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
+        settler.completed_twice = metrics.results_already_stored.inc
         return Services(
             source=feed,
             store=store,

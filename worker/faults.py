@@ -18,7 +18,8 @@ log = structlog.get_logger(__name__)
 class WedgingEngine:
     """The engine, except that the first process to claim ``path`` wedges its engine thread
     at its next batch: ``gil`` spins holding the GIL (only the watchdog can act), ``sleep``
-    blocks without it (/healthz reports the stall)."""
+    blocks without it (/healthz reports the stall), ``raise`` fails it with an error nothing
+    expects (a part of the worker failed)."""
 
     def __init__(self, engine: Engine, path: str, mode: str) -> None:
         self._engine = engine
@@ -28,6 +29,8 @@ class WedgingEngine:
     def run_batch(self, keys: Sequence[int]) -> BatchReport:
         if claim_once(self._path):
             log.error("fault_hook_wedging_engine_thread", path=self._path, mode=self._mode)
+            if self._mode == "raise":
+                raise RuntimeError(f"fault hook {self._path}: the engine failed")
             if self._mode == "sleep":
                 while True:
                     time.sleep(3600)

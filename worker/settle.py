@@ -80,6 +80,8 @@ class Settler:
     model: dict[str, Any]
     max_deliver: int
     count: Callable[[str], None] = lambda _outcome: None
+    # A result not written because one was already stored: a second completion of the task.
+    completed_twice: Callable[[], None] = lambda: None
     worker_id: dict[str, Any] = field(
         default_factory=lambda: {"host": socket.gethostname(), "pid": os.getpid()}
     )
@@ -197,8 +199,17 @@ class Settler:
         """Store, retrying in-process for ``store_retry_s``: the result is already computed, and
         an outage of the results stream is no reason to spend one of the task's deliveries."""
 
+        tries = 0
+
         async def store() -> None:
-            await self.store.store(result)
+            nonlocal tries
+            tries += 1
+            # On a retry, "already stored" may be our own write whose PubAck was lost.
+            if not await self.store.store(result) and tries == 1:
+                log.warning(
+                    "result_already_stored", task_id=result["task_id"], job_id=result["job_id"]
+                )
+                self.completed_twice()
 
         await self._patiently(store)
 

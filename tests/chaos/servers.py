@@ -71,10 +71,13 @@ class NatsCluster:
 
 
 class FlakyS3Proxy:
-    """Forwards to a real S3 endpoint; ``fail_for(seconds)`` answers 503/500 until it ends."""
+    """Forwards to a real S3 endpoint, each request ``delay_s`` late (a job then lasts long
+    enough for a fault to land in its middle); ``fail_for(seconds)`` answers 503/500 until
+    it ends."""
 
-    def __init__(self, upstream_port: int) -> None:
+    def __init__(self, upstream_port: int, delay_s: float = 0.0) -> None:
         self.upstream_port = upstream_port
+        self.delay_s = delay_s
         self._lock = threading.Lock()
         self._fail_until = 0.0
         self._statuses: tuple[int, ...] = (503, 500)
@@ -87,6 +90,7 @@ class FlakyS3Proxy:
             def _any(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
+                time.sleep(proxy.delay_s)  # latency of the link, not an ordering of the test
                 status = proxy._take_failure()
                 if status is not None:
                     payload = b"<Error><Code>ServiceUnavailable</Code></Error>"

@@ -1,7 +1,10 @@
 """The chaos suite: each fault injected mid-job against real servers, then counted.
 
-For every scenario: tasks published, results stored, lost (must be 0), duplicate results
-(must be 0), the highest delivery count, and the time from the fault until the job was whole.
+For every scenario: tasks published, results stored, lost (must be 0), tasks completed twice
+(must be 0: the workers count each result they found already stored, since the results stream
+keeps one per task whatever happens), the highest delivery count, the time from the fault
+until the job was whole, and whether the fault's own evidence was seen (a scenario whose fault
+did not happen proves nothing).
 ``python -m tests.chaos`` runs them all and prints the table; ``tests/chaos/test_chaos.py`` runs
 the same scenarios under pytest (CI).
 """
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import nats
 import psutil
 
 from config.settings import NatsSettings, load_settings
@@ -34,6 +38,10 @@ from worker.nats.provision import provision
 
 PIPELINE = "mobilenet-v3-small-classifier"
 JOB_WAIT_S = 120.0
+# Every S3 request of a worker is this late, one read at a time per loader child: a job of 24
+# images lasts seconds however fast the model is, so each fault lands mid-job (without it the
+# whole job could be done before the fault, and the fault would prove nothing).
+S3_DELAY_S = 0.25
 
 
 @dataclass
@@ -42,16 +50,17 @@ class Row:
     published: int
     stored: int
     lost: int
-    duplicates: int
+    duplicates: int  # tasks completed a second time (see module docstring)
     ok: int
     error: int
     max_attempt: int
     recover_s: float
     note: str = ""
+    unshown: list[str] = field(default_factory=list)  # the fault's evidence not seen
 
     @property
     def passed(self) -> bool:
-        return self.lost == 0 and self.duplicates == 0
+        return self.lost == 0 and self.duplicates == 0 and not self.unshown
 
 
 # Short budgets, so every fault is recovered within a test's time; on top of the suite's one
@@ -67,6 +76,7 @@ CHAOS_BUDGETS = {
     "WORKER_S3__READ_TIMEOUT_S": "1",
     "WORKER_S3__MAX_ATTEMPTS": "2",
     "WORKER_LOADER__TIMEOUT_S": "4",
+    "WORKER_LOADER__READS_PER_WORKER": "1",
     "WORKER_HEALTH__STALL_TIMEOUT_S": "5",
     "WORKER_HEALTH__WATCHDOG_TIMEOUT_S": "7.5",
     "WORKER_HEALTH__DRAIN_TIMEOUT_S": "3",
@@ -130,6 +140,13 @@ class WorkerProc:
     def leftovers(self) -> list[int]:
         return living(self.tree)
 
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def events(self, event: str) -> list[str]:
+        """This worker's JSON log lines of ``event``."""
+        return [line for line in self.log().splitlines() if f'"event": "{event}"' in line]
+
 
 @dataclass
 class Chaos:
@@ -147,6 +164,7 @@ class Chaos:
     cluster: NatsCluster | None = None
     proxy: FlakyS3Proxy | None = None
     replicas: int = 1
+    facts: dict[str, Any] = field(default_factory=dict)  # what a fault saw as it was injected
 
     def nats_settings(self) -> NatsSettings:
         return load_settings(
@@ -194,12 +212,15 @@ async def _results_safely(js: Any, settings: NatsSettings, job: str) -> list[dic
 
 
 Inject = Callable[[Chaos, Any], Awaitable[str]]
+# After the job: what of the fault's evidence was not seen ([] when all of it was).
+Shows = Callable[[Chaos, Any, list[dict[str, Any]]], Awaitable[list[str]]]
 
 
 async def run_job(
     ctx: Chaos,
     fault: str,
     inject: Inject,
+    shows: Shows,
     *,
     images: int = 24,
     bad: bool = False,
@@ -233,8 +254,8 @@ async def run_job(
                 break
             await asyncio.sleep(0.3)
         recover_s = time.monotonic() - fault_at
-        await asyncio.sleep(1.0)  # a late duplicate would show up now
         results = await _results_safely(js, settings, job) or results
+        unshown = await shows(ctx, js, results)
     finally:
         await nc.close()
     per_task = Counter(r["task_id"] for r in results)
@@ -249,16 +270,31 @@ async def run_job(
         max_attempt=max((r["attempt"] for r in results), default=0),
         recover_s=round(recover_s, 1),
         note=note,
+        unshown=unshown,
     )
 
 
-# -- the faults ---------------------------------------------------------------------------------
+# -- the faults, and the evidence that each happened -----------------------------------------
+# Each fault comes with what shows it happened; a fault that did not happen proves nothing.
+
+EVIDENCE_WAIT_S = 30.0
+
+
+def _missing(what: str, seen: bool) -> list[str]:
+    return [] if seen else [what]
 
 
 async def worker_sigkill(ctx: Chaos, _js: Any) -> str:
     ctx.workers[0].kill_group()
     ctx.start_worker()
     return "worker and its loader children SIGKILLed; a fresh worker started"
+
+
+async def worker_sigkill_shown(ctx: Chaos, _js: Any, results: list[dict[str, Any]]) -> list[str]:
+    killed = ctx.workers[0].proc.returncode == -signal.SIGKILL
+    return _missing("the first worker died of SIGKILL", killed) + _missing(
+        "a task it held was delivered again", any(r["attempt"] >= 2 for r in results)
+    )
 
 
 async def loader_child_sigkill(ctx: Chaos, _js: Any) -> str:
@@ -274,15 +310,41 @@ async def loader_child_sigstop(ctx: Chaos, _js: Any) -> str:
     return f"loader children {pids} SIGSTOPped"
 
 
+async def loader_rebuilt(ctx: Chaos, _js: Any, _results: list[dict[str, Any]]) -> list[str]:
+    rebuilt = ctx.workers[0].events("loader_restarted")
+    return _missing("the worker rebuilt its loader (loader_restarted)", bool(rebuilt))
+
+
 async def nothing(_ctx: Chaos, _js: Any) -> str:
     return "fault set up before the job"
+
+
+async def feeder_drop_shown(ctx: Chaos, _js: Any, results: list[dict[str, Any]]) -> list[str]:
+    fired = Path(ctx.env_extra["WORKER_FAULTS__DROP_ONCE_FILE"]).exists()
+    timed_out = [line for line in ctx.workers[0].events("loader_restarted") if "timed out" in line]
+    return (
+        _missing("the fault hook fired (its file exists)", fired)
+        + _missing("the loader timed out and was rebuilt", bool(timed_out))
+        + _missing("the dropped task was given back", any(r["attempt"] >= 2 for r in results))
+    )
+
+
+async def bad_images_shown(_ctx: Chaos, _js: Any, results: list[dict[str, Any]]) -> list[str]:
+    kinds = sorted(r["error"]["type"] for r in results if r["status"] == "error")
+    expected = ["corrupt_image", "corrupt_image", "object_missing"]
+    return _missing(f"error results {expected} (saw {kinds})", kinds == expected)
 
 
 async def s3_errors(ctx: Chaos, _js: Any) -> str:
     assert ctx.proxy is not None
     ctx.proxy.fail_for(1.5)
-    await asyncio.sleep(1.5)
+    await asyncio.sleep(1.5)  # the length of the burst
     return f"S3 answered 503/500 for 1.5 s ({ctx.proxy.failed} requests)"
+
+
+async def s3_errors_shown(ctx: Chaos, _js: Any, _results: list[dict[str, Any]]) -> list[str]:
+    assert ctx.proxy is not None
+    return _missing("the worker's S3 requests were answered 503/500", ctx.proxy.failed > 0)
 
 
 async def results_unavailable(ctx: Chaos, js: Any) -> str:
@@ -291,40 +353,99 @@ async def results_unavailable(ctx: Chaos, js: Any) -> str:
     config = info.config
     config.subjects = ["results-paused.>"]
     await js.update_stream(config)
-    await asyncio.sleep(4)
+    try:
+        await js.publish("results.chaos-probe.t", b"{}", timeout=1)
+        ctx.facts["probe_refused"] = False
+    except (nats.errors.Error, TimeoutError):
+        ctx.facts["probe_refused"] = True
+    await asyncio.sleep(4)  # the length of the outage
     config.subjects = ["results.>"]
     await js.update_stream(config)
     return "results stream refused writes for 4 s"
 
 
+async def results_unavailable_shown(
+    ctx: Chaos, _js: Any, _results: list[dict[str, Any]]
+) -> list[str]:
+    refused = ctx.facts.get("probe_refused") is True
+    return _missing("a result written during the outage was refused", refused)
+
+
+MALFORMED = (b"not json", b"[]", b'{"id": "only-id"}')
+
+
 async def malformed_messages(ctx: Chaos, js: Any) -> str:
     settings = ctx.nats_settings()
-    for payload in (b"not json", b"[]", b'{"id": "only-id"}'):
-        await js.publish(f"tasks.{PIPELINE}", payload, stream=settings.tasks_stream)
-    await asyncio.sleep(3)
-    info = await js.stream_info(settings.dead_letter_stream)
-    return f"3 malformed messages published; {info.state.messages} on the dead-letter subject"
+    seqs = []
+    for payload in MALFORMED:
+        ack = await js.publish(f"tasks.{PIPELINE}", payload, stream=settings.tasks_stream)
+        seqs.append(ack.seq)
+    ctx.facts["malformed_seqs"] = seqs
+    return f"{len(MALFORMED)} malformed messages published (stream sequences {seqs})"
+
+
+async def dead_letters_shown(ctx: Chaos, js: Any, _results: list[dict[str, Any]]) -> list[str]:
+    settings = ctx.nats_settings()
+    wanted = set(ctx.facts["malformed_seqs"])
+    deadline = time.monotonic() + EVIDENCE_WAIT_S
+    kept: set[int] = set()
+    while not wanted <= kept and time.monotonic() < deadline:
+        info = await js.stream_info(settings.dead_letter_stream)
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            if seq:
+                msg = await js.get_msg(settings.dead_letter_stream, seq)
+                kept.add(int((msg.headers or {}).get("Worker-Original-Sequence", 0)))
+        if not wanted <= kept:
+            await asyncio.sleep(0.3)
+    return _missing(f"a dead letter for each of sequences {sorted(wanted)}", wanted <= kept)
 
 
 async def nats_restart(ctx: Chaos, _js: Any) -> str:
     assert ctx.nats is not None
     ctx.nats.stop(remove=False)
-    await asyncio.sleep(2)
+    await asyncio.sleep(2)  # the length of the outage
     ctx.nats.start()
     return "nats-server stopped for 2 s and started again on the same store"
 
 
+async def reconnected_shown(ctx: Chaos, _js: Any, _results: list[dict[str, Any]]) -> list[str]:
+    worker = ctx.workers[0]
+    return _missing(
+        "the worker lost its connection and reconnected",
+        bool(worker.events("nats_disconnected")) and bool(worker.events("nats_reconnected")),
+    )
+
+
 async def cluster_node_killed(ctx: Chaos, _js: Any) -> str:
     assert ctx.cluster is not None
+    node = ctx.cluster.procs[0]
     ctx.cluster.kill_node(0)
+    ctx.facts["node_exit"] = node.returncode if node is not None else None
     return "node n0 of three SIGKILLed (streams have three replicas)"
 
 
+async def node_killed_shown(ctx: Chaos, _js: Any, _results: list[dict[str, Any]]) -> list[str]:
+    killed = ctx.facts.get("node_exit") == -signal.SIGKILL
+    return _missing("node n0 died of SIGKILL mid-job", killed)
+
+
 async def worker_sigterm(ctx: Chaos, _js: Any) -> str:
+    ctx.facts["done_before_signal"] = len(ctx.workers[0].events("task_done"))
     ctx.workers[0].signal(signal.SIGTERM)
     code = await asyncio.to_thread(ctx.workers[0].proc.wait, 30)
     ctx.start_worker()
     return f"SIGTERM: drained and exited {code}; a fresh worker started"
+
+
+async def drained_shown(ctx: Chaos, _js: Any, _results: list[dict[str, Any]]) -> list[str]:
+    first = ctx.workers[0]
+    finished = len(first.events("task_done")) > ctx.facts["done_before_signal"]
+    gave_back = bool(first.events("tasks_given_back"))
+    return _missing("the signalled worker drained and exited 0", first.proc.returncode == 0) + (
+        _missing(
+            "it held work: finished its batches in hand or gave tasks back", finished or gave_back
+        )
+    )
 
 
 async def one_of_two_killed(ctx: Chaos, _js: Any) -> str:
@@ -332,36 +453,44 @@ async def one_of_two_killed(ctx: Chaos, _js: Any) -> str:
     return "second of two workers on the consumer SIGKILLed"
 
 
+async def second_killed_shown(ctx: Chaos, _js: Any, _results: list[dict[str, Any]]) -> list[str]:
+    killed = ctx.workers[1].proc.returncode == -signal.SIGKILL
+    return _missing("the second worker died of SIGKILL", killed)
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
     inject: Inject
+    shows: Shows
     bad: bool = False
     workers: int = 1
     images: int = 24
     nats: str = "single"  # single | cluster
-    s3: str = "direct"  # direct | flaky
     env: dict[str, str] = field(default_factory=dict)
 
 
 def scenarios(workdir: Path) -> list[Scenario]:
     return [
-        Scenario("worker_sigkill_mid_batch", worker_sigkill),
-        Scenario("loader_child_sigkill", loader_child_sigkill),
-        Scenario("loader_child_sigstop", loader_child_sigstop),
+        Scenario("worker_sigkill_mid_batch", worker_sigkill, worker_sigkill_shown),
+        Scenario("loader_child_sigkill", loader_child_sigkill, loader_rebuilt),
+        Scenario("loader_child_sigstop", loader_child_sigstop, loader_rebuilt),
         Scenario(
             "feeder_thread_drops_batch",
             nothing,
+            feeder_drop_shown,
             env={"WORKER_FAULTS__DROP_ONCE_FILE": str(workdir / "drop-once")},
         ),
-        Scenario("corrupt_truncated_missing", nothing, bad=True),
-        Scenario("s3_503_500_burst", s3_errors, s3="flaky"),
-        Scenario("results_store_unavailable", results_unavailable),
-        Scenario("malformed_messages", malformed_messages),
-        Scenario("nats_server_restart", nats_restart),
-        Scenario("cluster_node_killed_r3", cluster_node_killed, nats="cluster"),
-        Scenario("sigterm_mid_batch", worker_sigterm),
-        Scenario("two_workers_one_killed", one_of_two_killed, workers=2, images=96),
+        Scenario("corrupt_truncated_missing", nothing, bad_images_shown, bad=True),
+        Scenario("s3_503_500_burst", s3_errors, s3_errors_shown),
+        Scenario("results_store_unavailable", results_unavailable, results_unavailable_shown),
+        Scenario("malformed_messages", malformed_messages, dead_letters_shown),
+        Scenario("nats_server_restart", nats_restart, reconnected_shown),
+        Scenario("cluster_node_killed_r3", cluster_node_killed, node_killed_shown, nats="cluster"),
+        Scenario("sigterm_mid_batch", worker_sigterm, drained_shown),
+        Scenario(
+            "two_workers_one_killed", one_of_two_killed, second_killed_shown, workers=2, images=96
+        ),
     ]
 
 
@@ -372,21 +501,20 @@ async def run_scenario(
     workdir.mkdir(parents=True, exist_ok=True)
     bucket = f"chaos-{scenario.name.replace('_', '-')}"[:60]
     s3.client().create_bucket(Bucket=bucket)
-    nats = cluster = proxy = None
+    nats = cluster = None
     if scenario.nats == "cluster":
         cluster = NatsCluster().start()
         url = cluster.url
     else:
         nats = NatsServer(store_dir=str(workdir / "nats")).start()
         url = nats.url
-    if scenario.s3 == "flaky":
-        proxy = FlakyS3Proxy(s3.port).start()
+    proxy = FlakyS3Proxy(s3.port, delay_s=S3_DELAY_S).start()
     ctx = Chaos(
         workdir,
         s3,
         weights,
         url,
-        proxy.endpoint_url if proxy else s3.endpoint_url,
+        proxy.endpoint_url,
         bucket,
         env_extra=dict(scenario.env),
         nats=nats,
@@ -401,6 +529,7 @@ async def run_scenario(
             ctx,
             scenario.name,
             scenario.inject,
+            scenario.shows,
             images=scenario.images,
             bad=scenario.bad,
             workers=scenario.workers,
@@ -410,12 +539,16 @@ async def run_scenario(
             proc.stop()
         await asyncio.sleep(0.5)
         left = [pid for proc in ctx.workers for pid in proc.leftovers()]
-        if proxy is not None:
-            proxy.stop()
+        # Every worker has ended: its log is whole. A second completion of a task is a
+        # result it found already stored (the stream refuses a second one, so the results
+        # alone cannot show it).
+        twice = sum(len(proc.events("result_already_stored")) for proc in ctx.workers)
+        proxy.stop()
         if cluster is not None:
             cluster.stop()
         if nats is not None:
             nats.stop()
+    row.duplicates += twice
     return row, left
 
 
@@ -447,4 +580,6 @@ def table(rows: list[Row]) -> str:
             f"{r.fault:<28} {r.published:>9} {r.stored:>6} {r.ok:>4} {r.error:>5} {r.lost:>4} "
             f"{r.duplicates:>3} {r.max_attempt:>7} {r.recover_s:>9}  {r.note}"
         )
+        if r.unshown:
+            lines.append(f"{'':<28} NOT SHOWN: {'; '.join(r.unshown)}")
     return "\n".join(lines)

@@ -47,7 +47,14 @@ def _free(port: int) -> bool:
 class Supervisord:
     """supervisord with deploy/supervisor/*.conf, tightened timings for a test run."""
 
-    def __init__(self, run_dir: Path, worker_env: dict[str, str], *, stopwaitsecs: int = 8) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        worker_env: dict[str, str],
+        *,
+        stopwaitsecs: int = 8,
+        healthwatch_failures: int = 2,
+    ) -> None:
         self.run_dir = run_dir
         self.port_base = free_port_base()
         self.conf_dir = run_dir / "conf"
@@ -55,7 +62,7 @@ class Supervisord:
         shutil.copy(DEPLOY / "supervisord.conf", self.conf_dir / "supervisord.conf")
         program = (DEPLOY / "inference-worker.conf").read_text()
         for old, new in (
-            ("--failures 2", "--failures 2 --timeout-s 2"),
+            ("--failures 2", f"--failures {healthwatch_failures} --timeout-s 2"),
             ("--startup-grace-s 120", "--startup-grace-s 15"),
             ("stopwaitsecs=60", f"stopwaitsecs={stopwaitsecs}"),
             ("startsecs=10", "startsecs=2"),

@@ -27,6 +27,11 @@ from worker.commands.localservers import free_port
 pytestmark = pytest.mark.integration
 
 
+def loader_children(pid: int) -> list[int]:
+    """The loader's children: the fork server's children, grandchildren of the worker."""
+    return [g.pid for child in psutil.Process(pid).children() for g in child.children()]
+
+
 async def test_run_serves_a_job_reports_metrics_and_exits_0_on_sigterm_leaving_no_children(
     nats_server, s3_server, bucket, settings_for, tmp_path
 ):
@@ -91,7 +96,16 @@ def test_check_says_ready_or_names_each_problem(settings_for, nats_server):
     assert "hunter2" not in broken.stderr + broken.stdout
 
 
-@pytest.mark.parametrize("command", [["provision"], ["results", "--job", "j"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["provision"],
+        ["results", "--job", "j"],
+        ["submit", "--job", "j", "s3://b/k.jpg"],
+        ["submit", "--job", "j", "--wait", "s3://b/k.jpg"],
+        ["watch", "--job", "j"],
+    ],
+)
 def test_a_command_that_cannot_reach_nats_says_so_in_one_line_and_exits_1(
     settings_for, nats_server, command
 ):
@@ -193,6 +207,7 @@ def test_sigterm_while_nats_is_unreachable_at_start_ends_the_process_with_0_and_
             assert time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.2)
         descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(loader_children(proc.pid)) >= 2, "the loader started before NATS is tried"
         proc.send_signal(signal.SIGTERM)  # one signal: no second one needed
         code = proc.wait(timeout=30)
     assert code == 0, log_path.read_text()[-3000:]
@@ -231,7 +246,10 @@ def test_sigterm_while_the_model_is_still_loading_ends_the_process_with_0_and_no
                 assert proc.poll() is None, log_path.read_text()[-3000:]
                 assert time.monotonic() < deadline, log_path.read_text()[-3000:]
                 time.sleep(0.2)
-            time.sleep(1.0)  # the loader children are starting meanwhile
+            while len(loader_children(proc.pid)) < 2:  # they start while the model loads
+                assert proc.poll() is None, log_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.05)
             descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
             proc.send_signal(signal.SIGTERM)
             # Well before the stalled read would give up (40 s): the start is abandoned.

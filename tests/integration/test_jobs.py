@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 
@@ -129,15 +128,21 @@ async def test_a_task_redelivered_after_its_result_was_stored_keeps_one_result(
     settings = settings_for(nats_server.url)
     uris = upload_images(s3_server.client(), bucket, 3)
     job = "job-redelivered"
-    async with running_worker(settings), client(settings) as js:
+    async with running_worker(settings) as app, client(settings) as js:
         tasks = await submit(js, settings, job, uris)
-        await wait_results(js, settings, job, 3)
+        first = await wait_results(js, settings, job, 3)
         # The same task again, past any deduplication window: a new message, same task id.
         await publish_raw(js, settings, tasks[0].as_dict())
         await consumer_idle(js, settings)
         results = await job_results(js, settings.nats, job)
+        assert app.worker is not None
+        metrics = app.worker.s.metrics.registry
+        doubled = metrics.get_sample_value("inference_worker_results_already_stored_total")
+        settled = metrics.get_sample_value("inference_worker_tasks_total", {"outcome": "ok"})
 
-    assert sorted(r["task_id"] for r in results) == sorted(t.id for t in tasks)
+    assert settled == 4, "the task ran a second time (its first delivery: not looked up)"
+    assert doubled == 1, "its second result was refused, and the worker counted it"
+    assert sorted(results, key=lambda r: r["task_id"]) == sorted(first, key=lambda r: r["task_id"])
 
 
 async def test_a_redelivery_whose_result_is_already_stored_is_acked_without_new_work(
@@ -287,4 +292,3 @@ async def test_weights_load_from_s3_and_their_sha256_is_in_every_result(
         for d in r["response"]["detections"]
         for c in d["classifications"]
     } <= labels
-    assert json.dumps(results)  # results are plain JSON

@@ -10,6 +10,7 @@ import select
 import subprocess
 import sys
 import time
+from typing import IO
 
 import pytest
 
@@ -20,14 +21,17 @@ from worker.commands.progress import Progress, render
 pytestmark = pytest.mark.integration
 
 
-def _on_a_terminal(args: list[str], env: dict[str, str], timeout_s: float = 90) -> tuple[int, str]:
-    """Run the CLI with its stderr on a pty; what it drew there, and its exit code. Reads
-    until the pty closes or ``timeout_s`` passes; the process is killed if still running."""
+def _on_a_terminal(
+    args: list[str], env: dict[str, str], stdout: IO[bytes], timeout_s: float = 90
+) -> tuple[int, str]:
+    """Run the CLI with its stderr on a pty and its stdout to ``stdout``; what it drew on the
+    pty, and its exit code. Reads until the pty closes or ``timeout_s`` passes; the process is
+    killed if still running."""
     leader, follower = pty.openpty()
     proc = subprocess.Popen(
         [sys.executable, "-m", "worker", *args],
         env=env,
-        stdout=subprocess.DEVNULL,
+        stdout=stdout,
         stderr=follower,
     )
     os.close(follower)
@@ -53,8 +57,8 @@ def _on_a_terminal(args: list[str], env: dict[str, str], timeout_s: float = 90) 
             proc.wait(5)
 
 
-async def test_submit_wait_follows_the_job_and_exits_4_when_a_task_ends_in_error(
-    nats_server, s3_server, bucket, settings_for
+async def test_submit_wait_follows_the_job_on_stderr_only_and_exits_10_when_a_task_ends_in_error(
+    nats_server, s3_server, bucket, settings_for, tmp_path
 ):
     settings = settings_for(nats_server.url)
     s3 = s3_server.client()
@@ -62,19 +66,22 @@ async def test_submit_wait_follows_the_job_and_exits_4_when_a_task_ends_in_error
     s3.put_object(Bucket=bucket, Key="broken.jpg", Body=corrupt_bytes())
     uris.append(f"s3://{bucket}/broken.jpg")
     env = worker_env(settings)
-    async with running_worker(settings):
-        code, drawn = await asyncio.to_thread(
-            _on_a_terminal,
-            ["submit", "--job", "job-wait", "--wait", "--timeout-s", "60", *uris],
-            env,
-        )
+    with open(tmp_path / "stdout", "wb") as stdout:
+        async with running_worker(settings):
+            code, drawn = await asyncio.to_thread(
+                _on_a_terminal,
+                ["submit", "--job", "job-wait", "--wait", "--timeout-s", "60", *uris],
+                env,
+                stdout,
+            )
 
     assert code == 10, drawn[-2000:]
+    assert (tmp_path / "stdout").read_bytes() == b"", "with --wait, nothing on stdout"
     assert drawn.count("\r\x1b[K[") >= 2 and "#" in drawn, "a bar redrawn in place"
     assert drawn.rstrip().endswith("job job-wait: ok=7 error=1 missing=0")
 
 
-async def test_watch_off_a_terminal_prints_lines_and_exits_5_when_tasks_are_missing(
+async def test_watch_off_a_terminal_prints_lines_and_exits_11_when_tasks_are_missing(
     nats_server, s3_server, bucket, settings_for
 ):
     settings = settings_for(nats_server.url)
@@ -93,6 +100,27 @@ async def test_watch_off_a_terminal_prints_lines_and_exits_5_when_tasks_are_miss
     assert "\r" not in done.stderr and len(lines) >= 3, "plain lines, one per interval"
     assert lines[0].startswith("0/3 ok=0 error=0 missing=3")
     assert lines[-1] == "job job-nobody: ok=0 error=0 missing=3"
+
+
+async def test_watch_exits_11_when_tasks_are_missing_even_though_one_ended_in_error(
+    nats_server, settings_for
+):
+    from worker.results import ResultStore
+
+    settings = settings_for(nats_server.url)
+    env = worker_env(settings)
+    assert cli("provision", env=env).returncode == 0
+    async with client(settings) as js:
+        tasks = await submit(js, settings, "job-both", ["s3://b/1.jpg", "s3://b/2.jpg"])
+        failed = {"task_id": tasks[0].id, "job_id": "job-both", "status": "error"}
+        assert await ResultStore(js, settings.nats).store(failed) is True  # no worker runs
+
+    done = await asyncio.to_thread(
+        cli, "watch", "--job", "job-both", "--timeout-s", "1", "--interval-s", "0.5", env=env
+    )
+
+    assert done.stderr.strip().endswith("job job-both: ok=0 error=1 missing=1"), done.stderr
+    assert done.returncode == 11, "missing wins over error"
 
 
 async def test_watch_of_a_finished_job_exits_0(nats_server, s3_server, bucket, settings_for):

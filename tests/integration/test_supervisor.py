@@ -91,9 +91,11 @@ def assert_nothing_lost(outcome) -> None:
 def supervised(tmp_path, nats_server, settings_for):
     started = []
 
-    def start(**extra: str) -> Supervisord:
+    def start(healthwatch_failures: int = 2, **extra: str) -> Supervisord:
         settings = settings_for(nats_server.url)
-        sup = Supervisord(tmp_path / "sup", supervised_env(settings, **extra)).start()
+        env = supervised_env(settings, **extra)
+        sup = Supervisord(tmp_path / "sup", env, healthwatch_failures=healthwatch_failures)
+        sup.start()
         started.append(sup)
         return sup
 
@@ -149,8 +151,10 @@ async def test_a_worker_wedged_holding_the_gil_is_ended_by_its_watchdog_and_rest
     supervised, nats_server, s3_server, bucket, settings_for, tmp_path
 ):
     settings = settings_for(nats_server.url, nats={"max_deliver": 2})
-    # The listener is slowed down here so that the watchdog is what acts.
+    # The listener is slowed down here (100 strikes of 5 s each before it would restart
+    # anything), so that the watchdog is what acts.
     sup = supervised(
+        healthwatch_failures=100,
         WORKER_FAULTS__WEDGE_ONCE_FILE=str(tmp_path / "wedge"),
         WORKER_FAULTS__WEDGE_MODE="gil",
         WORKER_HEALTH__WATCHDOG_TIMEOUT_S="8",
@@ -164,3 +168,6 @@ async def test_a_worker_wedged_holding_the_gil_is_ended_by_its_watchdog_and_rest
     log = sup.worker_log()
     assert "Timeout (0:00:08)!" in log, "faulthandler dumped the stacks"
     assert "faults.py" in log  # the wedged engine thread's stack: in the fault wrapper
+    logs = sup.logs()
+    assert "exit status 1" in logs, "supervisord saw the watchdog's exit"
+    assert "restarting inference-worker:inference-worker_00" not in logs, "not healthwatch"

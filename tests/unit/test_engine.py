@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from config.errors import LoaderFailure, LoaderGaveUp, PermanentError
-from datasets.images import Decoded
+from datasets.images import Decoded, DecodePlan, decode
 from datasets.loader import Loaded
 from tests.fakes import FakePredictor
+from worker.commands.demo_images import image_bytes
 from worker.engine import Engine
 
 
@@ -292,3 +293,33 @@ def test_nothing_is_copied_ahead_while_a_batch_is_split_for_lack_of_device_memor
     assert engine._copied_ahead == {}, "what the whole batch copied ahead was let go for the halves"
     assert all(v.ok for v in engine.run_batch([3]).outcomes.values())
     assert list(engine._copied_ahead) == [4], "the next batch stages ahead again"
+
+
+def test_a_corrupt_jpeg_left_encoded_fails_alone_as_a_corrupt_image():
+    from worker.commands.demo_images import truncated_bytes
+    from worker.engine import Engine
+
+    broken = decode(truncated_bytes(640, 480), DecodePlan(max_side=800, encoded=True))
+    good = decode(image_bytes(640, 480, seed=1), DecodePlan(max_side=800, encoded=True))
+    assert broken.encoded is not None and good.encoded is not None
+
+    class Handing(FlakyLoader):
+        def next_loaded(self):
+            from datasets.loader import Loaded
+
+            request = self.queue.pop(0)
+            return Loaded(request.key, broken if request.key == 1 else good, None, 0.0, 1)
+
+    class Counting(FakePredictor):
+        def run(self, images, while_running=None):
+            from pipelines.device import decode_on_device
+
+            for image in images:
+                decode_on_device(image, torch.device("cpu"), 800)
+            return [[] for _ in images]
+
+    engine = Engine(Handing(), Counting())  # type: ignore[arg-type]
+    submit(engine, [1, 2])
+    outcomes = engine.run_batch([1, 2]).outcomes
+    assert outcomes[2].ok
+    assert outcomes[1].failure is not None and outcomes[1].failure.kind == "corrupt_image"

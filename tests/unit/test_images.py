@@ -114,3 +114,72 @@ def test_shorter_side_then_centre_crop_keeps_the_middle_of_a_wide_image(fast):
     assert cropped.shape == squashed.shape == (3, 50, 50)
     assert cropped[1].mean() > 200 and cropped[0].mean() < 30  # all green
     assert squashed[0, :, :10].mean() > 200 and squashed[2, :, -10:].mean() > 200  # all three
+
+
+def _scene_jpeg(width: int, height: int, seed: int) -> bytes:
+    """A camera-trap-like scene: smooth background, sensor noise, a few bright blobs."""
+    rng = np.random.default_rng(seed)
+    small = rng.uniform(0, 255, size=(height // 64 + 1, width // 64 + 1, 3)).astype(np.uint8)
+    pixels = np.asarray(
+        Image.fromarray(small).resize((width, height), Image.Resampling.BICUBIC), dtype=np.float32
+    )
+    pixels += rng.normal(0, 10, size=(height, width, 1)).astype(np.float32)
+    for _ in range(8):
+        x, y = int(rng.uniform(0, width - 200)), int(rng.uniform(0, height - 200))
+        pixels[y : y + 150, x : x + 200] = rng.uniform(0, 255, size=3)
+    out = io.BytesIO()
+    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(out, "JPEG", quality=90)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("source", "size", "resize"),
+    [
+        ((4096, 2160), 224, "squash"),
+        ((4096, 2160), 300, "shorter_crop"),
+        ((1920, 1080), 128, "squash"),
+        ((1333, 2001), 160, "shorter_crop"),  # portrait, sides not multiples of 8
+    ],
+)
+def test_the_default_path_is_within_tolerance_of_the_reference(source, size, resize):
+    """The default (reduced-scale decode leaving twice the input size, then torchvision's
+    antialiased resize) against the reference (full decode, then the same resize): same
+    shape, mean absolute difference at most 0.5 of 255 (README, Preprocessing)."""
+    from datasets.images import DecodePlan, decode
+
+    data = _scene_jpeg(*source, seed=3)
+    default = decode(data, DecodePlan(size=size, resize=resize)).pixels
+    exact = decode(data, DecodePlan(size=size, resize=resize, exact=True)).pixels
+    assert default.shape == exact.shape == (3, size, size)
+    assert default.dtype == np.uint8 and default.flags["C_CONTIGUOUS"]
+    difference = np.abs(default.astype(np.int16) - exact.astype(np.int16))
+    assert difference.mean() <= 0.5
+    assert difference.max() <= 32
+
+
+def test_an_image_too_small_to_reduce_gets_the_reference_pixels():
+    """Under 2 x 2 x the input size on a side nothing is gained by a reduced scale: the
+    default path gives exactly the reference's output; so does a PNG of any size."""
+    from datasets.images import DecodePlan, decode
+
+    for data in (_scene_jpeg(800, 600, seed=1), image_bytes(1600, 1200, seed=2, fmt="PNG")):
+        default = decode(data, DecodePlan(size=224)).pixels
+        exact = decode(data, DecodePlan(size=224, exact=True)).pixels
+        assert np.array_equal(default, exact)
+
+
+def test_a_plan_is_fast_or_exact_not_both():
+    from datasets.images import DecodePlan
+
+    with pytest.raises(ValueError, match="fast or exact"):
+        DecodePlan(size=224, fast=True, exact=True)
+
+
+def test_the_exact_setting_reaches_the_loaders_plan():
+    from pipelines.declare import Classifier, Pipeline
+    from pipelines.runner import decode_plan
+
+    pipeline = Pipeline("p", classifier=Classifier("c"))
+    assert decode_plan(pipeline, 4096, fast=False, exact=True).exact
+    default = decode_plan(pipeline, 4096, fast=False)
+    assert not default.exact and not default.fast

@@ -390,7 +390,11 @@ def test_a_child_stopped_halfway_through_handing_over_an_image_is_recovered_not_
     try:
         (child,) = loader.child_pids()
         loader.submit([LoadRequest(1, "file:///not-read")])
-        time.sleep(1.0)  # the child has filled the pipe and waits for us to read the rest
+        deadline = time.monotonic() + 30
+        while not loader.ready():  # the child has begun writing the image into the pipe:
+            assert time.monotonic() < deadline, "the child never began handing over"
+            time.sleep(0.01)
+        # 8 MB do not fit in a pipe: the child waits for us to read the rest.
         os.kill(child, signal.SIGSTOP)
         # Without the guard this read would block for ever (pytest-timeout would end it).
         with pytest.raises(LoaderFailure, match="stopped halfway through handing over"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import CollectorRegistry
@@ -129,3 +130,41 @@ async def test_a_transport_closed_for_good_ends_the_process_with_5():
     exit = await run(worker)
 
     assert exit.reason is ExitReason.NATS_CLOSED and exit.code == 5
+
+
+class GatedEngine(FakeEngine):
+    """The first batch waits for ``release``: tasks stay held and no batch completes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def run_batch(self, keys):
+        if not self.entered.is_set():
+            self.entered.set()
+            if not self.release.wait(10):
+                raise TimeoutError("the test never released the first batch")
+        return super().run_batch(keys)
+
+
+async def test_held_tasks_get_in_progress_only_once_a_batch_has_completed():
+    msgs = [task_msg(f"t{i}") for i in range(2 * BATCH)]
+    engine = GatedEngine()
+    worker, _store, _js, _m = a_worker(FakeSource(list(msgs)), engine)
+    running = asyncio.create_task(run(worker))
+    await asyncio.to_thread(engine.entered.wait, 10)
+    for _ in range(500):  # bounded: until the second batch is fetched and held too
+        if len(worker.claims) == 2 * BATCH:
+            break
+        await asyncio.sleep(0.01)
+    assert len(worker.claims) == 2 * BATCH, "both batches held while the first one runs"
+
+    kept_alive_while_wedged = [m.kept_alive for m in msgs]
+    engine.release.set()
+    await running
+
+    assert kept_alive_while_wedged == [0] * (2 * BATCH), "no batch done: no ack wait extended"
+    first, second = engine.batches
+    assert len(first) == len(second) == BATCH
+    assert all(m.kept_alive == 0 for m in msgs[:BATCH]), "settled before the keep-alive"
+    assert all(m.kept_alive >= 1 for m in msgs[BATCH:]), "still held when the first batch ended"

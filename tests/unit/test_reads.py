@@ -102,17 +102,25 @@ def test_a_failed_read_holds_no_bytes_and_says_why():
         pool.close()
 
 
+def _until_waiting(budget: ByteBudget, reads: int) -> None:
+    """Until ``reads`` reads wait in the budget's line (bounded)."""
+    deadline = time.monotonic() + WAIT_S
+    while len(budget._waiting) < reads:
+        assert time.monotonic() < deadline, f"{reads} reads never waited"
+        time.sleep(0.005)
+
+
 def test_a_large_read_waiting_for_room_is_not_passed_over_by_smaller_ones():
     budget = ByteBudget(100)
     assert budget.take(60, 0, WAIT_S)
     order: list[str] = []
     large = threading.Thread(target=lambda: order.append(f"large:{budget.take(90, 0, WAIT_S)}"))
     large.start()
-    time.sleep(0.1)
+    _until_waiting(budget, 1)
     # 60 + 30 fits, but the large read asked first: the small one waits its turn.
     small = threading.Thread(target=lambda: order.append(f"small:{budget.take(30, 0, WAIT_S)}"))
     small.start()
-    time.sleep(0.1)
+    _until_waiting(budget, 2)
     assert order == []
     budget.give(60)
     large.join(WAIT_S)

@@ -7,7 +7,7 @@ import pytest
 
 from config.errors import InvalidTask, Undeliverable
 from worker.nats.subjects import result_subject
-from worker.schemas import parse_task, subject_token, token_value
+from worker.schemas import Task, make_result, parse_task, subject_token, token_value
 
 TASK = {"id": "t1", "job_id": "j1", "image_id": "i1", "image_url": "s3://b/k.jpg"}
 
@@ -181,3 +181,18 @@ def test_an_invalid_url_is_named_without_its_query_string():
 def test_a_task_knows_the_pipeline_its_subject_names(subject, pipeline):
     data = json.dumps({"id": "t", "job_id": "j", "image_id": "i", "image_url": "s3://b/k"})
     assert parse_task(data.encode(), subject).pipeline == pipeline
+
+
+def test_total_time_is_the_tasks_time_not_a_sum_of_overlapping_timings():
+    task = Task("t", "j", "i", "s3://b/k")
+    result = make_result(
+        task=task,
+        pipeline="p",
+        detections=[],
+        error=None,
+        model={},
+        timings_s={"load_s": 0.2, "infer_s": 0.3, "total_s": 0.6},
+        worker={},
+        attempt=1,
+    )
+    assert result["response"]["total_time"] == 0.6

@@ -55,6 +55,26 @@ def test_defaults_match_the_spec(monkeypatch, weights):
         ({"loader": {"num_workers": -1}}, ["WORKER_LOADER__NUM_WORKERS"]),
         ({"model": {"device": "tpu"}}, ["WORKER_MODEL__DEVICE"]),
         ({"s3": {"read_timeout_s": 50}}, ["WORKER_S3__READ_TIMEOUT_S", "WORKER_LOADER__TIMEOUT_S"]),
+        (
+            {"health": {"drain_timeout_s": 300}},
+            ["WORKER_HEALTH__DRAIN_TIMEOUT_S", "WORKER_NATS__ACK_WAIT_S"],
+        ),
+        (
+            {"nats": {"store_retry_s": 300}},
+            ["WORKER_NATS__STORE_RETRY_S", "WORKER_NATS__ACK_WAIT_S"],
+        ),
+        (
+            {"health": {"watchdog_timeout_s": 120}},  # not after the stall timeout (120 s)
+            ["WORKER_HEALTH__WATCHDOG_TIMEOUT_S", "WORKER_HEALTH__STALL_TIMEOUT_S"],
+        ),
+        (
+            {"health": {"watchdog_timeout_s": 300}},  # not before the ack wait (300 s)
+            ["WORKER_HEALTH__WATCHDOG_TIMEOUT_S", "WORKER_NATS__ACK_WAIT_S"],
+        ),
+        (
+            {"loader": {"fast_decode": True, "exact_decode": True}},
+            ["WORKER_LOADER__FAST_DECODE", "WORKER_LOADER__EXACT_DECODE"],
+        ),
     ],
 )
 def test_impossible_settings_are_refused_naming_the_fields(weights, overrides, names):
@@ -63,6 +83,22 @@ def test_impossible_settings_are_refused_naming_the_fields(weights, overrides, n
     message = str(refused.value)
     for name in names:
         assert name in message
+
+
+def test_each_start_up_rule_holds_just_inside_its_bound_and_the_watchdog_can_be_off(weights):
+    load_settings(  # accepted: every bound strict, none crossed
+        model={"weights": weights},
+        nats={"ack_wait_s": 300, "store_retry_s": 299},
+        health={"stall_timeout_s": 120, "drain_timeout_s": 299, "watchdog_timeout_s": 299},
+    )
+    no_room = {"ack_wait_s": 121}  # no room for the watchdog between 120 s and 121 s
+    with pytest.raises(ConfigError, match="WORKER_HEALTH__WATCHDOG_TIMEOUT_S"):
+        load_settings(model={"weights": weights}, nats=no_room, health={"stall_timeout_s": 120})
+    load_settings(
+        model={"weights": weights},
+        nats=no_room,
+        health={"stall_timeout_s": 120, "watchdog_timeout_s": 0},  # off: no rule for it
+    )
 
 
 def test_missing_weights_are_refused_for_a_worker_but_not_for_a_client():

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import pytest
 
+from config.errors import ResultsUnavailable
 from config.settings import NatsSettings
 from tests.fakes import FakeJetStream, FakeMsg, FakeStore
 from worker.outcome import Outcome
 from worker.schemas import Task
-from worker.settle import Settler
+from worker.settle import Settler, backoff_s
 
 
-def settler(store: FakeStore, js: FakeJetStream, max_deliver: int = 2) -> Settler:
-    nats_settings = NatsSettings(store_retry_s=0.0, nak_backoff_base_s=0.01)
+def settler(
+    store: FakeStore, js: FakeJetStream, max_deliver: int = 2, store_retry_s: float = 0.0
+) -> Settler:
+    nats_settings = NatsSettings(store_retry_s=store_retry_s, nak_backoff_base_s=0.01)
     return Settler(js, store, nats_settings, "p", {"name": "m"}, max_deliver)  # type: ignore[arg-type]
 
 
@@ -61,6 +64,75 @@ async def test_a_dead_letter_of_a_message_near_max_payload_is_cut_to_fit_with_it
     ((_subject, data, headers),) = js.published
     assert len(data) <= 1024 * 1024 - 4096
     assert headers["Worker-Truncated-From-Bytes"] == str(len(huge.data))
+
+
+def test_nak_backoff_doubles_up_to_the_cap():
+    assert [backoff_s(n, 2, 60) for n in (1, 2, 3, 4, 5, 6)] == [2, 4, 8, 16, 32, 60]
+
+
+class FlakyStore(FakeStore):
+    """A store that does not confirm its first ``failures`` writes."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def store(self, result):
+        if self.failures:
+            self.failures -= 1
+            raise ResultsUnavailable("results stream unavailable: timeout")
+        return await super().store(result)
+
+
+async def test_a_result_the_store_did_not_confirm_is_retried_in_process_before_any_nak():
+    store, msg = FlakyStore(failures=3), FakeMsg()
+    outcome = await settler(store, FakeJetStream(), store_retry_s=2.0).settle(
+        TASK, msg, 1, Outcome(detections=[])
+    )
+    assert outcome == "ok"
+    assert msg.actions == ["ack"] and len(store.stored) == 1
+
+
+async def test_a_store_down_past_store_retry_s_gives_the_task_back_with_a_nak():
+    down, msg = FlakyStore(failures=1000), FakeMsg()
+    outcome = await settler(down, FakeJetStream(), store_retry_s=0.5).settle(
+        TASK, msg, 1, Outcome(detections=[])
+    )
+    assert outcome == "retried"
+    assert msg.actions == ["nak"] and down.stored == []
+
+
+class RefusingStore(FakeStore):
+    """A store that already holds every task's result, after ``unconfirmed`` writes it did
+    not confirm (their PubAck lost: the first of them was stored)."""
+
+    def __init__(self, unconfirmed: int = 0) -> None:
+        super().__init__()
+        self.unconfirmed = unconfirmed
+
+    async def store(self, result):
+        if self.unconfirmed:
+            self.unconfirmed -= 1
+            raise ResultsUnavailable("results stream unavailable: timeout")
+        return False
+
+
+async def test_a_second_completion_of_a_task_is_counted_and_acked_and_its_result_not_written():
+    doubled: list[None] = []
+    rules = settler(RefusingStore(), FakeJetStream())
+    rules.completed_twice = lambda: doubled.append(None)
+    msg = FakeMsg()
+    assert await rules.settle(TASK, msg, 1, Outcome(detections=[])) == "ok"
+    assert msg.actions == ["ack"] and doubled == [None]
+
+
+async def test_our_own_write_found_stored_on_a_retry_is_not_a_second_completion():
+    doubled: list[None] = []
+    rules = settler(RefusingStore(unconfirmed=1), FakeJetStream(), store_retry_s=2.0)
+    rules.completed_twice = lambda: doubled.append(None)
+    msg = FakeMsg()
+    assert await rules.settle(TASK, msg, 1, Outcome(detections=[])) == "ok"
+    assert msg.actions == ["ack"] and doubled == []
 
 
 TASK_BYTES = b'{"id": "t", "job_id": "j", "image_id": "i", "image_url": "s3://b/k.jpg"}'

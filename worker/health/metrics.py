@@ -52,6 +52,12 @@ class Metrics:
         )
         for outcome in ("ok", "error", "retried", "dead_lettered"):
             self.tasks.labels(outcome)
+        self.results_already_stored = Counter(
+            f"{PREFIX}_results_already_stored",
+            "Results not written because the task's result was already stored: a second "
+            "completion of one task (the store keeps the first).",
+            registry=registry,
+        )
         self.images = Counter(
             f"{PREFIX}_images", "Images run through the model.", registry=registry
         )

@@ -1,40 +1,23 @@
-"""Pipelines of stages: boxes in source pixels, crops classified by the right stages, results
-in Antenna's shape, declared in TOML, by a plugin, or exported without code."""
+"""The runner: boxes in source pixels, crops classified by the right stages, the next batch
+prepared while the last stage runs, the detections each stage reports."""
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-
 import pytest
-import torch
-from torch import nn
 
-from config.errors import ConfigError
 from datasets.images import DecodePlan, decode
 from datasets.sources import SourceConfig
-from pipelines.declare import Classifier, Detector, Pipeline, Preprocess
+from pipelines.declare import Detector, Pipeline
 from pipelines.models import save_classifier, save_detector
-from pipelines.registry import name_of, resolve
+from pipelines.registry import resolve
 from pipelines.response import ResponseFormat
 from pipelines.runner import DeviceLimits, decode_plan, load_runner
 from tests.antenna import PipelineResults
-from tests.fakes import FakePredictor
 from worker.commands.demo_images import image_bytes, rectangles_bytes
 from worker.schemas import Task, make_result
 
-PLUGIN = Path(__file__).parents[1] / "plugin"
 # Three rectangles in columns of their own, on a 1600x1000 source.
 TRUTH = [(100, 100, 300, 400, "red"), (500, 200, 700, 300, "green"), (900, 600, 1200, 900, "blue")]
-
-
-@pytest.fixture
-def toy(monkeypatch, tmp_path):
-    monkeypatch.syspath_prepend(str(PLUGIN))
-    import toy_moths
-
-    monkeypatch.setenv("TOY_MOTHS_WEIGHTS", toy_moths.colour_weights(str(tmp_path / "colour.pt")))
-    return toy_moths
 
 
 def _response(detections, image_id="img-1"):
@@ -99,6 +82,7 @@ def test_a_classifier_alone_gives_one_detection_without_a_box(tmp_path):
 
     results = runner.run(images)
 
+    assert len(results) == len(images) == 2
     for detections in results:
         response, _ = _response(detections)
         (detection,) = response.detections
@@ -173,129 +157,6 @@ def test_a_built_in_detector_reports_boxes_inside_the_source_image(tmp_path):
             assert only["classification"] == "moth" and 0.0 <= only["scores"][0] <= 1.0
 
 
-def test_an_exported_classifier_is_served_without_code(tmp_path):
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)
-    ).eval()
-    example = torch.rand(2, 3, 32, 32)
-    batch = torch.export.Dim("batch", min=1, max=1024)
-    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
-    path = tmp_path / "model.pt2"
-    torch.export.save(program, str(path))
-    (tmp_path / "labels.txt").write_text("a\nb\nc\nd\n")
-    stage = Classifier(
-        "exported", architecture="exported", weights=str(path), preprocess=Preprocess(size=32)
-    )
-    runner = load_runner(Pipeline("exported", classifier=stage), SourceConfig(), "cpu")
-    assert runner.classifier is not None
-
-    images = torch.randint(0, 256, (5, 3, 32, 32), dtype=torch.uint8)
-    mean = torch.tensor(stage.preprocess.mean).view(1, 3, 1, 1) * 255
-    std = torch.tensor(stage.preprocess.std).view(1, 3, 1, 1) * 255
-    with torch.inference_mode():
-        expected = model((images.float() - mean) / std)
-    assert torch.allclose(runner.classifier.logits(images), expected, atol=1e-4)
-    assert (
-        runner.classifier.algorithm.weights_sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
-    )
-
-
-def test_a_pipeline_declared_in_toml_resolves_paths_beside_the_file(tmp_path):
-    save_detector("fasterrcnn_mobilenet_v3_large_fpn", ["moth"], str(tmp_path / "det"))
-    save_classifier("resnet18", ["moth", "other"], str(tmp_path / "binary"))
-    declaration = tmp_path / "moths.toml"
-    declaration.write_text(
-        """
-name = "moths"
-[detector]
-key = "detector"
-architecture = "fasterrcnn_mobilenet_v3_large_fpn"
-weights = "det/model.pt"
-labels = ["moth"]
-[filter]
-key = "moth-or-not"
-architecture = "resnet18"
-weights = "binary/model.pt"
-keep = ["moth"]
-preprocess = { size = 128, resize = "shorter_crop", mean = [0.5, 0.5, 0.5], std = [0.5, 0.5, 0.5] }
-"""
-    )
-    pipeline = resolve(str(declaration))
-    assert name_of(str(declaration)) == pipeline.name == "moths"
-    assert pipeline.detector is not None and pipeline.filter is not None
-    assert pipeline.detector.weights == str(tmp_path / "det" / "model.pt")
-    assert pipeline.filter.preprocess == Preprocess(128, "shorter_crop", (0.5,) * 3, (0.5,) * 3)
-
-
-@pytest.mark.parametrize(
-    ("body", "reason"),
-    [
-        (
-            'name = "x"\n[classifier]\nkey = "c"\nweights = "w.pt"\npreprocess = { size = 3 }\n',
-            "preprocess.size must be at least 8",
-        ),
-        ('name = "x"\n[classifier]\nkey = "c"\nweights = "w.pt"\nsize = 3\n', "size"),
-        (
-            'name = "x"\n[detector]\nkey = "d"\nweights = "w.pt"\n[filter]\nkey = "f"\n'
-            'weights = "w.pt"\nkeep = "moth"\n',
-            "keep must be a list",
-        ),
-        ('name = "x"\n[filter]\nkey = "f"\nweights = "w.pt"\nkeep = ["a"]\n', "needs a detector"),
-        ('name = "x y"\n[classifier]\nkey = "c"\nweights = "w.pt"\n', "pipeline name"),
-        ('name = "x"\n', "neither a detector nor a classifier"),
-        ("name = ", "Invalid"),
-    ],
-)
-def test_a_bad_declaration_is_refused_naming_the_setting(tmp_path, body, reason):
-    declaration = tmp_path / "bad.toml"
-    declaration.write_text(body)
-    with pytest.raises(ConfigError, match="WORKER_MODEL__PIPELINE") as refused:
-        resolve(str(declaration))
-    assert reason in str(refused.value)
-
-
-def test_weights_that_do_not_fit_the_architecture_are_refused_with_the_stage(tmp_path):
-    weights = save_classifier("resnet18", ["a", "b"], str(tmp_path))
-    stage = Classifier("species", architecture="mobilenet_v3_small", weights=weights)
-    with pytest.raises(Exception, match="do not fit stage 'species'"):
-        load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu")
-
-
-@pytest.mark.parametrize(
-    "architecture",
-    ["resnet18", "resnet50", "mobilenet_v3_small", "mobilenet_v3_large", "convnext_tiny"],
-)
-def test_every_built_in_classifier_loads_its_saved_weights_and_classifies(tmp_path, architecture):
-    weights = save_classifier(architecture, ["a", "b"], str(tmp_path))
-    stage = Classifier("c", architecture=architecture, weights=weights, preprocess=Preprocess(32))
-    runner = load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu")
-    (detections,) = runner.run([decode(image_bytes(64, 48, seed=1), DecodePlan(size=32))])
-    assert detections[0]["classifications"][0]["classification"] in ("a", "b")
-
-
-def test_the_bytes_cap_counts_the_largest_image_a_detector_pipeline_can_load(tmp_path):
-    from config.derived import max_held_tasks
-    from config.settings import load_settings
-    from pipelines.setup import choose
-
-    weights = save_detector("fasterrcnn_mobilenet_v3_large_fpn", ["moth"], str(tmp_path))
-    per_image = 3 * 800 * 800
-    settings = load_settings(
-        model={"pipeline": "fasterrcnn-mobilenet-detector", "weights": weights},
-        loader={"max_side": 800, "batch_size": 4, "max_inflight_bytes": 6 * per_image},
-    )
-    chosen = choose(settings)
-    assert chosen.plan.max_image_bytes() == per_image
-    assert max_held_tasks(settings, chosen.plan.max_image_bytes()) == 6
-    with pytest.raises(ConfigError, match="MAX_INFLIGHT_BYTES"):
-        choose(
-            settings.model_copy(
-                update={"loader": settings.loader.model_copy(update={"max_side": 2000})}
-            )
-        )
-
-
 def test_a_detector_alone_reports_each_box_with_its_class_and_score(toy):
     detector = resolve("toy_moths:moths").detector
     runner = load_runner(Pipeline("boxes", detector=detector), SourceConfig(), "cpu")
@@ -308,39 +169,6 @@ def test_a_detector_alone_reports_each_box_with_its_class_and_score(toy):
         (only,) = d["classifications"]
         assert (only["classification"], only["scores"], only["terminal"]) == ("thing", [1.0], True)
         assert only["algorithm"] == {"name": "Bright boxes", "key": "bright-boxes"}
-
-
-def test_a_filter_keeping_a_label_it_does_not_have_is_refused_at_load(toy):
-    from dataclasses import replace
-
-    pipeline = resolve("toy_moths:moths")
-    assert pipeline.filter is not None
-    broken = replace(pipeline, filter=replace(pipeline.filter, keep=("moth",)))
-    with pytest.raises(ConfigError, match="keeps labels it does not have"):
-        load_runner(broken, SourceConfig(), "cpu")
-
-
-def test_a_classifier_whose_output_does_not_fit_its_labels_fails_the_start(toy):
-    stage = Classifier("c", architecture=toy.seeded_classifier, labels=("a", "b"))
-    wrong = Classifier("c", architecture=lambda _n: toy.seeded_classifier(5), labels=("a", "b"))
-    load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu")
-    with pytest.raises(ConfigError, match=r"logits of shape \(2, 5\) for 2 images and 2 labels"):
-        load_runner(Pipeline("p", classifier=wrong), SourceConfig(), "cpu")
-
-
-def test_total_time_is_the_tasks_time_not_a_sum_of_overlapping_timings():
-    task = Task("t", "j", "i", "s3://b/k")
-    result = make_result(
-        task=task,
-        pipeline="p",
-        detections=[],
-        error=None,
-        model={},
-        timings_s={"load_s": 0.2, "infer_s": 0.3, "total_s": 0.6},
-        worker={},
-        attempt=1,
-    )
-    assert result["response"]["total_time"] == 0.6
 
 
 def test_jpegs_left_encoded_for_the_device_give_the_same_boxes_through_the_cpu_fallback(toy):
@@ -362,37 +190,6 @@ def test_jpegs_left_encoded_for_the_device_give_the_same_boxes_through_the_cpu_f
         return sorted(tuple(d["bbox"].values()) for d in detections)
 
     assert boxes(encoded) == boxes(usual) and len(boxes(usual)) == 3
-
-
-def test_a_corrupt_jpeg_left_encoded_fails_alone_as_a_corrupt_image():
-    from tests.unit.test_engine import FlakyLoader, submit
-    from worker.commands.demo_images import truncated_bytes
-    from worker.engine import Engine
-
-    broken = decode(truncated_bytes(640, 480), DecodePlan(max_side=800, encoded=True))
-    good = decode(image_bytes(640, 480, seed=1), DecodePlan(max_side=800, encoded=True))
-    assert broken.encoded is not None and good.encoded is not None
-
-    class Handing(FlakyLoader):
-        def next_loaded(self):
-            from datasets.loader import Loaded
-
-            request = self.queue.pop(0)
-            return Loaded(request.key, broken if request.key == 1 else good, None, 0.0, 1)
-
-    class Counting(FakePredictor):
-        def run(self, images, while_running=None):
-            from pipelines.device import decode_on_device
-
-            for image in images:
-                decode_on_device(image, torch.device("cpu"), 800)
-            return [[] for _ in images]
-
-    engine = Engine(Handing(), Counting())  # type: ignore[arg-type]
-    submit(engine, [1, 2])
-    outcomes = engine.run_batch([1, 2]).outcomes
-    assert outcomes[2].ok
-    assert outcomes[1].failure is not None and outcomes[1].failure.kind == "corrupt_image"
 
 
 def _traced(runner, events):

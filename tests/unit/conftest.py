@@ -1,0 +1,18 @@
+"""Fixtures of the unit tests: the toy plugin pipelines (tests/plugin/toy_moths)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+PLUGIN = Path(__file__).parents[1] / "plugin"
+
+
+@pytest.fixture
+def toy(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(PLUGIN))
+    import toy_moths
+
+    monkeypatch.setenv("TOY_MOTHS_WEIGHTS", toy_moths.colour_weights(str(tmp_path / "colour.pt")))
+    return toy_moths
