@@ -219,34 +219,25 @@ def _s3_attempt(
 ) -> bytes:
     """One GET of the object, its errors sorted: permanent, worth another attempt
     (``RetryableRead``), or transient."""
-    from botocore.exceptions import (
-        BotoCoreError,
-        ClientError,
-        ConnectionClosedError,
-        ConnectTimeoutError,
-        EndpointConnectionError,
-        IncompleteReadError,
-        ParamValidationError,
-        ReadTimeoutError,
-        ResponseStreamingError,
-    )
+    from botocore import exceptions as boto
 
     try:
-        return _s3_get(bucket, key, shown, config, max_bytes, reading, cutoff)
-    except ParamValidationError as error:
+        response = s3_client(config).get_object(Bucket=bucket, Key=key)
+        return _s3_body(response, shown, max_bytes, reading, cutoff)
+    except boto.ParamValidationError as error:
         raise PermanentError(f"invalid S3 location {shown}: {error}", kind="invalid_uri") from None
-    except ClientError as error:
+    except boto.ClientError as error:
         raise _s3_answered(error.response, shown) from None
-    except (ReadTimeoutError, ConnectTimeoutError) as error:
-        waited = "no connection" if isinstance(error, ConnectTimeoutError) else "no byte"
+    except (boto.ReadTimeoutError, boto.ConnectTimeoutError) as error:
+        waited = "no connection" if isinstance(error, boto.ConnectTimeoutError) else "no byte"
         raise RetryableRead(
             f"S3: {waited} in time for {shown}", kind="s3_unavailable", reason="stalled"
         ) from None
     except (
-        EndpointConnectionError,
-        ConnectionClosedError,
-        IncompleteReadError,
-        ResponseStreamingError,
+        boto.EndpointConnectionError,
+        boto.ConnectionClosedError,
+        boto.IncompleteReadError,
+        boto.ResponseStreamingError,
         OSError,
         ValueError,
     ) as error:
@@ -257,23 +248,16 @@ def _s3_attempt(
             kind="s3_unavailable",
             reason="unavailable",
         ) from None
-    except BotoCoreError as error:  # credentials, configuration: another attempt will not help
+    except boto.BotoCoreError as error:  # credentials, configuration: another attempt will not help
         raise TransientError(
             f"S3 client error for {shown}: {type(error).__name__}", kind="s3_unavailable"
         ) from None
 
 
-def _s3_get(
-    bucket: str,
-    key: str,
-    shown: str,
-    config: SourceConfig,
-    max_bytes: int | None,
-    reading: Reading,
-    cutoff: Cutoff,
+def _s3_body(
+    response: Mapping[str, Any], shown: str, max_bytes: int | None, reading: Reading, cutoff: Cutoff
 ) -> bytes:
-    """The object's bytes: its size checked and admitted before the body is read."""
-    response = s3_client(config).get_object(Bucket=bucket, Key=key)
+    """A GET's body: its size checked and admitted before it is read."""
     declared = response.get("ContentLength")
     size = int(declared) if declared is not None else (max_bytes or 0)
     body = response["Body"]

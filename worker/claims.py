@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import structlog
@@ -34,9 +34,15 @@ class Claim:
 
 
 class Claims:
-    def __init__(self, max_held: int, liveness: Liveness) -> None:
+    def __init__(
+        self,
+        max_held: int,
+        liveness: Liveness,
+        give_back: Callable[[Delivery], Awaitable[None]],
+    ) -> None:
         self.max_held = max_held
         self._liveness = liveness
+        self._give_back = give_back  # the delivery rules' (``Settler.give_back``)
         self._held: dict[int, Claim] = {}
         self._keys = itertools.count()
         self._space = asyncio.Event()
@@ -78,17 +84,18 @@ class Claims:
             await best_effort(held.msg.in_progress())
 
     async def give_back(self, held: list[Claim], reason: str) -> None:
-        """Nak now, so the tasks are redelivered at once (to another worker, on a drain)."""
+        """Given back now (the delivery rules nak them), so the tasks are redelivered at once
+        (to another worker, on a drain)."""
         if not held:
             return
         for h in held:
-            await best_effort(h.msg.nak())
+            await self._give_back(h.msg)
         self.release(held)
         log.info("tasks_given_back", count=len(held), reason=reason)
 
 
 async def best_effort(action: Awaitable[None]) -> None:
-    """Await a nak or in_progress; one that fails can only have failed in the transport
+    """Await an in_progress; one that fails can only have failed in the transport
     (connection gone, timeout), and then the ack wait brings the message back anyway."""
     try:
         await action

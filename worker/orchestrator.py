@@ -30,7 +30,7 @@ from config.errors import LoaderGaveUp
 from config.settings import Settings
 from worker.admission import Admission
 from worker.batches import Batches
-from worker.claims import Claim, Claims, best_effort
+from worker.claims import Claim, Claims
 from worker.exits import STOPPED, Exit, ExitReason
 from worker.health.liveness import Liveness
 from worker.health.metrics import Metrics
@@ -63,7 +63,11 @@ class Worker:
     def __init__(self, settings: Settings, services: Services, *, until_idle: bool = False):
         self.settings = settings
         self.s = services
-        self.claims = Claims(max_held_tasks(settings, services.image_bytes), services.liveness)
+        self.claims = Claims(
+            max_held_tasks(settings, services.image_bytes),
+            services.liveness,
+            services.settler.give_back,
+        )
         self.admission = Admission(services.settler, services.store, self.claims)
         observer = BatchObserver(
             services.metrics,
@@ -138,10 +142,10 @@ class Worker:
         self.s.metrics.batch_seconds.labels("store").observe(time.perf_counter() - started)
         await self.claims.keep_alive()
 
-    async def _settle_one(self, held: Claim, verdict: Outcome) -> None:
+    async def _settle_one(self, held: Claim, outcome: Outcome) -> None:
         total_s = time.monotonic() - held.fetched_at
-        timings_s = {**verdict.timings_s, "total_s": total_s}
-        timed = Outcome(verdict.detections, verdict.failure, timings_s)
+        timings_s = {**outcome.timings_s, "total_s": total_s}
+        timed = Outcome(outcome.detections, outcome.failure, timings_s)
         try:
             await self.s.settler.settle(held.task, held.msg, held.delivered, timed)
         except Exception:  # the per-task boundary: logged; its ack wait brings it back
@@ -196,7 +200,7 @@ class Worker:
         leftovers = await self.s.source.close()
         await self.claims.give_back(self.batches.stop(), "shutting down")
         for msg in leftovers:
-            await best_effort(msg.nak())
+            await self.s.settler.give_back(msg)
         if leftovers:
             log.info(
                 "tasks_given_back", count=len(leftovers), reason="delivered after the last fetch"

@@ -147,17 +147,7 @@ def parse_task(data: bytes, subject: str = "") -> Task:
     payload = _decode_json(data)
     if not isinstance(payload, dict):
         raise Undeliverable(f"expected a JSON object, got {type(payload).__name__}")
-    task_id, why_task = _id_text(payload.get("id"), MAX_ID_BYTES)
-    if task_id is None:
-        raise Undeliverable(f"'id' is unusable: {why_task}")
-    in_subject = subject_job(subject)
-    if in_subject is not None and _id_text(in_subject, MAX_ID_BYTES)[0] is not None:
-        job_id = in_subject
-    else:
-        job_text, why_job = _id_text(payload.get("job_id"), MAX_ID_BYTES)
-        if job_text is None:
-            raise Undeliverable(f"'job_id' is unusable and the subject names no job: {why_job}")
-        job_id = job_text
+    task_id, job_id = _named(payload, subject)
     image_id, why_image = _id_text(payload.get("image_id"), MAX_IMAGE_ID_BYTES)
     reply = payload.get("reply_subject")
     reply_ok = reply is None or (isinstance(reply, str) and bool(_REPLY_SUBJECT.fullmatch(reply)))
@@ -178,16 +168,9 @@ def parse_task(data: bytes, subject: str = "") -> Task:
     url = payload.get("image_url")
     if not isinstance(url, str):
         raise invalid(f"'image_url' must be a string URI, got {type(url).__name__}")
-    if len(url) > MAX_URL_CHARS:
-        raise invalid(f"'image_url' is {len(url)} characters long, over {MAX_URL_CHARS}")
-    if (
-        not url.startswith(URI_SCHEMES)
-        or _id_text(url, 4 * MAX_URL_CHARS)[0] is None
-        or any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url)
-    ):
-        raise invalid(
-            f"'image_url' must be an s3://, http(s):// or file:// URI, got {redact_url(url)!r}"
-        )
+    why_url = _url_problem(url)
+    if why_url is not None:
+        raise invalid(why_url)
     config = payload.get("config") or {}
     if not isinstance(config, dict):
         raise invalid("'config' must be a JSON object when given")
@@ -197,6 +180,34 @@ def parse_task(data: bytes, subject: str = "") -> Task:
             "printable characters when given"
         )
     return Task(task_id, job_id, image_id, url, config, reply, subject_pipeline(subject))
+
+
+def _named(payload: dict[str, Any], subject: str) -> tuple[str, str]:
+    """The task's id and its job's (the subject's, else the task's ``job_id``); Undeliverable
+    when either is unusable."""
+    task_id, why_task = _id_text(payload.get("id"), MAX_ID_BYTES)
+    if task_id is None:
+        raise Undeliverable(f"'id' is unusable: {why_task}")
+    in_subject = subject_job(subject)
+    if in_subject is not None and _id_text(in_subject, MAX_ID_BYTES)[0] is not None:
+        return task_id, in_subject
+    job_id, why_job = _id_text(payload.get("job_id"), MAX_ID_BYTES)
+    if job_id is None:
+        raise Undeliverable(f"'job_id' is unusable and the subject names no job: {why_job}")
+    return task_id, job_id
+
+
+def _url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a task's ``image_url``, or None when it can."""
+    if len(url) > MAX_URL_CHARS:
+        return f"'image_url' is {len(url)} characters long, over {MAX_URL_CHARS}"
+    if (
+        not url.startswith(URI_SCHEMES)
+        or _id_text(url, 4 * MAX_URL_CHARS)[0] is None
+        or any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url)
+    ):
+        return f"'image_url' must be an s3://, http(s):// or file:// URI, got {redact_url(url)!r}"
+    return None
 
 
 def make_result(

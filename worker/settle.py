@@ -86,16 +86,17 @@ class Settler:
         default_factory=lambda: {"host": socket.gethostname(), "pid": os.getpid()}
     )
 
-    async def settle(self, task: Task, msg: Delivery, delivered: int, verdict: Outcome) -> str:
-        """Store-then-ack, or nak; returns the outcome counted (ok, error, retried, ...)."""
+    async def settle(self, task: Task, msg: Delivery, delivered: int, outcome: Outcome) -> str:
+        """Store-then-ack, or nak, for the engine's ``outcome``; returns what is counted (ok,
+        error, retried, ...)."""
         bound = log.bind(task_id=task.id, job_id=task.job_id, attempt=delivered)
-        if verdict.retryable and delivered < self.max_deliver:
-            return await self._retry(msg, delivered, bound, verdict.failure)
-        if verdict.failure is not None and verdict.retryable:
-            last = verdict.failure.message or verdict.failure.kind
+        if outcome.retryable and delivered < self.max_deliver:
+            return await self._retry(msg, delivered, bound, outcome.failure)
+        if outcome.failure is not None and outcome.retryable:
+            last = outcome.failure.message or outcome.failure.kind
             message = f"deliveries ran out after {delivered} attempts; last error: {last}"
-            verdict = replace(verdict, failure=replace(verdict.failure, message=message))
-        result = self.result(task, delivered, verdict)
+            outcome = replace(outcome, failure=replace(outcome.failure, message=message))
+        result = self.result(task, delivered, outcome)
         try:
             result = await self._store_or_smaller(result, task, delivered)
         except ResultRefused as refused:
@@ -105,10 +106,10 @@ class Settler:
                 msg, delivered, bound, failure, "result", "stores an error result for it"
             )
         await _settle_message(msg.ack, bound)
-        outcome = result["status"]
-        self.count(outcome)
+        status = str(result["status"])
+        self.count(status)
         _log_done(bound, result)
-        return str(outcome)
+        return status
 
     async def already_stored(self, msg: Delivery, task: Task) -> None:
         """A redelivered task whose result is stored (its ack was lost): ack only."""
@@ -229,15 +230,15 @@ class Settler:
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, _STORE_RETRY_MAX_S)
 
-    def result(self, task: Task, delivered: int, verdict: Outcome) -> dict[str, Any]:
-        error = verdict.failure.as_dict() if verdict.failure is not None else None
+    def result(self, task: Task, delivered: int, outcome: Outcome) -> dict[str, Any]:
+        error = outcome.failure.as_dict() if outcome.failure is not None else None
         return make_result(
             task=task,
             pipeline=self.pipeline,
-            detections=verdict.detections,
+            detections=outcome.detections,
             error=error,
             model=self.model,
-            timings_s=verdict.timings_s,
+            timings_s=outcome.timings_s,
             worker=self.worker_id,
             attempt=delivered,
         )

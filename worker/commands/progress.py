@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -167,33 +167,19 @@ async def watch_job(
         return progress
     counter = ResultCounter(js, settings, job_id)
     await counter.open()
-    deadline = clock() + timeout_s
-    last_line = -interval_s
-    refreshes = 0
+
+    async def recount() -> int:
+        return await job_task_count(js, settings, job_id)
+
     try:
-        while True:
-            try:
-                await counter.read(progress, wait_s=min(interval_s, max(0.05, deadline - clock())))
-                refreshes += 1
-                if refreshes == 1:
-                    progress.done_at_start = progress.done
-                if expected is None and refreshes % _RECOUNT_EVERY == 0:
-                    progress.total = max(progress.total, await job_task_count(js, settings, job_id))
-            except (nats.errors.Error, TimeoutError) as error:
-                out.write(f"\nNATS: {type(error).__name__}; still following until the timeout\n")
-                await asyncio.sleep(min(interval_s, max(0.0, deadline - clock())))
-            progress.total = max(progress.total, progress.done)
-            now = clock()
-            finished = progress.missing == 0
-            if tty:
-                out.write("\r\x1b[K" + render(progress, now, tty=True))
-                out.flush()
-            elif now - last_line >= interval_s or finished or now >= deadline:
-                out.write(render(progress, now, tty=False) + "\n")
-                out.flush()
-                last_line = now
-            if finished or now >= deadline:
-                break
+        await _follow(
+            counter,
+            progress,
+            _Drawing(out, tty, interval_s),
+            deadline=clock() + timeout_s,
+            clock=clock,
+            recount=recount if expected is None else None,
+        )
     finally:
         await counter.close()
     if tty:
@@ -201,3 +187,57 @@ async def watch_job(
     out.write(f"job {job_id}: {progress.summary()}\n")
     out.flush()
     return progress
+
+
+class _Drawing:
+    """Progress on ``out``: redrawn in place on a terminal, else one line per interval (and
+    the last one)."""
+
+    def __init__(self, out: TextIO, tty: bool, interval_s: float) -> None:
+        self.out = out
+        self.tty = tty
+        self.interval_s = interval_s
+        self._last_line_s = -interval_s
+
+    def draw(self, progress: Progress, now: float, last: bool) -> None:
+        if self.tty:
+            self.out.write("\r\x1b[K" + render(progress, now, tty=True))
+            self.out.flush()
+        elif now - self._last_line_s >= self.interval_s or last:
+            self.out.write(render(progress, now, tty=False) + "\n")
+            self.out.flush()
+            self._last_line_s = now
+
+
+async def _follow(
+    counter: ResultCounter,
+    progress: Progress,
+    drawing: _Drawing,
+    *,
+    deadline: float,
+    clock: Callable[[], float],
+    recount: Callable[[], Awaitable[int]] | None,
+) -> None:
+    """Count results and draw until every task has one or ``deadline`` passes; the job's
+    tasks are counted again now and then when ``recount`` is given."""
+    interval_s = drawing.interval_s
+    refreshes = 0
+    while True:
+        try:
+            await counter.read(progress, wait_s=min(interval_s, max(0.05, deadline - clock())))
+            refreshes += 1
+            if refreshes == 1:
+                progress.done_at_start = progress.done
+            if recount is not None and refreshes % _RECOUNT_EVERY == 0:
+                progress.total = max(progress.total, await recount())
+        except (nats.errors.Error, TimeoutError) as error:
+            drawing.out.write(
+                f"\nNATS: {type(error).__name__}; still following until the timeout\n"
+            )
+            await asyncio.sleep(min(interval_s, max(0.0, deadline - clock())))
+        progress.total = max(progress.total, progress.done)
+        now = clock()
+        finished = progress.missing == 0
+        drawing.draw(progress, now, last=finished or now >= deadline)
+        if finished or now >= deadline:
+            return

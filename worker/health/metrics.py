@@ -24,26 +24,7 @@ class Metrics:
         nats_connected: Callable[[], bool] = lambda: True,
     ) -> None:
         self.registry = registry
-        Gauge(
-            f"{PREFIX}_nats_connected",
-            "1 while the NATS connection is up; 0 while reconnecting or closed.",
-            registry=registry,
-        ).set_function(lambda: 1.0 if nats_connected() else 0.0)
-        Gauge(
-            f"{PREFIX}_last_progress_timestamp_seconds",
-            "Unix time of the last completed batch, or of the last moment no work was held.",
-            registry=registry,
-        ).set_function(liveness.last_progress)
-        Gauge(
-            f"{PREFIX}_inflight_tasks",
-            "Tasks held: fetched, not yet acked or naked.",
-            registry=registry,
-        ).set_function(lambda: liveness.held)
-        Gauge(
-            f"{PREFIX}_stalled",
-            "1 while tasks are held and no batch has completed for the stall timeout.",
-            registry=registry,
-        ).set_function(lambda: 1.0 if liveness.stalled_reason() else 0.0)
+        _state_gauges(registry, liveness, nats_connected)
         self.tasks = Counter(
             f"{PREFIX}_tasks",
             "Tasks settled, by outcome (ok, error, retried, dead_lettered).",
@@ -76,6 +57,32 @@ class Metrics:
             "DataLoader rebuilds after a timeout or a dead loader child.",
             registry=registry,
         )
+
+
+def _state_gauges(
+    registry: CollectorRegistry, liveness: Liveness, nats_connected: Callable[[], bool]
+) -> None:
+    """The gauges read at each scrape: the connection, progress, tasks held, stalled."""
+    Gauge(
+        f"{PREFIX}_nats_connected",
+        "1 while the NATS connection is up; 0 while reconnecting or closed.",
+        registry=registry,
+    ).set_function(lambda: 1.0 if nats_connected() else 0.0)
+    Gauge(
+        f"{PREFIX}_last_progress_timestamp_seconds",
+        "Unix time of the last completed batch, or of the last moment no work was held.",
+        registry=registry,
+    ).set_function(liveness.last_progress)
+    Gauge(
+        f"{PREFIX}_inflight_tasks",
+        "Tasks held: fetched, not yet acked or naked.",
+        registry=registry,
+    ).set_function(lambda: liveness.held)
+    Gauge(
+        f"{PREFIX}_stalled",
+        "1 while tasks are held and no batch has completed for the stall timeout.",
+        registry=registry,
+    ).set_function(lambda: 1.0 if liveness.stalled_reason() else 0.0)
 
 
 class DeviceCollector:

@@ -31,7 +31,7 @@ class BatchObserver:
 
     def batch_done(self, size: int, report: BatchReport) -> None:
         m = self._metrics
-        ok = sum(1 for verdict in report.outcomes.values() if verdict.ok)
+        ok = sum(1 for outcome in report.outcomes.values() if outcome.ok)
         self._liveness.batch_completed()
         m.batches.inc()
         m.images.inc(ok)
