@@ -145,12 +145,18 @@ def test_sigkill_mid_job_and_a_restart_lose_nothing_antenna_would_not_redeliver(
         proc = start(env, log)
         try:
             wait_for(lambda: len(fake.jobs[job].done) >= 4, 120, "4 images saved", log)
+            fake.results_unavailable = True  # what it holds now stays held until the kill
+            seen = len(fake.requests)
+            wait_for(
+                lambda: any(r[2] == 503 for r in fake.requests[seen:]), 60, "a result held", log
+            )
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=10)
             held = {
                 t.image_id for t in fake.jobs[job].tasks.values() if t.delivered and not t.acked
             }
             assert held, "the killed process held no reservation"
+            fake.results_unavailable = False
             proc = start(env, log)
             wait_for(lambda: fake.jobs[job].status == "SUCCESS", 180, "the job done", log)
         finally:
@@ -200,3 +206,60 @@ def test_a_small_job_behind_a_large_one_finishes_long_before_it(
     times = antenna.jobs[large].result_times
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert max(gaps) < 30  # the large job kept getting results while the small one ran
+
+
+def test_sigterm_posts_what_is_finished_reserves_nothing_more_and_metrics_show_antenna(
+    model_path: str, tmp_path: Path
+) -> None:
+    import urllib.request
+
+    from worker.commands.localservers import free_port
+
+    fake = FakeAntenna(token=TOKEN, ttr_s=6.0)
+    with fake.running():
+        registered(fake, model_path)
+        images = add_images(fake, "t", 40)
+        job = fake.add_job(PIPELINE, images)
+        port = free_port()
+        env = env_for(
+            fake,
+            model_path,
+            WORKER_ANTENNA__TTR_S="6",
+            WORKER_HEALTH__DRAIN_TIMEOUT_S="4",
+            WORKER_METRICS__PORT=str(port),
+            WORKER_LOADER__BATCH_SIZE="2",
+        )
+        log = tmp_path / "worker.log"
+        proc = start(env, log)
+        try:
+            wait_for(lambda: len(fake.jobs[job].done) >= 4, 120, "4 images saved", log)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+                metrics = answer.read().decode()
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as answer:
+                assert answer.status == 200
+            proc.send_signal(signal.SIGTERM)
+            stopped_at = len(fake.requests)
+            assert proc.wait(timeout=30) == 0, log.read_text()[-4000:]
+        finally:
+            stop_process(proc)
+        after = fake.requests[stopped_at:]
+        assert sum(1 for m, path, _ in after if path.endswith("/tasks/")) <= 1  # one in flight
+        assert 'inference_worker_antenna_requests_total{endpoint="tasks",status="200"}' in metrics
+        assert "inference_worker_antenna_oldest_reservation_seconds_left" in metrics
+        held = {t.image_id for t in fake.jobs[job].tasks.values() if t.delivered and not t.acked}
+        text = log.read_text()
+        assert all(f'"image_id": "{image}"' in text for image in held)  # each said in the log
+        assert TOKEN not in text
+        # What was left comes back from Antenna: a second worker finishes the job.
+        proc = start(
+            env_for(
+                fake, model_path, WORKER_ANTENNA__TTR_S="6", WORKER_HEALTH__DRAIN_TIMEOUT_S="4"
+            ),
+            log,
+        )
+        try:
+            wait_for(lambda: fake.jobs[job].status == "SUCCESS", 180, "the job done", log)
+        finally:
+            stop_process(proc)
+        assert fake.lost(job) == set()
+        assert saved_once(fake, job, images) == {image: 1 for image, _ in images}
