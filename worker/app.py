@@ -16,12 +16,14 @@ from prometheus_client import CollectorRegistry
 
 from config.derived import (
     chosen_device,
+    healthz_port,
     max_held_tasks,
     metrics_port,
     object_deadline_s,
     torch_threads,
 )
 from config.errors import ConfigError, PermanentError
+from config.names import env_name
 from config.settings import Settings
 from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.sources import SourceConfig
@@ -121,6 +123,8 @@ class WorkerApp:
         self.nc: Any = None
         self.engine: Engine | None = None
         self.health: HealthServer | None = None
+        self.registry = CollectorRegistry()
+        self._unhealthy: Callable[[], str | None] = lambda: "starting: not serving tasks yet"
         self.worker: Worker | None = None
         self.feed: TaskFeed | None = None
         self.connection = ConnectionState()
@@ -130,6 +134,7 @@ class WorkerApp:
 
     async def start(self) -> None:
         s = self.settings
+        self._listen()  # first: a port another process holds ends the start at once (exit 2)
         liveness = Liveness(
             s.health.stall_timeout_s,
             watchdog=Watchdog(s.health.watchdog_timeout_s) if s.health.watchdog_timeout_s else None,
@@ -159,7 +164,14 @@ class WorkerApp:
             loader_pids=engine.loader.child_pids(),
             max_deliver=getattr(services.settler, "max_deliver", None),
             metrics_port=self.health.port if self.health else 0,
+            healthz_port=self.health.healthz_port if self.health else 0,
         )
+
+    def _collect_engine(self, metrics: Metrics, engine: Engine, runner: Runner) -> None:
+        metrics.registry.register(
+            DeviceCollector(lambda: memory_bytes(runner.device), lambda: engine.out_of_memory)
+        )
+        metrics.registry.register(ReadsCollector(engine.reads, lambda: dict(engine.read_retries)))
 
     async def _nats_services(
         self, liveness: Liveness, chosen: Chosen, engine: Engine, runner: Runner
@@ -169,7 +181,8 @@ class WorkerApp:
         await publish_algorithms(
             self.nc.jetstream(), s.nats, [a.config() for a in runner.algorithms()]
         )
-        metrics = self._build_health(liveness, engine, runner)
+        metrics = self._build_health(liveness, engine.loader.child_pids)
+        self._collect_engine(metrics, engine, runner)
         settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
         settler.completed_twice = metrics.results_already_stored.inc
         return Services(
@@ -195,8 +208,11 @@ class WorkerApp:
         s = self.settings
         self.antenna = parts = AntennaParts.build(s, served(chosen.pipeline, runner.algorithms()))
         metrics = self._build_health(
-            liveness, engine, runner, lambda: parts.problem(s.health.disconnected_timeout_s)
+            liveness,
+            engine.loader.child_pids,
+            lambda: parts.problem(s.health.disconnected_timeout_s),
         )
+        self._collect_engine(metrics, engine, runner)
         parts.attach(metrics.registry)
         parts.rules.count = lambda outcome: metrics.tasks.labels(outcome).inc()
         return Services(
@@ -282,36 +298,50 @@ class WorkerApp:
         settler = Settler(js, store, s.nats, pipeline, model, max_deliver)
         return self.feed, store, settler
 
+    def _listen(self) -> None:
+        """/metrics and /healthz, and healthwatch's loopback /healthz, when a port is set:
+        bound before the model loads, answering ``starting`` (503) until the worker is built."""
+        s = self.settings
+        port = metrics_port(s)
+        if not port:
+            return
+        try:
+            self.health = HealthServer(
+                s.metrics.host,
+                port,
+                self.registry,
+                lambda: self._unhealthy(),
+                healthz_port=healthz_port(s),
+            )
+        except OSError as error:
+            raise ConfigError(
+                f"{env_name('metrics', 'port')}: {error.strerror or error} (another process "
+                f"holds the port, or {env_name('metrics', 'host')} is not this host's address)"
+            ) from None
+        self.health.start()
+
     def _build_health(
         self,
         liveness: Liveness,
-        engine: Engine,
-        runner: Runner,
+        loader_pids: Callable[[], list[int]],
         source_problem: Callable[[], str | None] | None = None,
     ) -> Metrics:
-        """Metrics in one registry; /metrics and /healthz when a port is set. ``source_problem``
-        says why the task source is unhealthy (the NATS connection's, by default)."""
+        """Metrics in the registry the listeners serve; /healthz from now on says how the
+        worker is. ``source_problem``: why the task source is unhealthy (by default, the NATS
+        connection's)."""
         s = self.settings
-        registry = CollectorRegistry()
         connection = self.connection
-        metrics = Metrics(registry, liveness, connection.connected)
-        registry.register(ProcessTreeCollector(PREFIX, engine.loader.child_pids))
-        registry.register(
-            DeviceCollector(lambda: memory_bytes(runner.device), lambda: engine.out_of_memory)
-        )
-        registry.register(ReadsCollector(engine.reads, lambda: dict(engine.read_retries)))
         problem = source_problem or (lambda: connection.problem(s.health.disconnected_timeout_s))
-        port = metrics_port(s)
-        if port:
+        metrics = Metrics(self.registry, liveness, connection.connected)
+        self.registry.register(ProcessTreeCollector(PREFIX, loader_pids))
 
-            def unhealthy() -> str | None:
-                stalled = liveness.stalled_reason()
-                if stalled:
-                    return f"stalled: {stalled}"
-                return problem()
+        def unhealthy() -> str | None:
+            stalled = liveness.stalled_reason()
+            if stalled:
+                return f"stalled: {stalled}"
+            return problem()
 
-            self.health = HealthServer(s.metrics.host, port, registry, unhealthy)
-            self.health.start()
+        self._unhealthy = unhealthy
         return metrics
 
     def _with_faults(self, engine: Engine) -> BatchEngine:
