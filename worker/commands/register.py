@@ -8,6 +8,7 @@ import sys
 
 from config.settings import Settings
 from worker.antenna.results import Served
+from worker.exits import CommandExit
 
 
 def _served(settings: Settings) -> Served:
@@ -36,13 +37,13 @@ async def register_command(settings: Settings) -> int:
         projects = project_ids(a.project_ids)
     except ValueError as error:
         print(f"config error: {error}", file=sys.stderr)
-        return 2
+        return CommandExit.CONFIG
     if not a.base_url or not projects:
         print(
             "config error: register needs WORKER_ANTENNA__BASE_URL and WORKER_ANTENNA__PROJECT_IDS",
             file=sys.stderr,
         )
-        return 2
+        return CommandExit.CONFIG
     pipeline = await asyncio.to_thread(_served, settings)
     client = AntennaClient(a.base_url, a.token, a.request_timeout_s)
     lines = await register(client, [pipeline], projects, a.service_name)
@@ -50,4 +51,4 @@ async def register_command(settings: Settings) -> int:
         print(line if ok else f"not registered: {line}", file=sys.stdout if ok else sys.stderr)
     for algorithm in pipeline.config()["algorithms"]:
         print(f"algorithm {algorithm['key']} ({algorithm['task_type']})")
-    return 0 if all(ok for ok, _ in lines) else 1
+    return CommandExit.OK if all(ok for ok, _ in lines) else CommandExit.FAILED
