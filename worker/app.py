@@ -120,6 +120,7 @@ class WorkerApp:
         self.connection = ConnectionState()
         self.device = "cpu"
         self._loader: StreamingLoader | None = None
+        self.antenna: Any = None  # worker.antenna.wiring.AntennaParts with WORKER_SOURCE=antenna
 
     async def start(self) -> None:
         s = self.settings
@@ -137,6 +138,36 @@ class WorkerApp:
             os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # index as nvidia-smi's
         chosen = self._choose()  # ConfigError before anything starts
         engine, served = await self._build_engine(liveness, chosen)
+        if s.source == "antenna":
+            services = await self._antenna_services(liveness, chosen, engine, served)
+        else:
+            services = await self._nats_services(liveness, chosen, engine, served)
+        self.worker = Worker(s, services, until_idle=self.until_idle)
+        log.info(
+            "worker_started",
+            source=s.source,
+            pipelines=served.names,
+            loaded=served.cache.resident(),
+            memory_budget_bytes=served.cache.budget_bytes,
+            loader_pids=engine.loader.child_pids(),
+            max_deliver=getattr(services.settler, "max_deliver", None),
+            metrics_port=self.health.port if self.health else 0,
+            healthz_port=self.health.healthz_port if self.health else 0,
+        )
+
+    def _collect_engine(self, metrics: Metrics, engine: Engine, served: Served) -> None:
+        metrics.registry.register(
+            DeviceCollector(
+                lambda: memory_bytes(resolve_device(self.device)), lambda: engine.out_of_memory
+            )
+        )
+        metrics.registry.register(ReadsCollector(engine.reads, lambda: dict(engine.read_retries)))
+        metrics.registry.register(ModelsCollector(served.cache, served.names))
+
+    async def _nats_services(
+        self, liveness: Liveness, chosen: list[Chosen], engine: Engine, served: Served
+    ) -> Services:
+        s = self.settings
         feed, store, settler = await self._build_transport(served)
         js = self.nc.jetstream()
 
@@ -148,13 +179,7 @@ class WorkerApp:
         for name in served.names:  # those loaded at start
             await loaded(name)
         metrics = self._build_health(liveness, engine.loader.child_pids)
-        metrics.registry.register(
-            DeviceCollector(
-                lambda: memory_bytes(resolve_device(self.device)), lambda: engine.out_of_memory
-            )
-        )
-        metrics.registry.register(ReadsCollector(engine.reads, lambda: dict(engine.read_retries)))
-        metrics.registry.register(ModelsCollector(served.cache, served.names))
+        self._collect_engine(metrics, engine, served)
         settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
         settler.completed_twice = metrics.results_already_stored.inc
         helpers: list[tuple[str, Any]] = [
@@ -162,7 +187,7 @@ class WorkerApp:
         ]
         if s.model.idle_unload_s > 0:
             helpers.append(("idle-unload", self._unloading_idle(served)))
-        services = Services(
+        return Services(
             source=feed,
             store=store,
             settler=settler,
@@ -176,16 +201,43 @@ class WorkerApp:
             image_bytes=max(c.plan.max_image_bytes() for c in chosen),
             loaded=loaded,
         )
-        self.worker = Worker(s, services, until_idle=self.until_idle)
-        log.info(
-            "worker_started",
-            pipelines=served.names,
-            loaded=served.cache.resident(),
-            memory_budget_bytes=served.cache.budget_bytes,
-            loader_pids=engine.loader.child_pids(),
-            max_deliver=settler.max_deliver,
-            metrics_port=self.health.port if self.health else 0,
-            healthz_port=self.health.healthz_port if self.health else 0,
+
+    async def _antenna_services(
+        self, liveness: Liveness, chosen: list[Chosen], engine: Engine, served: Served
+    ) -> Services:
+        """Antenna's HTTP task API as the source (worker/antenna/): no NATS connection. It
+        serves one pipeline (a settings rule), loaded at start: its algorithm keys and
+        category maps are what results are checked against before they are posted."""
+        from worker.antenna.wiring import AntennaParts
+        from worker.antenna.wiring import served as antenna_served
+
+        s = self.settings
+        name = served.default
+        runner = served.loaded(name)
+        if runner is None:  # WORKER_MODEL__LOAD_AT_START=false: Antenna needs it now
+            await in_daemon_thread(_preload, served, [name])
+            runner = served.loaded(name)
+        assert runner is not None
+        pipeline = chosen[0].pipeline
+        self.antenna = parts = AntennaParts.build(s, antenna_served(pipeline, runner.algorithms()))
+        metrics = self._build_health(
+            liveness,
+            engine.loader.child_pids,
+            lambda: parts.problem(s.health.disconnected_timeout_s),
+        )
+        self._collect_engine(metrics, engine, served)
+        parts.attach(metrics.registry)
+        parts.rules.count = lambda outcome: metrics.tasks.labels(outcome).inc()
+        return Services(
+            source=parts.source,
+            store=parts.lookup,
+            settler=parts.rules,
+            engine=self._with_faults(engine),
+            engine_thread=self.engine_thread,
+            liveness=liveness,
+            metrics=metrics,
+            guard=ResourceGuard(s.guards, engine.loader.child_pids).check,
+            image_bytes=chosen[0].plan.max_image_bytes(),
         )
 
     def _choose(self) -> list[Chosen]:
@@ -319,11 +371,18 @@ class WorkerApp:
             ) from None
         self.health.start()
 
-    def _build_health(self, liveness: Liveness, loader_pids: Callable[[], list[int]]) -> Metrics:
+    def _build_health(
+        self,
+        liveness: Liveness,
+        loader_pids: Callable[[], list[int]],
+        source_problem: Callable[[], str | None] | None = None,
+    ) -> Metrics:
         """Metrics in the registry the listeners serve; /healthz from now on says how the
-        worker is."""
+        worker is. ``source_problem``: why the task source is unhealthy (by default, the NATS
+        connection's)."""
         s = self.settings
         connection = self.connection
+        problem = source_problem or (lambda: connection.problem(s.health.disconnected_timeout_s))
         metrics = Metrics(self.registry, liveness, connection.connected)
         self.registry.register(ProcessTreeCollector(PREFIX, loader_pids))
 
@@ -331,7 +390,7 @@ class WorkerApp:
             stalled = liveness.stalled_reason()
             if stalled:
                 return f"stalled: {stalled}"
-            return connection.problem(s.health.disconnected_timeout_s)
+            return problem()
 
         self._unhealthy = unhealthy
         return metrics
@@ -372,6 +431,8 @@ class WorkerApp:
             self.health.close()
         if self.feed is not None:
             await self.feed.close()
+        if self.antenna is not None:
+            await self.antenna.poster.close()
         self.connection.closing = True
         if self.nc is not None and not self.nc.is_closed:
             try:
