@@ -10,7 +10,15 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from config.errors import ConfigError
@@ -61,8 +69,28 @@ class NatsSettings(BaseModel):
     tasks_max_age_s: float = Field(7 * 24 * 3600.0, description="how long task messages are kept")
     results_max_age_s: float = Field(30 * 24 * 3600.0, description="how long results are kept")
     replicas: int = Field(1, description="stream replicas (3 on a JetStream cluster)")
+    fair_jobs: bool = Field(
+        True,
+        description="a durable consumer per job subject (tasks.<pipeline>.<job>), fetched in "
+        "rotation, so a small job is not served after a big one (README, Fair share); false: "
+        "one consumer for every served subject, in stream order",
+    )
+    job_discovery_s: float = Field(
+        1.0, description="how often new jobs are looked for on the tasks stream's subjects", gt=0
+    )
+    job_consumer_inactive_s: float = Field(
+        0.0,
+        description="a job's consumer is deleted by the server after no worker pulled from it "
+        "for this long; 0 = WORKER_NATS__TASKS_MAX_AGE_S (it outlives its job's messages)",
+        ge=0,
+    )
+    max_job_consumers: int = Field(
+        256, description="jobs a process fetches from at once (the rest wait for a slot)", ge=1
+    )
+    # JetStream reserves a stream's max_bytes on its server's disk when the stream is made,
+    # and refuses the stream when the reservations would not fit: the defaults stay small.
     tasks_max_bytes: int = Field(
-        8 * 1024**3,
+        1024**3,
         ge=-1,
         description="most bytes the tasks stream keeps; when full, new tasks are refused "
         "(submit fails, nothing queued is dropped); -1 = no limit",
@@ -80,13 +108,13 @@ class NatsSettings(BaseModel):
         -1, ge=-1, description="most results the results stream keeps; -1 = no limit"
     )
     dead_letter_max_bytes: int = Field(
-        1024**3,
+        256 * 1024**2,
         ge=-1,
         description="most bytes the dead-letter stream keeps (the oldest letters go first); "
         "-1 = no limit",
     )
     advisory_max_bytes: int = Field(
-        1024**3,
+        256 * 1024**2,
         ge=-1,
         description="most bytes the advisory stream keeps (the oldest go first); -1 = no limit",
     )
@@ -230,10 +258,11 @@ class ModelSettings(BaseModel):
         "make room; 0 = half the device's memory on CUDA, a quarter of the host's on the CPU",
         ge=0,
     )
-    load_at_start: bool = Field(
-        False,
+    load_at_start: bool | None = Field(
+        None,
         description="load every pipeline's models at start (as many as the budget holds; a "
-        "load failure is then a config error) instead of on each pipeline's first task",
+        "failed load is then a config error) instead of on each pipeline's first task; unset = "
+        "at start when one pipeline is served, on demand when several are",
     )
     idle_unload_s: float = Field(
         0.0,
@@ -349,6 +378,58 @@ class GuardSettings(BaseModel):
     check_interval_s: float = Field(5.0, description="how often the guards are read")
 
 
+class AntennaSettings(BaseModel):
+    """Antenna's HTTP task API as the task source (``WORKER_SOURCE=antenna``; README, Antenna)."""
+
+    base_url: str = Field(
+        "",
+        description="Antenna's API root, e.g. https://antenna.insectai.org/api/v2 (a URL without "
+        "/api/ gets /api/v2 added); alias AMI_ANTENNA_API_BASE_URL",
+    )
+    token: SecretStr = Field(
+        SecretStr(""),
+        description="API token (sent as `Authorization: Token ...`, never logged); alias "
+        "AMI_ANTENNA_API_AUTH_TOKEN",
+    )
+    project_ids: str = Field(
+        "", description="comma-separated project ids that `register` registers the pipeline in"
+    )
+    service_name: str = Field(
+        "inference-worker",
+        description="processing service name given to `register`; alias AMI_ANTENNA_SERVICE_NAME",
+    )
+    poll_interval_s: float = Field(
+        5.0, description="how often the active jobs are listed, and an empty job asked again"
+    )
+    reservation_size: int = Field(
+        0,
+        description="most tasks asked for in one reservation; 0 = WORKER_LOADER__BATCH_SIZE; "
+        "alias AMI_ANTENNA_API_BATCH_SIZE",
+        ge=0,
+    )
+    ttr_s: float = Field(
+        300.0,
+        description="Antenna's reservation time (its NATS_TASK_TTR): a task not "
+        "answered within it is delivered again",
+    )
+    finish_within_s: float = Field(
+        0.0,
+        description="reserve only what the measured rate finishes and posts within this long of "
+        "its reservation; 0 = half of TTR_S",
+    )
+    max_deliver: int = Field(
+        2, description="deliveries Antenna makes of a task (its consumer's max_deliver)", ge=1
+    )
+    max_post_bytes: int = Field(
+        32 * 1024 * 1024,
+        description="largest body of one POST .../result/ (results are split to stay under it; "
+        "README, Antenna: results over the cap)",
+    )
+    jobs_limit: int = Field(100, description="most active jobs listed per poll", ge=1)
+    request_timeout_s: float = Field(30.0, description="one jobs, tasks or register call")
+    post_timeout_s: float = Field(120.0, description="one POST .../result/ call")
+
+
 class FaultSettings(BaseModel):
     """Fault hooks for chaos tests. Off (empty) unless a test turns them on; free when off."""
 
@@ -387,6 +468,11 @@ class Settings(BaseSettings):
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     guards: GuardSettings = Field(default_factory=GuardSettings)
     faults: FaultSettings = Field(default_factory=FaultSettings)
+    antenna: AntennaSettings = Field(default_factory=AntennaSettings)
+    source: Literal["nats", "antenna"] = Field(
+        "nats", description="where tasks come from: this worker's NATS streams, or Antenna's API"
+    )
+    _aliases_used: tuple[str, ...] = PrivateAttr(default=())
     process_index: int = Field(
         0,
         ge=0,
@@ -418,20 +504,36 @@ def _format_validation_error(error: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def aliases_used(s: Settings) -> tuple[str, ...]:
+    """Which of AMI's names (``AMI_ANTENNA_API_*``, ``AMI_NUM_WORKERS``) gave a setting."""
+    return s._aliases_used
+
+
 def load_settings(*, for_worker: bool = True, **overrides: object) -> Settings:
     """Read and validate settings once; raise ConfigError with one line per problem (a
-    ``WORKER_*`` name in the environment or ``.env`` that is no setting is one).
+    ``WORKER_*`` name in the environment or ``.env`` that is no setting is one). AMI's names for
+    our settings are read as aliases (``config/aliases.py``; ours win).
 
     ``for_worker=False`` serves client commands (submit, results, provision), which need no
     model weights.
     """
+    from config.aliases import alias_overrides, read_env_file
+
     unknown = unknown_settings(Settings, os.environ, Path(str(Settings.model_config["env_file"])))
     if unknown:
         raise ConfigError("\n".join(unknown))
+    aliased, used = alias_overrides(os.environ, read_env_file())
+    merged: dict[str, object] = {**aliased}
+    for group, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(group), dict):
+            merged[group] = {**merged[group], **value}  # type: ignore[dict-item]
+        else:
+            merged[group] = value
     try:
-        settings = Settings(**overrides)  # type: ignore[arg-type]
+        settings = Settings(**merged)  # type: ignore[arg-type]
     except ValidationError as error:
         raise ConfigError(_format_validation_error(error)) from None
+    settings._aliases_used = used
     if for_worker:
         problems = worker_problems(settings)
         if problems:

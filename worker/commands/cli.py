@@ -1,4 +1,5 @@
-"""``inference-worker`` / ``python -m worker``: run, demo, submit, results, check, provision."""
+"""``inference-worker`` / ``python -m worker``: run, demo, submit, results, check, provision,
+register."""
 
 from __future__ import annotations
 
@@ -33,7 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("demo", help="a whole job on local servers, with a report; cleans up")
     submit = commands.add_parser("submit", help="publish one task per image for a job")
     submit.add_argument("--job", required=True, help="job id")
-    submit.add_argument("--pipeline", help=f"pipeline (default: {env_name('model', 'pipeline')})")
+    submit.add_argument(
+        "--pipeline",
+        help=f"pipeline (default: {env_name('model', 'pipeline')}, or the first of "
+        f"{env_name('model', 'pipelines')})",
+    )
     submit.add_argument("uris", nargs="*", help="image URIs, or one s3://bucket/prefix/ to list")
     submit.add_argument(
         "--wait", action="store_true", help="then follow the job as `watch` does (exit 0/10/11)"
@@ -56,7 +61,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     results = commands.add_parser("results", help="print a job's results and a summary")
     results.add_argument("--job", required=True, help="job id")
-    commands.add_parser("check", help="validate settings and reach NATS, S3 and the model")
+    commands.add_parser(
+        "check",
+        help="validate settings and reach the task source (NATS, or Antenna with "
+        "WORKER_SOURCE=antenna), S3 and the model",
+    )
+    commands.add_parser(
+        "register",
+        help="register the served pipeline with Antenna in WORKER_ANTENNA__PROJECT_IDS "
+        "(idempotent)",
+    )
     commands.add_parser("provision", help="create or update streams and the durable consumer")
     watch = commands.add_parser(
         "healthwatch", help="supervisord event listener: restart workers that stall or go silent"
@@ -105,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(run_demo())
     configure_logging(args.log_level)
     try:
-        settings = load_settings(for_worker=args.command in ("run", "check"))
+        settings = load_settings(for_worker=args.command in ("run", "check", "register"))
     except ConfigError as error:
         for line in str(error).splitlines():
             print(f"config error: {line}", file=sys.stderr)
@@ -116,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": _results,
         "watch": _watch,
         "check": _check,
+        "register": _register,
         "provision": _provision,
     }
     try:
@@ -168,7 +183,7 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
         return CommandExit.FAILED
     from pipelines.registry import name_of
 
-    pipeline = args.pipeline or name_of(settings.model.pipeline)
+    pipeline = args.pipeline or name_of(settings.model.served()[0])
     nc = await _connect_once(settings, "submit")
     try:
         js = nc.jetstream()
@@ -256,8 +271,8 @@ async def _provision(settings: Settings, _args: argparse.Namespace) -> int:
 
     nc = await _connect_once(settings, "provision")
     try:
-        pipeline = name_of(settings.model.pipeline)
-        for line in await provision(nc.jetstream(), settings.nats, pipeline):
+        pipelines = [name_of(entry) for entry in settings.model.served()]
+        for line in await provision(nc.jetstream(), settings.nats, pipelines):
             print(line)
     finally:
         await nc.close()
@@ -265,11 +280,21 @@ async def _provision(settings: Settings, _args: argparse.Namespace) -> int:
 
 
 async def _check(settings: Settings, _args: argparse.Namespace) -> int:
+    from config.settings import aliases_used
     from worker.commands.check import readiness_problems
 
+    for line in aliases_used(settings):
+        print(f"alias: {line}")
     problems = await readiness_problems(settings)
     for problem in problems:
         print(f"not ready: {problem}", file=sys.stderr)
+    source = "Antenna" if settings.source == "antenna" else "NATS"
     if not problems:
-        print("ready: settings valid; NATS, S3 and the model reachable")
+        print(f"ready: settings valid; {source}, S3 and the model reachable")
     return CommandExit.FAILED if problems else CommandExit.OK
+
+
+async def _register(settings: Settings, _args: argparse.Namespace) -> int:
+    from worker.commands.register import register_command
+
+    return await register_command(settings)
