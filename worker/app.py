@@ -105,6 +105,44 @@ def in_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
     return future
 
 
+def _claim_device(s: Settings) -> str:
+    """The device this process runs on; a GPU by index or UUID, or a MIG slice, becomes the
+    only one it sees (CUDA_VISIBLE_DEVICES, indexed as nvidia-smi's)."""
+    visible, device = visibility(chosen_device(s))
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # index as nvidia-smi's
+    return device
+
+
+def _loader(s: Settings, chosen: Chosen, sources: SourceConfig) -> StreamingLoader:
+    """The loader for ``chosen``'s decode plan (not started), sized to the tasks held."""
+    held = max_held_tasks(s, chosen.plan.max_image_bytes())
+    config = LoaderConfig(
+        num_workers=s.loader.num_workers,
+        timeout_s=s.loader.timeout_s,
+        plan=chosen.plan,
+        sources=sources,
+        mp_context=s.loader.mp_context,
+        prefetch_per_worker=-(-held // s.loader.num_workers) + 1,
+    )
+    if s.faults.drop_once_file:
+        from datasets.faults import dropping_once
+
+        return StreamingLoader(config, dropping_once(s.faults.drop_once_file))
+    return StreamingLoader(config)
+
+
+def _measured(metrics: Metrics, engine: Engine, runner: Runner, settler: Settler) -> None:
+    """The engine's device memory and reads, and the settler's counts, in ``metrics``."""
+    metrics.registry.register(
+        DeviceCollector(lambda: memory_bytes(runner.device), lambda: engine.out_of_memory)
+    )
+    metrics.registry.register(ReadsCollector(engine.reads, lambda: dict(engine.read_retries)))
+    settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
+    settler.completed_twice = metrics.results_already_stored.inc
+
+
 class WorkerApp:
     """One worker process's parts. ``start`` -> ``run(stop)`` -> ``close``, driven by
     ``worker.serve.Server`` (signals, the run directory, the process's exit code).
@@ -135,11 +173,7 @@ class WorkerApp:
         )
         # The device first: CUDA reads CUDA_VISIBLE_DEVICES once, and a plugin imported by
         # choose() may touch CUDA.
-        visible, self.device = visibility(chosen_device(s))
-        if visible is not None:
-            # A GPU by index or UUID, or a MIG slice: the only device this process sees.
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible
-            os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # index as nvidia-smi's
+        self.device = _claim_device(s)
         chosen = choose(s)  # ConfigError before anything starts
         if chosen.plan.encoded and _device_type(self.device) != "cuda":
             log.warning("device_decode_without_cuda", hint="JPEGs are decoded by the loader")
@@ -150,12 +184,7 @@ class WorkerApp:
             self.nc.jetstream(), s.nats, [a.config() for a in runner.algorithms()]
         )
         metrics = self._build_health(liveness, engine.loader.child_pids)
-        metrics.registry.register(
-            DeviceCollector(lambda: memory_bytes(runner.device), lambda: engine.out_of_memory)
-        )
-        metrics.registry.register(ReadsCollector(engine.reads, lambda: dict(engine.read_retries)))
-        settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
-        settler.completed_twice = metrics.results_already_stored.inc
+        _measured(metrics, engine, runner, settler)
         services = Services(
             source=feed,
             store=store,
@@ -189,21 +218,7 @@ class WorkerApp:
 
         torch.set_num_threads(torch_threads(s, os.cpu_count()))
         device = self.device
-        held = max_held_tasks(s, chosen.plan.max_image_bytes())
-        config = LoaderConfig(
-            num_workers=s.loader.num_workers,
-            timeout_s=s.loader.timeout_s,
-            plan=chosen.plan,
-            sources=sources,
-            mp_context=s.loader.mp_context,
-            prefetch_per_worker=-(-held // s.loader.num_workers) + 1,
-        )
-        if s.faults.drop_once_file:
-            from datasets.faults import dropping_once
-
-            loader = StreamingLoader(config, dropping_once(s.faults.drop_once_file))
-        else:
-            loader = StreamingLoader(config)
+        loader = _loader(s, chosen, sources)
         self._loader = loader  # closed by close() even if this start is cancelled half-way
         # The loader's children start (on the engine thread, which owns the loader) while the
         # models load: the fork server's imports and the weights overlap, so a restarted

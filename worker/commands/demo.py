@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from config.settings import load_settings
+from config.settings import Settings, load_settings
 from worker.commands.client import job_results, make_tasks, publish_tasks, summarize
 from worker.commands.demo_images import corrupt_bytes, image_bytes
 from worker.commands.localservers import NatsServer, S3Server
@@ -79,6 +79,22 @@ def _print_report(results: list[dict[str, Any]], expected: set[str]) -> int:
     return CommandExit.OK if whole else CommandExit.FAILED
 
 
+def _demo_settings(nats_url: str, s3_endpoint_url: str) -> Settings:
+    """A worker for the demo's servers: small batches, quick retries, metrics on any port."""
+    return load_settings(
+        nats={"url": nats_url, "max_deliver": 3, "nak_backoff_base_s": 0.5},
+        s3={"endpoint_url": s3_endpoint_url, "read_timeout_s": 10, "max_attempts": 2},
+        loader={"num_workers": 2, "batch_size": 8, "timeout_s": 45},
+        model={
+            "pipeline": PIPELINE,
+            "weights": "s3://demo-models/mobilenet/model.pt",
+            "device": "auto",
+        },
+        health={"stall_timeout_s": 60},
+        metrics={"port": 0},
+    )
+
+
 async def run_demo() -> int:
     from worker.app import WorkerApp
     from worker.nats.connection import connect
@@ -94,18 +110,7 @@ async def run_demo() -> int:
         os.environ.update(s3_server.credentials_env())
         uris = _upload_fixtures(s3_server.client(), workdir)
         print(f"uploaded a {PIPELINE} model and {len(uris)} images (one corrupt)")
-        settings = load_settings(
-            nats={"url": nats_server.url, "max_deliver": 3, "nak_backoff_base_s": 0.5},
-            s3={"endpoint_url": s3_server.endpoint_url, "read_timeout_s": 10, "max_attempts": 2},
-            loader={"num_workers": 2, "batch_size": 8, "timeout_s": 45},
-            model={
-                "pipeline": PIPELINE,
-                "weights": "s3://demo-models/mobilenet/model.pt",
-                "device": "auto",
-            },
-            health={"stall_timeout_s": 60},
-            metrics={"port": 0},
-        )
+        settings = _demo_settings(nats_server.url, s3_server.endpoint_url)
         app = WorkerApp(settings, until_idle=True)  # burst mode: done when the job is
         started = time.monotonic()
         await app.start()
