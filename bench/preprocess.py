@@ -11,8 +11,8 @@ anything, less sensitive).
     .venv/bin/python -m bench.preprocess --smoke     # outcomes only (the test suite runs it)
 
 Tolerance (the default path against the reference; exit 1 and an error line when missed):
-mean absolute pixel difference at most ``MEAN_PIXEL_TOLERANCE`` (0-255) and standardised
-top-1 agreement at least ``TOP1_AGREEMENT_TOLERANCE``.
+mean absolute pixel difference at most ``MEAN_PIXEL_TOLERANCE`` (0-255). Top-1 agreement on
+standardised logits is reported beside it, not gated: over a dozen images one label is 8%.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from datasets.images import DecodePlan, decode
 from pipelines.architectures import build_classifier
 
 MEAN_PIXEL_TOLERANCE = 0.5
-TOP1_AGREEMENT_TOLERANCE = 0.85
 PATHS = {"default": {}, "fast": {"fast": True}}
 CASES = [  # (architecture, size, resize) as AMI's classifiers use them
     ("resnet50", 128, "squash"),
@@ -170,15 +169,10 @@ def within_tolerance(cases: list[dict[str, Any]]) -> None:
     """``BenchmarkFailed`` when the default path is further from the reference than stated."""
     for row in cases:
         default = row["default"]
-        if (
-            default["mean_pixel_diff"] > MEAN_PIXEL_TOLERANCE
-            or default["top1_agreement_standardised"] < TOP1_AGREEMENT_TOLERANCE
-        ):
+        if default["mean_pixel_diff"] > MEAN_PIXEL_TOLERANCE:
             raise BenchmarkFailed(
                 f"{row['model']}: the default path is outside its tolerance (mean pixel diff "
-                f"{default['mean_pixel_diff']} > {MEAN_PIXEL_TOLERANCE} or standardised top-1 "
-                f"agreement {default['top1_agreement_standardised']} < "
-                f"{TOP1_AGREEMENT_TOLERANCE})"
+                f"{default['mean_pixel_diff']} > {MEAN_PIXEL_TOLERANCE})"
             )
 
 
@@ -206,10 +200,7 @@ def main() -> None:
         "noisy": args.noisy,
         "mean_jpeg_bytes": int(np.mean([len(d) for d in data])),
         "decode": decode_costs(data[:10]),
-        "tolerance": {
-            "mean_pixel_diff_at_most": MEAN_PIXEL_TOLERANCE,
-            "top1_agreement_standardised_at_least": TOP1_AGREEMENT_TOLERANCE,
-        },
+        "tolerance": {"mean_pixel_diff_at_most": MEAN_PIXEL_TOLERANCE},
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     cases = []

@@ -371,7 +371,7 @@ def chart(result: dict[str, Any], path: str) -> None:
         ("loader alone\n(exact)", loader["exact"]["images_per_s"], "#bbb"),
         ("worker (e2e)", result["end_to_end"]["images_per_s"], "#2a7"),
         ("(a) fork rebuilt\nfull-res f32", patterns["fork_rebuilt"]["images_per_s"], "#c55"),
-        ("(b) num_workers=0", patterns["no_workers"]["images_per_s"], "#c55"),
+        ("(b) DataLoader\nnum_workers=0", patterns["no_workers"]["images_per_s"], "#c55"),
         (
             "(c) forkserver rebuilt\nno preload",
             patterns["forkserver_rebuilt"]["images_per_s"],

@@ -31,6 +31,22 @@ def metrics_port(s: Settings) -> int:
     return port_for(s.metrics.port, s.process_index) if s.metrics.port else 0
 
 
+HEALTHZ_PORT_OFFSET = 1000
+
+
+def healthz_base(metrics_base: int, healthz_base: int = 0) -> int:
+    """Process 0's loopback /healthz port: as set, or the metrics port + HEALTHZ_PORT_OFFSET
+    (healthwatch derives it by the same rule from the same base)."""
+    return healthz_base or metrics_base + HEALTHZ_PORT_OFFSET
+
+
+def healthz_port(s: Settings) -> int:
+    """This process's loopback /healthz port (healthwatch's); 0 when metrics are off."""
+    if not s.metrics.port:
+        return 0
+    return port_for(healthz_base(s.metrics.port, s.metrics.healthz_port), s.process_index)
+
+
 def object_deadline_s(s: Settings) -> float:
     """The per-object read deadline: as set, or three quarters of the loader timeout."""
     return s.sources.object_deadline_s or 0.75 * s.loader.timeout_s

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from config.derived import metrics_port
+from config.derived import healthz_port, metrics_port
 from config.names import env_name as n
 
 if TYPE_CHECKING:
@@ -134,6 +134,15 @@ def metrics_port_is_a_port(s: Settings) -> list[str]:
     ]
 
 
+def healthz_port_is_a_port(s: Settings) -> list[str]:
+    if s.metrics.healthz_port >= 0 and healthz_port(s) <= 65535:
+        return []
+    return [
+        f"{n('metrics', 'healthz_port')}={s.metrics.healthz_port} (0: {n('metrics', 'port')} + "
+        f"1000) + {n('process_index')}={s.process_index} must be a TCP port"
+    ]
+
+
 def one_decode_path(s: Settings) -> list[str]:
     if s.loader.fast_decode and s.loader.exact_decode:
         return [
@@ -155,6 +164,7 @@ RULES: tuple[Rule, ...] = (
     store_retry_within_ack_wait,
     drain_within_ack_wait,
     metrics_port_is_a_port,
+    healthz_port_is_a_port,
 )
 
 

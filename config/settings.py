@@ -6,6 +6,8 @@ and the resulting object is passed down to every layer.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
@@ -15,6 +17,7 @@ from config.errors import ConfigError
 from config.names import NESTED_DELIMITER, PREFIX, env_name
 from config.redact import redact_url
 from config.rules import settings_problems, worker_problems
+from config.unknown import unknown_settings
 
 
 class NatsSettings(BaseModel):
@@ -58,6 +61,35 @@ class NatsSettings(BaseModel):
     tasks_max_age_s: float = Field(7 * 24 * 3600.0, description="how long task messages are kept")
     results_max_age_s: float = Field(30 * 24 * 3600.0, description="how long results are kept")
     replicas: int = Field(1, description="stream replicas (3 on a JetStream cluster)")
+    tasks_max_bytes: int = Field(
+        8 * 1024**3,
+        ge=-1,
+        description="most bytes the tasks stream keeps; when full, new tasks are refused "
+        "(submit fails, nothing queued is dropped); -1 = no limit",
+    )
+    tasks_max_msgs: int = Field(
+        -1, ge=-1, description="most tasks the tasks stream keeps, refused past it; -1 = no limit"
+    )
+    results_max_bytes: int = Field(
+        -1,
+        ge=-1,
+        description="most bytes the results stream keeps; when full, new results are refused "
+        "(the worker retries them, then gives the task back); -1 = no limit",
+    )
+    results_max_msgs: int = Field(
+        -1, ge=-1, description="most results the results stream keeps; -1 = no limit"
+    )
+    dead_letter_max_bytes: int = Field(
+        1024**3,
+        ge=-1,
+        description="most bytes the dead-letter stream keeps (the oldest letters go first); "
+        "-1 = no limit",
+    )
+    advisory_max_bytes: int = Field(
+        1024**3,
+        ge=-1,
+        description="most bytes the advisory stream keeps (the oldest go first); -1 = no limit",
+    )
 
     @field_validator("url")
     @classmethod
@@ -292,9 +324,19 @@ class MetricsSettings(BaseModel):
     port: int = Field(
         9464,
         description="port of process 0 for /metrics and /healthz; process N listens on this "
-        "+ N (WORKER_PROCESS_INDEX); 0 turns it off",
+        "+ N (WORKER_PROCESS_INDEX); 0 turns it off (and the healthwatch listener with it)",
     )
-    host: str = Field("0.0.0.0", description="address the metrics server binds")
+    host: str = Field(
+        "127.0.0.1",
+        description="address the /metrics listener binds (0.0.0.0 or an interface's address "
+        "for a Prometheus on another host); healthwatch never uses it",
+    )
+    healthz_port: int = Field(
+        0,
+        description="port of process 0 for the /healthz listener healthwatch probes: loopback "
+        "only, connection slots of its own; process N listens on this + N; 0 = "
+        "WORKER_METRICS__PORT + 1000",
+    )
 
 
 class GuardSettings(BaseModel):
@@ -377,11 +419,15 @@ def _format_validation_error(error: ValidationError) -> str:
 
 
 def load_settings(*, for_worker: bool = True, **overrides: object) -> Settings:
-    """Read and validate settings once; raise ConfigError with one line per problem.
+    """Read and validate settings once; raise ConfigError with one line per problem (a
+    ``WORKER_*`` name in the environment or ``.env`` that is no setting is one).
 
     ``for_worker=False`` serves client commands (submit, results, provision), which need no
     model weights.
     """
+    unknown = unknown_settings(Settings, os.environ, Path(str(Settings.model_config["env_file"])))
+    if unknown:
+        raise ConfigError("\n".join(unknown))
     try:
         settings = Settings(**overrides)  # type: ignore[arg-type]
     except ValidationError as error:

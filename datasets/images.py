@@ -45,7 +45,17 @@ from config.errors import PermanentError
 # A phone's MPO (multi-picture JPEG) opens through the JPEG decoder and is read as a JPEG.
 DECODERS = ("JPEG", "PNG")
 SUPPORTED_FORMATS = frozenset({"JPEG", "MPO", "PNG"})
+# What each cap bounds (README, "Memory"). MAX_PIXELS: the decoded source (and so the decoder's
+# own buffer and its RGB copies). MAX_ASPECT_RATIO: refused from the header, before any decode,
+# so no resize of it (here, or the engine's on the device) is made from a sliver: a 1 x 4,000,000
+# PNG of 16 KB would otherwise ask gigabytes of a resize to 224 x 224. MAX_RESIZE_PIXELS: the
+# largest intermediate a square plan's resize makes (one pass of a separable resize, size x the
+# longest side; shorter_crop's resized image, size x size x the aspect ratio), checked before it
+# runs.
 MAX_PIXELS = 64_000_000
+MAX_ASPECT_RATIO = 100
+MAX_RESIZE_PIXELS = MAX_PIXELS
+_SIXTEEN_BIT_GREY = frozenset({"I;16", "I;16B", "I;16L", "I;16N", "I"})
 # The reduced path's JPEG scale leaves at least DRAFT_MARGIN source pixels per output pixel on
 # each side, and FINE_MARGIN where that still allows 1/4 or less: decoding at 1/4 costs
 # little more than at 1/8 (entropy decoding dominates), at 1/2 about a third more.
@@ -146,11 +156,45 @@ def _open(data: bytes) -> Image.Image:
         raise PermanentError(
             f"image is {image.width}x{image.height}, over {MAX_PIXELS} pixels", kind="too_large"
         )
+    if max(image.size) > MAX_ASPECT_RATIO * min(image.size):
+        raise PermanentError(
+            f"image is {image.width}x{image.height}: one side over {MAX_ASPECT_RATIO} times the "
+            "other is refused before decoding (resizing such a sliver takes memory out of all "
+            "proportion to its bytes)",
+            kind="too_large",
+        )
     return image
 
 
+def _check_resize(image: Image.Image, plan: DecodePlan) -> None:
+    """Refuse, before it runs, a square plan's resize whose intermediate would pass
+    MAX_RESIZE_PIXELS (the source's own pixels are bounded by MAX_PIXELS already)."""
+    longest, shortest = max(image.size), min(image.size)
+    needed = plan.size * longest
+    if plan.resize == "shorter_crop":
+        needed = max(needed, plan.size * math.ceil(plan.size * longest / shortest))
+    if needed > MAX_RESIZE_PIXELS:
+        raise PermanentError(
+            f"image is {image.width}x{image.height}: resizing it to {plan.size} ({plan.resize}) "
+            f"would take {needed} pixels at once, over {MAX_RESIZE_PIXELS}",
+            kind="too_large",
+        )
+
+
+def _rgb(image: Image.Image) -> Image.Image:
+    """``image`` as 8-bit RGB. 16-bit grey (PNG's ``I;16``, or ``I``) keeps its high byte, as
+    libpng's strip_16 does; PIL's own ``convert`` clips it to 255, an all-white image."""
+    if image.mode not in _SIXTEEN_BIT_GREY:
+        return image.convert("RGB")
+    values = np.asarray(image)
+    if image.mode == "I":
+        values = np.clip(values, 0, 65535)
+    high = (values >> 8).astype(np.uint8)
+    return Image.fromarray(high).convert("RGB")
+
+
 def _chw(image: Image.Image) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(image.convert("RGB"), dtype=np.uint8).transpose(2, 0, 1))
+    return np.ascontiguousarray(np.asarray(_rgb(image), dtype=np.uint8).transpose(2, 0, 1))
 
 
 def _libjpeg_decodable(image: Image.Image) -> bool:
@@ -177,6 +221,7 @@ def _full(image: Image.Image, data: bytes) -> torch.Tensor:
 
 
 def _square(image: Image.Image, data: bytes, plan: DecodePlan) -> np.ndarray:
+    _check_resize(image, plan)
     if plan.fast:
         return _fast_square(image, plan)
     width, height = resized_size(image.size, plan.size, plan.resize)
@@ -239,7 +284,7 @@ def _fast_square(image: Image.Image, plan: DecodePlan) -> np.ndarray:
     size = plan.size
     if image.format in ("JPEG", "MPO"):
         image.draft("RGB", (size, size))  # decodes at the smallest scale still >= size a side
-    image = image.convert("RGB")
+    image = _rgb(image)
     if plan.resize == "shorter_crop":
         scale = size / min(image.size)
         width, height = (
@@ -262,7 +307,7 @@ def _bounded(image: Image.Image, data: bytes, max_side: int) -> np.ndarray:
     target = (max(1, math.floor(image.width * scale)), max(1, math.floor(image.height * scale)))
     if image.format in ("JPEG", "MPO"):
         image.draft("RGB", target)
-    image = image.convert("RGB")
+    image = _rgb(image)
     if max(image.size) > max_side:
         image = image.resize(target, Image.Resampling.BILINEAR)
     return _chw(image)

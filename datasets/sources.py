@@ -120,8 +120,12 @@ def s3_client(config: SourceConfig) -> Any:
 
 
 def split_s3_uri(uri: str) -> tuple[str, str]:
-    parsed = urlsplit(uri)
-    bucket, key = parsed.netloc, parsed.path.lstrip("/")
+    """``s3://bucket/key`` to (bucket, key). The key is everything after the bucket's slash,
+    taken as it is: S3 keys may hold ``#``, ``?`` and ``%``, which a URL parser would cut off
+    as a fragment or query (or decode), reading another object."""
+    if not uri.startswith("s3://"):
+        raise PermanentError(f"{redact_url(uri)!r} is not s3://bucket/key", kind="invalid_uri")
+    bucket, _, key = uri[len("s3://") :].partition("/")
     if not bucket or not key:
         raise PermanentError(f"{redact_url(uri)!r} is not s3://bucket/key", kind="invalid_uri")
     return bucket, key

@@ -16,12 +16,14 @@ from prometheus_client import CollectorRegistry
 
 from config.derived import (
     chosen_device,
+    healthz_port,
     max_held_tasks,
     metrics_port,
     object_deadline_s,
     torch_threads,
 )
 from config.errors import ConfigError, PermanentError
+from config.names import env_name
 from config.settings import Settings
 from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.sources import SourceConfig
@@ -159,6 +161,8 @@ class WorkerApp:
         self.nc: Any = None
         self.engine: Engine | None = None
         self.health: HealthServer | None = None
+        self.registry = CollectorRegistry()
+        self._unhealthy: Callable[[], str | None] = lambda: "starting: not serving tasks yet"
         self.worker: Worker | None = None
         self.feed: TaskFeed | None = None
         self.connection = ConnectionState()
@@ -167,6 +171,7 @@ class WorkerApp:
 
     async def start(self) -> None:
         s = self.settings
+        self._listen()  # first: a port another process holds ends the start at once (exit 2)
         liveness = Liveness(
             s.health.stall_timeout_s,
             watchdog=Watchdog(s.health.watchdog_timeout_s) if s.health.watchdog_timeout_s else None,
@@ -206,6 +211,7 @@ class WorkerApp:
             loader_pids=engine.loader.child_pids(),
             max_deliver=settler.max_deliver,
             metrics_port=self.health.port if self.health else 0,
+            healthz_port=self.health.healthz_port if self.health else 0,
         )
 
     async def _build_engine(self, liveness: Liveness, chosen: Chosen) -> tuple[Engine, Runner]:
@@ -265,24 +271,43 @@ class WorkerApp:
         settler = Settler(js, store, s.nats, pipeline, model, max_deliver)
         return self.feed, store, settler
 
-    def _build_health(self, liveness: Liveness, loader_pids: Callable[[], list[int]]) -> Metrics:
-        """Metrics in one registry; /metrics and /healthz when a port is set."""
+    def _listen(self) -> None:
+        """/metrics and /healthz, and healthwatch's loopback /healthz, when a port is set:
+        bound before the model loads, answering ``starting`` (503) until the worker is built."""
         s = self.settings
-        registry = CollectorRegistry()
-        connection = self.connection
-        metrics = Metrics(registry, liveness, connection.connected)
-        registry.register(ProcessTreeCollector(PREFIX, loader_pids))
         port = metrics_port(s)
-        if port:
+        if not port:
+            return
+        try:
+            self.health = HealthServer(
+                s.metrics.host,
+                port,
+                self.registry,
+                lambda: self._unhealthy(),
+                healthz_port=healthz_port(s),
+            )
+        except OSError as error:
+            raise ConfigError(
+                f"{env_name('metrics', 'port')}: {error.strerror or error} (another process "
+                f"holds the port, or {env_name('metrics', 'host')} is not this host's address)"
+            ) from None
+        self.health.start()
 
-            def unhealthy() -> str | None:
-                stalled = liveness.stalled_reason()
-                if stalled:
-                    return f"stalled: {stalled}"
-                return connection.problem(s.health.disconnected_timeout_s)
+    def _build_health(self, liveness: Liveness, loader_pids: Callable[[], list[int]]) -> Metrics:
+        """Metrics in the registry the listeners serve; /healthz from now on says how the
+        worker is."""
+        s = self.settings
+        connection = self.connection
+        metrics = Metrics(self.registry, liveness, connection.connected)
+        self.registry.register(ProcessTreeCollector(PREFIX, loader_pids))
 
-            self.health = HealthServer(s.metrics.host, port, registry, unhealthy)
-            self.health.start()
+        def unhealthy() -> str | None:
+            stalled = liveness.stalled_reason()
+            if stalled:
+                return f"stalled: {stalled}"
+            return connection.problem(s.health.disconnected_timeout_s)
+
+        self._unhealthy = unhealthy
         return metrics
 
     def _with_faults(self, engine: Engine) -> BatchEngine:

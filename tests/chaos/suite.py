@@ -28,11 +28,10 @@ import psutil
 
 from config.settings import NatsSettings, load_settings
 from tests.chaos.servers import FlakyS3Proxy, NatsCluster
-from tests.helpers import worker_env
+from tests.helpers import until_gone, worker_env
 from worker.commands.client import job_results, make_tasks, publish_tasks
 from worker.commands.demo_images import corrupt_bytes, image_bytes, truncated_bytes
 from worker.commands.localservers import NatsServer, S3Server
-from worker.health.procstats import living
 from worker.nats.connection import connect
 from worker.nats.provision import provision
 
@@ -136,9 +135,6 @@ class WorkerProc:
         except (ProcessLookupError, PermissionError):
             pass
         return self.proc.returncode
-
-    def leftovers(self) -> list[int]:
-        return living(self.tree)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -537,8 +533,8 @@ async def run_scenario(
     finally:
         for proc in ctx.workers:
             proc.stop()
-        await asyncio.sleep(0.5)
-        left = [pid for proc in ctx.workers for pid in proc.leftovers()]
+        tree = [pid for proc in ctx.workers for pid in proc.tree]
+        left = await asyncio.to_thread(until_gone, tree, 10.0)  # children reaped a moment late
         # Every worker has ended: its log is whole. A second completion of a task is a
         # result it found already stored (the stream refuses a second one, so the results
         # alone cannot show it).

@@ -21,16 +21,19 @@ from worker.health.procstats import living
 
 DEPLOY = Path(__file__).parents[2] / "deploy" / "supervisor"
 GROUP = "inference-worker"
+STARTUP_GRACE_S = 15  # healthwatch's, in these tests (120 in the deploy config)
 
 
-def free_port_base() -> int:
-    """A free port with two free ones after it: process N listens on base + N."""
+def free_port_base(processes: int = 3) -> int:
+    """A free port with free ones after it, and the same 1000 above (the loopback /healthz
+    listeners): process N listens on base + N and base + 1000 + N."""
     for _ in range(200):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         base = port - port % 10
-        if 20000 < base < 60000 and all(_free(base + n) for n in range(3)):
+        ports = [base + offset + n for offset in (0, 1000) for n in range(max(processes, 3))]
+        if 20000 < base < 60000 and all(_free(p) for p in ports):
             return base
     raise RuntimeError("no free port range found")
 
@@ -53,19 +56,29 @@ class Supervisord:
         worker_env: dict[str, str],
         *,
         stopwaitsecs: int = 8,
+        numprocs: int = 1,
+        command: str = "",
+        env: dict[str, str] | None = None,
         healthwatch_failures: int = 2,
     ) -> None:
+        """``command`` replaces the worker's (``python -m ...``, run from the repository);
+        ``env`` is added to supervisord's own environment (its children inherit it)."""
         self.run_dir = run_dir
-        self.port_base = free_port_base()
+        self.port_base = free_port_base(numprocs)
         self.conf_dir = run_dir / "conf"
         self.conf_dir.mkdir(parents=True)
         shutil.copy(DEPLOY / "supervisord.conf", self.conf_dir / "supervisord.conf")
         program = (DEPLOY / "inference-worker.conf").read_text()
         for old, new in (
             ("--failures 2", f"--failures {healthwatch_failures} --timeout-s 2"),
-            ("--startup-grace-s 120", "--startup-grace-s 15"),
+            ("--startup-grace-s 120", f"--startup-grace-s {STARTUP_GRACE_S}"),
             ("stopwaitsecs=60", f"stopwaitsecs={stopwaitsecs}"),
             ("startsecs=10", "startsecs=2"),
+            *(
+                [("command=%(ENV_IW_BIN)s/inference-worker run", f"command={command}")]
+                if command
+                else []
+            ),
         ):
             assert old in program, f"deploy config changed: {old!r} not found"
             program = program.replace(old, new)
@@ -78,10 +91,12 @@ class Supervisord:
             "IW_BIN": str(Path(sys.executable).parent),
             "IW_RUN_DIR": str(run_dir),
             "IW_ENV_FILE": str(work_dir),
-            "IW_NUMPROCS": "1",
+            "IW_NUMPROCS": str(numprocs),
             "IW_DEVICES": "cpu",
             "IW_USER": getpass.getuser(),
             "IW_METRICS_PORT_BASE": str(self.port_base),
+            "PYTHONPATH": str(DEPLOY.parents[1]),
+            **(env or {}),
         }
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -106,11 +121,11 @@ class Supervisord:
             {"SUPERVISOR_SERVER_URL": f"unix://{self.run_dir}/supervisor.sock"}
         )
 
-    def worker_pid(self, timeout_s: float = 60) -> int:
+    def worker_pid(self, timeout_s: float = 60, index: int = 0) -> int:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                info = self.rpc().supervisor.getProcessInfo(f"{GROUP}:{GROUP}_00")
+                info = self.rpc().supervisor.getProcessInfo(f"{GROUP}:{GROUP}_{index:02d}")
                 if info["statename"] == "RUNNING" and info["pid"]:
                     return int(info["pid"])
             except (OSError, Exception):  # noqa: BLE001 - not up yet
@@ -121,19 +136,19 @@ class Supervisord:
     def health_url(self) -> str:
         return f"http://127.0.0.1:{self.port_base}/healthz"
 
-    def get(self, path: str, timeout_s: float = 2) -> tuple[int, str]:
-        url = f"http://127.0.0.1:{self.port_base}{path}"
+    def get(self, path: str, timeout_s: float = 2, host: str = "127.0.0.1") -> tuple[int, str]:
+        url = f"http://{host}:{self.port_base}{path}"
         try:
             with urllib.request.urlopen(url, timeout=timeout_s) as response:
                 return response.status, response.read().decode()
         except urllib.error.HTTPError as error:
             return error.code, error.read().decode()
 
-    def wait_healthy(self, timeout_s: float = 90) -> None:
+    def wait_healthy(self, timeout_s: float = 90, host: str = "127.0.0.1") -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                if self.get("/healthz")[0] == 200:
+                if self.get("/healthz", host=host)[0] == 200:
                     return
             except OSError:
                 pass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import threading
 
 from worker.commands.healthwatch import RUNNING, HealthWatch, Probe, process_port, serve
 
@@ -53,26 +54,86 @@ def watch_with(processes, answers):
 
 def test_a_stalled_or_silent_process_is_restarted_after_two_bad_ticks_and_a_healthy_one_is_not():
     ok, stalled, silent = Probe(True, "200"), Probe(False, "HTTP 503"), Probe(False, "no answer")
-    answers = {
-        "http://127.0.0.1:9460/healthz": ok,
-        "http://127.0.0.1:9461/healthz": stalled,
-        "http://127.0.0.1:9462/healthz": silent,
+    answers = {  # the loopback /healthz listeners: the metrics ports + 1000
+        "http://127.0.0.1:10460/healthz": ok,
+        "http://127.0.0.1:10461/healthz": stalled,
+        "http://127.0.0.1:10462/healthz": silent,
     }
     procs = [proc("inference-worker_00"), proc("inference-worker_01"), proc("inference-worker_02")]
     watch, calls, _ = watch_with(procs, answers)
 
     assert watch.tick(now=1000) == []  # one strike each: not yet
     assert watch.tick(now=1005) == ["inference-worker_01", "inference-worker_02"]
+    # Both stops asked at once, neither waited for
     assert calls == [
-        ("stop", "inference-worker:inference-worker_01", True),
+        ("stop", "inference-worker:inference-worker_01", False),
+        ("stop", "inference-worker:inference-worker_02", False),
+    ]
+    # Still stopping (SIGKILL after stopwaitsecs): not started, not probed
+    procs[1]["state"] = procs[2]["state"] = 40
+    assert watch.tick(now=1010) == [] and len(calls) == 2
+    # Stopped: both started at the next tick
+    procs[1]["state"], procs[2]["state"] = 0, 100
+    watch.tick(now=1015)
+    assert calls[2:] == [
         ("start", "inference-worker:inference-worker_01", False),
-        ("stop", "inference-worker:inference-worker_02", True),
         ("start", "inference-worker:inference-worker_02", False),
     ]
 
 
+def test_every_process_is_probed_at_once_within_one_timeout():
+    procs = [proc(f"inference-worker_{n:02d}") for n in range(16)]
+    together = threading.Barrier(16, timeout=5)
+
+    def probe(_url, _timeout):
+        together.wait()  # all sixteen must be waiting at once, or this breaks
+        return Probe(False, "no answer")
+
+    watch = HealthWatch(FakeRPC(procs), "inference-worker", 9460, probe=probe, log=io.StringIO())
+    watch.tick(now=1000)
+    assert watch.strikes == {p["name"]: 1 for p in procs}
+
+
+def test_the_probe_goes_to_the_worker_past_any_proxy(monkeypatch):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from worker.commands.healthwatch import probe
+
+    class Answer(BaseHTTPRequestHandler):
+        status = 503
+
+        def do_GET(self):
+            self.send_response(self.status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    class Proxy(Answer):
+        status = 200
+
+    worker, proxy = (
+        ThreadingHTTPServer(("127.0.0.1", 0), Answer),
+        ThreadingHTTPServer(("127.0.0.1", 0), Proxy),
+    )
+    for server in (worker, proxy):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for name in ("http_proxy", "HTTP_PROXY", "all_proxy"):
+            monkeypatch.setenv(name, f"http://127.0.0.1:{proxy.server_address[1]}")
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        answer = probe(f"http://127.0.0.1:{worker.server_address[1]}/healthz", 5)
+    finally:
+        for server in (worker, proxy):
+            server.shutdown()
+            server.server_close()
+    assert not answer.healthy and answer.reason.startswith("HTTP 503")
+
+
 def test_a_recovering_process_loses_its_strikes():
-    url = "http://127.0.0.1:9460/healthz"
+    url = "http://127.0.0.1:10460/healthz"
     answers = {url: Probe(False, "HTTP 503")}
     watch, calls, _ = watch_with([proc("inference-worker_00")], answers)
     watch.tick(now=1000)

@@ -116,6 +116,75 @@ def test_shorter_side_then_centre_crop_keeps_the_middle_of_a_wide_image(fast):
     assert squashed[0, :, :10].mean() > 200 and squashed[2, :, -10:].mean() > 200  # all three
 
 
+def _png(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def _sliver(length: int) -> bytes:
+    """A 1 x ``length`` grey PNG: a few kilobytes, ``length`` pixels."""
+    return _png(Image.new("L", (1, length), 128))
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        {"size": 224, "resize": "squash"},
+        {"size": 224, "resize": "shorter_crop"},
+        {"size": 224, "resize": "squash", "fast": True},
+        {"size": 224, "resize": "shorter_crop", "fast": True},
+        {"size": 0, "max_side": 4096},
+    ],
+)
+def test_a_sliver_of_an_image_is_refused_before_decode_and_resize(plan):
+    from datasets.images import DecodePlan, decode
+
+    data = _sliver(400_000)  # 1 x 400,000: far under the pixel cap, a resize would not be
+    assert len(data) < 64 * 1024
+    with pytest.raises(PermanentError) as error:
+        decode(data, DecodePlan(**plan))
+    assert error.value.kind == "too_large"
+    assert "1x400000" in str(error.value)
+
+
+@pytest.mark.parametrize("resize", ["squash", "shorter_crop"])
+def test_a_wide_panorama_within_the_aspect_cap_still_decodes(resize):
+    from datasets.images import MAX_ASPECT_RATIO, DecodePlan, decode
+
+    data = _png(Image.new("RGB", (40 * MAX_ASPECT_RATIO // 2, 20), (10, 200, 30)))
+    pixels = decode(data, DecodePlan(size=64, resize=resize)).pixels
+    assert pixels.shape == (3, 64, 64)
+    assert round(float(pixels[1].mean())) == pytest.approx(200, abs=2)
+
+
+def test_a_resize_whose_intermediate_passes_the_cap_is_refused_before_it_runs():
+    from datasets.images import MAX_RESIZE_PIXELS, DecodePlan, decode
+
+    # Within the aspect cap, but a 4096-square resize of its 20,000 px side is 82M pixels.
+    data = _png(Image.new("L", (20_000, 400), 7))
+    assert MAX_RESIZE_PIXELS < 4096 * 20_000
+    with pytest.raises(PermanentError) as error:
+        decode(data, DecodePlan(size=4096))
+    assert error.value.kind == "too_large"
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("plan_size", [32, 0])
+def test_a_16_bit_grey_png_keeps_its_tones(fast, plan_size):
+    from datasets.images import DecodePlan, decode
+
+    # Left half dark (a quarter of full scale), right half light (three quarters).
+    values = np.zeros((32, 64), dtype=np.uint16)
+    values[:, :32], values[:, 32:] = 16384, 49152
+    data = _png(Image.fromarray(values))
+    assert Image.open(io.BytesIO(data)).mode.startswith("I")
+    pixels = decode(data, DecodePlan(size=plan_size, fast=fast)).pixels
+    width = pixels.shape[2]
+    dark, light = pixels[:, :, : width // 4].mean(), pixels[:, :, -width // 4 :].mean()
+    assert dark == pytest.approx(64, abs=3) and light == pytest.approx(192, abs=3)
+
+
 def _scene_jpeg(width: int, height: int, seed: int) -> bytes:
     """A camera-trap-like scene: smooth background, sensor noise, a few bright blobs."""
     rng = np.random.default_rng(seed)

@@ -154,6 +154,56 @@ def test_allowed_hosts_take_names_ports_and_bracketed_v6(weights):
     assert len(s.sources.hosts()) == 4
 
 
+@pytest.mark.parametrize(
+    ("name", "closest"),
+    [
+        ("WORKER_GUARD__MAX_TREE_RSS_BYTES", "WORKER_GUARDS__MAX_TREE_RSS_BYTES"),  # the group
+        ("WORKER_SOURCES__MAX_BYTE", "WORKER_SOURCES__MAX_BYTES"),  # a field of a real group
+        ("worker_loader__timeout", "WORKER_LOADER__TIMEOUT_S"),  # any case, as pydantic reads
+    ],
+)
+def test_a_misspelt_setting_in_the_environment_is_refused_naming_the_closest(
+    monkeypatch, tmp_path, name, closest
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(name, "1000")
+    with pytest.raises(ConfigError) as error:
+        load_settings(for_worker=False)
+    assert str(error.value) == f"{name.upper()} is not a setting; did you mean {closest}?"
+
+
+def test_a_misspelt_setting_in_the_env_file_stops_every_command_with_exit_2(
+    monkeypatch, tmp_path, capsys
+):
+    from worker.commands.cli import main
+    from worker.commands.localservers import free_port
+
+    monkeypatch.chdir(tmp_path)
+    # Were it not refused, the command would give up on a server that is not there.
+    (tmp_path / ".env").write_text(
+        "WORKER_SOURCE__MAX_BYTES=1000\nOTHER_THING=1\n"
+        f"WORKER_NATS__URL=nats://127.0.0.1:{free_port()}\n"
+        "WORKER_NATS__COMMAND_CONNECT_TIMEOUT_S=1\n"
+    )
+    assert main(["provision"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "config error: WORKER_SOURCE__MAX_BYTES is not a setting; "
+        "did you mean WORKER_SOURCES__MAX_BYTES?"
+    ]
+
+
+def test_every_name_the_readme_documents_is_a_setting():
+    import re
+    from pathlib import Path
+
+    from config.settings import Settings
+    from config.unknown import known_names
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    documented = set(re.findall(r"`(WORKER_[A-Z0-9_]+)`", readme))
+    assert documented and documented <= known_names(Settings)
+
+
 @pytest.mark.parametrize("given", ["moths.toml, orders.toml", '["moths.toml", "orders.toml"]'])
 def test_several_pipelines_are_a_list_comma_separated_or_json(monkeypatch, given):
     monkeypatch.setenv("WORKER_MODEL__PIPELINES", given)

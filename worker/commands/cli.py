@@ -65,7 +65,16 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--port-base", type=int, default=9460, help="metrics port of process 0")
     watch.add_argument("--failures", type=int, default=2, help="bad ticks in a row to restart")
     watch.add_argument("--startup-grace-s", type=float, default=120.0)
-    watch.add_argument("--timeout-s", type=float, default=5.0, help="wait for /healthz")
+    watch.add_argument(
+        "--timeout-s", type=float, default=3.0, help="wait for /healthz (all probed at once)"
+    )
+    watch.add_argument(
+        "--healthz-port-base",
+        type=int,
+        default=0,
+        help="loopback /healthz port of process 0, when the workers set "
+        "WORKER_METRICS__HEALTHZ_PORT (default: --port-base + 1000, as the workers do)",
+    )
     return parser
 
 
@@ -82,7 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         from worker.commands import healthwatch
 
         return healthwatch.main(
-            args.group, args.port_base, args.failures, args.startup_grace_s, args.timeout_s
+            args.group,
+            args.port_base,
+            args.failures,
+            args.startup_grace_s,
+            args.timeout_s,
+            args.healthz_port_base,
         )
     if args.command == "demo":
         configure_logging("WARNING")
@@ -134,6 +148,8 @@ async def _connect_once(settings: Settings, command: str) -> Any:
 
 
 async def _submit(settings: Settings, args: argparse.Namespace) -> int:
+    from nats.js.errors import APIError
+
     from worker.commands.client import list_s3_prefix, make_tasks, publish_tasks
 
     uris = list(args.uris)
@@ -157,7 +173,15 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
     try:
         js = nc.jetstream()
         tasks = make_tasks(args.job, uris)
-        count = await publish_tasks(js, settings.nats, pipeline, tasks)
+        try:
+            count = await publish_tasks(js, settings.nats, pipeline, tasks)
+        except APIError as refused:  # the stream is full (WORKER_NATS__TASKS_MAX_*), or absent
+            print(
+                f"error: the tasks stream refused a task of job {args.job}: {refused.description}"
+                "; those published before it are queued, submitting again queues the rest",
+                file=sys.stderr,
+            )
+            return CommandExit.FAILED
         said = f"submitted {count} tasks for job {args.job} on tasks.{pipeline}.<job>"
         if not args.wait:
             print(said)
@@ -210,18 +234,19 @@ async def _follow(
 
 
 async def _results(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.commands.client import job_results, job_task_ids, summarize
+    from worker.commands.client import job_task_ids, read_job_results, summarize
 
     nc = await _connect_once(settings, "results")
     try:
         js = nc.jetstream()
-        results = await job_results(js, settings.nats, args.job)
+        read = await read_job_results(js, settings.nats, args.job)
+        results = read.results
         expected = await job_task_ids(js, settings.nats, args.job) | {r["task_id"] for r in results}
     finally:
         await nc.close()
     for result in sorted(results, key=lambda r: r["task_id"]):
         print(json.dumps(result, sort_keys=True))
-    print(summarize(results, expected).line(), file=sys.stderr)
+    print(summarize(results, expected, read.unreadable).line(), file=sys.stderr)
     return CommandExit.OK
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import urlsplit
 
 import nats
 from nats.js import JetStreamContext, api
@@ -16,23 +17,47 @@ from nats.js import JetStreamContext, api
 from config.settings import NatsSettings
 from worker.nats.subjects import job_results_subject, job_tasks_subject
 from worker.results import response_of
-from worker.schemas import Task, subject_token
+from worker.schemas import MAX_ID_BYTES, Task, subject_token
 
 _READ_BATCH = 256
 _PUBLISH_WINDOW = 64
 
 
+def task_id(uri: str, repeat: int = 1) -> str:
+    """A submitted task's id, from its URI alone, so submitting a job again (a prefix listed
+    again after more objects arrived) names every object's task as before and the stream drops
+    the copies: the URI itself; ``n:`` before it for the n-th time one submission names the
+    same URI (a URI's scheme starts with a letter, so no URI reads so); ``sha256-`` and the
+    hex digest of that when it is over the id cap (MAX_ID_BYTES)."""
+    text = uri if repeat == 1 else f"{repeat}:{uri}"
+    if len(text.encode("utf-8", "surrogatepass")) <= MAX_ID_BYTES:
+        return text
+    return "sha256-" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def image_name(uri: str) -> str:
+    """The last segment of the URI's key or path (an S3 key taken whole: ``#`` and ``?`` are
+    part of it)."""
+    s3 = uri.startswith("s3://")
+    path = uri[len("s3://") :].partition("/")[2] if s3 else urlsplit(uri).path
+    return path.rsplit("/", 1)[-1]
+
+
 def make_tasks(job_id: str, uris: Iterable[str]) -> list[Task]:
+    """One task per URI; its id follows from the URI (``task_id``), never from its position."""
     tasks = []
+    seen: Counter[str] = Counter()
     for index, uri in enumerate(uris):
-        image_id = urlparse(uri).path.rsplit("/", 1)[-1] or f"image-{index}"
-        tasks.append(Task(f"{job_id}-{index:06d}", job_id, image_id, uri))
+        seen[uri] += 1
+        image_id = image_name(uri) or f"image-{index}"
+        tasks.append(Task(task_id(uri, seen[uri]), job_id, image_id, uri))
     return tasks
 
 
 def list_s3_prefix(s3_client: Any, uri: str) -> list[str]:
-    parsed = urlparse(uri)
-    bucket, prefix = parsed.netloc, parsed.path.lstrip("/")
+    """Every object under ``s3://bucket/prefix`` as an ``s3://`` URI, sorted (keys as they
+    are, ``#`` and ``?`` included)."""
+    bucket, _, prefix = uri[len("s3://") :].partition("/")
     uris: list[str] = []
     for page in s3_client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         uris.extend(f"s3://{bucket}/{obj['Key']}" for obj in page.get("Contents", []))
@@ -107,12 +132,45 @@ async def _read_all(js: JetStreamContext, stream: str, subject: str) -> list[byt
         await sub.unsubscribe()
 
 
+def read_result(data: bytes) -> dict[str, Any] | None:
+    """A message on ``results.<job>.*`` as a result: a JSON object with a string (or integer)
+    ``task_id`` and a string ``status``; None for anything else (bytes that are not UTF-8,
+    not JSON, an array, a result without its fields), which a client may have published."""
+    try:
+        result = json.loads(data)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError included
+        return None
+    if not isinstance(result, dict) or not isinstance(result.get("status"), str):
+        return None
+    task_id = result.get("task_id")
+    if isinstance(task_id, bool) or not isinstance(task_id, str | int):
+        return None
+    return {**result, "task_id": str(task_id)}
+
+
+@dataclass(frozen=True)
+class JobResults:
+    results: list[dict[str, Any]]
+    unreadable: int  # messages on the job's result subjects that are no result
+
+
+async def read_job_results(js: JetStreamContext, settings: NatsSettings, job_id: str) -> JobResults:
+    """The job's results, each whole (a response kept in the object store is put back); a
+    message that is no result is counted and skipped, so it never hides the others."""
+    raw = await _read_all(js, settings.results_stream, job_results_subject(job_id))
+    results: list[dict[str, Any]] = []
+    for data in raw:
+        result = read_result(data)
+        if result is not None:
+            results.append(await response_of(js, result))
+    return JobResults(results, len(raw) - len(results))
+
+
 async def job_results(
     js: JetStreamContext, settings: NatsSettings, job_id: str
 ) -> list[dict[str, Any]]:
-    """The job's results, each whole (a response kept in the object store is put back)."""
-    raw = await _read_all(js, settings.results_stream, job_results_subject(job_id))
-    return [await response_of(js, json.loads(data)) for data in raw]
+    """The job's readable results (``read_job_results`` also counts the unreadable)."""
+    return (await read_job_results(js, settings, job_id)).results
 
 
 async def job_task_ids(js: JetStreamContext, settings: NatsSettings, job_id: str) -> set[str]:
@@ -140,12 +198,16 @@ class Summary:
     error: int
     missing: int
     duplicates: int
+    unreadable: int = 0
 
     def line(self) -> str:
-        return f"ok={self.ok} error={self.error} missing={self.missing}"
+        line = f"ok={self.ok} error={self.error} missing={self.missing}"
+        return line + (f" unreadable={self.unreadable}" if self.unreadable else "")
 
 
-def summarize(results: list[dict[str, Any]], expected_ids: set[str]) -> Summary:
+def summarize(
+    results: list[dict[str, Any]], expected_ids: set[str], unreadable: int = 0
+) -> Summary:
     per_task = Counter(r["task_id"] for r in results)
     statuses = Counter(r["status"] for r in results)
     return Summary(
@@ -153,4 +215,5 @@ def summarize(results: list[dict[str, Any]], expected_ids: set[str]) -> Summary:
         error=statuses.get("error", 0),
         missing=len(expected_ids - set(per_task)),
         duplicates=sum(n - 1 for n in per_task.values() if n > 1),
+        unreadable=unreadable,
     )

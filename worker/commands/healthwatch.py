@@ -1,10 +1,15 @@
 """``inference-worker healthwatch``: a supervisord event listener that restarts wedged workers.
 
-On every TICK event it asks each RUNNING worker process of the group for ``/healthz``. A process
-that answers 503 (stalled) or does not answer for ``failures`` ticks in a row, after its
-start-up grace, is restarted over supervisor's XML-RPC interface: ``stopProcess`` (SIGTERM to
-the group, SIGKILL after ``stopwaitsecs``) then ``startProcess``. The listener protocol uses
-stdout, so everything else goes to stderr.
+On every TICK event it asks each RUNNING worker process of the group for ``/healthz`` on the
+worker's loopback health listener (``127.0.0.1``, the metrics port + 1000 + N: never the
+/metrics listener, which any number of idle connections may fill; never through a proxy), all
+processes at once, each within ``timeout_s``. A process that answers 503 (stalled) or does not
+answer for ``failures`` ticks in a row, after its start-up grace, is restarted over
+supervisor's XML-RPC interface without waiting: ``stopProcess`` (SIGTERM to the group, SIGKILL
+after ``stopwaitsecs``) is asked at once for every such process, and ``startProcess`` at the
+first tick that finds it stopped. So one tick takes at most ``timeout_s`` and a few calls,
+whatever the number of processes, and frozen processes are restarted together: the last of
+16 as soon as the first. The listener protocol uses stdout, so everything else goes to stderr.
 """
 
 from __future__ import annotations
@@ -15,13 +20,18 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from config.derived import port_for
+from config.derived import healthz_base, port_for
 from worker.exits import CommandExit
 
 RUNNING = 20  # supervisor's ProcessStates.RUNNING
+STOPPED_STATES = frozenset({0, 100, 200})  # STOPPED, EXITED, FATAL: startProcess may start it
+_MAX_PROBES_AT_ONCE = 64
+# No proxy, whatever http_proxy / no_proxy say: a proxy would answer for the worker.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 @dataclass(frozen=True)
@@ -32,7 +42,7 @@ class Probe:
 
 def probe(url: str, timeout_s: float) -> Probe:
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with _DIRECT.open(url, timeout=timeout_s) as response:
             return Probe(response.status == 200, f"HTTP {response.status}")
     except urllib.error.HTTPError as error:
         body = error.read(300).decode("utf-8", "replace").strip()
@@ -52,29 +62,35 @@ def process_port(name: str, port_base: int) -> int | None:
 class HealthWatch:
     rpc: Any
     group: str
-    port_base: int
+    port_base: int  # the metrics port of process 0 (IW_METRICS_PORT_BASE)
     failures: int = 2
     startup_grace_s: float = 120.0
-    timeout_s: float = 5.0
+    timeout_s: float = 3.0
     probe: Callable[[str, float], Probe] = probe
     log: TextIO = sys.stderr
+    healthz_port_base: int = 0  # WORKER_METRICS__HEALTHZ_PORT when the workers set it
     strikes: dict[str, int] = field(default_factory=dict)
+    stopping: dict[str, str] = field(default_factory=dict)  # name -> why it is being restarted
 
     def tick(self, now: float | None = None) -> list[str]:
-        """Check every worker once; returns the names restarted."""
+        """Check every worker once; returns the names whose restart began. Restarts asked at
+        an earlier tick are started once supervisord has stopped them."""
         now = time.time() if now is None else now
-        restarted = []
-        for info in self.rpc.supervisor.getAllProcessInfo():
-            if info["group"] != self.group:
-                continue
+        infos = [i for i in self.rpc.supervisor.getAllProcessInfo() if i["group"] == self.group]
+        self._start_stopped(infos)
+        due = {}
+        for info in infos:
             name = info["name"]
+            if name in self.stopping:
+                continue
             if info["state"] != RUNNING or now - info["start"] < self.startup_grace_s:
                 self.strikes.pop(name, None)
                 continue
-            port = process_port(name, self.port_base)
-            if port is None:
-                continue
-            result = self.probe(f"http://127.0.0.1:{port}/healthz", self.timeout_s)
+            port = process_port(name, healthz_base(self.port_base, self.healthz_port_base))
+            if port is not None:
+                due[name] = f"http://127.0.0.1:{port}/healthz"
+        restarting = []
+        for name, result in self._probe_all(due).items():
             if result.healthy:
                 self.strikes.pop(name, None)
                 continue
@@ -84,24 +100,49 @@ class HealthWatch:
                 f"{result.reason}"
             )
             if self.strikes[name] >= self.failures:
-                self._restart(name, result.reason)
                 self.strikes.pop(name, None)
-                restarted.append(name)
-        return restarted
+                self._stop(name, result.reason)
+                restarting.append(name)
+        return restarting
 
-    def _restart(self, name: str, reason: str) -> None:
+    def _probe_all(self, urls: dict[str, str]) -> dict[str, Probe]:
+        """Every process probed at once: a tick takes one timeout, not one per process."""
+        if not urls:
+            return {}
+        workers = min(len(urls), _MAX_PROBES_AT_ONCE)
+        with ThreadPoolExecutor(workers, thread_name_prefix="probe") as pool:
+            answers = pool.map(lambda url: self.probe(url, self.timeout_s), urls.values())
+            return dict(zip(urls, answers, strict=True))
+
+    def _stop(self, name: str, reason: str) -> None:
         full = f"{self.group}:{name}"
         self._say(
             f"restarting {full} (pid stopped with TERM, then KILL after stopwaitsecs): {reason}"
         )
         try:
-            self.rpc.supervisor.stopProcess(full, True)
+            self.rpc.supervisor.stopProcess(full, False)  # asked, not waited for
         except Exception as error:  # noqa: BLE001 - it may have died on its own meanwhile
-            self._say(f"stopProcess {full} failed: {error}")
-        try:
-            self.rpc.supervisor.startProcess(full, False)
-        except Exception as error:  # noqa: BLE001
-            self._say(f"startProcess {full} failed: {error}; autorestart will try")
+            self._say(f"stopProcess {full} failed: {error}; autorestart will try")
+            return
+        self.stopping[name] = reason
+
+    def _start_stopped(self, infos: list[dict[str, Any]]) -> None:
+        """Start each process this listener stopped, once supervisord reports it stopped."""
+        states = {info["name"]: info["state"] for info in infos}
+        for name in list(self.stopping):
+            state = states.get(name)
+            if state is None or state == RUNNING:  # gone from the config, or started by another
+                self.stopping.pop(name)
+                continue
+            if state not in STOPPED_STATES:
+                continue  # still stopping: SIGKILL comes after stopwaitsecs
+            self.stopping.pop(name)
+            full = f"{self.group}:{name}"
+            try:
+                self.rpc.supervisor.startProcess(full, False)
+                self._say(f"started {full} again")
+            except Exception as error:  # noqa: BLE001
+                self._say(f"startProcess {full} failed: {error}; autorestart will try")
 
     def _say(self, line: str) -> None:
         print(f"healthwatch: {line}", file=self.log, flush=True)
@@ -127,12 +168,26 @@ def serve(watch: HealthWatch, stdin: TextIO = sys.stdin, stdout: TextIO = sys.st
 
 
 def main(
-    group: str, port_base: int, failures: int, startup_grace_s: float, timeout_s: float
+    group: str,
+    port_base: int,
+    failures: int,
+    startup_grace_s: float,
+    timeout_s: float,
+    healthz_port_base: int = 0,
 ) -> int:
     from supervisor import childutils
 
     rpc = childutils.getRPCInterface(os.environ)
-    watch = HealthWatch(rpc, group, port_base, failures, startup_grace_s, timeout_s)
-    watch._say(f"watching group {group}, ports from {port_base}, {failures} strikes")
+    watch = HealthWatch(
+        rpc,
+        group,
+        port_base,
+        failures,
+        startup_grace_s,
+        timeout_s,
+        healthz_port_base=healthz_port_base,
+    )
+    first = healthz_base(port_base, healthz_port_base)
+    watch._say(f"watching group {group}, /healthz on 127.0.0.1 from {first}, {failures} strikes")
     serve(watch)
     return CommandExit.OK  # supervisord went away

@@ -10,7 +10,6 @@ redrawn bar; otherwise one plain line per interval. No torch here.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import nats
 from nats.js import JetStreamContext, api
 
 from config.settings import NatsSettings
+from worker.commands.client import job_task_ids, read_result
 from worker.exits import JobEnd
 from worker.nats.subjects import job_results_subject
 from worker.schemas import subject_token
@@ -36,6 +36,7 @@ class Progress:
     error: int = 0
     started_s: float = 0.0
     done_at_start: int = 0  # results already there when the watch began: not in the rate
+    unreadable: int = 0  # messages on the job's result subjects that are no result
 
     @property
     def done(self) -> int:
@@ -54,7 +55,8 @@ class Progress:
         return self.missing / rate if rate > 0 else None
 
     def summary(self) -> str:
-        return f"ok={self.ok} error={self.error} missing={self.missing}"
+        line = f"ok={self.ok} error={self.error} missing={self.missing}"
+        return line + (f" unreadable={self.unreadable}" if self.unreadable else "")
 
     def exit_code(self) -> int:
         """How the job stands (``exits.JobEnd``): missing wins over error."""
@@ -82,8 +84,6 @@ def render(progress: Progress, now_s: float, tty: bool) -> str:
 
 async def job_task_count(js: JetStreamContext, settings: NatsSettings, job_id: str) -> int:
     """Distinct task ids of the job in the tasks stream (its own subjects only)."""
-    from worker.commands.client import job_task_ids
-
     return len(await job_task_ids(js, settings, job_id))
 
 
@@ -118,11 +118,11 @@ class ResultCounter:
         except (nats.errors.TimeoutError, TimeoutError):
             return
         for msg in msgs:
-            try:
-                result = json.loads(msg.data)
-            except ValueError:
+            result = read_result(msg.data)
+            if result is None:  # not a result (a client may publish there): counted, skipped
+                progress.unreadable += 1
                 continue
-            task_id = str(result.get("task_id"))
+            task_id = result["task_id"]
             if task_id in self.seen:
                 continue
             self.seen.add(task_id)

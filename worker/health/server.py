@@ -1,4 +1,9 @@
-"""The /metrics + /healthz HTTP server: bounded connections, each with a deadline."""
+"""The /metrics + /healthz HTTP server: bounded connections, each with a deadline.
+
+Two listeners: /metrics and /healthz on the configured address (for Prometheus), and /healthz
+alone on loopback, with connection slots of its own, for healthwatch: no number of idle
+connections to the first, from wherever they come, can make the second look dead.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import structlog
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from worker.health.metrics import PREFIX
+
 MAX_CONNECTIONS = 16  # /metrics and /healthz served at once; more are refused
+HEALTHZ_CONNECTIONS = 8  # the loopback /healthz listener's own slots
+LOOPBACK = "127.0.0.1"
 READ_TIMEOUT_S = 5.0
 CONNECTION_DEADLINE_S = 10.0
 
@@ -73,10 +82,62 @@ def _cut(sock: socket.socket) -> None:
         pass
 
 
-class HealthServer:
-    """GET /metrics and GET /healthz on a daemon thread; port 0 turns it off.
+def _listen(
+    address: tuple[str, int], handler: type, slots: int, deadline_s: float
+) -> _BoundedHTTPServer:
+    """A bound, listening server; OSError naming the address when it cannot be had."""
+    try:
+        return _BoundedHTTPServer(address, handler, slots, deadline_s)
+    except OSError as error:
+        why = f"cannot listen on {address[0]}:{address[1]}: {error.strerror or error}"
+        raise OSError(error.errno, why) from None
 
-    ``unhealthy`` says why the process is unhealthy (``stalled: ...``, ``nats: ...``), or None.
+
+def _handler(
+    registry: CollectorRegistry,
+    unhealthy: Callable[[], str | None],
+    metrics: bool,
+    answered: Callable[[], None],
+) -> type[BaseHTTPRequestHandler]:
+    """GET /healthz (``answered`` counts each), and GET /metrics when ``metrics``."""
+    hint = b"not found; try /metrics or /healthz\n" if metrics else b"not found; try /healthz\n"
+
+    class Handler(BaseHTTPRequestHandler):
+        timeout = READ_TIMEOUT_S  # per read; the server's cutoff bounds the whole exchange
+
+        def do_GET(self) -> None:
+            if metrics and self.path.startswith("/metrics"):
+                self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+            elif self.path.startswith("/healthz"):
+                answered()
+                reason = unhealthy()
+                if reason is None:
+                    self._send(200, b"ok\n", "text/plain")
+                else:
+                    self._send(503, f"{reason}\n".encode(), "text/plain")
+            else:
+                self._send(404, hint, "text/plain")
+
+        def _send(self, status: int, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            return  # scrapes every few seconds are not news
+
+    return Handler
+
+
+class HealthServer:
+    """GET /metrics and GET /healthz on ``host:port``, and, when ``healthz_port`` is given,
+    GET /healthz alone on loopback at that port (0: any free one); each on a daemon thread.
+
+    Both sockets are bound (and listening) when the constructor returns; an address that
+    cannot be had raises OSError there. ``unhealthy`` says why the process is unhealthy
+    (``stalled: ...``, ``nats: ...``), or None.
     """
 
     def __init__(
@@ -87,47 +148,58 @@ class HealthServer:
         unhealthy: Callable[[], str | None],
         max_connections: int = MAX_CONNECTIONS,
         connection_deadline_s: float = CONNECTION_DEADLINE_S,
+        healthz_port: int | None = None,
     ) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            timeout = READ_TIMEOUT_S  # per read; the server's cutoff bounds the whole exchange
-
-            def do_GET(self) -> None:
-                if self.path.startswith("/metrics"):
-                    self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
-                elif self.path.startswith("/healthz"):
-                    reason = unhealthy()
-                    if reason is None:
-                        self._send(200, b"ok\n", "text/plain")
-                    else:
-                        self._send(503, f"{reason}\n".encode(), "text/plain")
-                else:
-                    self._send(404, b"not found; try /metrics or /healthz\n", "text/plain")
-
-            def _send(self, status: int, body: bytes, content_type: str) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: object) -> None:
-                return  # scrapes every few seconds are not news
-
-        self._server = _BoundedHTTPServer(
-            (host, port), Handler, max_connections, connection_deadline_s
+        probes = Counter(
+            f"{PREFIX}_healthz_requests",
+            "GET /healthz answered, by listener: metrics (WORKER_METRICS__HOST) or healthwatch "
+            "(loopback).",
+            ["listener"],
+            registry=registry,
         )
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="health-http", daemon=True
-        )
+        self._servers = [
+            _listen(
+                (host, port),
+                _handler(registry, unhealthy, True, probes.labels("metrics").inc),
+                max_connections,
+                connection_deadline_s,
+            )
+        ]
+        if healthz_port is not None:
+            try:
+                self._servers.append(
+                    _listen(
+                        (LOOPBACK, healthz_port),
+                        _handler(registry, unhealthy, False, probes.labels("healthwatch").inc),
+                        HEALTHZ_CONNECTIONS,
+                        connection_deadline_s,
+                    )
+                )
+            except OSError:
+                self._servers[0].server_close()
+                raise
+        self._threads = [
+            threading.Thread(target=server.serve_forever, name="health-http", daemon=True)
+            for server in self._servers
+        ]
 
     @property
     def port(self) -> int:
-        return int(self._server.server_address[1])
+        """The /metrics port."""
+        return int(self._servers[0].server_address[1])
+
+    @property
+    def healthz_port(self) -> int | None:
+        """The loopback /healthz port, if there is that listener."""
+        return int(self._servers[1].server_address[1]) if len(self._servers) > 1 else None
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        for server, thread in zip(self._servers, self._threads, strict=True):
+            if thread.is_alive():
+                server.shutdown()
+            server.server_close()
+            thread.join(timeout=5)

@@ -6,6 +6,10 @@ keeps those advisories in a stream, and every worker pulls them from one shared 
 consumer and reads the original task by its stream sequence; what becomes of it (an
 ``error`` result, create-if-absent, or a dead letter) is the delivery rules' decision
 (``worker.settle.Settler.exhausted``). This module only pulls, reads and paces advisories.
+
+An advisory is checked before it is acted on: its type, stream and consumer must be the
+server's, its deliveries at least the consumer's max_deliver, and its task one the consumer has
+delivered; anything else is refused (terminated, logged ``advisory_refused``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable
+from dataclasses import dataclass
 
 import nats
 import structlog
@@ -26,6 +31,7 @@ from worker.nats.subjects import advisory_consumer
 from worker.settle import Settler, backoff_s
 
 log = structlog.get_logger(__name__)
+MAX_DELIVER_TYPE = "io.nats.jetstream.advisory.v1.max_deliver"
 POISON_ATTEMPTS = 10  # an advisory that fails this often for reasons of its own is dropped
 _FAILURES_KEPT = 1000
 
@@ -107,7 +113,14 @@ class ExhaustedTasks:
             log.error("advisory_unreadable", data=msg.data[:200])
             await msg.term()
             return
-        seq, deliveries = read
+        seq, deliveries = read.stream_seq, read.deliveries
+        forged = await self._forged(msg, read)
+        if forged is None:
+            return  # an outage: it comes back later
+        if forged:
+            log.error("advisory_refused", stream_seq=seq, reason=forged, data=msg.data[:200])
+            await msg.term()
+            return
         original = await self._original(msg, seq)
         if original is None:
             return
@@ -116,6 +129,36 @@ class ExhaustedTasks:
             await msg.ack()
         else:
             await self._later(msg)
+
+    async def _forged(self, msg: Msg, advisory: Advisory) -> str | None:
+        """Why ``advisory`` cannot be the server's, against its own fields and the tasks
+        consumer's state now; "" when it can be; None when the state could not be read (the
+        advisory is given back for later). A client allowed to publish on the advisory
+        subject could otherwise fail any task by its sequence: deployments deny it (README,
+        "NATS permissions"); what passes here names a task the consumer did deliver, at
+        least as often as its max_deliver."""
+        expected = (MAX_DELIVER_TYPE, self._settings.tasks_stream, self._settings.consumer)
+        if (advisory.type, advisory.stream, advisory.consumer) != expected:
+            return (
+                f"names type {advisory.type!r}, stream {advisory.stream!r} and consumer "
+                f"{advisory.consumer!r}; the server writes {expected!r}"
+            )
+        stream, consumer = self._settings.tasks_stream, self._settings.consumer
+        try:
+            info = await self._js.consumer_info(stream, consumer)
+        except (nats.errors.Error, TimeoutError):
+            await self._later(msg)
+            return None
+        max_deliver = int(info.config.max_deliver or 0)
+        if advisory.deliveries < max_deliver:
+            return f"{advisory.deliveries} deliveries, fewer than the consumer's {max_deliver}"
+        delivered_seq = int(info.delivered.stream_seq or 0) if info.delivered else 0
+        if advisory.stream_seq > delivered_seq:
+            return (
+                f"stream sequence {advisory.stream_seq} was never delivered (the consumer has "
+                f"delivered up to {delivered_seq})"
+            )
+        return ""
 
     async def _original(self, msg: Msg, seq: int) -> RawStreamMsg | None:
         """The task message the advisory names; None once the advisory is settled here."""
@@ -134,11 +177,25 @@ class ExhaustedTasks:
         return None
 
 
-def _read_advisory(data: bytes) -> tuple[int, int] | None:
-    """(stream sequence, deliveries) of a max-deliveries advisory; None if unreadable."""
+@dataclass(frozen=True)
+class Advisory:
+    """The fields of a max-deliveries advisory this handler acts on."""
+
+    stream_seq: int
+    deliveries: int
+    type: str
+    stream: str
+    consumer: str
+
+
+def _read_advisory(data: bytes) -> Advisory | None:
+    """A max-deliveries advisory's fields; None if unreadable."""
     try:
         advisory = json.loads(data)
         seq, deliveries = int(advisory["stream_seq"]), int(advisory["deliveries"])
-    except (ValueError, KeyError, TypeError, RecursionError):
+        names = [advisory.get(key) for key in ("type", "stream", "consumer")]
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
-    return (seq, deliveries) if 1 <= seq < 2**64 else None
+    if not 1 <= seq < 2**64 or not all(isinstance(name, str) for name in names):
+        return None
+    return Advisory(seq, deliveries, *names)

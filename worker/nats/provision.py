@@ -28,6 +28,10 @@ def stream_configs(settings: NatsSettings) -> list[api.StreamConfig]:
             retention=api.RetentionPolicy.LIMITS,
             storage=api.StorageType.FILE,
             max_age=settings.tasks_max_age_s,
+            # Full: a new task is refused (the submitter sees it); queued ones are never dropped.
+            max_bytes=settings.tasks_max_bytes,
+            max_msgs=settings.tasks_max_msgs,
+            discard=api.DiscardPolicy.NEW,
             num_replicas=settings.replicas,
         ),
         # One message per task subject, new ones refused: at most one result per task id
@@ -41,6 +45,8 @@ def stream_configs(settings: NatsSettings) -> list[api.StreamConfig]:
             discard=api.DiscardPolicy.NEW,
             discard_new_per_subject=True,
             max_age=settings.results_max_age_s,
+            max_bytes=settings.results_max_bytes,
+            max_msgs=settings.results_max_msgs,
             allow_direct=True,
             num_replicas=settings.replicas,
         ),
@@ -50,6 +56,7 @@ def stream_configs(settings: NatsSettings) -> list[api.StreamConfig]:
             retention=api.RetentionPolicy.LIMITS,
             storage=api.StorageType.FILE,
             max_age=settings.results_max_age_s,
+            max_bytes=settings.dead_letter_max_bytes,
             # The worker and the max-deliveries handler may both dead-letter one message
             # minutes apart; the dedupe id (its tasks-stream sequence) keeps it once.
             duplicate_window=min(DEAD_LETTER_DEDUPE_S, settings.results_max_age_s),
@@ -81,6 +88,7 @@ def advisory_stream_config(settings: NatsSettings) -> api.StreamConfig:
         retention=api.RetentionPolicy.LIMITS,
         storage=api.StorageType.FILE,
         max_age=settings.tasks_max_age_s,
+        max_bytes=settings.advisory_max_bytes,
         num_replicas=settings.replicas,
     )
 

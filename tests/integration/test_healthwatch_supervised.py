@@ -1,0 +1,202 @@
+"""healthwatch under the project's own supervisord config, as an attacker or a careless operator
+meets it (issue 23): idle connections to /metrics, a worker bound to one address, a proxy in
+the environment, and several workers frozen at once. Real supervisord throughout; real workers
+where one process is enough, the worker's own health listeners (``healthz_process``) where
+several are frozen."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.integration.supervisord import GROUP, STARTUP_GRACE_S, Supervisord
+from tests.integration.test_supervisor import supervised_env
+from worker.commands.localservers import free_port
+
+pytestmark = pytest.mark.integration
+IDLE_CONNECTIONS = 24  # over the /metrics listener's 16 slots
+STOPWAITSECS = 6
+
+
+@pytest.fixture
+def supervisors():
+    started: list[Supervisord] = []
+    yield started
+    for sup in started:
+        assert sup.stop() == [], "supervisord left processes behind"
+
+
+@pytest.fixture
+def supervised_worker(tmp_path, nats_server, settings_for, supervisors):
+    def start(env: dict[str, str] | None = None, **worker: str) -> Supervisord:
+        settings = settings_for(nats_server.url)
+        sup = Supervisord(tmp_path / "sup", supervised_env(settings, **worker), env=env)
+        supervisors.append(sup.start())
+        return sup
+
+    return start
+
+
+def healthwatch_probes(sup: Supervisord, host: str = "127.0.0.1") -> int:
+    """How many /healthz requests the worker's loopback listener answered (its metric)."""
+    try:
+        _, text = sup.get("/metrics", host=host)
+    except OSError:  # not listening (restarting): nothing counted
+        return 0
+    found = re.search(
+        r'^inference_worker_healthz_requests_total\{listener="healthwatch"\} (\S+)$', text, re.M
+    )
+    return int(float(found.group(1))) if found else 0
+
+
+def past_grace(sup: Supervisord, index: int = 0, timeout_s: float = 60) -> None:
+    """Wait until process ``index`` has run past healthwatch's start-up grace: probed since."""
+    rpc, deadline = sup.rpc(), time.monotonic() + timeout_s
+    while not _past_grace(rpc, index):
+        assert time.monotonic() < deadline, sup.logs()
+        time.sleep(0.5)
+
+
+def probed_and_never_restarted(sup: Supervisord, pid: int, probes: int, host: str = "127.0.0.1"):
+    """Wait until healthwatch has probed the worker ``probes`` times (its loopback listener's
+    count), the worker never restarted meanwhile."""
+    deadline = time.monotonic() + 60
+    while healthwatch_probes(sup, host) < probes:
+        assert sup.worker_pid() == pid, f"restarted:\n{healthwatch_log(sup)}"
+        assert time.monotonic() < deadline, f"not probed {probes} times:\n{sup.logs()}"
+        time.sleep(0.5)
+    assert sup.worker_pid() == pid, f"restarted:\n{healthwatch_log(sup)}"
+    assert "restarting" not in healthwatch_log(sup), healthwatch_log(sup)
+
+
+def healthwatch_log(sup: Supervisord) -> str:
+    path = sup.run_dir / "healthwatch.log"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+class IdleConnections:
+    """``count`` connections to ``port`` that send nothing, each replaced as soon as the
+    server closes it (as an attacker would), until stopped."""
+
+    def __init__(self, port: int, count: int) -> None:
+        self._port, self._count = port, count
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._hold, daemon=True)
+        self.opened = 0
+
+    def __enter__(self) -> IdleConnections:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _hold(self) -> None:
+        held: list[socket.socket] = []
+        try:
+            while not self._stop.is_set():
+                while len(held) < self._count:
+                    with contextlib.suppress(OSError):
+                        held.append(socket.create_connection(("127.0.0.1", self._port), 2))
+                        self.opened += 1
+                readable, _, _ = select.select(held, [], [], 0.1)
+                for sock in readable:  # closed by the server (refused, or cut at its deadline)
+                    held.remove(sock)
+                    sock.close()
+        finally:
+            for sock in held:
+                sock.close()
+
+
+def test_idle_connections_to_metrics_do_not_make_healthwatch_restart_a_healthy_worker(
+    supervised_worker,
+):
+    sup = supervised_worker()
+    pid = sup.worker_pid()
+    sup.wait_healthy()
+    past_grace(sup)  # healthwatch probes it from now on
+    before = healthwatch_probes(sup)
+    # When a peer holds more idle connections than /metrics has slots, for four ticks
+    with IdleConnections(sup.port_base, IDLE_CONNECTIONS) as attack:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            assert sup.worker_pid(timeout_s=5) == pid, f"restarted:\n{healthwatch_log(sup)}"
+    assert attack.opened >= IDLE_CONNECTIONS
+    # Then healthwatch kept probing, found it healthy, and restarted nothing
+    assert healthwatch_probes(sup) >= before + 3
+    assert sup.worker_pid() == pid
+    assert "unhealthy" not in healthwatch_log(sup) and "restarting" not in healthwatch_log(sup)
+
+
+def test_a_worker_serving_metrics_on_one_address_is_not_restarted_by_healthwatch(
+    supervised_worker,
+):
+    sup = supervised_worker(WORKER_METRICS__HOST="127.0.0.2")  # "one interface"
+    pid = sup.worker_pid()
+    sup.wait_healthy(host="127.0.0.2")
+    past_grace(sup)
+    probed_and_never_restarted(sup, pid, probes=3, host="127.0.0.2")
+
+
+def test_a_proxy_in_the_environment_does_not_answer_for_the_worker(supervised_worker):
+    dead_proxy = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    proxies = {"http_proxy": dead_proxy, "HTTP_PROXY": dead_proxy, "all_proxy": dead_proxy}
+    sup = supervised_worker(env={**proxies, "no_proxy": "", "NO_PROXY": ""})
+    pid = sup.worker_pid()
+    sup.wait_healthy()
+    past_grace(sup)
+    probed_and_never_restarted(sup, pid, probes=3)
+
+
+def test_workers_frozen_together_are_restarted_together_within_one_stop(tmp_path, supervisors):
+    processes = 4
+    sup = Supervisord(
+        tmp_path / "sup",
+        {},
+        stopwaitsecs=STOPWAITSECS,
+        numprocs=processes,
+        command=f"{sys.executable} -m tests.integration.healthz_process",
+    )
+    supervisors.append(sup.start())
+    pids = [sup.worker_pid(index=n) for n in range(processes)]
+    rpc = sup.rpc()
+    # Past their start-up grace (healthwatch probes them from then on), all frozen at once
+    deadline = time.monotonic() + 60
+    while not all(_past_grace(rpc, n) for n in range(processes)):
+        assert time.monotonic() < deadline, sup.logs()
+        time.sleep(0.5)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    restarted_at: dict[int, float] = {}
+    deadline = frozen_at + 120
+    while len(restarted_at) < processes:
+        assert time.monotonic() < deadline, f"restarted: {restarted_at}\n{sup.logs()}"
+        for n in set(range(processes)) - set(restarted_at):
+            info = rpc.supervisor.getProcessInfo(f"{GROUP}:{GROUP}_{n:02d}")
+            if info["statename"] == "RUNNING" and info["pid"] != pids[n]:
+                restarted_at[n] = time.monotonic() - frozen_at
+        time.sleep(0.2)
+    spread_s = max(restarted_at.values()) - min(restarted_at.values())
+    print(f"\nrestarted after {sorted(round(t, 1) for t in restarted_at.values())} s")
+    # One stop for all: the old listener, waiting for each, started them STOPWAITSECS apart
+    assert spread_s < STOPWAITSECS / 2, restarted_at
+    log = healthwatch_log(sup)
+    assert all(f"restarting {GROUP}:{GROUP}_{n:02d}" in log for n in range(processes))
+    assert "overflowed" not in (sup.run_dir / "supervisord.log").read_text(errors="replace")
+
+
+def _past_grace(rpc, index: int) -> bool:
+    info = rpc.supervisor.getProcessInfo(f"{GROUP}:{GROUP}_{index:02d}")
+    return bool(info["statename"] == "RUNNING" and info["now"] - info["start"] > STARTUP_GRACE_S)
