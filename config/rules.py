@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from config.derived import healthz_port, metrics_port
 from config.names import env_name as n
+from config.redact import redact_url
 
 if TYPE_CHECKING:
     from config.settings import Settings
@@ -196,17 +197,19 @@ def worker_problems(s: Settings) -> list[str]:
 
 
 def weights_problems(weights: str, where: str) -> list[str]:
-    """Why ``weights`` (named ``where`` in the message) cannot be read; empty when it can."""
+    """Why ``weights`` (named ``where`` in the message) cannot be read; empty when it can.
+    The value is written redacted: a presigned URL's signature is a credential."""
+    shown = redact_url(weights)
     if not weights:
         return [f"{where} is not set; give a state_dict path or an s3:// URI"]
     if weights.startswith("s3://"):
         bucket, _, key = weights[len("s3://") :].partition("/")
         if not bucket or not key:
-            return [f"{where}={weights!r} must be s3://bucket/key"]
+            return [f"{where}={shown!r} must be s3://bucket/key"]
         return []
     if "://" in weights and not weights.startswith("file://"):
-        return [f"{where}={weights!r}: only a local path or s3:// URI is allowed"]
+        return [f"{where}={shown!r}: only a local path or s3:// URI is allowed"]
     path = Path(weights.removeprefix("file://"))
     if not path.is_file():
-        return [f"{where}={weights!r}: no such file"]
+        return [f"{where}={shown!r}: no such file"]
     return []

@@ -112,8 +112,9 @@ def invalid_task(error: InvalidTask, pipeline: str = "") -> Task:
 def _id_text(value: Any, max_bytes: int) -> tuple[str | None, str]:
     """``value`` as an id string, or None and why not."""
     if isinstance(value, int) and not isinstance(value, bool):
-        if abs(value) >= 10 ** (max_bytes - 1):
-            return None, f"an integer of more than {max_bytes - 1} digits"
+        # Its decimal form (a minus sign included) must fit in max_bytes, as a string's would.
+        if not -(10 ** (max_bytes - 1)) < value < 10**max_bytes:
+            return None, f"an integer longer than {max_bytes} bytes written in decimal"
         value = str(value)
     if not isinstance(value, str) or not value:
         return None, "missing, empty, or neither a string nor an integer"
@@ -171,7 +172,9 @@ def parse_task(data: bytes, subject: str = "") -> Task:
     why_url = _url_problem(url)
     if why_url is not None:
         raise invalid(why_url)
-    config = payload.get("config") or {}
+    config = payload.get("config")
+    if config is None:  # absent or null: no per-task settings
+        config = {}
     if not isinstance(config, dict):
         raise invalid("'config' must be a JSON object when given")
     if not reply_ok:

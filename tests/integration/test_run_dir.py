@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,7 +95,7 @@ async def kill_group_mid_job(
 
 
 async def test_group_kills_mid_job_leave_nothing_once_a_clean_process_starts(
-    nats_server, s3_server, bucket, settings_for, tmp_path
+    nats_server, s3_server, bucket, settings_for, tmp_path, request
 ):
     from testing.shapednet import Shape, ShapedProxy
 
@@ -102,6 +103,7 @@ async def test_group_kills_mid_job_leave_nothing_once_a_clean_process_starts(
     uris = upload_images(s3_server.client(), bucket, 60)
     # The workers' system temp dir: short (the fork server's Unix socket lives below it).
     system_tmp = Path(tempfile.mkdtemp(prefix="iw-tmp-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(system_tmp, ignore_errors=True))
     run_dir = system_tmp / "inference-worker" / f"process-{INDEX}"
     log = tmp_path / "worker.log"
     # Reads of 0.2 s, one at a time per child: a kill lands in the middle of the job.

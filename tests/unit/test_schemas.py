@@ -114,7 +114,7 @@ def test_each_task_has_its_own_result_subject():
         (b'{"id": "\\ud800", "job_id": "j", "image_id": "i", "image_url": "s3://b/k"}', "Unicode"),
         (b"[" * 5000 + b"]" * 5000, "nested too deeply"),
         (b'{"id": ' + b"9" * 5000 + b', "job_id": "j"}', "not JSON"),
-        (json.dumps({**TASK, "id": 10**300}).encode(), "digits"),
+        (json.dumps({**TASK, "id": 10**300}).encode(), "longer than 256 bytes"),
         (json.dumps({**TASK, "job_id": True}).encode(), "job_id"),
         (json.dumps({**TASK, "id": 1.5}).encode(), "'id'"),
         (json.dumps({**TASK, "id": ["t"]}).encode(), "'id'"),
@@ -196,3 +196,22 @@ def test_total_time_is_the_tasks_time_not_a_sum_of_overlapping_timings():
         attempt=1,
     )
     assert result["response"]["total_time"] == 0.6
+
+
+@pytest.mark.parametrize("config", [0, [], "", False, "{}"])
+def test_a_config_that_is_not_an_object_gives_an_invalid_task_even_when_falsy(config):
+    with pytest.raises(InvalidTask, match="'config' must be a JSON object"):
+        parse_task(json.dumps({**TASK, "config": config}).encode())
+
+
+def test_a_null_config_is_no_config():
+    assert parse_task(json.dumps({**TASK, "config": None}).encode()).config == {}
+
+
+def test_an_integer_id_is_capped_by_its_decimal_bytes_as_a_string_is():
+    longest_positive, longest_negative = 10**256 - 1, -(10**255 - 1)  # 256 bytes each
+    assert parse_task(json.dumps({**TASK, "id": longest_positive}).encode()).id == "9" * 256
+    assert parse_task(json.dumps({**TASK, "id": longest_negative}).encode()).id == "-" + "9" * 255
+    for too_long in (10**256, -(10**255)):  # 257 bytes
+        with pytest.raises(Undeliverable, match="longer than 256 bytes"):
+            parse_task(json.dumps({**TASK, "id": too_long}).encode())

@@ -215,3 +215,11 @@ def test_one_pipeline_keeps_working_when_no_list_is_given(monkeypatch):
     monkeypatch.delenv("WORKER_MODEL__PIPELINES", raising=False)
     monkeypatch.setenv("WORKER_MODEL__PIPELINE", "moths.toml")
     assert load_settings(for_worker=False).model.served() == ["moths.toml"]
+
+
+def test_weights_named_in_a_refusal_never_show_a_presigned_signature():
+    presigned = "https://bucket.example/w.pt?X-Amz-Signature=deadbeefcafe&X-Amz-Credential=AKIA"
+    with pytest.raises(ConfigError) as refused:
+        load_settings(model={"weights": presigned})
+    assert "WORKER_MODEL__WEIGHTS" in str(refused.value)
+    assert "deadbeefcafe" not in str(refused.value) and "AKIA" not in str(refused.value)
