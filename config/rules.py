@@ -135,6 +135,46 @@ def metrics_port_is_a_port(s: Settings) -> list[str]:
     ]
 
 
+_ANTENNA_POSITIVE = (
+    "poll_interval_s",
+    "ttr_s",
+    "max_post_bytes",
+    "request_timeout_s",
+    "post_timeout_s",
+)
+
+
+def antenna_source_usable(s: Settings) -> list[str]:
+    """With ``WORKER_SOURCE=antenna``: a base URL, positive durations, full score vectors (a
+    top-k vector does not index the category map, and Antenna drops such a result), and a
+    drain and a reservation budget shorter than the reservation time."""
+    if s.source != "antenna":
+        return []
+    a = s.antenna
+    problems = [
+        f"{n('antenna', name)}={getattr(a, name)} must be greater than 0"
+        for name in _ANTENNA_POSITIVE
+        if getattr(a, name) <= 0
+    ]
+    if not a.base_url.startswith(("http://", "https://")):
+        problems.append(
+            f"{n('source')}=antenna needs {n('antenna', 'base_url')} (or "
+            "AMI_ANTENNA_API_BASE_URL): an http(s):// URL of Antenna's API, e.g. "
+            "https://antenna.insectai.org/api/v2"
+        )
+    if s.model.scores != "all":
+        problems.append(
+            f"{n('source')}=antenna needs {n('model', 'scores')}=all: Antenna saves a "
+            "classification only when its scores index the whole category map"
+        )
+    if problems:
+        return problems
+    problems += _shorter(s, ("health", "drain_timeout_s"), ("antenna", "ttr_s"))
+    if a.finish_within_s:
+        problems += _shorter(s, ("antenna", "finish_within_s"), ("antenna", "ttr_s"))
+    return problems
+
+
 def healthz_port_is_a_port(s: Settings) -> list[str]:
     if s.metrics.healthz_port >= 0 and healthz_port(s) <= 65535:
         return []
@@ -154,6 +194,7 @@ def one_decode_path(s: Settings) -> list[str]:
 
 
 RULES: tuple[Rule, ...] = (
+    antenna_source_usable,
     one_decode_path,
     loader_recovers_before_stall,
     stall_before_redelivery,

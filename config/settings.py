@@ -10,7 +10,15 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from config.errors import ConfigError
@@ -349,6 +357,58 @@ class GuardSettings(BaseModel):
     check_interval_s: float = Field(5.0, description="how often the guards are read")
 
 
+class AntennaSettings(BaseModel):
+    """Antenna's HTTP task API as the task source (``WORKER_SOURCE=antenna``; README, Antenna)."""
+
+    base_url: str = Field(
+        "",
+        description="Antenna's API root, e.g. https://antenna.insectai.org/api/v2 (a URL without "
+        "/api/ gets /api/v2 added); alias AMI_ANTENNA_API_BASE_URL",
+    )
+    token: SecretStr = Field(
+        SecretStr(""),
+        description="API token (sent as `Authorization: Token ...`, never logged); alias "
+        "AMI_ANTENNA_API_AUTH_TOKEN",
+    )
+    project_ids: str = Field(
+        "", description="comma-separated project ids that `register` registers the pipeline in"
+    )
+    service_name: str = Field(
+        "inference-worker",
+        description="processing service name given to `register`; alias AMI_ANTENNA_SERVICE_NAME",
+    )
+    poll_interval_s: float = Field(
+        5.0, description="how often the active jobs are listed, and an empty job asked again"
+    )
+    reservation_size: int = Field(
+        0,
+        description="most tasks asked for in one reservation; 0 = WORKER_LOADER__BATCH_SIZE; "
+        "alias AMI_ANTENNA_API_BATCH_SIZE",
+        ge=0,
+    )
+    ttr_s: float = Field(
+        300.0,
+        description="Antenna's reservation time (its NATS_TASK_TTR): a task not "
+        "answered within it is delivered again",
+    )
+    finish_within_s: float = Field(
+        0.0,
+        description="reserve only what the measured rate finishes and posts within this long of "
+        "its reservation; 0 = half of TTR_S",
+    )
+    max_deliver: int = Field(
+        2, description="deliveries Antenna makes of a task (its consumer's max_deliver)", ge=1
+    )
+    max_post_bytes: int = Field(
+        32 * 1024 * 1024,
+        description="largest body of one POST .../result/ (results are split to stay under it; "
+        "README, Antenna: results over the cap)",
+    )
+    jobs_limit: int = Field(100, description="most active jobs listed per poll", ge=1)
+    request_timeout_s: float = Field(30.0, description="one jobs, tasks or register call")
+    post_timeout_s: float = Field(120.0, description="one POST .../result/ call")
+
+
 class FaultSettings(BaseModel):
     """Fault hooks for chaos tests. Off (empty) unless a test turns them on; free when off."""
 
@@ -387,6 +447,11 @@ class Settings(BaseSettings):
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     guards: GuardSettings = Field(default_factory=GuardSettings)
     faults: FaultSettings = Field(default_factory=FaultSettings)
+    antenna: AntennaSettings = Field(default_factory=AntennaSettings)
+    source: Literal["nats", "antenna"] = Field(
+        "nats", description="where tasks come from: this worker's NATS streams, or Antenna's API"
+    )
+    _aliases_used: tuple[str, ...] = PrivateAttr(default=())
     process_index: int = Field(
         0,
         ge=0,
@@ -418,20 +483,36 @@ def _format_validation_error(error: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def aliases_used(s: Settings) -> tuple[str, ...]:
+    """Which of AMI's names (``AMI_ANTENNA_API_*``, ``AMI_NUM_WORKERS``) gave a setting."""
+    return s._aliases_used
+
+
 def load_settings(*, for_worker: bool = True, **overrides: object) -> Settings:
     """Read and validate settings once; raise ConfigError with one line per problem (a
-    ``WORKER_*`` name in the environment or ``.env`` that is no setting is one).
+    ``WORKER_*`` name in the environment or ``.env`` that is no setting is one). AMI's names for
+    our settings are read as aliases (``config/aliases.py``; ours win).
 
     ``for_worker=False`` serves client commands (submit, results, provision), which need no
     model weights.
     """
+    from config.aliases import alias_overrides, read_env_file
+
     unknown = unknown_settings(Settings, os.environ, Path(str(Settings.model_config["env_file"])))
     if unknown:
         raise ConfigError("\n".join(unknown))
+    aliased, used = alias_overrides(os.environ, read_env_file())
+    merged: dict[str, object] = {**aliased}
+    for group, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(group), dict):
+            merged[group] = {**merged[group], **value}  # type: ignore[dict-item]
+        else:
+            merged[group] = value
     try:
-        settings = Settings(**overrides)  # type: ignore[arg-type]
+        settings = Settings(**merged)  # type: ignore[arg-type]
     except ValidationError as error:
         raise ConfigError(_format_validation_error(error)) from None
+    settings._aliases_used = used
     if for_worker:
         problems = worker_problems(settings)
         if problems:

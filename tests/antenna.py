@@ -1,55 +1,28 @@
-"""Antenna's result shape, written from the field names and meanings of its
-``PipelineResultsResponse`` (RolnickLab/antenna, ``ami/ml/schemas.py``): a stored ``response``
-must validate against it. Strict about types, tolerant of extra fields, as Antenna is."""
+"""Antenna's result shape, for tests: the package's models, written from the field names and
+meanings of Antenna's ``PipelineResultsResponse`` (``worker/antenna/schemas.py``)."""
 
 from __future__ import annotations
 
-import datetime
+from worker.antenna.schemas import (
+    AlgorithmRef,
+    Box,
+    Classification,
+    Detection,
+    ErrorResult,
+    PipelineResults,
+    ResultPost,
+    SourceImage,
+    TaskResult,
+)
 
-import pydantic
-
-
-class Box(pydantic.BaseModel):
-    x1: float
-    y1: float
-    x2: float
-    y2: float
-
-
-class AlgorithmRef(pydantic.BaseModel):
-    name: str
-    key: str
-
-
-class Classification(pydantic.BaseModel):
-    classification: str
-    labels: list[str] | None = None
-    scores: list[float] = []
-    logits: list[float] | None = None
-    inference_time: float | None = None
-    algorithm: AlgorithmRef
-    terminal: bool = True
-    timestamp: datetime.datetime
-
-
-class Detection(pydantic.BaseModel):
-    source_image_id: str
-    bbox: Box | None = None
-    inference_time: float | None = None
-    algorithm: AlgorithmRef
-    timestamp: datetime.datetime
-    crop_image_url: str | None = None
-    classifications: list[Classification] = []
-
-
-class SourceImage(pydantic.BaseModel):
-    id: str
-    url: str
-
-
-class PipelineResults(pydantic.BaseModel):
-    pipeline: str
-    total_time: float
-    source_images: list[SourceImage]
-    detections: list[Detection]
-    errors: list | str | None = None  # type: ignore[type-arg]
+__all__ = [
+    "AlgorithmRef",
+    "Box",
+    "Classification",
+    "Detection",
+    "ErrorResult",
+    "PipelineResults",
+    "ResultPost",
+    "SourceImage",
+    "TaskResult",
+]

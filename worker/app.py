@@ -135,16 +135,6 @@ def _loader(s: Settings, chosen: Chosen, sources: SourceConfig) -> StreamingLoad
     return StreamingLoader(config)
 
 
-def _measured(metrics: Metrics, engine: Engine, runner: Runner, settler: Settler) -> None:
-    """The engine's device memory and reads, and the settler's counts, in ``metrics``."""
-    metrics.registry.register(
-        DeviceCollector(lambda: memory_bytes(runner.device), lambda: engine.out_of_memory)
-    )
-    metrics.registry.register(ReadsCollector(engine.reads, lambda: dict(engine.read_retries)))
-    settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
-    settler.completed_twice = metrics.results_already_stored.inc
-
-
 class WorkerApp:
     """One worker process's parts. ``start`` -> ``run(stop)`` -> ``close``, driven by
     ``worker.serve.Server`` (signals, the run directory, the process's exit code).
@@ -168,6 +158,7 @@ class WorkerApp:
         self.connection = ConnectionState()
         self.device = "cpu"
         self._loader: StreamingLoader | None = None
+        self.antenna: Any = None  # worker.antenna.wiring.AntennaParts with WORKER_SOURCE=antenna
 
     async def start(self) -> None:
         s = self.settings
@@ -184,13 +175,41 @@ class WorkerApp:
             log.warning("device_decode_without_cuda", hint="JPEGs are decoded by the loader")
             chosen = replace(chosen, plan=replace(chosen.plan, encoded=False))
         engine, runner = await self._build_engine(liveness, chosen)
+        if s.source == "antenna":
+            services = self._antenna_services(liveness, chosen, engine, runner)
+        else:
+            services = await self._nats_services(liveness, chosen, engine, runner)
+        self.worker = Worker(s, services, until_idle=self.until_idle)
+        log.info(
+            "worker_started",
+            source=s.source,
+            pipeline=chosen.pipeline.name,
+            stages={a.key: a.weights_sha256[:12] for a in runner.algorithms()},
+            loader_pids=engine.loader.child_pids(),
+            max_deliver=getattr(services.settler, "max_deliver", None),
+            metrics_port=self.health.port if self.health else 0,
+            healthz_port=self.health.healthz_port if self.health else 0,
+        )
+
+    def _collect_engine(self, metrics: Metrics, engine: Engine, runner: Runner) -> None:
+        metrics.registry.register(
+            DeviceCollector(lambda: memory_bytes(runner.device), lambda: engine.out_of_memory)
+        )
+        metrics.registry.register(ReadsCollector(engine.reads, lambda: dict(engine.read_retries)))
+
+    async def _nats_services(
+        self, liveness: Liveness, chosen: Chosen, engine: Engine, runner: Runner
+    ) -> Services:
+        s = self.settings
         feed, store, settler = await self._build_transport(chosen.pipeline.name, model_info(runner))
         await publish_algorithms(
             self.nc.jetstream(), s.nats, [a.config() for a in runner.algorithms()]
         )
         metrics = self._build_health(liveness, engine.loader.child_pids)
-        _measured(metrics, engine, runner, settler)
-        services = Services(
+        self._collect_engine(metrics, engine, runner)
+        settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
+        settler.completed_twice = metrics.results_already_stored.inc
+        return Services(
             source=feed,
             store=store,
             settler=settler,
@@ -203,15 +222,33 @@ class WorkerApp:
             closed=self.connection.lost,
             image_bytes=chosen.plan.max_image_bytes(),
         )
-        self.worker = Worker(s, services, until_idle=self.until_idle)
-        log.info(
-            "worker_started",
-            pipeline=chosen.pipeline.name,
-            stages={a.key: a.weights_sha256[:12] for a in runner.algorithms()},
-            loader_pids=engine.loader.child_pids(),
-            max_deliver=settler.max_deliver,
-            metrics_port=self.health.port if self.health else 0,
-            healthz_port=self.health.healthz_port if self.health else 0,
+
+    def _antenna_services(
+        self, liveness: Liveness, chosen: Chosen, engine: Engine, runner: Runner
+    ) -> Services:
+        """Antenna's HTTP task API as the source (worker/antenna/): no NATS connection."""
+        from worker.antenna.wiring import AntennaParts, served
+
+        s = self.settings
+        self.antenna = parts = AntennaParts.build(s, served(chosen.pipeline, runner.algorithms()))
+        metrics = self._build_health(
+            liveness,
+            engine.loader.child_pids,
+            lambda: parts.problem(s.health.disconnected_timeout_s),
+        )
+        self._collect_engine(metrics, engine, runner)
+        parts.attach(metrics.registry)
+        parts.rules.count = lambda outcome: metrics.tasks.labels(outcome).inc()
+        return Services(
+            source=parts.source,
+            store=parts.lookup,
+            settler=parts.rules,
+            engine=self._with_faults(engine),
+            engine_thread=self.engine_thread,
+            liveness=liveness,
+            metrics=metrics,
+            guard=ResourceGuard(s.guards, engine.loader.child_pids).check,
+            image_bytes=chosen.plan.max_image_bytes(),
         )
 
     async def _build_engine(self, liveness: Liveness, chosen: Chosen) -> tuple[Engine, Runner]:
@@ -293,11 +330,18 @@ class WorkerApp:
             ) from None
         self.health.start()
 
-    def _build_health(self, liveness: Liveness, loader_pids: Callable[[], list[int]]) -> Metrics:
+    def _build_health(
+        self,
+        liveness: Liveness,
+        loader_pids: Callable[[], list[int]],
+        source_problem: Callable[[], str | None] | None = None,
+    ) -> Metrics:
         """Metrics in the registry the listeners serve; /healthz from now on says how the
-        worker is."""
+        worker is. ``source_problem``: why the task source is unhealthy (by default, the NATS
+        connection's)."""
         s = self.settings
         connection = self.connection
+        problem = source_problem or (lambda: connection.problem(s.health.disconnected_timeout_s))
         metrics = Metrics(self.registry, liveness, connection.connected)
         self.registry.register(ProcessTreeCollector(PREFIX, loader_pids))
 
@@ -305,7 +349,7 @@ class WorkerApp:
             stalled = liveness.stalled_reason()
             if stalled:
                 return f"stalled: {stalled}"
-            return connection.problem(s.health.disconnected_timeout_s)
+            return problem()
 
         self._unhealthy = unhealthy
         return metrics
@@ -346,6 +390,8 @@ class WorkerApp:
             self.health.close()
         if self.feed is not None:
             await self.feed.close()
+        if self.antenna is not None:
+            await self.antenna.poster.close()
         self.connection.closing = True
         if self.nc is not None and not self.nc.is_closed:
             try:

@@ -83,3 +83,46 @@ def test_the_programs_run_as_the_named_user(tmp_path, monkeypatch):
     import pwd
 
     assert all(p.uid == pwd.getpwnam(getpass.getuser()).pw_uid for p in processes)
+
+
+def test_the_antenna_example_runs_the_same_processes_with_antenna_as_the_source(
+    tmp_path, monkeypatch
+):
+    from supervisor.options import ServerOptions
+
+    shutil.copy(
+        DEPLOY / "inference-worker-antenna.conf", tmp_path / "inference-worker-antenna.conf"
+    )
+    conf = (DEPLOY / "supervisord.conf").read_text()
+    included = conf.replace("/inference-worker.conf", "/inference-worker-antenna.conf")
+    (tmp_path / "supervisord.conf").write_text(included)
+    for key, value in {
+        "IW_BIN": str(Path(sys.executable).parent),
+        "IW_RUN_DIR": str(tmp_path),
+        "IW_ENV_FILE": str(tmp_path),
+        "IW_NUMPROCS": "2",
+        "IW_DEVICES": "cuda:0",
+        "IW_USER": getpass.getuser(),
+        "IW_METRICS_PORT_BASE": "9460",
+    }.items():
+        monkeypatch.setenv(key, value)
+    options = ServerOptions()
+    options.realize(args=["-c", str(tmp_path / "supervisord.conf")])
+    groups = {g.name: g for g in options.process_group_configs}
+    workers = groups["inference-worker-antenna"].process_configs
+    assert [p.name for p in workers] == [
+        "inference-worker-antenna_00",
+        "inference-worker-antenna_01",
+    ]
+    env = workers[1].environment
+    settings = load_settings(
+        for_worker=False,
+        source=env["WORKER_SOURCE"],
+        antenna={"base_url": "https://antenna.example.org/api/v2"},
+        process_index=int(env["WORKER_PROCESS_INDEX"]),
+        metrics={"port": int(env["WORKER_METRICS__PORT"])},
+    )
+    assert settings.source == "antenna"
+    assert metrics_port(settings) == process_port(workers[1].name, 9460) == 9461
+    listener = groups["inference-worker-antenna-healthwatch"].process_configs[0]
+    assert "--group inference-worker-antenna " in listener.command

@@ -8,6 +8,7 @@ import nats
 from nats.js.errors import NotFoundError
 
 from config.errors import WorkerError
+from config.names import env_name
 from config.redact import redact_url, scrub
 from config.settings import Settings
 
@@ -63,7 +64,27 @@ def _model_problems(settings: Settings) -> list[str]:
     return []
 
 
+async def _antenna_problems(settings: Settings) -> list[str]:
+    from pipelines.registry import name_of
+    from worker.antenna.client import AntennaClient
+    from worker.antenna.register import antenna_problems, project_ids
+
+    a = settings.antenna
+    if not a.base_url:
+        return [f"{env_name('antenna', 'base_url')} (or AMI_ANTENNA_API_BASE_URL) is not set"]
+    try:
+        projects = project_ids(a.project_ids)
+    except ValueError as error:
+        return [str(error)]
+    client = AntennaClient(a.base_url, a.token, min(a.request_timeout_s, _CHECK_TIMEOUT_S))
+    token_set = bool(a.token.get_secret_value())
+    return await antenna_problems(client, [name_of(settings.model.pipeline)], projects, token_set)
+
+
 async def readiness_problems(settings: Settings) -> list[str]:
-    problems = await _nats_problems(settings)
+    if settings.source == "antenna":
+        problems = await _antenna_problems(settings)
+    else:
+        problems = await _nats_problems(settings)
     problems += await asyncio.to_thread(_model_problems, settings)
     return problems

@@ -1,4 +1,5 @@
-"""``inference-worker`` / ``python -m worker``: run, demo, submit, results, check, provision."""
+"""``inference-worker`` / ``python -m worker``: run, demo, submit, results, check, provision,
+register."""
 
 from __future__ import annotations
 
@@ -32,7 +33,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands.add_parser("demo", help="a whole job on local servers, with a report; cleans up")
     _add_job_commands(commands)
-    commands.add_parser("check", help="validate settings and reach NATS, S3 and the model")
+    commands.add_parser(
+        "check",
+        help="validate settings and reach the task source (NATS, or Antenna with "
+        "WORKER_SOURCE=antenna), S3 and the model",
+    )
+    commands.add_parser(
+        "register",
+        help="register the served pipeline with Antenna in WORKER_ANTENNA__PROJECT_IDS "
+        "(idempotent)",
+    )
     commands.add_parser("provision", help="create or update streams and the durable consumer")
     _add_healthwatch(commands)
     return parser
@@ -115,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(run_demo())
     configure_logging(args.log_level)
     try:
-        settings = load_settings(for_worker=args.command in ("run", "check"))
+        settings = load_settings(for_worker=args.command in ("run", "check", "register"))
     except ConfigError as error:
         for line in str(error).splitlines():
             print(f"config error: {line}", file=sys.stderr)
@@ -126,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": _results,
         "watch": _watch,
         "check": _check,
+        "register": _register,
         "provision": _provision,
     }
     try:
@@ -275,11 +286,21 @@ async def _provision(settings: Settings, _args: argparse.Namespace) -> int:
 
 
 async def _check(settings: Settings, _args: argparse.Namespace) -> int:
+    from config.settings import aliases_used
     from worker.commands.check import readiness_problems
 
+    for line in aliases_used(settings):
+        print(f"alias: {line}")
     problems = await readiness_problems(settings)
     for problem in problems:
         print(f"not ready: {problem}", file=sys.stderr)
+    source = "Antenna" if settings.source == "antenna" else "NATS"
     if not problems:
-        print("ready: settings valid; NATS, S3 and the model reachable")
+        print(f"ready: settings valid; {source}, S3 and the model reachable")
     return CommandExit.FAILED if problems else CommandExit.OK
+
+
+async def _register(settings: Settings, _args: argparse.Namespace) -> int:
+    from worker.commands.register import register_command
+
+    return await register_command(settings)

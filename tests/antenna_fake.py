@@ -1,0 +1,525 @@
+"""A fake Antenna: its worker-facing HTTP API as a real HTTP server on 127.0.0.1, for tests.
+
+Written from Antenna's documented and observed behaviour (issue #24; requests and answers seen
+on a running Antenna, /work/antenna-real/OBSERVED.md), not from its code:
+
+- ``GET jobs/?pipeline__slug__in=..&ids_only=1&incomplete_only=1&dispatch_mode=async_api``:
+  ``{count, next, previous, results: [{id, pipeline_slug}]}``; one random job per call unless
+  ``limit`` is given; ``incomplete_only`` still lists CREATED, PENDING and CANCELING jobs.
+  Anonymous calls may list; a wrong token gets 401 everywhere.
+- ``GET jobs/{id}/``: the job with its ``status``; 404 for an unknown job.
+- ``POST jobs/{id}/tasks/`` ``{"batch_size": N}``: ``{"tasks": [...]}``, each reserved for
+  ``ttr_s`` and delivered at most ``max_deliver`` (2) times; ``[]`` for a job that is not
+  STARTED/RETRY or has nothing left to reserve; 503 while ``tasks_unavailable``.
+- ``POST jobs/{id}/result/``: 413 above ``max_body_bytes``; 400 for a body the schema refuses;
+  503 while ``results_unavailable`` (or for the next ``fail_results`` posts); else 200
+  ``{"status": "accepted", ...}``, and then, as Antenna's background save does: a result
+  naming an unregistered detection algorithm key, another pipeline's slug, or scores that do
+  not index the category map is dropped (not saved, not acked: its task comes back once); an
+  unregistered classification key saves the detections only, and does not ack. Otherwise the
+  detections are saved on the image named in ``source_images`` (even when it is not the
+  task's: that image counts as done and the task is acked, so the task's own image stays
+  pending with no message left); detections dedupe on (image, bbox). An error result with
+  ``image_id`` marks that image failed; without one it is acked and counts nothing. Results for
+  a job that is no longer active are accepted and ignored. A job whose images are all done
+  ends SUCCESS, or FAILURE when more than half failed.
+- ``POST projects/{id}/pipelines/``: registers pipelines (201; ``pipelines_created`` lists the
+  new slugs and algorithm keys, empty on a repeat); algorithm keys are global and write-once
+  (a known key with another version: 500); a new classifier without a category map: 500;
+  no ``version``: 400. ``GET projects/{id}/pipelines/`` lists them.
+- Jobs not dispatched as ``async_api``: 400 on ``tasks/``. A bad ``tasks/`` body gets its 400
+  before the job is looked up; ``result/`` looks the job up first.
+- No token or a wrong one: 401; a token without the job's project: 403.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pydantic
+
+ACTIVE = {"STARTED", "RETRY"}
+FINAL = {"SUCCESS", "FAILURE", "REVOKED"}
+
+
+# Antenna's request schema for results, as the fake checks it (field names from Antenna's docs).
+class _Ref(pydantic.BaseModel):
+    name: str
+    key: str
+
+
+class _Classification(pydantic.BaseModel):
+    classification: str
+    labels: list[str] | None = None
+    scores: list[float] = []
+    logits: list[float] | None = None
+    algorithm: _Ref
+    terminal: bool = True
+    timestamp: str
+
+
+class _Detection(pydantic.BaseModel):
+    source_image_id: str
+    bbox: dict[str, float] | None = None
+    algorithm: _Ref
+    timestamp: str
+    classifications: list[_Classification] = []
+
+
+class _Image(pydantic.BaseModel):
+    id: str
+    url: str
+
+
+class _Results(pydantic.BaseModel):
+    pipeline: str
+    total_time: float
+    source_images: list[_Image]
+    detections: list[_Detection]
+
+
+class _Error(pydantic.BaseModel):
+    error: str
+    image_id: str | None = None
+
+
+class _Item(pydantic.BaseModel):
+    reply_subject: str
+    result: _Results | _Error
+
+
+class _Post(pydantic.BaseModel):
+    results: list[_Item]
+
+
+@dataclass
+class FakeTask:
+    image_id: str
+    url: str
+    seq: int
+    delivered: int = 0
+    reserved_until: float = 0.0
+    acked: bool = False
+
+
+@dataclass
+class FakeJob:
+    id: int
+    project: int
+    pipeline: str
+    status: str
+    tasks: dict[str, FakeTask]
+    done: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+    saved: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    result_times: list[float] = field(default_factory=list)  # when a result was saved
+    dispatch_mode: str = "async_api"
+
+
+class FakeAntenna:
+    def __init__(
+        self,
+        *,
+        token: str = "fake-token-0123456789abcdef",
+        ttr_s: float = 300.0,
+        max_deliver: int = 2,
+        max_body_bytes: int = 10**9,
+    ) -> None:
+        self.token = token
+        self.ttr_s = ttr_s
+        self.max_deliver = max_deliver
+        self.max_body_bytes = max_body_bytes
+        self.lock = threading.RLock()
+        self.tokens: dict[str, set[int]] = {token: {1}}  # token -> projects it may use
+        self.projects: dict[int, dict[str, dict[str, Any]]] = {1: {}}  # pipelines per project
+        self.algorithms: dict[str, dict[str, Any]] = {}  # global, write-once
+        self.jobs: dict[int, FakeJob] = {}
+        self.images: dict[str, bytes] = {}  # served at /media/<name>
+        self.tasks_unavailable = False
+        self.results_unavailable = False
+        self.fail_results = 0  # the next N result posts answer 503
+        self.requests: list[tuple[str, str, int]] = []  # method, path, status
+        self.bodies: list[bytes] = []  # every result body received
+        self.headers_seen: list[str] = []
+        self._next_job = 1
+        self._seq = 0
+        self._server: ThreadingHTTPServer | None = None
+
+    # -- set-up ------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.server_address[1]}/api/v2"
+
+    def media_url(self, name: str) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.server_address[1]}/media/{name}"
+
+    def register_direct(self, project: int, config: dict[str, Any]) -> None:
+        """As ``POST projects/{id}/pipelines/`` would (for tests that do not register)."""
+        with self.lock:
+            self._register(project, {"processing_service_name": "t", "pipelines": [config]})
+
+    def add_job(
+        self,
+        pipeline: str,
+        images: list[tuple[str, str]],
+        *,
+        project: int = 1,
+        status: str = "STARTED",
+    ) -> int:
+        with self.lock:
+            job_id = self._next_job
+            self._next_job += 1
+            tasks = {}
+            for image_id, url in images:
+                self._seq += 1
+                tasks[image_id] = FakeTask(image_id, url, self._seq)
+            self.jobs[job_id] = FakeJob(job_id, project, pipeline, status, tasks)
+            return job_id
+
+    @contextmanager
+    def running(self) -> Iterator[FakeAntenna]:
+        fake = self
+
+        class Handler(_Handler):
+            antenna = fake
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self._server.shutdown()
+            self._server.server_close()
+            thread.join(10)
+
+    # -- what a test reads ---------------------------------------------------------------
+    def pending(self, job_id: int) -> set[str]:
+        with self.lock:
+            job = self.jobs[job_id]
+            return set(job.tasks) - job.done - job.failed
+
+    def lost(self, job_id: int) -> set[str]:
+        """Images no one will ever be given again: delivered ``max_deliver`` times, not acked,
+        reservation run out (Antenna then fails them when the job goes stale)."""
+        now = time.monotonic()
+        with self.lock:
+            job = self.jobs[job_id]
+            return {
+                t.image_id
+                for t in job.tasks.values()
+                if not t.acked
+                and t.delivered >= self.max_deliver
+                and t.reserved_until <= now
+                and t.image_id not in job.done | job.failed
+            }
+
+    def expire_reservations(self) -> None:
+        """Let every reservation run out now (as ``ttr_s`` passing would)."""
+        with self.lock:
+            for job in self.jobs.values():
+                for task in job.tasks.values():
+                    task.reserved_until = min(task.reserved_until, time.monotonic())
+
+    # -- the API -------------------------------------------------------------------------
+    def handle(
+        self, method: str, path: str, query: dict[str, str], auth: str | None, body: bytes
+    ) -> tuple[int, Any]:
+        parts = [p for p in path.split("/") if p]
+        if parts[:2] != ["api", "v2"]:
+            return 404, {"detail": "Not found."}
+        parts = parts[2:]
+        user = self._user(auth)
+        if user == "invalid":
+            return 401, {"detail": "Invalid token."}
+        with self.lock:
+            if method == "GET" and parts == ["jobs"]:
+                return self._list(query)
+            if method == "GET" and len(parts) == 2 and parts[0] == "jobs":
+                job = self._job(parts[1])
+                if job is None:
+                    return 404, {"detail": "Not found."}
+                return 200, {"id": job.id, "status": job.status, "pipeline_slug": job.pipeline}
+            if method == "GET" and len(parts) == 3 and parts[0] == "projects":
+                project = int(parts[1]) if parts[1].isdigit() else -1
+                if project not in self.projects or parts[2] != "pipelines":
+                    return 404, {"detail": "Not found."}
+                found = [
+                    {"id": i, "name": p["config"].get("name"), "slug": slug}
+                    for i, (slug, p) in enumerate(self.projects[project].items(), 1)
+                ]
+                return 200, {"count": len(found), "next": None, "previous": None, "results": found}
+            if method == "POST" and len(parts) == 3 and parts[0] in ("jobs", "projects"):
+                if user is None:
+                    return 401, {"detail": "Authentication credentials were not provided."}
+                return self._post(parts, user, body)
+        return 405 if method == "GET" else 404, {"detail": "Not found."}
+
+    def _user(self, auth: str | None) -> set[int] | str | None:
+        if not auth:
+            return None
+        scheme, _, key = auth.partition(" ")
+        if scheme != "Token" or key not in self.tokens:
+            return "invalid"
+        return self.tokens[key]
+
+    def _job(self, text: str) -> FakeJob | None:
+        return self.jobs.get(int(text)) if text.isdigit() else None
+
+    def _list(self, query: dict[str, str]) -> tuple[int, Any]:
+        slugs = set(query.get("pipeline__slug__in", "").split(",")) - {""}
+        jobs = [
+            j
+            for j in sorted(self.jobs.values(), key=lambda j: j.id)
+            if (not slugs or j.pipeline in slugs)
+            and not (query.get("incomplete_only") in ("1", "true") and j.status in FINAL)
+            and query.get("dispatch_mode", j.dispatch_mode) == j.dispatch_mode
+        ]
+        listed = jobs[: int(query["limit"])] if "limit" in query else jobs[:0]
+        if "limit" not in query and jobs:
+            listed = [random.choice(jobs)]  # Antenna's default page: one job
+        results = [
+            {"id": j.id, "pipeline_slug": j.pipeline, "user_permissions": []} for j in listed
+        ]
+        return 200, {"count": len(jobs), "next": None, "previous": None, "results": results}
+
+    def _post(self, parts: list[str], user: set[int], body: bytes) -> tuple[int, Any]:
+        try:
+            payload = json.loads(body or b"null")
+        except ValueError:
+            return 400, {"detail": "JSON parse error"}
+        if parts[0] == "projects":
+            project = int(parts[1]) if parts[1].isdigit() else -1
+            if project not in self.projects:
+                return 404, {"detail": "Not found."}
+            if project not in user:
+                return 403, {"detail": "You do not have permission to perform this action."}
+            return self._register(project, payload)
+        size = payload.get("batch_size") if isinstance(payload, dict) else None
+        if parts[2] == "tasks" and (not isinstance(size, int) or size < 1):
+            return 400, {"batch_size": ["Ensure this value is greater than or equal to 1."]}
+        job = self._job(parts[1])
+        if job is None:
+            return 404, {"detail": "Not found."}
+        if job.project not in user:
+            return 403, {"detail": "You do not have permission to perform this action."}
+        if parts[2] == "tasks":
+            if job.dispatch_mode != "async_api":
+                return 400, ["Only async_api jobs have fetchable tasks"]
+            return self._reserve(job, int(size or 0))
+        if parts[2] == "result":
+            return self._result(job, payload, body)
+        return 404, {"detail": "Not found."}
+
+    def _reserve(self, job: FakeJob, size: int) -> tuple[int, Any]:
+        if self.tasks_unavailable:
+            return 503, {"error": "Task queue temporarily unavailable"}
+        if job.status not in ACTIVE:
+            return 200, {"tasks": []}
+        now = time.monotonic()
+        ready = [
+            t
+            for t in sorted(job.tasks.values(), key=lambda t: t.seq)
+            if not t.acked and t.reserved_until <= now and t.delivered < self.max_deliver
+        ][:size]
+        tasks = []
+        for i, task in enumerate(ready):
+            task.delivered += 1
+            task.reserved_until = now + self.ttr_s
+            subject = (
+                f"$JS.ACK.job_{job.id}.job-{job.id}-consumer.{task.delivered}.{task.seq}."
+                f"{task.seq + i}.{time.time_ns()}.{len(ready) - i - 1}"
+            )
+            tasks.append(
+                {
+                    "id": task.image_id,
+                    "image_id": task.image_id,
+                    "image_url": task.url,
+                    "reply_subject": subject,
+                }
+            )
+        return 200, {"tasks": tasks}
+
+    def _result(self, job: FakeJob, payload: Any, body: bytes) -> tuple[int, Any]:
+        self.bodies.append(body)
+        if self.results_unavailable or self.fail_results > 0:
+            self.fail_results = max(0, self.fail_results - 1)
+            return 503, {
+                "status": "error",
+                "job_id": job.id,
+                "detail": "Task queue temporarily unavailable",
+            }
+        try:
+            post = _Post.model_validate(payload)
+        except pydantic.ValidationError as error:
+            return 400, {"results": [str(error)[:300]]}
+        for entry in post.results:
+            self._save(job, entry)
+        subjects = [e.reply_subject for e in post.results]
+        return 200, {
+            "status": "accepted",
+            "job_id": job.id,
+            "results_queued": len(subjects),
+            "tasks": [{"reply_subject": s, "status": "queued"} for s in subjects],
+        }
+
+    def _task_of(self, job: FakeJob, subject: str) -> FakeTask | None:
+        tokens = subject.split(".")
+        if len(tokens) != 9 or not tokens[5].isdigit():
+            return None
+        seq = int(tokens[5])
+        return next((t for t in job.tasks.values() if t.seq == seq), None)
+
+    def _save(self, job: FakeJob, entry: _Item) -> None:
+        """Antenna's background save (see the module's docstring)."""
+        task = self._task_of(job, entry.reply_subject)
+        if task is None or job.status not in ACTIVE:
+            return  # accepted, then ignored
+        result = entry.result
+        if isinstance(result, _Error):
+            task.acked = True
+            if result.image_id in job.tasks:
+                job.failed.add(result.image_id)
+                job.result_times.append(time.monotonic())
+            self._maybe_done(job)
+            return
+        verdict = self._saveable(job, result)
+        if verdict == "drop":
+            return  # accepted with 200, then not saved, not acked
+        for image in result.source_images:
+            saved = job.saved.setdefault(image.id, [])
+            for detection in result.detections:
+                record = detection.model_dump(mode="json", exclude={"timestamp"})
+                if verdict == "detections_only":
+                    record["classifications"] = []
+                if all(r["bbox"] != record["bbox"] for r in saved):
+                    saved.append(record)
+        if verdict == "detections_only":
+            return  # the boxes are saved, the classifications failed: no ack
+        job.done.update(i.id for i in result.source_images if i.id in job.tasks)
+        job.result_times.append(time.monotonic())
+        task.acked = True
+        self._maybe_done(job)
+
+    def _saveable(self, job: FakeJob, result: _Results) -> str:
+        """``save``, ``drop`` (nothing saved), or ``detections_only`` (an unknown classifier)."""
+        registered = self.projects[job.project].get(job.pipeline)
+        if result.pipeline != job.pipeline or registered is None:
+            return "drop"
+        keys = registered["keys"]
+        verdict = "save"
+        for detection in result.detections:
+            if detection.algorithm.key not in keys:
+                return "drop"
+            for c in detection.classifications:
+                config = self.algorithms.get(c.algorithm.key)
+                if c.algorithm.key not in keys or config is None:
+                    verdict = "detections_only"
+                    continue
+                size = len((config.get("category_map") or {}).get("labels") or [])
+                if len(c.scores) != size:
+                    return "drop"
+        return verdict
+
+    def _maybe_done(self, job: FakeJob) -> None:
+        if not self.pending(job.id) and job.status in ACTIVE:
+            job.status = "FAILURE" if len(job.failed) > len(job.tasks) / 2 else "SUCCESS"
+
+    def _register(self, project: int, payload: Any) -> tuple[int, Any]:
+        if not isinstance(payload, dict) or not isinstance(payload.get("pipelines"), list):
+            return 400, {"pipelines": ["This field is required."]}
+        if not payload.get("processing_service_name"):
+            return 400, {"processing_service_name": ["This field is required."]}
+        for pipeline in payload["pipelines"]:
+            if "version" not in pipeline:
+                return 400, {
+                    "pipelines": [{"loc": ["__root__", "0", "version"], "msg": "field required"}]
+                }
+            for algorithm in pipeline.get("algorithms") or []:
+                known = self.algorithms.get(algorithm["key"])
+                if (
+                    known is None
+                    and algorithm.get("task_type") == "classification"
+                    and not (algorithm.get("category_map"))
+                ):
+                    return 500, "PipelineNotConfigured"  # a Django error page
+                if known is not None and known.get("version", 1) != algorithm.get("version", 1):
+                    return 500, "IntegrityError: ml_algorithm_key_key"
+        created: list[str] = []
+        for pipeline in payload["pipelines"]:
+            keys = set()
+            for algorithm in pipeline.get("algorithms") or []:
+                if algorithm["key"] not in self.algorithms:
+                    self.algorithms[algorithm["key"]] = algorithm  # write-once
+                    created.append(algorithm["key"])
+                keys.add(algorithm["key"])
+            slug = pipeline["slug"]
+            old = self.projects[project].get(slug)
+            if old is None:
+                created.append(slug)
+            else:
+                keys |= old["keys"]  # a subset does not remove algorithms
+            self.projects[project][slug] = {"config": pipeline, "keys": keys}
+        return 201, {
+            "success": True,
+            "error": None,
+            "pipelines": payload["pipelines"],
+            "pipelines_created": created,
+            "algorithms_created": [],
+        }
+
+
+class _Handler(BaseHTTPRequestHandler):
+    antenna: FakeAntenna
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        if self.path.startswith("/media/"):
+            data = self.antenna.images.get(self.path.removeprefix("/media/"))
+            self._send(200 if data is not None else 404, data or b"", "image/jpeg")
+            return
+        self._api("GET", b"")
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > self.antenna.max_body_bytes:
+            self.rfile.read(length)
+            self._send(413, b"<html>413 Request Entity Too Large</html>", "text/html")
+            self.antenna.requests.append(("POST", self.path, 413))
+            return
+        self._api("POST", self.rfile.read(length))
+
+    def _api(self, method: str, body: bytes) -> None:
+        url = urllib.parse.urlsplit(self.path)
+        query = dict(urllib.parse.parse_qsl(url.query))
+        auth = self.headers.get("Authorization")
+        if auth:
+            self.antenna.headers_seen.append(auth)
+        status, answer = self.antenna.handle(method, url.path, query, auth, body)
+        self.antenna.requests.append((method, url.path, status))
+        if isinstance(answer, str):
+            self._send(status, f"<html>{answer}</html>".encode(), "text/html")
+        else:
+            self._send(status, json.dumps(answer).encode(), "application/json")
+
+    def _send(self, status: int, data: bytes, kind: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)

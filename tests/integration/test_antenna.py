@@ -1,0 +1,265 @@
+"""The worker process with ``WORKER_SOURCE=antenna`` against the fake Antenna
+(tests/antenna_fake.py, a real HTTP server): register, a mixed job, SIGKILL and restart, a 503
+storm on result, two jobs."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.antenna_fake import FakeAntenna
+from tests.conftest import LABELS, PIPELINE
+from tests.helpers import cli
+from worker.commands.demo_images import corrupt_bytes, image_bytes
+from worker.commands.localservers import stop_process
+
+pytestmark = pytest.mark.integration
+TOKEN = "s3cr3t-antenna-token-7f1c2a9e"
+
+
+@pytest.fixture
+def antenna() -> Iterator[FakeAntenna]:
+    fake = FakeAntenna(token=TOKEN)
+    with fake.running():
+        yield fake
+
+
+def env_for(fake: FakeAntenna, model_path: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKER_", "AMI_"))}
+    host = fake.url.split("/")[2]
+    env.update(
+        {
+            "WORKER_SOURCE": "antenna",
+            "WORKER_ANTENNA__BASE_URL": fake.url,
+            "WORKER_ANTENNA__TOKEN": TOKEN,
+            "WORKER_ANTENNA__PROJECT_IDS": "1",
+            "WORKER_ANTENNA__POLL_INTERVAL_S": "0.3",
+            "WORKER_SOURCES__ALLOWED_HOSTS": host,
+            "WORKER_NATS__FETCH_TIMEOUT_S": "0.3",
+            "WORKER_LOADER__NUM_WORKERS": "1",
+            "WORKER_LOADER__BATCH_SIZE": "4",
+            "WORKER_S3__HTTP_TIMEOUT_S": "3",
+            "WORKER_MODEL__PIPELINE": PIPELINE,
+            "WORKER_MODEL__WEIGHTS": model_path,
+            "WORKER_MODEL__DEVICE": "cpu",
+            "WORKER_METRICS__PORT": "0",
+            "WORKER_LOG_LEVEL": "INFO",
+        }
+    )
+    env.update(extra)
+    return env
+
+
+def add_images(fake: FakeAntenna, prefix: str, count: int) -> list[tuple[str, str]]:
+    images = []
+    for i in range(count):
+        name = f"{prefix}-{i}.jpg"
+        fake.images[name] = image_bytes(96 + 8 * (i % 3), 80, seed=i)
+        images.append((f"{prefix}{i}", fake.media_url(name)))
+    return images
+
+
+def start(env: dict[str, str], log_path: Path, *args: str) -> subprocess.Popen[bytes]:
+    with open(log_path, "ab") as log_file:
+        return subprocess.Popen(
+            [sys.executable, "-m", "worker", "run", *args],
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{what} within {timeout_s}s; worker log:\n{log.read_text()[-4000:]}")
+
+
+def registered(fake: FakeAntenna, model_path: str) -> None:
+    done = cli("register", env=env_for(fake, model_path), timeout=120)
+    assert done.returncode == 0, done.stderr + done.stdout
+
+
+def saved_once(fake: FakeAntenna, job: int, images: list[tuple[str, str]]) -> dict[str, Any]:
+    saved = fake.jobs[job].saved
+    return {image: len(saved.get(image, [])) for image, _ in images}
+
+
+def test_register_is_idempotent_and_a_mixed_job_completes_with_every_image_saved_once(
+    antenna: FakeAntenna, model_path: str, tmp_path: Path
+) -> None:
+    first = cli("register", env=env_for(antenna, model_path), timeout=120)
+    again = cli("register", env=env_for(antenna, model_path), timeout=120)
+    assert first.returncode == 0 and "created" in first.stdout, first.stderr
+    assert again.returncode == 0 and "already registered" in again.stdout, again.stderr
+    (config,) = [p["config"] for p in antenna.projects[1].values()]
+    (classifier,) = config["algorithms"]
+    assert classifier["category_map"]["labels"] == LABELS
+    assert classifier["key"].startswith("classifier-") or len(classifier["key"]) > 12
+
+    good = add_images(antenna, "good", 6)
+    antenna.images["corrupt.jpg"] = corrupt_bytes()
+    bad = [("corrupt", antenna.media_url("corrupt.jpg")), ("gone", antenna.media_url("no.jpg"))]
+    job = antenna.add_job(PIPELINE, good + bad)
+    log = tmp_path / "worker.log"
+    proc = start(env_for(antenna, model_path), log, "--until-idle")
+    try:
+        assert proc.wait(timeout=180) == 0, log.read_text()[-4000:]
+    finally:
+        stop_process(proc)
+
+    assert antenna.jobs[job].status == "SUCCESS"
+    assert antenna.pending(job) == set()
+    assert saved_once(antenna, job, good) == {image: 1 for image, _ in good}
+    assert antenna.jobs[job].failed == {"corrupt", "gone"}  # error results with image_id
+    text = log.read_text()
+    assert TOKEN not in text
+    assert all(TOKEN.encode() not in body for body in antenna.bodies)
+    assert antenna.headers_seen and set(antenna.headers_seen) == {f"Token {TOKEN}"}
+
+
+def test_sigkill_mid_job_and_a_restart_lose_nothing_antenna_would_not_redeliver(
+    model_path: str, tmp_path: Path
+) -> None:
+    fake = FakeAntenna(token=TOKEN, ttr_s=8.0)
+    with fake.running():
+        registered(fake, model_path)
+        images = add_images(fake, "k", 24)
+        job = fake.add_job(PIPELINE, images)
+        env = env_for(
+            fake, model_path, WORKER_ANTENNA__TTR_S="8", WORKER_HEALTH__DRAIN_TIMEOUT_S="5"
+        )
+        log = tmp_path / "worker.log"
+        proc = start(env, log)
+        try:
+            wait_for(lambda: len(fake.jobs[job].done) >= 4, 120, "4 images saved", log)
+            fake.results_unavailable = True  # what it holds now stays held until the kill
+            seen = len(fake.requests)
+            wait_for(
+                lambda: any(r[2] == 503 for r in fake.requests[seen:]), 60, "a result held", log
+            )
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+            held = {
+                t.image_id for t in fake.jobs[job].tasks.values() if t.delivered and not t.acked
+            }
+            assert held, "the killed process held no reservation"
+            fake.results_unavailable = False
+            proc = start(env, log)
+            wait_for(lambda: fake.jobs[job].status == "SUCCESS", 180, "the job done", log)
+        finally:
+            stop_process(proc)
+        assert fake.lost(job) == set() and fake.jobs[job].failed == set()
+        assert saved_once(fake, job, images) == {image: 1 for image, _ in images}
+        redelivered = {t.image_id for t in fake.jobs[job].tasks.values() if t.delivered == 2}
+        assert held <= redelivered  # what the killed process held came back, once
+
+
+def test_a_503_storm_on_result_loses_nothing(
+    antenna: FakeAntenna, model_path: str, tmp_path: Path
+) -> None:
+    registered(antenna, model_path)
+    images = add_images(antenna, "s", 10)
+    antenna.fail_results = 6  # the next six result posts answer 503
+    job = antenna.add_job(PIPELINE, images)
+    log = tmp_path / "worker.log"
+    proc = start(env_for(antenna, model_path), log, "--until-idle")
+    try:
+        assert proc.wait(timeout=180) == 0, log.read_text()[-4000:]
+    finally:
+        stop_process(proc)
+    assert antenna.fail_results == 0
+    assert antenna.jobs[job].status == "SUCCESS" and antenna.jobs[job].failed == set()
+    assert saved_once(antenna, job, images) == {image: 1 for image, _ in images}
+    assert all(t.delivered == 1 for t in antenna.jobs[job].tasks.values())
+    assert "result_post_retried" in log.read_text()
+
+
+def test_a_small_job_behind_a_large_one_finishes_long_before_it(
+    antenna: FakeAntenna, model_path: str, tmp_path: Path
+) -> None:
+    registered(antenna, model_path)
+    large = antenna.add_job(PIPELINE, add_images(antenna, "L", 60))
+    small = antenna.add_job(PIPELINE, add_images(antenna, "S", 5))
+    log = tmp_path / "worker.log"
+    proc = start(env_for(antenna, model_path), log, "--until-idle")
+    try:
+        wait_for(lambda: antenna.jobs[small].status == "SUCCESS", 180, "the small job done", log)
+        left_in_large = len(antenna.pending(large))
+        assert proc.wait(timeout=240) == 0, log.read_text()[-4000:]
+    finally:
+        stop_process(proc)
+    assert left_in_large >= 30, f"the small job waited for the large one ({left_in_large} left)"
+    assert antenna.jobs[large].status == "SUCCESS"
+    times = antenna.jobs[large].result_times
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert max(gaps) < 30  # the large job kept getting results while the small one ran
+
+
+def test_sigterm_posts_what_is_finished_reserves_nothing_more_and_metrics_show_antenna(
+    model_path: str, tmp_path: Path
+) -> None:
+    import urllib.request
+
+    from worker.commands.localservers import free_port
+
+    fake = FakeAntenna(token=TOKEN, ttr_s=6.0)
+    with fake.running():
+        registered(fake, model_path)
+        images = add_images(fake, "t", 40)
+        job = fake.add_job(PIPELINE, images)
+        port = free_port()
+        env = env_for(
+            fake,
+            model_path,
+            WORKER_ANTENNA__TTR_S="6",
+            WORKER_HEALTH__DRAIN_TIMEOUT_S="4",
+            WORKER_METRICS__PORT=str(port),
+            WORKER_LOADER__BATCH_SIZE="2",
+        )
+        log = tmp_path / "worker.log"
+        proc = start(env, log)
+        try:
+            wait_for(lambda: len(fake.jobs[job].done) >= 4, 120, "4 images saved", log)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+                metrics = answer.read().decode()
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as answer:
+                assert answer.status == 200
+            proc.send_signal(signal.SIGTERM)
+            stopped_at = len(fake.requests)
+            assert proc.wait(timeout=30) == 0, log.read_text()[-4000:]
+        finally:
+            stop_process(proc)
+        after = fake.requests[stopped_at:]
+        assert sum(1 for m, path, _ in after if path.endswith("/tasks/")) <= 1  # one in flight
+        assert 'inference_worker_antenna_requests_total{endpoint="tasks",status="200"}' in metrics
+        assert "inference_worker_antenna_oldest_reservation_seconds_left" in metrics
+        held = {t.image_id for t in fake.jobs[job].tasks.values() if t.delivered and not t.acked}
+        text = log.read_text()
+        assert all(f'"image_id": "{image}"' in text for image in held)  # each said in the log
+        assert TOKEN not in text
+        # What was left comes back from Antenna: a second worker finishes the job.
+        proc = start(
+            env_for(
+                fake, model_path, WORKER_ANTENNA__TTR_S="6", WORKER_HEALTH__DRAIN_TIMEOUT_S="4"
+            ),
+            log,
+        )
+        try:
+            wait_for(lambda: fake.jobs[job].status == "SUCCESS", 180, "the job done", log)
+        finally:
+            stop_process(proc)
+        assert fake.lost(job) == set()
+        assert saved_once(fake, job, images) == {image: 1 for image, _ in images}

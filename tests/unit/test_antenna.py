@@ -1,0 +1,448 @@
+"""The Antenna source's parts against the fake Antenna (a real HTTP server on 127.0.0.1), and
+the fake's own documented behaviours: what a worker relies on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+
+from config.aliases import alias_overrides
+from pipelines.models import Algorithm
+from tests.antenna_fake import FakeAntenna
+from worker.antenna.client import AntennaClient
+from worker.antenna.jobs import JobRotation
+from worker.antenna.post import Poster
+from worker.antenna.register import antenna_problems, register
+from worker.antenna.reservations import Reservations, delivered_of
+from worker.antenna.results import Served, antenna_key, encoded, fit, item
+from worker.antenna.settle import AntennaRules
+from worker.antenna.source import AntennaSource
+from worker.outcome import Outcome
+from worker.schemas import Task
+
+TOKEN = "unit-token-5b7d"
+SLUG = "moths"
+LABELS = ("a", "b", "c")
+CLASSIFIER = Algorithm("clf", "Classifier", "classification", "ab" * 32, LABELS)
+SERVED = Served(SLUG, "", (CLASSIFIER,))
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeAntenna]:
+    antenna = FakeAntenna(token=TOKEN, ttr_s=0.4)
+    antenna.register_direct(1, SERVED.config())
+    with antenna.running():
+        yield antenna
+
+
+def client_of(fake: FakeAntenna, token: str = TOKEN) -> AntennaClient:
+    return AntennaClient(fake.url, SecretStr(token), 5.0)
+
+
+def source_of(fake: FakeAntenna, token: str = TOKEN, size: int = 10) -> AntennaSource:
+    client = client_of(fake, token)
+    jobs = JobRotation(client, (SLUG,), 0.05, 100)
+    return AntennaSource(
+        client,
+        jobs,
+        Reservations(fake.ttr_s, 60.0, size),
+        reservation_size=size,
+        wait_s=0.05,
+        max_deliver=2,
+    )
+
+
+def images(n: int, prefix: str = "i") -> list[tuple[str, str]]:
+    return [(f"{prefix}{i}", f"http://127.0.0.1:1/{prefix}{i}.jpg") for i in range(n)]
+
+
+def detection(image: str, key: str, scores: list[float], x1: float = 1.0) -> dict[str, Any]:
+    return {
+        "source_image_id": image,
+        "bbox": {"x1": x1, "y1": 1.0, "x2": 5.0, "y2": 5.0},
+        "inference_time": 0.01,
+        "algorithm": {"name": "Classifier", "key": key},
+        "timestamp": "2026-12-01T00:00:00+00:00",
+        "crop_image_url": None,
+        "classifications": [
+            {
+                "classification": "a",
+                "scores": scores,
+                "logits": None,
+                "algorithm": {"name": "Classifier", "key": key},
+                "terminal": True,
+                "timestamp": "2026-12-01T00:00:00+00:00",
+            }
+        ],
+    }
+
+
+def task_of(delivery: Any) -> Task:
+    payload = json.loads(delivery.data)
+    return Task(
+        payload["id"],
+        payload["job_id"],
+        payload["image_id"],
+        payload["image_url"],
+        reply_subject=payload["reply_subject"],
+    )
+
+
+async def reserve_all(source: AntennaSource, n: int) -> list[Any]:
+    got: list[Any] = []
+    for _ in range(20):
+        got += await source.fetch(n - len(got))
+        if len(got) >= n:
+            break
+    return got
+
+
+# -- the fake itself: Antenna's documented behaviour ------------------------------------------
+async def test_jobs_listed_without_limit_come_one_random_job_at_a_time(fake: FakeAntenna) -> None:
+    for _ in range(4):
+        fake.add_job(SLUG, images(1))
+    client = client_of(fake)
+    seen = set()
+    for _ in range(40):
+        reply = await client.get("jobs/", "jobs", {"pipeline__slug__in": SLUG, "ids_only": 1})
+        assert reply.body["count"] == 4 and len(reply.body["results"]) == 1
+        seen.add(reply.body["results"][0]["id"])
+    limited = await client.get("jobs/", "jobs", {"pipeline__slug__in": SLUG, "limit": 10})
+    assert len(seen) > 1 and len(limited.body["results"]) == 4
+
+
+async def test_only_started_and_retry_jobs_are_rotated_in_turn(fake: FakeAntenna) -> None:
+    ids = {
+        s: fake.add_job(SLUG, images(1, s))
+        for s in ("STARTED", "CREATED", "PENDING", "CANCELING", "RETRY", "SUCCESS")
+    }
+    for status, job in ids.items():
+        fake.jobs[job].status = status
+    rotation = JobRotation(client_of(fake), (SLUG,), 10.0, 100)
+    active = await rotation.refresh()
+    assert [j.id for j in active] == [ids["STARTED"], ids["RETRY"]]
+    rotation.served(active[0])
+    assert [j.id for j in rotation.next_jobs()] == [ids["RETRY"], ids["STARTED"]]
+
+
+async def test_a_reservation_runs_out_after_its_ttr_and_a_task_comes_back_once(
+    fake: FakeAntenna,
+) -> None:
+    job = fake.add_job(SLUG, images(3))
+    source = source_of(fake)
+    first = await reserve_all(source, 3)
+    assert [d.metadata.num_delivered for d in first] == [1, 1, 1]
+    assert await source.fetch(3) == []  # all reserved: Antenna answers []
+    fake.expire_reservations()
+    second = await reserve_all(source, 3)
+    assert {d.image_id for d in second} == {"i0", "i1", "i2"}
+    assert [d.metadata.num_delivered for d in second] == [2, 2, 2]
+    fake.expire_reservations()
+    assert await source.fetch(3) == []
+    assert fake.lost(job) == {"i0", "i1", "i2"}
+
+
+async def test_reserving_nothing_when_antenna_is_down_refuses_or_the_job_is_unknown(
+    fake: FakeAntenna,
+) -> None:
+    job = fake.add_job(SLUG, images(2))
+    fake.tasks_unavailable = True
+    assert await source_of(fake).fetch(2) == []  # 503: nothing reserved
+    assert all(t.delivered == 0 for t in fake.jobs[job].tasks.values())
+    fake.tasks_unavailable = False
+    wrong = source_of(fake, token="not-the-token")
+    assert await wrong.fetch(2) == []
+    refusal = str(wrong.refusal())
+    assert "401" in refusal and "not-the-token" not in refusal
+    fake.tokens["other"] = {2}
+    other = source_of(fake, token="other")
+    assert await other.fetch(2) == [] and "403" in str(other.refusal())
+    unknown = await client_of(fake).post("jobs/999/tasks/", "tasks", b'{"batch_size": 1}')
+    assert unknown.status == 404
+
+
+async def test_accepted_results_antenna_drops_are_not_saved_and_come_back(
+    fake: FakeAntenna,
+) -> None:
+    job = fake.add_job(SLUG, images(6))
+    source = source_of(fake)
+    d = {x.image_id: x for x in await reserve_all(source, 6)}
+    key = antenna_key(CLASSIFIER)
+
+    def results(image: str, **change: Any) -> dict[str, Any]:
+        base = {
+            "pipeline": SLUG,
+            "total_time": 0.1,
+            "source_images": [{"id": image, "url": "http://x/y.jpg"}],
+            "detections": [detection(image, key, [0.8, 0.1, 0.1])],
+        }
+        return {**base, **change}
+
+    unknown_classifier = detection("i5", key, [0.8, 0.1, 0.1])
+    unknown_classifier["classifications"][0]["algorithm"]["key"] = "unregistered"
+    posts = [
+        (d["i0"], results("i0", pipeline="other-pipeline")),
+        (d["i1"], results("i1", detections=[detection("i1", "unregistered", [0.8, 0.1, 0.1])])),
+        (d["i2"], results("i2", source_images=[{"id": "i4", "url": "http://x/y.jpg"}])),
+        (d["i3"], results("i3", detections=[detection("i3", key, [0.8, 0.2])])),
+        (d["i4"], results("i4")),
+        (d["i5"], results("i5", detections=[unknown_classifier])),
+    ]
+    body = {"results": [{"reply_subject": x.reply_subject, "result": r} for x, r in posts]}
+    reply = await client_of(fake).post(f"jobs/{job}/result/", "result", json.dumps(body).encode())
+    assert reply.status == 200 and reply.body["status"] == "accepted"
+    # The image named in source_images counts as done, not the task's: i2 is stuck.
+    assert fake.jobs[job].done == {"i4"} and set(fake.jobs[job].saved) == {"i4", "i5"}
+    assert fake.jobs[job].saved["i5"][0]["classifications"] == []
+    fake.expire_reservations()
+    again = await reserve_all(source, 6)
+    assert {x.image_id for x in again} == {"i0", "i1", "i3", "i4", "i5"} - {"i4"}
+    assert "i2" in fake.pending(job)
+
+
+async def test_identical_reposts_add_nothing_and_error_results_need_an_image_id(
+    fake: FakeAntenna,
+) -> None:
+    job = fake.add_job(SLUG, images(3))
+    got = {x.image_id: x for x in await reserve_all(source_of(fake), 3)}
+    key = antenna_key(CLASSIFIER)
+    ok = {
+        "reply_subject": got["i0"].reply_subject,
+        "result": {
+            "pipeline": SLUG,
+            "total_time": 0.1,
+            "source_images": [{"id": "i0", "url": "u"}],
+            "detections": [detection("i0", key, [0.8, 0.1, 0.1])],
+        },
+    }
+    client = client_of(fake)
+    for _ in range(2):
+        await client.post(f"jobs/{job}/result/", "result", json.dumps({"results": [ok]}).encode())
+    assert len(fake.jobs[job].saved["i0"]) == 1
+    moved = json.loads(json.dumps(ok))
+    moved["result"]["detections"][0]["bbox"]["x1"] = 2.0
+    await client.post(f"jobs/{job}/result/", "result", json.dumps({"results": [moved]}).encode())
+    assert len(fake.jobs[job].saved["i0"]) == 2  # re-inferred boxes add detections
+    errors = {
+        "results": [
+            {"reply_subject": got["i1"].reply_subject, "result": {"error": "x", "image_id": "i1"}},
+            {"reply_subject": got["i2"].reply_subject, "result": {"error": "x"}},
+        ]
+    }
+    await client.post(f"jobs/{job}/result/", "result", json.dumps(errors).encode())
+    assert fake.jobs[job].failed == {"i1"} and fake.pending(job) == {"i2"}
+
+
+# -- posting: size cap, 413, validation ---------------------------------------------------------
+def rules_of(fake: FakeAntenna, max_post_bytes: int) -> AntennaRules:
+    poster = Poster(client_of(fake), max_post_bytes, 5.0)
+    return AntennaRules(poster, SERVED, 2, max_post_bytes)
+
+
+def outcome(scores: tuple[float, ...] = (0.7, 0.2, 0.1), detections: int = 1) -> Outcome:
+    found = []
+    for i in range(detections):
+        entry = detection("ignored", "clf", list(scores), x1=float(i))
+        entry.pop("source_image_id", None)
+        found.append(entry)
+    return Outcome(detections=found, timings_s={"load_s": 0.01, "infer_s": 0.01})
+
+
+async def test_results_are_split_under_the_cap_and_a_413_halves_the_body(
+    fake: FakeAntenna,
+) -> None:
+    job = fake.add_job(SLUG, images(12))
+    got = await reserve_all(source_of(fake, size=12), 12)
+    rules = rules_of(fake, 6000)
+    fake.max_body_bytes = 4000  # the proxy refuses less than our cap: 413, then halves
+    verdicts = await asyncio.gather(
+        *(rules.settle(task_of(d), d, 1, outcome(detections=2)) for d in got)
+    )
+    assert verdicts == ["ok"] * 12
+    assert fake.pending(job) == set() and fake.jobs[job].failed == set()
+    assert all(len(v) == 2 for v in fake.jobs[job].saved.values())
+    assert max(len(b) for b in fake.bodies) <= 6000 and len(fake.bodies) > 2
+    assert ("POST", f"/api/v2/jobs/{job}/result/", 413) in fake.requests
+
+
+async def test_a_result_antenna_would_drop_is_posted_as_an_error_with_its_image(
+    fake: FakeAntenna,
+) -> None:
+    job = fake.add_job(SLUG, images(2))
+    a, b = await reserve_all(source_of(fake), 2)
+    rules = rules_of(fake, 10**6)
+    wrong_length = await rules.settle(task_of(a), a, 1, outcome(scores=(0.5, 0.5)))
+    too_big_alone = fake.max_body_bytes = 1500
+    assert too_big_alone
+    huge = await rules.settle(task_of(b), b, 1, outcome(detections=20))
+    assert (wrong_length, huge) == ("error", "error")
+    assert fake.jobs[job].failed == {a.image_id, b.image_id}
+    errors = [json.loads(body)["results"][0]["result"] for body in fake.bodies[-2:]]
+    assert all(e.get("image_id") for e in errors)
+    assert (
+        "category map has 3 classes" in json.loads(fake.bodies[0])["results"][0]["result"]["error"]
+    )
+
+
+async def test_a_transient_failure_is_left_to_redelivery_before_the_last_delivery(
+    fake: FakeAntenna,
+) -> None:
+    from config.errors import Failure
+
+    job = fake.add_job(SLUG, images(1))
+    (d,) = await reserve_all(source_of(fake), 1)
+    rules = rules_of(fake, 10**6)
+    failing = Outcome(failure=Failure("loader_timeout", "slow", retryable=True))
+    assert await rules.settle(task_of(d), d, 1, failing) == "retried"
+    assert fake.bodies == [] and fake.pending(job) == {"i0"}
+    assert await rules.settle(task_of(d), d, 2, failing) == "error"
+    assert fake.jobs[job].failed == {"i0"}
+
+
+def test_a_29176_class_result_with_500_detections_is_compacted_under_the_cap() -> None:
+    import random
+
+    classes = 29_176
+    import math
+
+    rng = random.Random(0)
+    logits = [rng.gauss(0.0, 2.0) for _ in range(classes)]
+    logits[7] = 20.0  # a confident top class, as a trained classifier gives
+    raw = [math.exp(v) for v in logits]
+    total = sum(raw)
+    scores = [round(v / total, 6) for v in raw]
+    labels = tuple(f"taxon-{i}" for i in range(classes))
+    big = Algorithm("species", "Species", "classification", "cd" * 32, labels)
+    served = Served(SLUG, "", (big,))
+    task = Task("1", "1", "1", "http://x/1.jpg", reply_subject="$JS.ACK.a.b.1.1.1.1.0")
+    detections = []
+    for i in range(500):
+        entry = detection("1", antenna_key(big), scores, x1=float(i))
+        entry["classifications"][0]["logits"] = [round(v, 6) for v in logits]
+        detections.append(entry)
+    result = {
+        "pipeline": SLUG,
+        "total_time": 1.0,
+        "source_images": [{"id": "1", "url": "u"}],
+        "detections": detections,
+        "errors": None,
+    }
+    entry = item(task, result)
+    before = len(encoded(entry))
+    fitted, steps = fit(task, entry, 32 * 1024 * 1024)
+    after = len(encoded(fitted))
+    print(f"29176 classes x 500 detections: {before} bytes -> {after} bytes ({steps})")
+    assert before > 32 * 1024 * 1024 >= after
+    assert steps == ["logits_dropped", "scores_compacted"]
+    first = fitted["result"]["detections"][0]["classifications"][0]
+    assert first["logits"] is None and len(first["scores"]) == classes
+    assert served.classes()[antenna_key(big)] == classes
+    small, small_steps = fit(task, entry, 1024 * 1024)
+    assert small_steps[-1] == "error_result" and small["result"]["image_id"] == "1"
+
+
+# -- register, check, settings --------------------------------------------------------------
+async def test_register_says_what_each_refusal_means(fake: FakeAntenna) -> None:
+    fake.projects[3] = {}
+    ok = await register(client_of(fake), [SERVED], [1], "svc")
+    assert ok[0][0] and "already registered" in ok[0][1]  # the fixture registered it
+    denied = await register(client_of(fake), [SERVED], [3], "svc")
+    missing = await register(client_of(fake), [SERVED], [42], "svc")
+    bad_token = await register(client_of(fake, "nope"), [SERVED], [1], "svc")
+    no_map = Served("x", "", (Algorithm("c2", "C2", "classification", "ef" * 32, ()),))
+    unconfigured = Served("x", "", no_map.algorithms)
+    config = unconfigured.config()
+    del config["algorithms"][0]["category_map"]
+    fake_reply = await client_of(fake).post(
+        "projects/1/pipelines/",
+        "register",
+        json.dumps({"processing_service_name": "s", "pipelines": [config]}).encode(),
+    )
+    assert "403" in denied[0][1] and "may not change this project" in denied[0][1]
+    assert "404" in missing[0][1] and "401" in bad_token[0][1]
+    assert fake_reply.status == 500
+
+
+async def test_check_names_an_unreachable_server_a_wrong_token_and_an_unknown_slug(
+    fake: FakeAntenna,
+) -> None:
+    down = AntennaClient("http://127.0.0.1:9/api/v2", SecretStr(TOKEN), 2.0)
+    assert "unreachable" in (await antenna_problems(down, [SLUG], [1], True))[0]
+    bad = await antenna_problems(client_of(fake, "wrong-token-xyz"), [SLUG], [1], True)
+    assert "401" in bad[0] and "wrong-token-xyz" not in bad[0]
+    unknown = await antenna_problems(client_of(fake), ["not-registered"], [1], True)
+    assert "'not-registered' is not registered" in unknown[0]
+    assert await antenna_problems(client_of(fake), [SLUG], [1], True) == []
+    fake.add_job(SLUG, images(1))
+    fake.tokens["manager"] = {5}  # registers in project 5, may not post results in project 1
+    (denied,) = await antenna_problems(client_of(fake, "manager"), [SLUG], [], True)
+    assert "403" in denied and "may not take tasks or post results" in denied
+
+
+def test_amis_names_are_aliases_and_ours_win() -> None:
+    environ = {
+        "AMI_ANTENNA_API_AUTH_TOKEN": "t1",
+        "AMI_NUM_WORKERS": "3",
+        "WORKER_LOADER__NUM_WORKERS": "2",
+    }
+    overrides, used = alias_overrides(environ, {"AMI_ANTENNA_API_BASE_URL": "http://h/api/v2"})
+    assert overrides == {"antenna": {"token": "t1", "base_url": "http://h/api/v2"}}
+    assert "WORKER_LOADER__NUM_WORKERS set, AMI_NUM_WORKERS ignored" in used
+    assert "WORKER_ANTENNA__TOKEN from AMI_ANTENNA_API_AUTH_TOKEN" in used
+
+
+def test_the_token_never_shows_in_the_settings() -> None:
+    from config.settings import load_settings
+
+    s = load_settings(for_worker=False, antenna={"token": "very-secret-1"})
+    assert "very-secret-1" not in repr(s) and "very-secret-1" not in str(s.model_dump())
+    assert s.antenna.token.get_secret_value() == "very-secret-1"
+
+
+def test_the_delivery_count_is_read_from_the_reply_subject() -> None:
+    assert delivered_of("$JS.ACK.job_1.job-1-consumer.2.3.4.1796116976120792999.0", 2) == 2
+    assert delivered_of("$JS.ACK.dom.acc.job_1.c.1.3.4.179.0.x", 2) == 1
+    assert delivered_of("not-a-subject", 2) == 2  # unknown: treated as the last
+
+
+def test_nothing_more_is_reserved_while_the_oldest_reservation_is_late() -> None:
+    reservations = Reservations(ttr_s=10.0, finish_within_s=0.05, first_size=4)
+    assert reservations.allowed() == 4
+    from worker.antenna.reservations import AntennaDelivery, Metadata, _Sequence
+
+    delivery = AntennaDelivery(
+        b"{}",
+        "s",
+        1,
+        "i",
+        "r",
+        time.monotonic(),
+        time.monotonic() + 10,
+        Metadata(1, _Sequence(1)),
+        reservations.settled,
+    )
+    reservations.add(delivery)
+    assert reservations.allowed() == 3
+    time.sleep(0.1)
+    assert reservations.allowed() == 0 and reservations.oldest_seconds_left() < 10
+
+
+def test_the_antenna_source_needs_a_base_url_and_full_score_vectors() -> None:
+    from config.errors import ConfigError
+    from config.settings import load_settings
+
+    with pytest.raises(ConfigError) as refused:
+        load_settings(for_worker=False, source="antenna", model={"scores": "top_k"})
+    lines = str(refused.value).splitlines()
+    assert any("WORKER_ANTENNA__BASE_URL" in line for line in lines)
+    assert any("WORKER_MODEL__SCORES=all" in line for line in lines)
+    with pytest.raises(ConfigError, match="WORKER_HEALTH__DRAIN_TIMEOUT_S"):
+        load_settings(
+            for_worker=False, source="antenna", antenna={"base_url": "http://h/api/v2", "ttr_s": 10}
+        )

@@ -1,0 +1,117 @@
+"""``inference-worker register`` and ``check``'s Antenna lines: what Antenna is asked, and what
+its answers mean, in one sentence each."""
+
+from __future__ import annotations
+
+import json
+
+from config.names import env_name
+from worker.antenna.client import AntennaClient, AntennaUnreachable, Reply
+from worker.antenna.results import Served
+
+_MEANING = {
+    401: f"Antenna refuses the token: check {env_name('antenna', 'token')} "
+    "(AMI_ANTENNA_API_AUTH_TOKEN)",
+    403: "the token's user may not change this project (ask a project manager for access)",
+    404: "no such project, or the base URL is not Antenna's API root "
+    f"({env_name('antenna', 'base_url')}, e.g. https://host/api/v2)",
+    500: "Antenna failed on the registration (it does for a classifier without a category map)",
+}
+
+
+def project_ids(text: str) -> list[int]:
+    """``WORKER_ANTENNA__PROJECT_IDS`` as ids; ValueError naming what is not one."""
+    ids = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if not part.isdigit():
+            raise ValueError(f"{env_name('antenna', 'project_ids')}: {part!r} is not a project id")
+        ids.append(int(part))
+    return ids
+
+
+def meaning(reply: Reply) -> str:
+    return f"{reply.why()}: {_MEANING.get(reply.status, 'unexpected answer')}"
+
+
+async def register(
+    client: AntennaClient, pipelines: list[Served], projects: list[int], service_name: str
+) -> list[tuple[bool, str]]:
+    """Post the pipelines' ``PipelineConfigResponse`` to each project; one (ok, line) each.
+    Posting the same again changes nothing in Antenna (keys are write-once)."""
+    body = json.dumps(
+        {"processing_service_name": service_name, "pipelines": [p.config() for p in pipelines]}
+    ).encode()
+    slugs = ", ".join(p.slug for p in pipelines)
+    lines = []
+    for project in projects:
+        try:
+            reply = await client.post(f"projects/{project}/pipelines/", "register", body)
+        except AntennaUnreachable as error:
+            lines.append((False, f"project {project}: {error}"))
+            continue
+        if reply.ok:
+            found = reply.body if isinstance(reply.body, dict) else {}
+            created = found.get("pipelines_created") or []
+            state = "created" if created else "already registered, updated"
+            lines.append((True, f"project {project}: {slugs} {state} ({reply.status})"))
+        else:
+            lines.append((False, f"project {project}: {meaning(reply)}"))
+    return lines
+
+
+async def _may_post_results(client: AntennaClient, listed: object) -> list[str]:
+    """Whether the token may post results, asked of a listed job with an empty post (Antenna
+    answers 403 before it reads the body; an empty list queues nothing)."""
+    jobs = listed.get("results") if isinstance(listed, dict) else None
+    if not jobs or not isinstance(jobs[0], dict) or not isinstance(jobs[0].get("id"), int):
+        return []  # no incomplete job to ask about
+    job = jobs[0]["id"]
+    reply = await client.post(f"jobs/{job}/result/", "result", b'{"results": []}')
+    if reply.status == 403:
+        return [
+            f"job {job}: {reply.why()}: this token's user may not take tasks or post results "
+            "(Antenna grants that to superusers, or by the tasks_ml_job/result_ml_job "
+            "permissions)"
+        ]
+    if reply.status == 401:
+        return [f"job {job}: {meaning(reply)}"]
+    return []
+
+
+async def antenna_problems(
+    client: AntennaClient, pipelines: list[str], projects: list[int], token_set: bool
+) -> list[str]:
+    """What stops a worker from taking Antenna's tasks: unreachable, the token refused, a
+    project it may not use, a pipeline slug not registered there."""
+    if not token_set:
+        return [f"{env_name('antenna', 'token')} (or AMI_ANTENNA_API_AUTH_TOKEN) is not set"]
+    try:
+        params = {
+            "pipeline__slug__in": ",".join(pipelines),
+            "ids_only": 1,
+            "incomplete_only": 1,
+            "dispatch_mode": "async_api",
+            "limit": 1,
+        }
+        reply = await client.get("jobs/", "jobs", params)
+        if not reply.ok:
+            return [f"Antenna at {client.shown()}: listing jobs: {meaning(reply)}"]
+        problems = await _may_post_results(client, reply.body)
+        for project in projects:
+            listed = await client.get(f"projects/{project}/pipelines/", "pipelines")
+            if not listed.ok:
+                problems.append(f"project {project}: {meaning(listed)}")
+                continue
+            body = listed.body if isinstance(listed.body, dict) else {}
+            known = {str(p.get("slug")) for p in body.get("results") or [] if isinstance(p, dict)}
+            problems += [
+                f"project {project}: pipeline {slug!r} is not registered; run "
+                "`inference-worker register`"
+                for slug in pipelines
+                if slug not in known
+            ]
+        return problems
+    except AntennaUnreachable as error:
+        return [str(error)]

@@ -1,0 +1,169 @@
+"""Antenna's reservations as deliveries, and how many more this process can keep.
+
+A task reserved from Antenna is a ``Delivery`` whose reservation runs out ``ttr_s`` after it
+was made: Antenna then delivers it again (once). There is no call to extend, release or nak a
+reservation, so ``in_progress`` does nothing and ``nak``/``term`` mean "left to Antenna's
+redelivery", said in the log. ``ack`` is called once its result is posted.
+
+``Reservations`` keeps what is reserved and not settled, and the rate at which this process
+settles tasks while it holds some (its busy rate): ``allowed`` is how many more it may reserve
+so that everything reserved is finished within ``finish_within_s`` of its reservation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+_DECAY_AFTER_BUSY_S = 120.0  # the rate follows the last two minutes or so of work
+
+
+@dataclass(frozen=True)
+class _Sequence:
+    stream: int
+
+
+@dataclass(frozen=True)
+class Metadata:
+    num_delivered: int
+    sequence: _Sequence
+
+
+def delivered_of(reply_subject: str, unknown: int) -> int:
+    """The delivery count in a JetStream ack subject (``$JS.ACK.<stream>.<consumer>.<delivered>.
+    <stream seq>...``, or with a domain and account hash before the stream); ``unknown``
+    when the subject is not one (then the delivery is treated as the last)."""
+    tokens = reply_subject.split(".")
+    if tokens[:2] != ["$JS", "ACK"]:
+        return unknown
+    index = 4 if len(tokens) == 9 else 6 if len(tokens) >= 11 else -1
+    if index < 0 or not tokens[index].isdigit():
+        return unknown
+    return max(1, int(tokens[index]))
+
+
+def stream_seq_of(reply_subject: str) -> int:
+    tokens = reply_subject.split(".")
+    index = 5 if len(tokens) == 9 else 7 if len(tokens) >= 11 else -1
+    return int(tokens[index]) if index >= 0 and tokens[index].isdigit() else 0
+
+
+@dataclass(eq=False)
+class AntennaDelivery:
+    """One reserved task (the orchestrator's ``Delivery``)."""
+
+    data: bytes
+    subject: str
+    job_id: int
+    image_id: str
+    reply_subject: str
+    reserved_at: float  # time.monotonic()
+    expires_at: float
+    metadata: Metadata
+    on_settled: Callable[[AntennaDelivery, bool], None] = field(repr=False)
+    settled: bool = False
+
+    def seconds_left(self, now: float | None = None) -> float:
+        return self.expires_at - (time.monotonic() if now is None else now)
+
+    async def ack(self) -> None:
+        self._settle(posted=True)
+
+    async def term(self) -> None:
+        self._settle(posted=True)  # its end was recorded (an unusable task, logged)
+
+    async def nak(self, delay: float | None = None) -> None:
+        if not self.settled:
+            log.info(
+                "task_left_to_redelivery",
+                job_id=self.job_id,
+                image_id=self.image_id,
+                redelivered_in_s=round(max(0.0, self.seconds_left()), 1),
+                hint="Antenna delivers a task again once its reservation runs out",
+            )
+        self._settle(posted=False)
+
+    async def in_progress(self) -> None:
+        """Antenna has no call to extend a reservation."""
+
+    def _settle(self, posted: bool) -> None:
+        if not self.settled:
+            self.settled = True
+            self.on_settled(self, posted)
+
+
+class Reservations:
+    """What is reserved and not settled, and the busy rate; one event loop owns it."""
+
+    def __init__(self, ttr_s: float, finish_within_s: float, first_size: int) -> None:
+        self.ttr_s = ttr_s
+        self.finish_within_s = finish_within_s
+        self.first_size = first_size
+        self._held: dict[int, AntennaDelivery] = {}
+        self._busy_s = 0.0
+        self._settled = 0.0
+        self._since = time.monotonic()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if self._held:
+            self._busy_s += now - self._since
+        self._since = now
+        if self._busy_s > _DECAY_AFTER_BUSY_S:
+            self._busy_s /= 2
+            self._settled /= 2
+
+    def add(self, delivery: AntennaDelivery) -> None:
+        self._tick()
+        self._held[id(delivery)] = delivery
+
+    def settled(self, delivery: AntennaDelivery, posted: bool) -> None:
+        self._tick()
+        self._held.pop(id(delivery), None)
+        if posted:
+            self._settled += 1
+
+    def rate_per_s(self) -> float | None:
+        """Tasks settled per second of holding some; None before a few were."""
+        self._tick()
+        if self._settled < 2 or self._busy_s <= 0:
+            return None
+        return self._settled / self._busy_s
+
+    def allowed(self) -> int:
+        """How many more tasks may be reserved now: none while the oldest reservation is older
+        than ``finish_within_s`` (this process is behind); else what the busy rate finishes
+        within it, less what is held (the first reservation: ``first_size``)."""
+        oldest = self.oldest_age_s()
+        if oldest is not None and oldest > self.finish_within_s:
+            return 0
+        rate = self.rate_per_s()
+        if rate is None:
+            return max(0, self.first_size - len(self._held))
+        return max(0, int(rate * self.finish_within_s) - len(self._held))
+
+    def oldest_age_s(self) -> float | None:
+        if not self._held:
+            return None
+        return time.monotonic() - min(d.reserved_at for d in self._held.values())
+
+    def oldest_seconds_left(self) -> float:
+        """Seconds before the oldest held reservation runs out; the TTR when none is held."""
+        if not self._held:
+            return self.ttr_s
+        now = time.monotonic()
+        return min(d.seconds_left(now) for d in self._held.values())
+
+    def held(self) -> list[AntennaDelivery]:
+        return list(self._held.values())
+
+    def metrics(self) -> dict[str, Any]:
+        return {"held": len(self._held), "oldest_seconds_left": self.oldest_seconds_left()}

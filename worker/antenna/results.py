@@ -1,0 +1,210 @@
+"""What this worker posts to Antenna for one task, and what it registers: one module, so the
+keys registered are the keys results name.
+
+- Keys: an algorithm's Antenna key is its stage key and the first 12 hex digits of its weights'
+  sha256 (``antenna_key``). Antenna's keys are global and write-once, so changed weights
+  register, and answer under, a new key.
+- ``ok_result``: the response shaping's ``PipelineResultsResponse`` (``pipelines/response.py``
+  via ``make_result``), with ``pipeline`` the job's slug, ``source_images`` the task's image,
+  and algorithm references under their Antenna keys. A detector alone writes its label as a
+  one-score classification; Antenna registers a detector without a category map, so that
+  classification is left out (the box is kept).
+- ``problems``: everything that would make Antenna accept a result and then not save it, checked
+  against what this worker registers; such a result is replaced by ``error_result``.
+- ``fit``: a result over the post size cap loses its logits, then has its scores compacted
+  (3 decimals; below 0.0005 written as 0: a 29,176-class vector is then about 58 kB, so 500
+  detections fit in 32 MiB); if it is still over, it becomes an error result.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pydantic
+
+from config.names import env_name
+from config.redact import redact_url, scrub, shorten
+from pipelines.models import Algorithm
+from worker.antenna.schemas import PipelineResults
+from worker.schemas import Task
+
+_ERROR_CHARS = 1000
+_SCORE_DECIMALS = 3
+_SCORE_FLOOR = 0.0005
+ENVELOPE_BYTES = len(b'{"results":[]}')
+
+
+def antenna_key(algorithm: Algorithm) -> str:
+    return f"{algorithm.key}-{algorithm.weights_sha256[:12]}"
+
+
+def _task_type(algorithm: Algorithm) -> str:
+    return "localization" if algorithm.task_type == "detection" else algorithm.task_type
+
+
+@dataclass(frozen=True)
+class Served:
+    """One pipeline this worker serves, as Antenna knows it."""
+
+    slug: str
+    description: str
+    algorithms: tuple[Algorithm, ...]
+
+    def keys(self) -> dict[str, str]:
+        """Our stage key -> its Antenna key."""
+        return {a.key: antenna_key(a) for a in self.algorithms}
+
+    def classes(self) -> dict[str, int | None]:
+        """Antenna key -> the length of its category map (None: a detector, no map)."""
+        return {
+            antenna_key(a): None if a.task_type == "detection" else len(a.labels)
+            for a in self.algorithms
+        }
+
+    def config(self) -> dict[str, Any]:
+        """Antenna's ``PipelineConfigResponse`` for this pipeline."""
+        return {
+            "name": self.slug,
+            "slug": self.slug,
+            "version": 1,
+            "description": self.description or f"inference-worker pipeline {self.slug}",
+            "algorithms": [_algorithm_config(a) for a in self.algorithms],
+            "stages": [],
+        }
+
+
+def _algorithm_config(a: Algorithm) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "name": a.name,
+        "key": antenna_key(a),
+        "task_type": _task_type(a),
+        "version": 1,
+        "version_name": a.weights_sha256[:12],
+        "description": f"stage {a.key}, weights sha256 {a.weights_sha256}",
+    }
+    if a.task_type != "detection":
+        config["category_map"] = {
+            "data": [{"label": label, "index": i} for i, label in enumerate(a.labels)],
+            "labels": list(a.labels),
+            "version": a.weights_sha256[:12],
+        }
+    return config
+
+
+def error_result(task: Task, message: str) -> dict[str, Any]:
+    """Marks the image failed in Antenna (never retried there): always with ``image_id``."""
+    return {"error": shorten(scrub(message), _ERROR_CHARS), "image_id": task.image_id}
+
+
+def ok_result(task: Task, response: dict[str, Any], served: Served, slug: str) -> dict[str, Any]:
+    keys = served.keys()
+    classes = served.classes()
+    detections = []
+    for found in response.get("detections") or []:
+        algorithm = found["algorithm"]
+        renamed = {**algorithm, "key": keys.get(algorithm["key"], algorithm["key"])}
+        kept = []
+        for entry in found.get("classifications") or []:
+            key = keys.get(entry["algorithm"]["key"], entry["algorithm"]["key"])
+            if classes.get(key, 0) is None:
+                continue  # a detector's own label: no category map in Antenna
+            kept.append({**entry, "algorithm": {**entry["algorithm"], "key": key}})
+        detections.append(
+            {
+                **found,
+                "source_image_id": task.image_id,
+                "algorithm": renamed,
+                "classifications": kept,
+            }
+        )
+    return {
+        "pipeline": slug,
+        "total_time": response.get("total_time", 0.0),
+        "source_images": [{"id": task.image_id, "url": redact_url(task.image_url)}],
+        "detections": detections,
+        "errors": None,
+    }
+
+
+def problems(result: dict[str, Any], task: Task, served: Served, slug: str) -> list[str]:
+    """Why Antenna would accept ``result`` and then not save it; empty when it would save it."""
+    try:
+        parsed = PipelineResults.model_validate(result)
+    except pydantic.ValidationError as error:
+        return [f"not a PipelineResultsResponse: {shorten(str(error), 300)}"]
+    found: list[str] = []
+    if parsed.pipeline != slug:
+        found.append(f"pipeline {parsed.pipeline!r} is not the job's {slug!r}")
+    if [s.id for s in parsed.source_images] != [task.image_id]:
+        found.append(
+            f"source_images {[s.id for s in parsed.source_images]} is not the task's image"
+        )
+    classes = served.classes()
+    for detection in parsed.detections:
+        if detection.source_image_id != task.image_id:
+            found.append(f"a detection names image {detection.source_image_id!r}")
+        if detection.algorithm.key not in classes:
+            found.append(f"algorithm key {detection.algorithm.key!r} is not registered")
+        for entry in detection.classifications:
+            size = classes.get(entry.algorithm.key, -1)
+            if size is None or size < 0:
+                found.append(f"classifier key {entry.algorithm.key!r} has no category map")
+            elif len(entry.scores) != size:
+                found.append(
+                    f"{len(entry.scores)} scores for {entry.algorithm.key!r}, whose category map "
+                    f"has {size} classes"
+                )
+    return sorted(set(found))
+
+
+def item(task: Task, result: dict[str, Any]) -> dict[str, Any]:
+    """One entry of a result post."""
+    return {"reply_subject": task.reply_subject or "", "result": result}
+
+
+def encoded(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def fit(task: Task, entry: dict[str, Any], max_bytes: int) -> tuple[dict[str, Any], list[str]]:
+    """``entry`` as it can be posted in a body of at most ``max_bytes``, and the steps taken."""
+    steps: list[str] = []
+    limit = max_bytes - ENVELOPE_BYTES
+    size = len(encoded(entry))
+    if size <= limit or "detections" not in entry["result"]:
+        return entry, steps
+    for name, step in (("logits_dropped", _without_logits), ("scores_compacted", _compacted)):
+        entry = {**entry, "result": step(entry["result"])}
+        steps.append(name)
+        size = len(encoded(entry))
+        if size <= limit:
+            return entry, steps
+    message = (
+        f"the result is {size} bytes with logits dropped and scores compacted, over "
+        f"{env_name('antenna', 'max_post_bytes')} ({max_bytes})"
+    )
+    steps.append("error_result")
+    return item(task, error_result(task, message)), steps
+
+
+def _each_classification(result: dict[str, Any], change: Any) -> dict[str, Any]:
+    detections = [
+        {**d, "classifications": [change(c) for c in d.get("classifications") or []]}
+        for d in result["detections"]
+    ]
+    return {**result, "detections": detections}
+
+
+def _without_logits(result: dict[str, Any]) -> dict[str, Any]:
+    return _each_classification(result, lambda c: {**c, "logits": None})
+
+
+def _compact(scores: Sequence[float]) -> list[float | int]:
+    return [0 if s < _SCORE_FLOOR else round(s, _SCORE_DECIMALS) for s in scores]
+
+
+def _compacted(result: dict[str, Any]) -> dict[str, Any]:
+    return _each_classification(result, lambda c: {**c, "scores": _compact(c.get("scores") or [])})

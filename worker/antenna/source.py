@@ -1,0 +1,138 @@
+"""Reservations from Antenna's active jobs, in turn: the Antenna ``TaskSource``.
+
+``fetch(n)`` reserves at most ``n`` tasks (the room the orchestrator has), fewer when
+``Reservations.allowed`` says more could not be finished within ``finish_within_s`` of their
+reservation, from the next active job in turn (``JobRotation``). Each call returns within
+about ``wait_s``: the jobs are listed at most every ``poll_interval_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import structlog
+
+from config.names import env_name
+from worker.antenna.client import AntennaClient, AntennaUnreachable
+from worker.antenna.jobs import Job, JobRotation
+from worker.antenna.reservations import (
+    AntennaDelivery,
+    Metadata,
+    Reservations,
+    _Sequence,
+    delivered_of,
+    stream_seq_of,
+)
+from worker.schemas import subject_token
+
+log = structlog.get_logger(__name__)
+_UNAVAILABLE_BACKOFF_S = 2.0
+
+
+class AntennaSource:
+    def __init__(
+        self,
+        client: AntennaClient,
+        jobs: JobRotation,
+        reservations: Reservations,
+        *,
+        reservation_size: int,
+        wait_s: float,
+        max_deliver: int,
+    ) -> None:
+        self._client = client
+        self._jobs = jobs
+        self.reservations = reservations
+        self._size = reservation_size
+        self._wait_s = wait_s
+        self._max_deliver = max_deliver
+        self._closed = False
+        self._dry = False  # the last round found no task in any active job
+        self.last_refusal: str | None = None  # a 401/403 on reserving: for /healthz and logs
+
+    def refusal(self) -> str | None:
+        """Antenna's last 401/403 (listing or reserving): our token, or its permissions."""
+        return self.last_refusal or self._jobs.last_refusal
+
+    async def fetch(self, batch: int) -> list[AntennaDelivery]:
+        """Up to ``batch`` reserved tasks; [] within about ``wait_s`` when there are none."""
+        if self._closed:
+            return []
+        wanted = min(batch, self._size, self.reservations.allowed())
+        if wanted <= 0:
+            await asyncio.sleep(min(self._wait_s, 0.2))
+            return []
+        if self._jobs.due():
+            await self._jobs.refresh()
+        for job in self._jobs.next_jobs():
+            got = await self._reserve(job, wanted)
+            if got:
+                self._jobs.served(job)
+                self._dry = False
+                return got
+            self._jobs.empty(job)
+        self._dry = True
+        await asyncio.sleep(self._wait_s)
+        return []
+
+    async def _reserve(self, job: Job, wanted: int) -> list[AntennaDelivery]:
+        body = json.dumps({"batch_size": wanted}).encode()
+        try:
+            reply = await self._client.post(f"jobs/{job.id}/tasks/", "tasks", body)
+        except AntennaUnreachable as error:
+            log.warning("antenna_reserve_unreachable", job_id=job.id, error=str(error))
+            await asyncio.sleep(_UNAVAILABLE_BACKOFF_S)
+            return []
+        reserved_at = time.monotonic()
+        if reply.status in (401, 403):
+            self.last_refusal = f"reserving from job {job.id}: {reply.why()}"
+            log.error(
+                "antenna_refused_reservation",
+                job_id=job.id,
+                reason=reply.why(),
+                hint=f"check {env_name('antenna', 'token')} and the token's project permissions",
+            )
+            return []
+        if not reply.ok or not isinstance(reply.body, dict):
+            log.warning("antenna_reserve_failed", job_id=job.id, reason=reply.why())
+            if reply.status == 503:
+                await asyncio.sleep(_UNAVAILABLE_BACKOFF_S)
+            return []
+        self.last_refusal = None
+        tasks = reply.body.get("tasks") or []
+        got = [self._delivery(job, t, reserved_at) for t in tasks if isinstance(t, dict)]
+        if len(tasks) > wanted:
+            log.warning("antenna_reserved_more_than_asked", asked=wanted, got=len(tasks))
+        return got
+
+    def _delivery(self, job: Job, task: dict[str, Any], reserved_at: float) -> AntennaDelivery:
+        reply_subject = str(task.get("reply_subject") or "")
+        payload = {**task, "job_id": str(job.id), "pipeline": job.pipeline}
+        delivery = AntennaDelivery(
+            data=json.dumps(payload).encode(),
+            subject=f"tasks.{subject_token(job.pipeline)}.{subject_token(str(job.id))}",
+            job_id=job.id,
+            image_id=str(task.get("image_id") or ""),
+            reply_subject=reply_subject,
+            reserved_at=reserved_at,
+            expires_at=reserved_at + self.reservations.ttr_s,
+            metadata=Metadata(
+                delivered_of(reply_subject, unknown=self._max_deliver),
+                _Sequence(stream_seq_of(reply_subject)),
+            ),
+            on_settled=self.reservations.settled,
+        )
+        self.reservations.add(delivery)
+        return delivery
+
+    async def close(self) -> list[AntennaDelivery]:
+        """Reserve nothing more. Nothing arrives unasked over HTTP: nothing to hand back."""
+        self._closed = True
+        return []
+
+    async def idle(self) -> bool:
+        """Nothing held, and the last round of the active jobs gave nothing."""
+        return self._dry and len(self.reservations) == 0

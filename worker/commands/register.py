@@ -1,0 +1,56 @@
+"""``inference-worker register``: the served pipeline's ``PipelineConfigResponse`` posted to
+each project in ``WORKER_ANTENNA__PROJECT_IDS``; one line per project, exit 1 if any failed."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from config.names import env_name
+from config.settings import Settings
+from worker.antenna.results import Served
+from worker.exits import CommandExit
+
+
+def _served(settings: Settings) -> Served:
+    """The pipeline with its stages loaded (keys need the weights' sha256, maps their labels)."""
+    from config.derived import chosen_device
+    from pipelines.device import visibility
+    from pipelines.runner import load_runner
+    from pipelines.setup import choose
+    from worker.antenna.wiring import served
+    from worker.app import source_config
+
+    chosen = choose(settings)
+    _visible, device = visibility(chosen_device(settings))
+    runner = load_runner(
+        chosen.pipeline, source_config(settings), device, chosen.limits, chosen.response_format
+    )
+    return served(chosen.pipeline, runner.algorithms())
+
+
+async def register_command(settings: Settings) -> int:
+    from worker.antenna.client import AntennaClient
+    from worker.antenna.register import project_ids, register
+
+    a = settings.antenna
+    try:
+        projects = project_ids(a.project_ids)
+    except ValueError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return CommandExit.CONFIG
+    if not a.base_url or not projects:
+        print(
+            f"config error: register needs {env_name('antenna', 'base_url')} and "
+            f"{env_name('antenna', 'project_ids')}",
+            file=sys.stderr,
+        )
+        return CommandExit.CONFIG
+    pipeline = await asyncio.to_thread(_served, settings)
+    client = AntennaClient(a.base_url, a.token, a.request_timeout_s)
+    lines = await register(client, [pipeline], projects, a.service_name)
+    for ok, line in lines:
+        print(line if ok else f"not registered: {line}", file=sys.stdout if ok else sys.stderr)
+    for algorithm in pipeline.config()["algorithms"]:
+        print(f"algorithm {algorithm['key']} ({algorithm['task_type']})")
+    return CommandExit.OK if all(ok for ok, _ in lines) else CommandExit.FAILED
