@@ -38,6 +38,9 @@ ErrorKind = Literal[
     "invalid_result_subject",
     "invalid_model_output",
     "load_failed",
+    "model_load_failed",  # retryable when only the weights' store was unavailable
+    "model_too_large",
+    "pipeline_not_served",
     # Transient: retried; stored after the last delivery (``retryable: true``).
     "s3_unavailable",
     "http_unavailable",
@@ -156,3 +159,13 @@ class ResultsUnavailable(TransientError):
 
 class ResultRefused(PermanentError):
     """No retry can store this result (too large for a message, or no valid subject)."""
+
+
+class ModelLoadFailed(Exception):
+    """A pipeline's models could not be loaded, or do not fit the memory budget. ``failure``
+    is the result its tasks get; ``cause`` the error the load raised (None: too large)."""
+
+    def __init__(self, failure: Failure, cause: BaseException | None = None) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+        self.cause = cause

@@ -69,8 +69,28 @@ class NatsSettings(BaseModel):
     tasks_max_age_s: float = Field(7 * 24 * 3600.0, description="how long task messages are kept")
     results_max_age_s: float = Field(30 * 24 * 3600.0, description="how long results are kept")
     replicas: int = Field(1, description="stream replicas (3 on a JetStream cluster)")
+    fair_jobs: bool = Field(
+        True,
+        description="a durable consumer per job subject (tasks.<pipeline>.<job>), fetched in "
+        "rotation, so a small job is not served after a big one (README, Fair share); false: "
+        "one consumer for every served subject, in stream order",
+    )
+    job_discovery_s: float = Field(
+        1.0, description="how often new jobs are looked for on the tasks stream's subjects", gt=0
+    )
+    job_consumer_inactive_s: float = Field(
+        0.0,
+        description="a job's consumer is deleted by the server after no worker pulled from it "
+        "for this long; 0 = WORKER_NATS__TASKS_MAX_AGE_S (it outlives its job's messages)",
+        ge=0,
+    )
+    max_job_consumers: int = Field(
+        256, description="jobs a process fetches from at once (the rest wait for a slot)", ge=1
+    )
+    # JetStream reserves a stream's max_bytes on its server's disk when the stream is made,
+    # and refuses the stream when the reservations would not fit: the defaults stay small.
     tasks_max_bytes: int = Field(
-        8 * 1024**3,
+        1024**3,
         ge=-1,
         description="most bytes the tasks stream keeps; when full, new tasks are refused "
         "(submit fails, nothing queued is dropped); -1 = no limit",
@@ -88,13 +108,13 @@ class NatsSettings(BaseModel):
         -1, ge=-1, description="most results the results stream keeps; -1 = no limit"
     )
     dead_letter_max_bytes: int = Field(
-        1024**3,
+        256 * 1024**2,
         ge=-1,
         description="most bytes the dead-letter stream keeps (the oldest letters go first); "
         "-1 = no limit",
     )
     advisory_max_bytes: int = Field(
-        1024**3,
+        256 * 1024**2,
         ge=-1,
         description="most bytes the advisory stream keeps (the oldest go first); -1 = no limit",
     )
@@ -238,10 +258,11 @@ class ModelSettings(BaseModel):
         "make room; 0 = half the device's memory on CUDA, a quarter of the host's on the CPU",
         ge=0,
     )
-    load_at_start: bool = Field(
-        False,
+    load_at_start: bool | None = Field(
+        None,
         description="load every pipeline's models at start (as many as the budget holds; a "
-        "load failure is then a config error) instead of on each pipeline's first task",
+        "failed load is then a config error) instead of on each pipeline's first task; unset = "
+        "at start when one pipeline is served, on demand when several are",
     )
     idle_unload_s: float = Field(
         0.0,

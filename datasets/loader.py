@@ -59,6 +59,7 @@ _STUCK_GRACE_S = 2.0  # after the DataLoader timeout, a read still stuck is a st
 class LoadRequest(NamedTuple):
     key: int
     uri: str
+    plan: DecodePlan | None = None  # its pipeline's; None: the loader's own (LoaderConfig.plan)
 
 
 class Loaded(NamedTuple):
@@ -137,7 +138,8 @@ class RequestStream(IterableDataset[Loaded]):
             pool.close()
 
     def finish(self, read: Read) -> Loaded:
-        return decode_read(read, self.plan)
+        plan = getattr(read.request, "plan", None)
+        return decode_read(read, plan if plan is not None else self.plan)
 
 
 MakeStream = Callable[[Any, Any, DecodePlan, SourceConfig], RequestStream]

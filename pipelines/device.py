@@ -55,6 +55,17 @@ def release_cached_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def default_budget_bytes(device: torch.device) -> int:
+    """The models' memory budget when none is set: half the device's memory on CUDA (a MIG
+    slice reports its own), the rest left to images and activations; a quarter of the host's
+    memory on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory // 2)
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4)
+
+
 def memory_bytes(device: torch.device) -> dict[str, float]:
     """Allocated, reserved and peak allocated bytes of ``device``; empty off CUDA."""
     if device.type != "cuda" or not torch.cuda.is_initialized():

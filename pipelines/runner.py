@@ -98,6 +98,16 @@ class Runner:
         stages = [m for m in (self.detector, self.filter, self.classifier) if m is not None]
         return stages[0].device
 
+    def weights_bytes(self) -> int:
+        """Bytes of every stage's parameters and buffers, where they live (the memory budget's
+        measure of this pipeline)."""
+        from pipelines.cache import tensor_bytes
+
+        modules = [m.model for m in (self.detector, self.filter, self.classifier) if m]
+        return tensor_bytes(
+            tensor for module in modules for tensor in (*module.parameters(), *module.buffers())
+        )
+
     def algorithms(self) -> list[Algorithm]:
         return [m.algorithm for m in (self.detector, self.filter, self.classifier) if m]
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from config.errors import ConfigError
+from config.names import env_name
 from config.rules import memory_problems, weights_problems
 from config.settings import Settings
 from datasets.images import DecodePlan
@@ -26,8 +28,67 @@ class Chosen:
 
 
 def choose(s: Settings) -> Chosen:
-    """ConfigError with one line per problem when the pipeline cannot be served."""
-    pipeline = resolve(s.model.pipeline, s.model.weights)
+    """ConfigError with one line per problem when the pipeline cannot be served (the first
+    of ``WORKER_MODEL__PIPELINES`` when several are)."""
+    return choose_all(s)[0]
+
+
+def choose_all(s: Settings) -> list[Chosen]:
+    """Every pipeline the process serves, resolved and checked (weights there, names
+    distinct, the bytes cap holding a batch of the largest images any of them loads);
+    ConfigError with one line per problem."""
+    chosen: list[Chosen] = []
+    problems: list[str] = []
+    for entry in s.model.served():
+        try:
+            pipeline = resolve(entry, s.model.weights)
+        except ConfigError as error:
+            problems.extend(str(error).splitlines())
+            continue
+        if any(c.pipeline.name == pipeline.name for c in chosen):
+            problems.append(
+                f"{env_name('model', 'pipelines')}: {entry!r} names pipeline "
+                f"{pipeline.name!r} again"
+            )
+            continue
+        problems += [
+            line
+            for stage in pipeline.stages()
+            if isinstance(stage.weights, str)
+            for line in weights_problems(stage.weights, f"weights of stage {stage.key!r}")
+        ]
+        chosen.append(_chosen(s, pipeline))
+    if chosen:
+        problems += memory_problems(s, max(c.plan.max_image_bytes() for c in chosen))
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return chosen
+
+
+def estimated_bytes(pipeline: Pipeline) -> int:
+    """What a pipeline's models take loaded, as far as can be told without loading them: the
+    size of its local weights files (a state_dict is its tensors' bytes); weights on S3 or
+    built by code count 0 until their first load measures them."""
+    total = 0
+    for stage in pipeline.stages():
+        if isinstance(stage.weights, str) and "://" not in stage.weights.removeprefix("file://"):
+            path = Path(stage.weights.removeprefix("file://"))
+            total += path.stat().st_size if path.is_file() else 0
+    return total
+
+
+def budget_problems(s: Settings, chosen: list[Chosen], budget_bytes: int) -> list[str]:
+    """A pipeline that cannot fit the memory budget even alone cannot be served."""
+    return [
+        f"pipeline {c.pipeline.name!r} needs about {size} bytes for its models, over "
+        f"{env_name('model', 'memory_budget_bytes')} ({budget_bytes}"
+        f"{'' if s.model.memory_budget_bytes else ', derived from the device'})"
+        for c in chosen
+        if (size := estimated_bytes(c.pipeline)) > budget_bytes
+    ]
+
+
+def _chosen(s: Settings, pipeline: Pipeline) -> Chosen:
     plan = decode_plan(
         pipeline,
         s.loader.max_side,
@@ -35,15 +96,6 @@ def choose(s: Settings) -> Chosen:
         s.loader.device_decode,
         exact=s.loader.exact_decode,
     )
-    problems = [
-        line
-        for stage in pipeline.stages()
-        if isinstance(stage.weights, str)
-        for line in weights_problems(stage.weights, f"weights of stage {stage.key!r}")
-    ]
-    problems += memory_problems(s, plan.max_image_bytes())
-    if problems:
-        raise ConfigError("\n".join(problems))
     limits = DeviceLimits(
         detector_batch=s.model.detector_batch_size,
         crop_batch=s.model.crop_batch_size,

@@ -130,6 +130,12 @@ def settings_for(model_path: str, s3_server: S3Server) -> Any:
                 "result_objects": f"OBJECTS_{unique}",
                 "algorithms": f"ALGORITHMS_{unique}",
                 "fetch_timeout_s": 0.5,
+                # A test's streams hold little. JetStream reserves every stream's limit on
+                # the server's disk and refuses a stream past what the disk holds; the tests
+                # share one server, so their reservations add up.
+                "tasks_max_bytes": 64 * 1024**2,
+                "dead_letter_max_bytes": 16 * 1024**2,
+                "advisory_max_bytes": 16 * 1024**2,
                 "nak_backoff_base_s": 0.1,
                 "nak_backoff_max_s": 0.5,
             },

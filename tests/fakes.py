@@ -91,9 +91,15 @@ class FakeJetStream:
         self.published.append((subject, data, kwargs["headers"]))
 
 
-def task_msg(task_id: str, job_id: str = "j", url: str = "s3://b/k.jpg", delivered: int = 1):
+def task_msg(
+    task_id: str,
+    job_id: str = "j",
+    url: str = "s3://b/k.jpg",
+    delivered: int = 1,
+    subject: str = "tasks.p",
+):
     data = json.dumps({"id": task_id, "job_id": job_id, "image_id": "i", "image_url": url})
-    return FakeMsg(delivered=delivered, seq=next(_seq), data=data.encode())
+    return FakeMsg(delivered=delivered, seq=next(_seq), data=data.encode(), subject=subject)
 
 
 @dataclass
@@ -128,12 +134,27 @@ class FakeEngine:
     urls: dict[int, str] = field(default_factory=dict)
     batches: list[list[int]] = field(default_factory=list)
 
-    def submit(self, requests: Sequence[tuple[int, str]]) -> None:
-        self.urls.update(requests)
+    pipelines: dict[int, str] = field(default_factory=dict)
+    load_failures: dict[str, Failure] = field(default_factory=dict)  # by pipeline
+    loaded: list[str] = field(default_factory=list)
 
-    def run_batch(self, keys: Sequence[int]) -> BatchReport:
+    def submit(self, requests: Sequence[tuple[int, str]], pipeline: str = "") -> None:
+        self.urls.update(requests)
+        self.pipelines.update((key, pipeline) for key, _ in requests)
+
+    def ready(self, pipeline: str) -> bool:
+        return pipeline in self.loaded
+
+    def load(self, pipeline: str) -> Failure | None:
+        failure = self.load_failures.get(pipeline)
+        if failure is None:
+            self.loaded.append(pipeline)
+        return failure
+
+    def run_batch(self, keys: Sequence[int], pipeline: str = "") -> BatchReport:
         if self.gives_up is not None:
             raise self.gives_up
+        assert {self.pipelines[key] for key in keys} == {pipeline}, "a batch mixed pipelines"
         self.batches.append(list(keys))
         outcomes = {}
         for key in keys:

@@ -140,17 +140,32 @@ def until_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
 
 
 async def consumer_idle(js: Any, settings: Any, timeout_s: float = 15.0) -> Any:
-    """Wait until the durable consumer has nothing pending and nothing awaiting ack."""
+    """Wait until the durable consumer, and every job's consumer (fair share), has nothing
+    pending and nothing awaiting ack; their counts summed (``num_redelivered`` too)."""
+    from types import SimpleNamespace
+
     deadline = time.monotonic() + timeout_s
-    info = None
+    busy: list[str] = []
     while time.monotonic() < deadline:
-        info = await js.consumer_info(settings.nats.tasks_stream, settings.nats.consumer)
-        if info.num_pending == 0 and info.num_ack_pending == 0:
-            return info
+        infos = [
+            i
+            for i in await js.consumers_info(settings.nats.tasks_stream)
+            if i.name.startswith(settings.nats.consumer)
+        ]
+        busy = [
+            f"{i.name}: pending={i.num_pending} ack_pending={i.num_ack_pending}"
+            for i in infos
+            if i.num_pending or i.num_ack_pending
+        ]
+        if not busy:
+            return SimpleNamespace(
+                num_pending=0,
+                num_ack_pending=0,
+                num_redelivered=sum(i.num_redelivered or 0 for i in infos),
+                consumers=len(infos),
+            )
         await asyncio.sleep(0.2)
-    raise AssertionError(
-        f"consumer still busy: pending={info.num_pending} ack_pending={info.num_ack_pending}"
-    )
+    raise AssertionError(f"consumers still busy: {'; '.join(busy)}")
 
 
 def worker_env(settings, *, inherit: bool = True, **extra: str) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Admission: a fetched message's way in. What becomes of it is the delivery rules' decision
 (``settle.py``: ``read_task`` says what its bytes make; the ``DeliveryRules`` act): a message
 that cannot name its job and task is dead-lettered; one that names them but cannot be run
-gets an ``error`` result; a redelivered one whose result is already stored is only acked;
+gets an ``error`` result; one whose result is already stored is only acked;
 the rest are entered in the claims (held tasks), to be loaded.
 """
 
@@ -44,11 +44,15 @@ class Admission:
         if read.failure is not None:
             await self._settler.settle(read.task, msg, delivered, Outcome(failure=read.failure))
             return None
-        if delivered > 1 and await self._already_stored(msg, read.task):
+        # Any delivery, not only a redelivery: a job's consumer made again (worker.nats.jobs)
+        # walks its job from the start, and a task done already must not run twice.
+        if await self._already_stored(msg, read.task):
             return None
         return self._claims.add(msg, read.task, delivered)
 
     async def _already_stored(self, msg: Delivery, task: Task) -> bool:
+        """A task whose result is stored (its ack was lost, or its job's consumer was made
+        again) is only acked."""
         try:
             stored = await self._store.exists(task.job_id, task.id)
         except ResultsUnavailable:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -22,20 +21,26 @@ from config.derived import (
     object_deadline_s,
     torch_threads,
 )
-from config.errors import ConfigError, PermanentError
+from config.errors import ConfigError, ModelLoadFailed, PermanentError
 from config.names import env_name
 from config.settings import Settings
 from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.sources import SourceConfig
-from pipelines.device import memory_bytes, visibility
+from pipelines.device import default_budget_bytes, memory_bytes, release_cached_memory, visibility
 from pipelines.models import resolve_device
-from pipelines.runner import Runner, load_runner
-from pipelines.setup import Chosen, choose, model_info
+from pipelines.runner import load_runner
+from pipelines.setup import Chosen, budget_problems, choose_all
 from worker.engine import Engine
 from worker.exits import Exit
 from worker.health.guards import ResourceGuard
 from worker.health.liveness import Liveness
-from worker.health.metrics import PREFIX, DeviceCollector, Metrics, ReadsCollector
+from worker.health.metrics import (
+    PREFIX,
+    DeviceCollector,
+    Metrics,
+    ModelsCollector,
+    ReadsCollector,
+)
 from worker.health.procstats import ProcessTreeCollector
 from worker.health.server import HealthServer
 from worker.health.watchdog import Watchdog
@@ -46,7 +51,9 @@ from worker.nats.provision import provision
 from worker.orchestrator import Services, Worker
 from worker.ports import BatchEngine
 from worker.results import ResultStore, publish_algorithms
+from worker.served import Served
 from worker.settle import Settler
+from worker.threads import in_daemon_thread
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -80,31 +87,14 @@ def source_config(s: Settings) -> SourceConfig:
     )
 
 
-def in_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-    """``fn(*args)`` on a daemon thread of its own: unlike ``asyncio.to_thread``, a process
-    stopped while it runs (a model still loading) does not wait for it at exit."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():  # cancelled meanwhile
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def run() -> None:
-        result, error = None, None
+def _preload(served: Served, names: list[str]) -> None:
+    """Load ``names`` now, in order (the budget keeps the last that fit); a failure is the
+    start's, as a single pipeline's always was (ConfigError: exit 2)."""
+    for name in names:
         try:
-            result = fn(*args)
-        except BaseException as caught:  # noqa: BLE001 - handed to the awaiting task
-            error = caught
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, name=f"{getattr(fn, '__name__', 'call')}", daemon=True).start()
-    return future
+            served.load(name)
+        except ModelLoadFailed as failed:
+            raise failed.cause or ConfigError(failed.failure.message) from None
 
 
 def _claim_device(s: Settings) -> str:
@@ -117,13 +107,14 @@ def _claim_device(s: Settings) -> str:
     return device
 
 
-def _loader(s: Settings, chosen: Chosen, sources: SourceConfig) -> StreamingLoader:
-    """The loader for ``chosen``'s decode plan (not started), sized to the tasks held."""
-    held = max_held_tasks(s, chosen.plan.max_image_bytes())
+def _loader(s: Settings, chosen: list[Chosen], sources: SourceConfig) -> StreamingLoader:
+    """The loader (not started), sized to the tasks held: as many as the largest image any
+    served pipeline can load allows. Each task's own decode plan travels with it."""
+    held = max_held_tasks(s, max(c.plan.max_image_bytes() for c in chosen))
     config = LoaderConfig(
         num_workers=s.loader.num_workers,
         timeout_s=s.loader.timeout_s,
-        plan=chosen.plan,
+        plan=chosen[0].plan,
         sources=sources,
         mp_context=s.loader.mp_context,
         prefetch_per_worker=-(-held // s.loader.num_workers) + 1,
@@ -170,45 +161,57 @@ class WorkerApp:
         # The device first: CUDA reads CUDA_VISIBLE_DEVICES once, and a plugin imported by
         # choose() may touch CUDA.
         self.device = _claim_device(s)
-        chosen = choose(s)  # ConfigError before anything starts
-        if chosen.plan.encoded and _device_type(self.device) != "cuda":
-            log.warning("device_decode_without_cuda", hint="JPEGs are decoded by the loader")
-            chosen = replace(chosen, plan=replace(chosen.plan, encoded=False))
-        engine, runner = await self._build_engine(liveness, chosen)
+        chosen = self._choose()  # ConfigError before anything starts
+        engine, served = await self._build_engine(liveness, chosen)
         if s.source == "antenna":
-            services = self._antenna_services(liveness, chosen, engine, runner)
+            services = await self._antenna_services(liveness, chosen, engine, served)
         else:
-            services = await self._nats_services(liveness, chosen, engine, runner)
+            services = await self._nats_services(liveness, chosen, engine, served)
         self.worker = Worker(s, services, until_idle=self.until_idle)
         log.info(
             "worker_started",
             source=s.source,
-            pipeline=chosen.pipeline.name,
-            stages={a.key: a.weights_sha256[:12] for a in runner.algorithms()},
+            pipelines=served.names,
+            loaded=served.cache.resident(),
+            memory_budget_bytes=served.cache.budget_bytes,
             loader_pids=engine.loader.child_pids(),
             max_deliver=getattr(services.settler, "max_deliver", None),
             metrics_port=self.health.port if self.health else 0,
             healthz_port=self.health.healthz_port if self.health else 0,
         )
 
-    def _collect_engine(self, metrics: Metrics, engine: Engine, runner: Runner) -> None:
+    def _collect_engine(self, metrics: Metrics, engine: Engine, served: Served) -> None:
         metrics.registry.register(
-            DeviceCollector(lambda: memory_bytes(runner.device), lambda: engine.out_of_memory)
+            DeviceCollector(
+                lambda: memory_bytes(resolve_device(self.device)), lambda: engine.out_of_memory
+            )
         )
         metrics.registry.register(ReadsCollector(engine.reads, lambda: dict(engine.read_retries)))
+        metrics.registry.register(ModelsCollector(served.cache, served.names))
 
     async def _nats_services(
-        self, liveness: Liveness, chosen: Chosen, engine: Engine, runner: Runner
+        self, liveness: Liveness, chosen: list[Chosen], engine: Engine, served: Served
     ) -> Services:
         s = self.settings
-        feed, store, settler = await self._build_transport(chosen.pipeline.name, model_info(runner))
-        await publish_algorithms(
-            self.nc.jetstream(), s.nats, [a.config() for a in runner.algorithms()]
-        )
+        feed, store, settler = await self._build_transport(served)
+        js = self.nc.jetstream()
+
+        async def loaded(pipeline: str) -> None:
+            runner = served.loaded(pipeline)
+            if runner is not None:
+                await publish_algorithms(js, s.nats, [a.config() for a in runner.algorithms()])
+
+        for name in served.names:  # those loaded at start
+            await loaded(name)
         metrics = self._build_health(liveness, engine.loader.child_pids)
-        self._collect_engine(metrics, engine, runner)
+        self._collect_engine(metrics, engine, served)
         settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
         settler.completed_twice = metrics.results_already_stored.inc
+        helpers: list[tuple[str, Any]] = [
+            ("max-deliveries", ExhaustedTasks(js, s.nats, settler).run)
+        ]
+        if s.model.idle_unload_s > 0:
+            helpers.append(("idle-unload", self._unloading_idle(served)))
         return Services(
             source=feed,
             store=store,
@@ -218,25 +221,36 @@ class WorkerApp:
             liveness=liveness,
             metrics=metrics,
             guard=ResourceGuard(s.guards, engine.loader.child_pids).check,
-            helpers=(("max-deliveries", ExhaustedTasks(self.nc.jetstream(), s.nats, settler).run),),
+            helpers=tuple(helpers),
             closed=self.connection.lost,
-            image_bytes=chosen.plan.max_image_bytes(),
+            image_bytes=max(c.plan.max_image_bytes() for c in chosen),
+            loaded=loaded,
         )
 
-    def _antenna_services(
-        self, liveness: Liveness, chosen: Chosen, engine: Engine, runner: Runner
+    async def _antenna_services(
+        self, liveness: Liveness, chosen: list[Chosen], engine: Engine, served: Served
     ) -> Services:
-        """Antenna's HTTP task API as the source (worker/antenna/): no NATS connection."""
-        from worker.antenna.wiring import AntennaParts, served
+        """Antenna's HTTP task API as the source (worker/antenna/): no NATS connection. It
+        serves one pipeline (a settings rule), loaded at start: its algorithm keys and
+        category maps are what results are checked against before they are posted."""
+        from worker.antenna.wiring import AntennaParts
+        from worker.antenna.wiring import served as antenna_served
 
         s = self.settings
-        self.antenna = parts = AntennaParts.build(s, served(chosen.pipeline, runner.algorithms()))
+        name = served.default
+        runner = served.loaded(name)
+        if runner is None:  # WORKER_MODEL__LOAD_AT_START=false: Antenna needs it now
+            await in_daemon_thread(_preload, served, [name])
+            runner = served.loaded(name)
+        assert runner is not None
+        pipeline = chosen[0].pipeline
+        self.antenna = parts = AntennaParts.build(s, antenna_served(pipeline, runner.algorithms()))
         metrics = self._build_health(
             liveness,
             engine.loader.child_pids,
             lambda: parts.problem(s.health.disconnected_timeout_s),
         )
-        self._collect_engine(metrics, engine, runner)
+        self._collect_engine(metrics, engine, served)
         parts.attach(metrics.registry)
         parts.rules.count = lambda outcome: metrics.tasks.labels(outcome).inc()
         return Services(
@@ -248,12 +262,47 @@ class WorkerApp:
             liveness=liveness,
             metrics=metrics,
             guard=ResourceGuard(s.guards, engine.loader.child_pids).check,
-            image_bytes=chosen.plan.max_image_bytes(),
+            image_bytes=chosen[0].plan.max_image_bytes(),
         )
 
-    async def _build_engine(self, liveness: Liveness, chosen: Chosen) -> tuple[Engine, Runner]:
-        """The pipeline's models, and the loader with its children (started on the engine
-        thread)."""
+    def _choose(self) -> list[Chosen]:
+        """Every served pipeline, checked; JPEGs left encoded only where CUDA decodes them."""
+        chosen = choose_all(self.settings)
+        if any(c.plan.encoded for c in chosen) and _device_type(self.device) != "cuda":
+            log.warning("device_decode_without_cuda", hint="JPEGs are decoded by the loader")
+            chosen = [replace(c, plan=replace(c.plan, encoded=False)) for c in chosen]
+        return chosen
+
+    def _budget_bytes(self, chosen: list[Chosen]) -> int:
+        """The models' memory budget; ConfigError when a pipeline cannot fit it alone."""
+        s = self.settings
+        budget = s.model.memory_budget_bytes
+        if not budget:
+            budget = default_budget_bytes(resolve_device(self.device))
+        problems = budget_problems(s, chosen, budget)
+        if problems:
+            raise ConfigError("\n".join(problems))
+        return budget
+
+    def _unloading_idle(self, served: Served) -> Any:
+        """A helper: every so often, unload the pipelines idle for WORKER_MODEL__IDLE_UNLOAD_S
+        (on the engine thread, between batches)."""
+        idle_s = self.settings.model.idle_unload_s
+        loop = asyncio.get_running_loop()
+
+        async def run(stop: asyncio.Event) -> None:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), max(1.0, idle_s / 4))
+                await loop.run_in_executor(self.engine_thread, served.cache.unload_idle, idle_s)
+
+        return run
+
+    async def _build_engine(
+        self, liveness: Liveness, chosen: list[Chosen]
+    ) -> tuple[Engine, Served]:
+        """The served pipelines' models (loaded on demand, or at start as many as fit), and
+        the loader with its children (started on the engine thread)."""
         s = self.settings
         loop = asyncio.get_running_loop()
         sources = source_config(s)
@@ -261,51 +310,54 @@ class WorkerApp:
 
         torch.set_num_threads(torch_threads(s, os.cpu_count()))
         device = self.device
+        served = Served(
+            chosen,
+            lambda c: load_runner(
+                c.pipeline, sources, device, c.limits, c.response_format, s.model.precision
+            ),
+            self._budget_bytes(chosen),
+            unloaded=lambda _name: release_cached_memory(),
+        )
         loader = _loader(s, chosen, sources)
         self._loader = loader  # closed by close() even if this start is cancelled half-way
         # The loader's children start (on the engine thread, which owns the loader) while the
         # models load: the fork server's imports and the weights overlap, so a restarted
         # process answers /healthz sooner.
-        started, runner = await asyncio.gather(
+        at_start = s.model.load_at_start
+        if at_start is None:
+            at_start = len(chosen) == 1  # one pipeline: loaded and checked at start, as ever
+        started, preloaded = await asyncio.gather(
             loop.run_in_executor(self.engine_thread, loader.start),
-            in_daemon_thread(
-                load_runner,
-                chosen.pipeline,
-                sources,
-                device,
-                chosen.limits,
-                chosen.response_format,
-                s.model.precision,
-            ),
+            in_daemon_thread(_preload, served, served.names if at_start else []),
             return_exceptions=True,
         )
-        failed = next((r for r in (runner, started) if isinstance(r, BaseException)), None)
+        failed = next((r for r in (preloaded, started) if isinstance(r, BaseException)), None)
         if failed is not None:
             await loop.run_in_executor(self.engine_thread, loader.close)
             self._loader = None
             raise failed
-        assert isinstance(runner, Runner)
         self.engine = Engine(
             loader,
-            runner,
+            models=served,
+            plans=served.plans(),
             max_consecutive_failures=s.loader.max_consecutive_failures,
             heartbeat=liveness.still_working,
         )
-        return self.engine, runner
+        return self.engine, served
 
-    async def _build_transport(
-        self, pipeline: str, model: dict[str, Any]
-    ) -> tuple[TaskFeed, ResultStore, Settler]:
+    async def _build_transport(self, served: Served) -> tuple[TaskFeed, ResultStore, Settler]:
         """The connection, the streams and consumer (provisioned), the feed and the stores."""
         s = self.settings
         self.nc = nc = await connect(s.nats, state=self.connection)
         js = nc.jetstream()
-        await provision(js, s.nats, pipeline)
-        self.feed = TaskFeed(nc, s.nats)
+        await provision(js, s.nats, served.names)
+        self.feed = TaskFeed(nc, s.nats, served.names)
         await self.feed.open()
         store = ResultStore(js, s.nats, lambda: int(nc.max_payload))
         max_deliver = await self.feed.max_deliver()
-        settler = Settler(js, store, s.nats, pipeline, model, max_deliver)
+        default = served.default
+        settler = Settler(js, store, s.nats, default, served.model_info(default), max_deliver)
+        settler.model_of = served.model_info
         return self.feed, store, settler
 
     def _listen(self) -> None:

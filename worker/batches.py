@@ -2,8 +2,11 @@
 
 Batches form when the engine thread is free, from every admitted task not yet in a batch
 (up to ``batch_size``), not from what one fetch happened to return: tasks trickling in while
-a job is published would otherwise lock the worker into batches of one or two. While one
-batch runs on the engine thread, the previous one is settled on the event loop.
+a job is published would otherwise lock the worker into batches of one or two. Which tasks:
+the fair share across jobs (``fairshare.FairQueue``); a batch never mixes pipelines. Before a
+pipeline's batch runs, its models are made ready (``prepare``: loaded off the event loop when
+they are not); a pipeline whose models cannot be had gives its waiting tasks that failure.
+While one batch runs on the engine thread, the previous one is settled on the event loop.
 """
 
 from __future__ import annotations
@@ -13,10 +16,18 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
 from typing import Any
 
+from config.errors import Failure
 from worker.claims import Claim
+from worker.fairshare import FairQueue, JobKey
+from worker.outcome import Outcome
 from worker.ports import BatchEngine, BatchReport
 
 SettleBatch = Callable[[list[Claim], BatchReport], Coroutine[Any, Any, None]]
+Prepare = Callable[[str], Coroutine[Any, Any, Failure | None]]
+
+
+async def _always_ready(_pipeline: str) -> Failure | None:
+    return None
 
 
 class Batches:
@@ -27,31 +38,44 @@ class Batches:
         engine_thread: Executor,
         on_batch: Callable[[list[Claim], BatchReport], None],
         settle: SettleBatch,
+        prepare: Prepare = _always_ready,
+        weight: Callable[[JobKey], float] = lambda _key: 1.0,
     ) -> None:
         self._batch_size = batch_size
         self._engine = engine
         self._engine_thread = engine_thread
         self._on_batch = on_batch
         self._settle = settle
-        self._waiting: asyncio.Queue[Claim | None] = asyncio.Queue()  # admitted, not in a batch
+        self._prepare = prepare
+        self._waiting: FairQueue[Claim] = FairQueue(weight)  # admitted, not in a batch
+        self._arrived = asyncio.Event()
+        self._stopped = False
+
+    def __len__(self) -> int:
+        return len(self._waiting)
 
     def add(self, admitted: list[Claim]) -> None:
         """Start loading ``admitted`` now; they join the next batches."""
         if not admitted:
             return
-        self._engine.submit([(h.key, h.task.image_url) for h in admitted])
+        by_pipeline: dict[str, list[Claim]] = {}
         for held in admitted:
-            self._waiting.put_nowait(held)
+            by_pipeline.setdefault(held.task.pipeline, []).append(held)
+        for pipeline, claims in by_pipeline.items():
+            self._engine.submit([(h.key, h.task.image_url) for h in claims], pipeline)
+        for held in admitted:
+            self._waiting.add((held.task.pipeline, held.task.job_id), held)
+        self._arrived.set()
+
+    def waiting(self) -> list[Claim]:
+        return list(self._waiting)
 
     def stop(self) -> list[Claim]:
         """No new batches after the one in hand; return the tasks that will not run."""
-        left = []
-        while not self._waiting.empty():
-            held = self._waiting.get_nowait()
-            if held is not None:
-                left.append(held)
+        left = self._waiting.take_all()
         self._engine.forget([h.key for h in left])
-        self._waiting.put_nowait(None)
+        self._stopped = True
+        self._arrived.set()
         return left
 
     def forget(self, held: list[Claim]) -> None:
@@ -63,8 +87,20 @@ class Batches:
         settling: asyncio.Task[None] | None = None
         try:
             while batch := await self._next_batch():
+                pipeline = batch[0].task.pipeline
+                failure = await self._prepare(pipeline)
+                if failure is not None:
+                    batch += self._waiting.take_pipeline(pipeline)
+                    self._engine.forget([h.key for h in batch])
+                    report = BatchReport({h.key: Outcome(failure=failure) for h in batch}, 0, 0, 0)
+                    if settling is not None:
+                        await settling
+                    settling = asyncio.create_task(self._settle(batch, report))
+                    continue
                 keys = [h.key for h in batch]
-                running = loop.run_in_executor(self._engine_thread, self._engine.run_batch, keys)
+                running = loop.run_in_executor(
+                    self._engine_thread, self._engine.run_batch, keys, pipeline
+                )
                 if settling is not None:
                     await settling
                 report = await running
@@ -75,15 +111,11 @@ class Batches:
                 await asyncio.shield(settling)
 
     async def _next_batch(self) -> list[Claim]:
-        """Every waiting task, up to ``batch_size``, once at least one waits; [] to stop."""
-        first = await self._waiting.get()
-        if first is None:
-            return []
-        batch = [first]
-        while len(batch) < self._batch_size and not self._waiting.empty():
-            held = self._waiting.get_nowait()
-            if held is None:
-                self._waiting.put_nowait(None)  # the next call stops
-                break
-            batch.append(held)
-        return batch
+        """The fair share's next batch, once a task waits; [] to stop."""
+        while not self._stopped:
+            batch = self._waiting.next_batch(self._batch_size)
+            if batch:
+                return batch
+            self._arrived.clear()
+            await self._arrived.wait()
+        return []

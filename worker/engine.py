@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 import structlog
 
-from config.errors import Failure, LoaderFailure, LoaderGaveUp, PermanentError
-from datasets.images import Decoded
+from config.errors import Failure, LoaderFailure, LoaderGaveUp, ModelLoadFailed, PermanentError
+from datasets.images import Decoded, DecodePlan
 from datasets.loader import Loaded, LoadRequest, StreamingLoader
 from datasets.reads import ReadStats
 from pipelines.device import is_out_of_memory, release_cached_memory
@@ -41,19 +41,69 @@ class Predictor(Protocol):
         ...
 
 
+class Models(Protocol):
+    """The pipelines' models on demand (``pipelines.cache.ModelCache``): a batch acquires its
+    pipeline's, which is not unloaded until released."""
+
+    def acquire(self, name: str) -> Predictor:
+        """Loaded now if it is not; ModelLoadFailed when it cannot be."""
+        ...
+
+    def release(self, name: str) -> None: ...
+
+    def ready(self, name: str) -> bool: ...
+
+    def load(self, name: str) -> None:
+        """ModelLoadFailed when it cannot be loaded."""
+        ...
+
+
+class OneModel:
+    """One predictor for every batch (a process serving one pipeline, and tests)."""
+
+    def __init__(self, predictor: Predictor) -> None:
+        self.predictor = predictor
+
+    def acquire(self, name: str) -> Predictor:
+        return self.predictor
+
+    def release(self, name: str) -> None:
+        pass
+
+    def ready(self, name: str) -> bool:
+        return True
+
+    def load(self, name: str) -> None:
+        pass
+
+
 class Engine:
-    """Owns the persistent loader and the model. ``run_batch`` is called on one thread only."""
+    """Owns the persistent loader and the models. ``run_batch`` is called on one thread only.
+
+    Every batch is one pipeline's: its model is acquired for the batch and released after,
+    images are loaded by that pipeline's decode plan (``plans``), and only images of the same
+    pipeline are staged ahead while it runs."""
 
     def __init__(
         self,
         loader: StreamingLoader,
-        predictor: Predictor,
+        predictor: Predictor | None = None,
         max_consecutive_failures: int = 3,
         heartbeat: Callable[[], None] = lambda: None,
         release_memory: Callable[[], None] = release_cached_memory,
+        *,
+        models: Models | None = None,
+        plans: dict[str, DecodePlan] | None = None,
     ) -> None:
         self.loader = loader
-        self.predictor = predictor
+        if models is None:
+            assert predictor is not None, "a predictor or the models"
+            models = OneModel(predictor)
+        self.models = models
+        self._plans = dict(plans or {})
+        self._pipeline_of: dict[int, str] = {}  # keys submitted and not yet run or forgotten
+        self._pipeline = ""  # the batch running's
+        self._predictor: Predictor | None = None  # its model, while it runs
         self.max_consecutive_failures = max_consecutive_failures
         self.consecutive_failures = 0
         self._heartbeat = heartbeat
@@ -78,14 +128,29 @@ class Engine:
         self._stash.clear()
         self._copied_ahead.clear()
 
-    def submit(self, requests: Sequence[tuple[int, str]]) -> None:
-        """Queue loads of (key, URI); any thread. Loader children start on them at once."""
+    def ready(self, pipeline: str) -> bool:
+        return self.models.ready(pipeline)
+
+    def load(self, pipeline: str) -> Failure | None:
+        """Make ``pipeline``'s models resident (any thread); the failure its tasks get when
+        they cannot be."""
+        try:
+            self.models.load(pipeline)
+        except ModelLoadFailed as failed:
+            return failed.failure
+        return None
+
+    def submit(self, requests: Sequence[tuple[int, str]], pipeline: str = "") -> None:
+        """Queue loads of (key, URI) for ``pipeline``; any thread. Loader children start on
+        them at once, decoding by that pipeline's plan."""
+        plan = self._plans.get(pipeline)
         with self._queued_lock:
             self._queued.update((key, None) for key, _ in requests)
-        self.loader.submit([LoadRequest(key, uri) for key, uri in requests])
+            self._pipeline_of.update((key, pipeline) for key, _ in requests)
+        self.loader.submit([LoadRequest(key, uri, plan) for key, uri in requests])
 
     def forget(self, keys: Sequence[int]) -> None:
-        """Drop loads that nobody will collect (tasks given back at shutdown)."""
+        """Drop loads that nobody will collect (tasks given back at shutdown, or failed)."""
         self._dequeue(keys)
         for key in keys:
             self._stash.pop(key, None)
@@ -95,8 +160,24 @@ class Engine:
         with self._queued_lock:
             for key in keys:
                 self._queued.pop(key, None)
+                self._pipeline_of.pop(key, None)
 
-    def run_batch(self, keys: Sequence[int]) -> BatchReport:
+    def run_batch(self, keys: Sequence[int], pipeline: str = "") -> BatchReport:
+        """One pipeline's batch: its model held for the batch, never unloaded meanwhile."""
+        try:
+            predictor = self.models.acquire(pipeline)  # loaded already, unless evicted since
+        except ModelLoadFailed as failed:
+            self.forget(keys)
+            outcomes = {key: Outcome(failure=failed.failure) for key in keys}
+            return BatchReport(outcomes, 0.0, 0.0, 0)
+        self._pipeline, self._predictor = pipeline, predictor
+        try:
+            return self._run_batch(keys)
+        finally:
+            self._predictor = None
+            self.models.release(pipeline)
+
+    def _run_batch(self, keys: Sequence[int]) -> BatchReport:
         self._dequeue(keys)
         self._split_batch = False
         restarts_before = self.loader.restarts
@@ -149,8 +230,16 @@ class Engine:
             if item.key in wanted:
                 loaded[item.key] = item
             else:
-                self._stash[item.key] = item  # an image of a later batch, already here
+                self._keep(item)
         return loaded, None
+
+    def _keep(self, item: Loaded) -> None:
+        """An image of a later batch, already here: kept for it, unless its task is gone
+        (forgotten: given back, or failed with its pipeline's model), then dropped."""
+        with self._queued_lock:
+            wanted = item.key in self._pipeline_of
+        if wanted:
+            self._stash[item.key] = item
 
     def _note_reads(self, item: Loaded) -> None:
         self.read_retries.update(item.retries)
@@ -235,7 +324,8 @@ class Engine:
             self.ran_copied_ahead += ahead is not None
             images.append(ahead if ahead is not None else loaded[key].image)
         prepared_s = self._prepared_s
-        detections = self.predictor.run(images, self._prepare_next)  # type: ignore[arg-type]
+        assert self._predictor is not None
+        detections = self._predictor.run(images, self._prepare_next)  # type: ignore[arg-type]
         infer_s = time.perf_counter() - started - (self._prepared_s - prepared_s)
         return {
             key: Outcome(
@@ -251,12 +341,13 @@ class Engine:
         next batch to the device, so it does not wait for them. Never fails the batch it runs
         in: a broken loader is recovered at the next batch, a failed copy is made again when
         its batch runs."""
-        ahead = self.predictor.copy_ahead_images
-        if ahead <= 0 or self._split_batch:
+        predictor = self._predictor
+        if predictor is None or predictor.copy_ahead_images <= 0 or self._split_batch:
             return
         started = time.perf_counter()
-        with self._queued_lock:
-            upcoming = list(itertools.islice(self._queued, ahead))
+        with self._queued_lock:  # the next images of this batch's pipeline (copied its way)
+            same = (k for k in self._queued if self._pipeline_of.get(k) == self._pipeline)
+            upcoming = list(itertools.islice(same, predictor.copy_ahead_images))
         try:
             self._take_ready(upcoming)
             for key in [key for key in list(self._copied_ahead) if key not in upcoming]:
@@ -268,7 +359,7 @@ class Engine:
                 if image is not None and image.encoded is None and key not in self._copied_ahead
             ]  # a JPEG left encoded is decoded on the device when its batch runs
             if fresh:
-                copies = self.predictor.copy_ahead([ready[key] for key in fresh])  # type: ignore[misc]
+                copies = predictor.copy_ahead([ready[key] for key in fresh])  # type: ignore[misc]
                 self._copied_ahead.update(zip(fresh, copies, strict=True))
         except Exception as error:  # noqa: BLE001 - the next batch copies its images itself
             self._copied_ahead.clear()
@@ -292,7 +383,7 @@ class Engine:
                 self._loader_failed = str(error)  # recovered by the next batch's collect
                 return
             self._note_reads(item)
-            self._stash[item.key] = item
+            self._keep(item)
 
 
 def _failed(error: Exception) -> Outcome:

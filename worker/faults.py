@@ -26,7 +26,7 @@ class WedgingEngine:
         self._path = path
         self._mode = mode
 
-    def run_batch(self, keys: Sequence[int]) -> BatchReport:
+    def run_batch(self, keys: Sequence[int], pipeline: str = "") -> BatchReport:
         if claim_once(self._path):
             log.error("fault_hook_wedging_engine_thread", path=self._path, mode=self._mode)
             if self._mode == "raise":
@@ -37,7 +37,7 @@ class WedgingEngine:
             sys.setswitchinterval(1e6)  # no other Python thread gets the GIL back
             while True:
                 pass
-        return self._engine.run_batch(keys)
+        return self._engine.run_batch(keys, pipeline)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)

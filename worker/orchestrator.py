@@ -26,7 +26,7 @@ from typing import Any
 import structlog
 
 from config.derived import max_held_tasks
-from config.errors import LoaderGaveUp
+from config.errors import Failure, LoaderGaveUp
 from config.settings import Settings
 from worker.admission import Admission
 from worker.batches import Batches
@@ -37,9 +37,11 @@ from worker.health.metrics import Metrics
 from worker.health.observer import BatchObserver
 from worker.outcome import Outcome
 from worker.ports import BatchEngine, BatchReport, DeliveryRules, Results, TaskSource
+from worker.threads import in_daemon_thread
 
 log = structlog.get_logger(__name__)
 Helper = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
+_LOAD_TICK_S = 5.0  # while a model loads: progress noted, held tasks kept alive
 
 
 @dataclass
@@ -56,6 +58,8 @@ class Services:
     guard: Callable[[], str | None] | None = None  # why the process must be replaced, or None
     helpers: tuple[tuple[str, Helper], ...] = ()  # run alongside; one that fails ends us
     closed: asyncio.Event | None = None  # set when the transport closed for good
+    # A pipeline's models were loaded (the wiring publishes their algorithms).
+    loaded: Callable[[str], Coroutine[Any, Any, None]] | None = None
     image_bytes: int = 3 * 224 * 224  # the most host bytes one loaded image can take
 
 
@@ -81,6 +85,7 @@ class Worker:
             services.engine_thread,
             lambda batch, report: observer.batch_done(len(batch), report),
             self._settle_batch,
+            prepare=self._prepare,
         )
         self._until_idle = until_idle
         self._stop = asyncio.Event()
@@ -124,7 +129,8 @@ class Worker:
                 await self.claims.wait_for_room(timeout_s)
                 continue
             msgs = await self.s.source.fetch(min(self.settings.loader.batch_size, room))
-            admitted = [held for held in [await self.admission.admit(m) for m in msgs] if held]
+            # Concurrently: each asks the results stream whether its task is done already.
+            admitted = [h for h in await asyncio.gather(*map(self.admission.admit, msgs)) if h]
             self.batches.add(admitted)
 
     async def _let_fetch_finish(self, fetcher: asyncio.Task[None]) -> None:
@@ -135,6 +141,23 @@ class Worker:
         except Exception:  # noqa: BLE001 - a timeout, or a failure reported by run()
             fetcher.cancel()
             await asyncio.gather(fetcher, return_exceptions=True)
+
+    async def _prepare(self, pipeline: str) -> Failure | None:
+        """``pipeline``'s models ready for its next batch: loaded on a thread of their own
+        when they are not. Meanwhile the worker counts as progressing (a load is not a stall)
+        and the held tasks' ack waits are extended, so none is redelivered while it waits.
+        The failure its tasks get when the models cannot be had."""
+        if self.s.engine.ready(pipeline):
+            return None
+        loading = in_daemon_thread(self.s.engine.load, pipeline)
+        tick_s = min(_LOAD_TICK_S, self.settings.nats.ack_wait_s / 4)
+        while not (await asyncio.wait({loading}, timeout=tick_s))[0]:
+            self.s.liveness.loading()
+            await self.claims.keep_alive()
+        failure = loading.result()
+        if failure is None and self.s.loaded is not None:
+            await self.s.loaded(pipeline)
+        return failure
 
     async def _settle_batch(self, batch: list[Claim], report: BatchReport) -> None:
         started = time.perf_counter()

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from config.errors import Failure
 from worker.outcome import Outcome
 from worker.schemas import Task
 
@@ -77,10 +78,22 @@ class BatchReport:
 class BatchEngine(Protocol):
     """Loads and forward passes; ``run_batch`` is called on the engine thread only."""
 
-    def submit(self, requests: Sequence[tuple[int, str]]) -> None:
-        """Start loading (key, image URI) pairs; any thread, never blocks on a rebuild."""
+    def submit(self, requests: Sequence[tuple[int, str]], pipeline: str = "") -> None:
+        """Start loading (key, image URI) pairs for ``pipeline``; any thread, never blocks on
+        a rebuild."""
         ...
 
-    def run_batch(self, keys: Sequence[int]) -> BatchReport: ...
+    def ready(self, pipeline: str) -> bool:
+        """Whether ``pipeline``'s models are loaded."""
+        ...
+
+    def load(self, pipeline: str) -> Failure | None:
+        """Load ``pipeline``'s models (blocking, on a thread of its own); the failure its
+        tasks get when they cannot be had."""
+        ...
+
+    def run_batch(self, keys: Sequence[int], pipeline: str = "") -> BatchReport:
+        """One batch, all of ``pipeline``."""
+        ...
 
     def forget(self, keys: Sequence[int]) -> None: ...

@@ -82,6 +82,9 @@ class Settler:
     count: Callable[[str], None] = lambda _outcome: None
     # A result not written because one was already stored: a second completion of the task.
     completed_twice: Callable[[], None] = lambda: None
+    # Several pipelines: each task's own pipeline's ``model`` (``pipeline``/``model`` above are
+    # the default pipeline's, for a task that names none).
+    model_of: Callable[[str], dict[str, Any]] | None = None
     worker_id: dict[str, Any] = field(
         default_factory=lambda: {"host": socket.gethostname(), "pid": os.getpid()}
     )
@@ -232,12 +235,14 @@ class Settler:
 
     def result(self, task: Task, delivered: int, outcome: Outcome) -> dict[str, Any]:
         error = outcome.failure.as_dict() if outcome.failure is not None else None
+        pipeline = task.pipeline or self.pipeline
+        model = self.model_of(pipeline) if self.model_of is not None else self.model
         return make_result(
             task=task,
-            pipeline=self.pipeline,
+            pipeline=pipeline,
             detections=outcome.detections,
             error=error,
-            model=self.model,
+            model=model,
             timings_s=outcome.timings_s,
             worker=self.worker_id,
             attempt=delivered,

@@ -57,7 +57,7 @@ async def test_a_task_whose_last_delivery_died_with_its_worker_still_gets_one_er
     await provision(js, settings.nats, settings.model.pipeline)
     [doomed] = await submit(js, settings, "job-exhausted", uris[:1])
     # Two workers take the task in turn and die holding it: nobody acks, nobody naks.
-    feed = TaskFeed(nc, settings.nats)
+    feed = TaskFeed(nc, settings.nats, [settings.model.pipeline])
     await feed.open()
     delivered = []
     for _ in range(2):

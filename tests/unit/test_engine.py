@@ -295,6 +295,58 @@ def test_nothing_is_copied_ahead_while_a_batch_is_split_for_lack_of_device_memor
     assert list(engine._copied_ahead) == [4], "the next batch stages ahead again"
 
 
+def test_an_image_loaded_for_a_forgotten_task_is_dropped_not_kept():
+    loader = FlakyLoader()
+    engine = Engine(loader, Echo())  # type: ignore[arg-type]
+    submit(engine, [1, 2, 3])  # loaded in this order
+    engine.forget([1])  # its task failed with its pipeline's model, say
+    assert engine.run_batch([2]).outcomes[2].ok  # 1 arrives first, while collecting 2
+    assert engine._stash == {}
+    assert engine.run_batch([3]).outcomes[3].ok
+
+
+def test_each_batch_runs_on_its_own_pipelines_model_and_loads_by_its_plan():
+    from datasets.images import DecodePlan
+    from worker.engine import OneModel
+
+    class Named(Echo):
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, images, while_running=None):
+            return [[{"bbox": None, "by": self.name}] for _ in images]
+
+    class Two:
+        def __init__(self):
+            self.models = {"a": Named("a"), "b": Named("b")}
+            self.held: list[str] = []
+
+        def acquire(self, name):
+            self.held.append(name)
+            return self.models[name]
+
+        def release(self, name):
+            self.held.remove(name)
+
+        def ready(self, name):
+            return True
+
+        def load(self, name):
+            pass
+
+    plans = {"a": DecodePlan(size=32), "b": DecodePlan(size=0, max_side=640)}
+    loader, models = FlakyLoader(), Two()
+    engine = Engine(loader, models=models, plans=plans)  # type: ignore[arg-type]
+    engine.submit([(1, "file:///1.jpg")], "a")
+    engine.submit([(2, "file:///2.jpg")], "b")
+    assert [request.plan for request in loader.queue] == [plans["a"], plans["b"]]
+    first = engine.run_batch([1], "a").outcomes[1].detections
+    second = engine.run_batch([2], "b").outcomes[2].detections
+    assert first == [{"bbox": None, "by": "a"}] and second == [{"bbox": None, "by": "b"}]
+    assert models.held == []  # released after each batch
+    assert isinstance(Engine(loader, Echo()).models, OneModel)  # type: ignore[arg-type]
+
+
 def test_a_corrupt_jpeg_left_encoded_fails_alone_as_a_corrupt_image():
     from worker.commands.demo_images import truncated_bytes
     from worker.engine import Engine

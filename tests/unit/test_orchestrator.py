@@ -132,6 +132,32 @@ async def test_a_transport_closed_for_good_ends_the_process_with_5():
     assert exit.reason is ExitReason.NATS_CLOSED and exit.code == 5
 
 
+async def test_two_pipelines_never_share_a_batch_and_a_failed_load_fails_only_its_own_tasks():
+    msgs = [task_msg(f"c{i}", job_id="jc", subject="tasks.classify") for i in range(6)]
+    msgs += [task_msg(f"b{i}", job_id="jb", subject="tasks.broken") for i in range(3)]
+    msgs += [task_msg(f"d{i}", job_id="jd", subject="tasks.detect") for i in range(5)]
+    engine = FakeEngine(
+        load_failures={"broken": Failure("model_load_failed", "weights do not fit")}
+    )
+    worker, store, _js, _m = a_worker(FakeSource(list(msgs)), engine)
+
+    exit = await run(worker)
+
+    assert exit.code == 0
+    by_task = {r["task_id"]: r for r in store.stored}
+    assert len(by_task) == 14 and all(m.actions == ["ack"] for m in msgs)
+    for task_id, result in by_task.items():
+        expected = {"c": "classify", "b": "broken", "d": "detect"}[task_id[0]]
+        assert result["pipeline"] == expected
+        if expected == "broken":
+            assert result["error"]["type"] == "model_load_failed"
+        else:
+            assert result["status"] == "ok"
+    assert sorted(engine.loaded) == ["classify", "detect"]  # each loaded once
+    ran = {engine.pipelines[key] for batch in engine.batches for key in batch}
+    assert ran == {"classify", "detect"}  # FakeEngine refuses a batch that mixes pipelines
+
+
 class GatedEngine(FakeEngine):
     """The first batch waits for ``release``: tasks stay held and no batch completes."""
 
@@ -139,12 +165,12 @@ class GatedEngine(FakeEngine):
         super().__init__()
         self.entered, self.release = threading.Event(), threading.Event()
 
-    def run_batch(self, keys):
+    def run_batch(self, keys, pipeline=""):
         if not self.entered.is_set():
             self.entered.set()
             if not self.release.wait(10):
                 raise TimeoutError("the test never released the first batch")
-        return super().run_batch(keys)
+        return super().run_batch(keys, pipeline)
 
 
 async def test_held_tasks_get_in_progress_only_once_a_batch_has_completed():

@@ -52,7 +52,11 @@ def _add_job_commands(commands: Any) -> None:
     """``submit``, ``watch`` and ``results``: a job's tasks in, its progress and results out."""
     submit = commands.add_parser("submit", help="publish one task per image for a job")
     submit.add_argument("--job", required=True, help="job id")
-    submit.add_argument("--pipeline", help=f"pipeline (default: {env_name('model', 'pipeline')})")
+    submit.add_argument(
+        "--pipeline",
+        help=f"pipeline (default: {env_name('model', 'pipeline')}, or the first of "
+        f"{env_name('model', 'pipelines')})",
+    )
     submit.add_argument("uris", nargs="*", help="image URIs, or one s3://bucket/prefix/ to list")
     submit.add_argument(
         "--wait", action="store_true", help="then follow the job as `watch` does (exit 0/10/11)"
@@ -189,7 +193,7 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
         return CommandExit.FAILED
     from pipelines.registry import name_of
 
-    pipeline = args.pipeline or name_of(settings.model.pipeline)
+    pipeline = args.pipeline or name_of(settings.model.served()[0])
     nc = await _connect_once(settings, "submit")
     try:
         js = nc.jetstream()
@@ -277,8 +281,8 @@ async def _provision(settings: Settings, _args: argparse.Namespace) -> int:
 
     nc = await _connect_once(settings, "provision")
     try:
-        pipeline = name_of(settings.model.pipeline)
-        for line in await provision(nc.jetstream(), settings.nats, pipeline):
+        pipelines = [name_of(entry) for entry in settings.model.served()]
+        for line in await provision(nc.jetstream(), settings.nats, pipelines):
             print(line)
     finally:
         await nc.close()

@@ -48,6 +48,11 @@ class Liveness:
             self._last_progress = self._clock()
             self._rearm_locked()
 
+    def loading(self) -> None:
+        """A model is loading for the held tasks: progress, not a stall (the stall clock and
+        the watchdog start over)."""
+        self.batch_completed()
+
     def still_working(self) -> None:
         """The worker is acting (e.g. rebuilding its loader) without completing a batch: give
         the watchdog a fresh window, but leave the stall clock alone."""

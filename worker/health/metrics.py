@@ -156,3 +156,55 @@ class ReadsCollector:
         for reason in ("stalled", "throttled", "unavailable"):
             retries.add_metric([reason], float(counts.get(reason, 0)))
         yield retries
+
+
+class ModelsCollector:
+    """The models on demand (``pipelines.cache.ModelCache``): how many pipelines are loaded,
+    their bytes, and per pipeline the loads, failed loads, unloads and seconds spent loading."""
+
+    def __init__(self, cache: Any, pipelines: list[str]) -> None:
+        self._cache = cache
+        self._pipelines = pipelines
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        resident = self._cache.resident()
+        stats = self._cache.stats
+        yield GaugeMetricFamily(
+            f"{PREFIX}_models_resident",
+            "Pipelines whose models are loaded now.",
+            value=float(len(resident)),
+        )
+        sized = GaugeMetricFamily(
+            f"{PREFIX}_model_bytes",
+            "Bytes of each pipeline's loaded models (0 when not loaded), and the budget.",
+            labels=["pipeline"],
+        )
+        for name in self._pipelines:
+            sized.add_metric([name], float(resident.get(name, 0)))
+        yield sized
+        yield GaugeMetricFamily(
+            f"{PREFIX}_model_budget_bytes",
+            "The memory budget the loaded models share "
+            f"({env_name('model', 'memory_budget_bytes')}).",
+            value=float(self._cache.budget_bytes),
+        )
+        for name, help_text, counts in (
+            ("model_loads", "Model loads, by pipeline.", stats.loads),
+            ("model_load_failures", "Model loads that failed, by pipeline.", stats.load_failures),
+            (
+                "model_evictions",
+                "Models unloaded (idle, or for room), by pipeline.",
+                stats.evictions,
+            ),
+            (
+                "model_load_seconds",
+                "Seconds spent loading models, by pipeline.",
+                stats.load_seconds,
+            ),
+        ):
+            family = CounterMetricFamily(f"{PREFIX}_{name}", help_text, labels=["pipeline"])
+            for pipeline in self._pipelines:
+                family.add_metric([pipeline], float(counts.get(pipeline, 0)))
+            yield family

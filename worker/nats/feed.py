@@ -1,4 +1,5 @@
-"""Bounded fetches from the durable pull consumer: the NATS ``TaskSource``."""
+"""Bounded fetches from the durable pull consumer and, for fair share, from each job's own
+consumer in rotation (``worker.nats.jobs``): the NATS ``TaskSource``."""
 
 from __future__ import annotations
 
@@ -12,24 +13,37 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from config.settings import NatsSettings
+from worker.nats.jobs import JobConsumers
 from worker.nats.subjects import advisory_consumer
 
 log = structlog.get_logger(__name__)
 
 
-class TaskFeed:
-    """Bounded fetches from the durable pull consumer (the orchestrator's TaskSource)."""
+_SHARE_TIMEOUT_S = 0.2  # a job's share of a fetch: its tasks are there, or gone to another
 
-    def __init__(self, nc: NATS, settings: NatsSettings) -> None:
+
+class TaskFeed:
+    """Bounded fetches (the orchestrator's TaskSource): from the durable pull consumer, and
+    with ``fair_jobs`` from every job with pending tasks, an equal share each per fetch."""
+
+    def __init__(self, nc: NATS, settings: NatsSettings, pipelines: list[str] | None = None):
         self._nc = nc
         self._js = nc.jetstream()
         self._settings = settings
         self._sub: Any = None
+        self._late: list[Msg] = []
+        self._jobs = (
+            JobConsumers(self._js, settings, pipelines)
+            if settings.fair_jobs and pipelines
+            else None
+        )
 
     async def open(self) -> None:
         self._sub = await self._js.pull_subscribe_bind(
             durable=self._settings.consumer, stream=self._settings.tasks_stream
         )
+        if self._jobs is not None:
+            self._late = await self._jobs.refresh()
 
     async def max_deliver(self) -> int:
         """The server's setting, which is what counts (not ours)."""
@@ -49,14 +63,45 @@ class TaskFeed:
                 info = await self._js.consumer_info(stream, consumer)
                 if info.num_pending or info.num_ack_pending:
                     return False
+            if self._jobs is not None and await self._jobs.busy_now():
+                return False
         except (nats.errors.Error, TimeoutError):
             return False
         return True
 
     async def fetch(self, batch: int) -> list[Msg]:
-        """Up to ``batch`` messages; [] after ``fetch_timeout_s`` or while disconnected."""
+        """Up to ``batch`` messages; [] after ``fetch_timeout_s`` or while disconnected. With
+        jobs pending, an equal share of ``batch`` from each (and from the durable consumer
+        when it has tasks), the first job turning round from one fetch to the next."""
+        if self._jobs is None:
+            return await self._fetch_from(self._sub, batch, self._settings.fetch_timeout_s)
+        if self._late:  # received by subscriptions since unbound: admitted first
+            late, self._late = self._late[:batch], self._late[batch:]
+            return late
+        if self._jobs.due():
+            self._late = await self._jobs.refresh()
+            if self._late:
+                return await self.fetch(batch)
+        main = [self._sub] if self._jobs.main_pending and batch > 1 else []
+        jobs = self._jobs.active()[: batch - len(main)]  # at least one task each
+        if not jobs:
+            return await self._fetch_from(self._sub, batch, self._settings.fetch_timeout_s)
+        subs = [job.sub for job in jobs] + main
+        share = max(1, batch // len(subs))
+        shares = [share + (i < batch - share * len(subs)) for i in range(len(subs))]
+        fetched = await asyncio.gather(
+            *(
+                self._fetch_from(sub, n, _SHARE_TIMEOUT_S)
+                for sub, n in zip(subs, shares, strict=True)
+            )
+        )
+        for job, got in zip(jobs, fetched, strict=False):
+            job.dry = not got  # not asked again until the next listing
+        return [msg for got in fetched for msg in got]
+
+    async def _fetch_from(self, sub: Any, batch: int, timeout_s: float) -> list[Msg]:
         try:
-            msgs: list[Msg] = await self._sub.fetch(batch, timeout=self._settings.fetch_timeout_s)
+            msgs: list[Msg] = await sub.fetch(batch, timeout=timeout_s)
             return msgs
         except (TimeoutError, nats.errors.TimeoutError):
             return []
@@ -78,6 +123,8 @@ class TaskFeed:
         """
         if self._sub is None:
             return []
+        jobs = await self._jobs.close() if self._jobs is not None else []
+        jobs += self._late if self._jobs is not None else []
         pending = late_deliveries(self._sub)
         try:
             await self._sub.unsubscribe()
@@ -90,7 +137,7 @@ class TaskFeed:
             msg = pending.get_nowait()
             if not JetStreamContext.is_status_msg(msg):
                 found.append(msg)
-        return found
+        return jobs + found
 
 
 def late_deliveries(sub: Any) -> asyncio.Queue[Msg] | None:

@@ -65,12 +65,23 @@ def stream_configs(settings: NatsSettings) -> list[api.StreamConfig]:
     ]
 
 
-def consumer_config(settings: NatsSettings, pipeline: str) -> api.ConsumerConfig:
+def consumer_config(settings: NatsSettings, pipelines: str | list[str]) -> api.ConsumerConfig:
+    served = [pipelines] if isinstance(pipelines, str) else pipelines
     return api.ConsumerConfig(
         name=settings.consumer,
         durable_name=settings.consumer,
-        # Tasks with the job in the payload, and tasks with the job in the subject (Antenna's).
-        filter_subjects=[tasks_subject(pipeline), job_tasks_subject(pipeline, "*")],
+        # Tasks with the job in the payload, and tasks with the job in the subject (Antenna's),
+        # of every pipeline served.
+        # With a consumer per job (fair_jobs, worker.nats.jobs), only the former.
+        filter_subjects=[
+            subject
+            for pipeline in served
+            for subject in (
+                (tasks_subject(pipeline),)
+                if settings.fair_jobs
+                else (tasks_subject(pipeline), job_tasks_subject(pipeline, "*"))
+            )
+        ],
         ack_policy=api.AckPolicy.EXPLICIT,
         deliver_policy=api.DeliverPolicy.ALL,
         ack_wait=settings.ack_wait_s,
@@ -108,7 +119,9 @@ def advisory_consumer_config(settings: NatsSettings) -> api.ConsumerConfig:
     )
 
 
-async def provision(js: JetStreamContext, settings: NatsSettings, pipeline: str) -> list[str]:
+async def provision(
+    js: JetStreamContext, settings: NatsSettings, pipelines: str | list[str]
+) -> list[str]:
     """Create or update the streams and the durable consumer; safe to run any number of times."""
     done: list[str] = []
     for config in [*stream_configs(settings), advisory_stream_config(settings)]:
@@ -138,11 +151,10 @@ async def provision(js: JetStreamContext, settings: NatsSettings, pipeline: str)
             done.append(f"created object store {bucket}")
     # pull_subscribe ignores the config of an existing durable; add_consumer with a name
     # creates it or updates it in place.
-    await js.add_consumer(settings.tasks_stream, consumer_config(settings, pipeline))
-    done.append(
-        f"created or updated consumer {settings.consumer} on {tasks_subject(pipeline)} and "
-        f"{job_tasks_subject(pipeline, '*')}"
-    )
+    tasks = consumer_config(settings, pipelines)
+    await js.add_consumer(settings.tasks_stream, tasks)
+    subjects = " and ".join(tasks.filter_subjects or [])
+    done.append(f"created or updated consumer {settings.consumer} on {subjects}")
     watcher = advisory_consumer_config(settings)
     await js.add_consumer(settings.advisory_stream, watcher)
     done.append(f"created or updated consumer {watcher.name} on max-deliveries advisories")

@@ -26,7 +26,9 @@ def job_tasks_subject(pipeline: str, job_token: str) -> str:
 
 
 def advisory_subject(settings: NatsSettings) -> str:
-    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{settings.tasks_stream}.{settings.consumer}"
+    """Max-deliveries advisories of every consumer on the tasks stream: the durable one and
+    each job's (``worker.nats.jobs``)."""
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{settings.tasks_stream}.*"
 
 
 def advisory_consumer(settings: NatsSettings) -> str:

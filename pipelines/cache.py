@@ -1,0 +1,215 @@
+"""Models on demand: the pipelines a process serves, loaded when a batch needs them and kept
+in an LRU cache bounded by a memory budget (bytes of the models' weights on their device).
+
+The least recently used pipeline that no batch is using is unloaded when another needs the
+room, or after ``idle_unload_s`` without a batch; a pipeline in use is never unloaded. A
+pipeline larger than the whole budget is refused at start (``estimated_bytes``), or, when only
+its load shows it, its tasks get an error. Loads and unloads are serialised by one lock; the
+caller decides on which thread they run (the worker: a thread of their own, never the event
+loop). A failed load is remembered for ``retry_after_s``: that pipeline's tasks fail fast with
+the same failure instead of loading again for each batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import structlog
+
+from config.errors import Failure, ModelLoadFailed, TransientError
+from config.names import env_name
+
+log = structlog.get_logger(__name__)
+M = TypeVar("M")
+RETRY_AFTER_S = 30.0
+
+
+@dataclass
+class _Entry(Generic[M]):
+    model: M
+    bytes: int
+    used_at: float
+    in_use: int = 0
+
+
+@dataclass
+class CacheStats:
+    """What the metrics read: counts since the start, and what is resident now."""
+
+    loads: dict[str, int] = field(default_factory=dict)
+    load_failures: dict[str, int] = field(default_factory=dict)
+    evictions: dict[str, int] = field(default_factory=dict)
+    load_seconds: dict[str, float] = field(default_factory=dict)
+
+
+class ModelCache(Generic[M]):
+    def __init__(
+        self,
+        load: Callable[[str], M],
+        size_of: Callable[[M], int],
+        budget_bytes: int,
+        *,
+        estimated_bytes: dict[str, int] | None = None,
+        unloaded: Callable[[str], None] = lambda _name: None,
+        retry_after_s: float = RETRY_AFTER_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._load = load
+        self._size_of = size_of
+        self.budget_bytes = budget_bytes
+        self._estimated = dict(estimated_bytes or {})
+        self._unloaded = unloaded  # after a model's last reference is dropped (CUDA: trim)
+        self._retry_after_s = retry_after_s
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._resident: OrderedDict[str, _Entry[M]] = OrderedDict()  # least recent first
+        self._failed: dict[str, tuple[float, Failure]] = {}
+        self.stats = CacheStats()
+
+    # -- what is there ------------------------------------------------------------------
+    def resident(self) -> dict[str, int]:
+        """Bytes of each loaded pipeline, least recently used first."""
+        with self._lock:
+            return {name: entry.bytes for name, entry in self._resident.items()}
+
+    def ready(self, name: str) -> bool:
+        with self._lock:
+            return name in self._resident
+
+    def peek(self, name: str) -> M | None:
+        """The loaded model, if it is; does not count as a use."""
+        with self._lock:
+            entry = self._resident.get(name)
+            return entry.model if entry is not None else None
+
+    # -- a batch's use --------------------------------------------------------------------
+    def acquire(self, name: str) -> M:
+        """The model for a batch (loaded now if it is not); unloaded by nobody until
+        ``release``. ModelLoadFailed when it cannot be had."""
+        with self._lock:
+            entry = self._resident.get(name) or self._loaded(name)
+            entry.in_use += 1
+            entry.used_at = self._clock()
+            self._resident.move_to_end(name)
+            return entry.model
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            entry = self._resident.get(name)
+            if entry is not None:
+                entry.in_use = max(0, entry.in_use - 1)
+                entry.used_at = self._clock()
+
+    def load(self, name: str) -> None:
+        """Make ``name`` resident (a no-op when it is); ModelLoadFailed when it cannot be."""
+        with self._lock:
+            if name in self._resident:
+                self._resident.move_to_end(name)
+                return
+            self._loaded(name)
+
+    def unload_idle(self, idle_s: float) -> list[str]:
+        """Unload every pipeline not used for ``idle_s`` (none in use); their names."""
+        now = self._clock()
+        with self._lock:
+            idle = [
+                name
+                for name, entry in self._resident.items()
+                if entry.in_use == 0 and now - entry.used_at >= idle_s
+            ]
+            for name in idle:
+                self._evict(name, "idle")
+            return idle
+
+    def close(self) -> None:
+        with self._lock:
+            for name in list(self._resident):
+                self._evict(name, "closing", counted=False)
+
+    # -- inside the lock ------------------------------------------------------------------
+    def _loaded(self, name: str) -> _Entry[M]:
+        failed = self._failed.get(name)
+        if failed is not None and self._clock() - failed[0] < self._retry_after_s:
+            raise ModelLoadFailed(failed[1])
+        self._make_room(name, self._estimated.get(name, 0))
+        started = time.perf_counter()
+        try:
+            model = self._load(name)
+        except Exception as error:  # noqa: BLE001 - the pipeline's code and weights: its tasks fail
+            failure = _load_failure(name, error)
+            self._failed[name] = (self._clock(), failure)
+            self.stats.load_failures[name] = self.stats.load_failures.get(name, 0) + 1
+            log.error("model_load_failed", pipeline=name, error=failure.message)
+            raise ModelLoadFailed(failure, error) from None
+        seconds = time.perf_counter() - started
+        size = self._size_of(model)
+        self._failed.pop(name, None)
+        self._estimated[name] = size  # the measured size is the one to make room for next time
+        if size > self.budget_bytes:
+            del model
+            self._unloaded(name)
+            failure = Failure(
+                "model_too_large",
+                f"pipeline {name!r} takes {size} bytes loaded, over the memory budget "
+                f"({env_name('model', 'memory_budget_bytes')}={self.budget_bytes})",
+            )
+            self._failed[name] = (self._clock(), failure)
+            raise ModelLoadFailed(failure)
+        self._make_room(name, size)
+        entry = _Entry(model, size, self._clock())
+        self._resident[name] = entry
+        self.stats.loads[name] = self.stats.loads.get(name, 0) + 1
+        self.stats.load_seconds[name] = self.stats.load_seconds.get(name, 0.0) + seconds
+        log.info(
+            "model_loaded",
+            pipeline=name,
+            bytes=size,
+            load_s=round(seconds, 3),
+            resident=list(self._resident),
+        )
+        return entry
+
+    def _make_room(self, name: str, needed: int) -> None:
+        """Unload least recently used idle pipelines until ``needed`` more bytes fit."""
+        for other in list(self._resident):
+            if self._used_bytes() + needed <= self.budget_bytes:
+                return
+            if other != name and self._resident[other].in_use == 0:
+                self._evict(other, f"room for {name}")
+
+    def _used_bytes(self) -> int:
+        return sum(entry.bytes for entry in self._resident.values())
+
+    def _evict(self, name: str, reason: str, *, counted: bool = True) -> None:
+        size = self._resident.pop(name).bytes  # the cache's reference, the last one
+        self._unloaded(name)
+        if counted:
+            self.stats.evictions[name] = self.stats.evictions.get(name, 0) + 1
+        log.info("model_unloaded", pipeline=name, bytes=size, reason=reason)
+
+
+def _load_failure(name: str, error: Exception) -> Failure:
+    """What a failed load gives its pipeline's tasks: retried later when its store was only
+    unavailable, an error result at once otherwise (weights that do not fit, a broken plugin)."""
+    message = f"pipeline {name!r} could not be loaded: {error}"
+    return Failure("model_load_failed", message, retryable=isinstance(error, TransientError))
+
+
+def tensor_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (weights shared between modules are
+    counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total

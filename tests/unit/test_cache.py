@@ -1,0 +1,106 @@
+"""Models on demand under a memory budget: what is loaded, what is unloaded, and when."""
+
+from __future__ import annotations
+
+import pytest
+
+from config.errors import ModelLoadFailed, TransientError
+from pipelines.cache import ModelCache
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def a_cache(sizes: dict[str, int], budget: int, clock: Clock | None = None, fail=()):
+    loads: list[str] = []
+    unloaded: list[str] = []
+
+    def load(name: str) -> str:
+        if name in fail:
+            raise fail[name]
+        loads.append(name)
+        return f"model-{name}"
+
+    cache: ModelCache[str] = ModelCache(
+        load,
+        lambda model: sizes[model.removeprefix("model-")],
+        budget,
+        unloaded=unloaded.append,
+        clock=clock or Clock(),
+    )
+    return cache, loads, unloaded
+
+
+def test_the_least_recently_used_pipeline_makes_room_for_another():
+    cache, loads, unloaded = a_cache({"a": 4, "b": 4, "c": 4}, budget=10)
+    for name in ("a", "b"):
+        cache.acquire(name)
+        cache.release(name)
+    cache.acquire("a")  # a is now the most recent
+    cache.release("a")
+    cache.acquire("c")
+    assert unloaded == ["b"] and list(cache.resident()) == ["a", "c"]
+    assert cache.stats.evictions == {"b": 1} and loads == ["a", "b", "c"]
+
+
+def test_a_pipeline_in_use_is_never_unloaded_even_over_the_budget():
+    cache, _loads, unloaded = a_cache({"a": 6, "b": 6}, budget=10)
+    assert cache.acquire("a") == "model-a"  # a batch holds it
+    cache.acquire("b")
+    assert unloaded == [] and set(cache.resident()) == {"a", "b"}
+    cache.release("a")
+    cache.release("b")
+    cache.load("a")  # resident: no load, no eviction
+    assert unloaded == []
+
+
+def test_a_hit_does_not_load_again():
+    cache, loads, _ = a_cache({"a": 1}, budget=10)
+    for _ in range(3):
+        cache.acquire("a")
+        cache.release("a")
+    assert loads == ["a"] and cache.stats.loads == {"a": 1}
+
+
+def test_idle_pipelines_are_unloaded_after_the_idle_time_but_not_one_in_use():
+    clock = Clock()
+    cache, _loads, unloaded = a_cache({"a": 1, "b": 1}, budget=10, clock=clock)
+    cache.acquire("a")
+    cache.acquire("b")
+    cache.release("b")
+    clock.now = 100.0
+    assert cache.unload_idle(60.0) == ["b"]
+    assert unloaded == ["b"] and list(cache.resident()) == ["a"]
+
+
+def test_a_failed_load_is_remembered_then_tried_again():
+    clock = Clock()
+    cache, _loads, _ = a_cache(
+        {"a": 1}, budget=10, clock=clock, fail={"a": TransientError("S3 is down")}
+    )
+    with pytest.raises(ModelLoadFailed) as first:
+        cache.acquire("a")
+    assert first.value.failure.kind == "model_load_failed" and first.value.failure.retryable
+    with pytest.raises(ModelLoadFailed):
+        cache.acquire("a")  # within the retry time: the same failure, no new load
+    assert cache.stats.load_failures == {"a": 1}
+    clock.now = 31.0
+    with pytest.raises(ModelLoadFailed):
+        cache.acquire("a")
+    assert cache.stats.load_failures == {"a": 2}
+
+
+def test_a_model_over_the_whole_budget_is_refused_and_not_kept():
+    cache, _loads, unloaded = a_cache({"big": 20, "a": 1}, budget=10)
+    cache.acquire("a")
+    cache.release("a")
+    with pytest.raises(ModelLoadFailed) as refused:
+        cache.load("big")
+    assert refused.value.failure.kind == "model_too_large"
+    assert not refused.value.failure.retryable
+    assert "big" not in cache.resident() and "big" in unloaded
