@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from config.names import PREFIX, env_name
 
 # WORKER_* names read by the command line rather than the settings model.
-NOT_SETTINGS = frozenset({"WORKER_LOG_LEVEL"})
+NOT_SETTINGS = frozenset({env_name("log_level")})
 
 
 def known_names(model: type[BaseModel]) -> frozenset[str]:

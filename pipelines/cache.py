@@ -22,6 +22,7 @@ from typing import Any, Generic, TypeVar
 import structlog
 
 from config.errors import Failure, ModelLoadFailed, TransientError
+from config.names import env_name
 
 log = structlog.get_logger(__name__)
 M = TypeVar("M")
@@ -155,7 +156,7 @@ class ModelCache(Generic[M]):
             failure = Failure(
                 "model_too_large",
                 f"pipeline {name!r} takes {size} bytes loaded, over the memory budget "
-                f"(WORKER_MODEL__MEMORY_BUDGET_BYTES={self.budget_bytes})",
+                f"({env_name('model', 'memory_budget_bytes')}={self.budget_bytes})",
             )
             self._failed[name] = (self._clock(), failure)
             raise ModelLoadFailed(failure)

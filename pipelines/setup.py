@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from config.errors import ConfigError
+from config.names import env_name
 from config.rules import memory_problems, weights_problems
 from config.settings import Settings
 from datasets.images import DecodePlan
@@ -46,7 +47,8 @@ def choose_all(s: Settings) -> list[Chosen]:
             continue
         if any(c.pipeline.name == pipeline.name for c in chosen):
             problems.append(
-                f"WORKER_MODEL__PIPELINES: {entry!r} names pipeline {pipeline.name!r} again"
+                f"{env_name('model', 'pipelines')}: {entry!r} names pipeline "
+                f"{pipeline.name!r} again"
             )
             continue
         problems += [
@@ -79,7 +81,7 @@ def budget_problems(s: Settings, chosen: list[Chosen], budget_bytes: int) -> lis
     """A pipeline that cannot fit the memory budget even alone cannot be served."""
     return [
         f"pipeline {c.pipeline.name!r} needs about {size} bytes for its models, over "
-        f"WORKER_MODEL__MEMORY_BUDGET_BYTES ({budget_bytes}"
+        f"{env_name('model', 'memory_budget_bytes')} ({budget_bytes}"
         f"{'' if s.model.memory_budget_bytes else ', derived from the device'})"
         for c in chosen
         if (size := estimated_bytes(c.pipeline)) > budget_bytes

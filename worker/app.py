@@ -97,6 +97,35 @@ def _preload(served: Served, names: list[str]) -> None:
             raise failed.cause or ConfigError(failed.failure.message) from None
 
 
+def _claim_device(s: Settings) -> str:
+    """The device this process runs on; a GPU by index or UUID, or a MIG slice, becomes the
+    only one it sees (CUDA_VISIBLE_DEVICES, indexed as nvidia-smi's)."""
+    visible, device = visibility(chosen_device(s))
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # index as nvidia-smi's
+    return device
+
+
+def _loader(s: Settings, chosen: list[Chosen], sources: SourceConfig) -> StreamingLoader:
+    """The loader (not started), sized to the tasks held: as many as the largest image any
+    served pipeline can load allows. Each task's own decode plan travels with it."""
+    held = max_held_tasks(s, max(c.plan.max_image_bytes() for c in chosen))
+    config = LoaderConfig(
+        num_workers=s.loader.num_workers,
+        timeout_s=s.loader.timeout_s,
+        plan=chosen[0].plan,
+        sources=sources,
+        mp_context=s.loader.mp_context,
+        prefetch_per_worker=-(-held // s.loader.num_workers) + 1,
+    )
+    if s.faults.drop_once_file:
+        from datasets.faults import dropping_once
+
+        return StreamingLoader(config, dropping_once(s.faults.drop_once_file))
+    return StreamingLoader(config)
+
+
 class WorkerApp:
     """One worker process's parts. ``start`` -> ``run(stop)`` -> ``close``, driven by
     ``worker.serve.Server`` (signals, the run directory, the process's exit code).
@@ -131,11 +160,7 @@ class WorkerApp:
         )
         # The device first: CUDA reads CUDA_VISIBLE_DEVICES once, and a plugin imported by
         # choose() may touch CUDA.
-        visible, self.device = visibility(chosen_device(s))
-        if visible is not None:
-            # A GPU by index or UUID, or a MIG slice: the only device this process sees.
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible
-            os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # index as nvidia-smi's
+        self.device = _claim_device(s)
         chosen = self._choose()  # ConfigError before anything starts
         engine, served = await self._build_engine(liveness, chosen)
         if s.source == "antenna":
@@ -293,21 +318,7 @@ class WorkerApp:
             self._budget_bytes(chosen),
             unloaded=lambda _name: release_cached_memory(),
         )
-        held = max_held_tasks(s, max(c.plan.max_image_bytes() for c in chosen))
-        config = LoaderConfig(
-            num_workers=s.loader.num_workers,
-            timeout_s=s.loader.timeout_s,
-            plan=chosen[0].plan,
-            sources=sources,
-            mp_context=s.loader.mp_context,
-            prefetch_per_worker=-(-held // s.loader.num_workers) + 1,
-        )
-        if s.faults.drop_once_file:
-            from datasets.faults import dropping_once
-
-            loader = StreamingLoader(config, dropping_once(s.faults.drop_once_file))
-        else:
-            loader = StreamingLoader(config)
+        loader = _loader(s, chosen, sources)
         self._loader = loader  # closed by close() even if this start is cancelled half-way
         # The loader's children start (on the engine thread, which owns the loader) while the
         # models load: the fork server's imports and the weights overlap, so a restarted

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import json
 
+from config.names import env_name
 from worker.antenna.client import AntennaClient, AntennaUnreachable, Reply
 from worker.antenna.results import Served
 
 _MEANING = {
-    401: "Antenna refuses the token: check WORKER_ANTENNA__TOKEN (AMI_ANTENNA_API_AUTH_TOKEN)",
+    401: f"Antenna refuses the token: check {env_name('antenna', 'token')} "
+    "(AMI_ANTENNA_API_AUTH_TOKEN)",
     403: "the token's user may not change this project (ask a project manager for access)",
     404: "no such project, or the base URL is not Antenna's API root "
-    "(WORKER_ANTENNA__BASE_URL, e.g. https://host/api/v2)",
+    f"({env_name('antenna', 'base_url')}, e.g. https://host/api/v2)",
     500: "Antenna failed on the registration (it does for a classifier without a category map)",
 }
 
@@ -24,7 +26,7 @@ def project_ids(text: str) -> list[int]:
         if not part:
             continue
         if not part.isdigit():
-            raise ValueError(f"WORKER_ANTENNA__PROJECT_IDS: {part!r} is not a project id")
+            raise ValueError(f"{env_name('antenna', 'project_ids')}: {part!r} is not a project id")
         ids.append(int(part))
     return ids
 
@@ -84,7 +86,7 @@ async def antenna_problems(
     """What stops a worker from taking Antenna's tasks: unreachable, the token refused, a
     project it may not use, a pipeline slug not registered there."""
     if not token_set:
-        return ["WORKER_ANTENNA__TOKEN (or AMI_ANTENNA_API_AUTH_TOKEN) is not set"]
+        return [f"{env_name('antenna', 'token')} (or AMI_ANTENNA_API_AUTH_TOKEN) is not set"]
     try:
         params = {
             "pipeline__slug__in": ",".join(pipelines),

@@ -25,6 +25,7 @@ from typing import Any
 
 import pydantic
 
+from config.names import env_name
 from config.redact import redact_url, scrub, shorten
 from pipelines.models import Algorithm
 from worker.antenna.schemas import PipelineResults
@@ -183,7 +184,7 @@ def fit(task: Task, entry: dict[str, Any], max_bytes: int) -> tuple[dict[str, An
             return entry, steps
     message = (
         f"the result is {size} bytes with logits dropped and scores compacted, over "
-        f"WORKER_ANTENNA__MAX_POST_BYTES ({max_bytes})"
+        f"{env_name('antenna', 'max_post_bytes')} ({max_bytes})"
     )
     steps.append("error_result")
     return item(task, error_result(task, message)), steps

@@ -15,6 +15,7 @@ from typing import Any
 
 import structlog
 
+from config.names import env_name
 from worker.antenna.client import AntennaClient, AntennaUnreachable
 from worker.antenna.jobs import Job, JobRotation
 from worker.antenna.reservations import (
@@ -92,7 +93,7 @@ class AntennaSource:
                 "antenna_refused_reservation",
                 job_id=job.id,
                 reason=reply.why(),
-                hint="check WORKER_ANTENNA__TOKEN and the token's project permissions",
+                hint=f"check {env_name('antenna', 'token')} and the token's project permissions",
             )
             return []
         if not reply.ok or not isinstance(reply.body, dict):

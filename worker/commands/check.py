@@ -8,6 +8,7 @@ import nats
 from nats.js.errors import NotFoundError
 
 from config.errors import WorkerError
+from config.names import env_name
 from config.redact import redact_url, scrub
 from config.settings import Settings
 
@@ -70,7 +71,7 @@ async def _antenna_problems(settings: Settings) -> list[str]:
 
     a = settings.antenna
     if not a.base_url:
-        return ["WORKER_ANTENNA__BASE_URL (or AMI_ANTENNA_API_BASE_URL) is not set"]
+        return [f"{env_name('antenna', 'base_url')} (or AMI_ANTENNA_API_BASE_URL) is not set"]
     try:
         projects = project_ids(a.project_ids)
     except ValueError as error:

@@ -32,6 +32,24 @@ def _parser() -> argparse.ArgumentParser:
         "nothing pending",
     )
     commands.add_parser("demo", help="a whole job on local servers, with a report; cleans up")
+    _add_job_commands(commands)
+    commands.add_parser(
+        "check",
+        help="validate settings and reach the task source (NATS, or Antenna with "
+        "WORKER_SOURCE=antenna), S3 and the model",
+    )
+    commands.add_parser(
+        "register",
+        help="register the served pipeline with Antenna in WORKER_ANTENNA__PROJECT_IDS "
+        "(idempotent)",
+    )
+    commands.add_parser("provision", help="create or update streams and the durable consumer")
+    _add_healthwatch(commands)
+    return parser
+
+
+def _add_job_commands(commands: Any) -> None:
+    """``submit``, ``watch`` and ``results``: a job's tasks in, its progress and results out."""
     submit = commands.add_parser("submit", help="publish one task per image for a job")
     submit.add_argument("--job", required=True, help="job id")
     submit.add_argument(
@@ -61,17 +79,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     results = commands.add_parser("results", help="print a job's results and a summary")
     results.add_argument("--job", required=True, help="job id")
-    commands.add_parser(
-        "check",
-        help="validate settings and reach the task source (NATS, or Antenna with "
-        "WORKER_SOURCE=antenna), S3 and the model",
-    )
-    commands.add_parser(
-        "register",
-        help="register the served pipeline with Antenna in WORKER_ANTENNA__PROJECT_IDS "
-        "(idempotent)",
-    )
-    commands.add_parser("provision", help="create or update streams and the durable consumer")
+
+
+def _add_healthwatch(commands: Any) -> None:
+    """``healthwatch``, supervisord's event listener."""
     watch = commands.add_parser(
         "healthwatch", help="supervisord event listener: restart workers that stall or go silent"
     )
@@ -89,7 +100,6 @@ def _parser() -> argparse.ArgumentParser:
         help="loopback /healthz port of process 0, when the workers set "
         "WORKER_METRICS__HEALTHZ_PORT (default: --port-base + 1000, as the workers do)",
     )
-    return parser
 
 
 def _positive(text: str) -> float:

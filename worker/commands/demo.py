@@ -21,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from config.settings import load_settings
+from config.settings import Settings, load_settings
 from worker.commands.client import job_results, make_tasks, publish_tasks, summarize
 from worker.commands.demo_images import corrupt_bytes, rectangles_bytes
 from worker.commands.localservers import NatsServer, S3Server
@@ -142,9 +142,45 @@ def _print_report(
     return CommandExit.OK if whole else CommandExit.FAILED
 
 
+def _demo_settings(nats_url: str, s3_endpoint_url: str) -> Settings:
+    """A worker for the demo's servers serving both pipelines: small batches, quick retries,
+    metrics on any port."""
+    return load_settings(
+        nats={"url": nats_url, "max_deliver": 3, "nak_backoff_base_s": 0.5},
+        s3={"endpoint_url": s3_endpoint_url, "read_timeout_s": 10, "max_attempts": 2},
+        loader={"num_workers": 2, "batch_size": 8, "timeout_s": 45},
+        model={"pipelines": list(PIPELINES.values()), "device": "auto"},
+        health={"stall_timeout_s": 60},
+        metrics={"port": 0},
+    )
+
+
+async def _run_jobs(app: Any, settings: Settings, drawn: dict[str, Any], started: float) -> int:
+    """Submit both jobs, run the worker until they are done (bounded), print the report."""
+    from worker.nats.connection import connect
+
+    client = await connect(settings.nats, name="demo-client", give_up_after_s=30)
+    js = client.jetstream()
+    tasks: dict[str, dict[str, str]] = {}
+    for job, pipeline in JOBS.items():
+        made = make_tasks(job, list(drawn[job]))
+        await publish_tasks(js, settings.nats, pipeline, made)
+        tasks[job] = {t.id: t.image_url for t in made}
+        print(f"submitted job {job}: {len(made)} tasks on tasks.{pipeline}.{job}")
+    stop = asyncio.Event()
+    running = asyncio.create_task(app.run(stop))
+    done, _ = await asyncio.wait({running}, timeout=RESULT_WAIT_S)
+    if not done:
+        stop.set()  # bounded: a job that cannot finish still ends the demo
+    await running
+    print(f"jobs finished in {time.monotonic() - started:.1f}s")
+    results = {job: await job_results(js, settings.nats, job) for job in JOBS}
+    await client.close()
+    return _print_report(results, tasks, drawn)
+
+
 async def run_demo() -> int:
     from worker.app import WorkerApp
-    from worker.nats.connection import connect
 
     workdir = tempfile.mkdtemp(prefix="iw-demo-")
     nats_server = NatsServer(store_dir=os.path.join(workdir, "nats"))
@@ -159,14 +195,7 @@ async def run_demo() -> int:
         print(
             f"uploaded {sum(map(len, drawn.values()))} images of coloured rectangles (one corrupt)"
         )
-        settings = load_settings(
-            nats={"url": nats_server.url, "max_deliver": 3, "nak_backoff_base_s": 0.5},
-            s3={"endpoint_url": s3_server.endpoint_url, "read_timeout_s": 10, "max_attempts": 2},
-            loader={"num_workers": 2, "batch_size": 8, "timeout_s": 45},
-            model={"pipelines": list(PIPELINES.values()), "device": "auto"},
-            health={"stall_timeout_s": 60},
-            metrics={"port": 0},
-        )
+        settings = _demo_settings(nats_server.url, s3_server.endpoint_url)
         app = WorkerApp(settings, until_idle=True)  # burst mode: done when the jobs are
         started = time.monotonic()
         await app.start()
@@ -174,24 +203,7 @@ async def run_demo() -> int:
             f"worker up in {time.monotonic() - started:.1f}s serving {', '.join(PIPELINES)}; "
             f"loader pids {app.engine.loader.child_pids() if app.engine else []}"
         )
-        client = await connect(settings.nats, name="demo-client", give_up_after_s=30)
-        js = client.jetstream()
-        tasks: dict[str, dict[str, str]] = {}
-        for job, pipeline in JOBS.items():
-            made = make_tasks(job, list(drawn[job]))
-            await publish_tasks(js, settings.nats, pipeline, made)
-            tasks[job] = {t.id: t.image_url for t in made}
-            print(f"submitted job {job}: {len(made)} tasks on tasks.{pipeline}.{job}")
-        stop = asyncio.Event()
-        running = asyncio.create_task(app.run(stop))
-        done, _ = await asyncio.wait({running}, timeout=RESULT_WAIT_S)
-        if not done:
-            stop.set()  # bounded: a job that cannot finish still ends the demo
-        await running
-        print(f"jobs finished in {time.monotonic() - started:.1f}s")
-        results = {job: await job_results(js, settings.nats, job) for job in JOBS}
-        await client.close()
-        return _print_report(results, tasks, drawn)
+        return await _run_jobs(app, settings, drawn, started)
     finally:
         if app is not None:
             await app.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
+from config.names import env_name
 from config.settings import Settings
 from worker.antenna.results import Served
 from worker.exits import CommandExit
@@ -40,7 +41,8 @@ async def register_command(settings: Settings) -> int:
         return CommandExit.CONFIG
     if not a.base_url or not projects:
         print(
-            "config error: register needs WORKER_ANTENNA__BASE_URL and WORKER_ANTENNA__PROJECT_IDS",
+            f"config error: register needs {env_name('antenna', 'base_url')} and "
+            f"{env_name('antenna', 'project_ids')}",
             file=sys.stderr,
         )
         return CommandExit.CONFIG

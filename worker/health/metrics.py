@@ -186,7 +186,8 @@ class ModelsCollector:
         yield sized
         yield GaugeMetricFamily(
             f"{PREFIX}_model_budget_bytes",
-            "The memory budget the loaded models share (WORKER_MODEL__MEMORY_BUDGET_BYTES).",
+            "The memory budget the loaded models share "
+            f"({env_name('model', 'memory_budget_bytes')}).",
             value=float(self._cache.budget_bytes),
         )
         for name, help_text, counts in (

@@ -17,6 +17,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from config.names import env_name
 from worker.health.metrics import PREFIX
 
 MAX_CONNECTIONS = 16  # /metrics and /healthz served at once; more are refused
@@ -152,8 +153,8 @@ class HealthServer:
     ) -> None:
         probes = Counter(
             f"{PREFIX}_healthz_requests",
-            "GET /healthz answered, by listener: metrics (WORKER_METRICS__HOST) or healthwatch "
-            "(loopback).",
+            f"GET /healthz answered, by listener: metrics ({env_name('metrics', 'host')}) or "
+            "healthwatch (loopback).",
             ["listener"],
             registry=registry,
         )
