@@ -103,16 +103,34 @@ async def quiescent(js: Any, settings: Any, timeout_s: float = 30.0) -> None:
 
 
 async def take_back(
-    js: Any, settings: Any, count: int, timeout_s: float = 10.0, *, hand_on: bool = False
+    js: Any,
+    settings: Any,
+    job: str,
+    count: int,
+    timeout_s: float = 10.0,
+    *,
+    hand_on: bool = False,
 ) -> list[Any]:
-    """Fetch up to ``count`` tasks from the durable consumer within ``timeout_s``. A task a
-    worker gave back (nak) comes at once; one a worker left unsettled only after its ack
-    wait (minutes). ``hand_on``: nak them again, for the next worker."""
+    """Fetch up to ``count`` of ``job``'s tasks within ``timeout_s``, from the consumer that
+    serves them (the job's own with fair share, else the shared durable). A task a worker
+    gave back (nak) comes at once; one a worker left unsettled only after its ack wait
+    (minutes). ``hand_on``: nak them again, for the next worker."""
     import nats
+    import nats.js.errors
 
-    sub = await js.pull_subscribe_bind(
-        durable=settings.nats.consumer, stream=settings.nats.tasks_stream
-    )
+    from worker.nats.jobs import job_consumer, job_consumer_config
+    from worker.nats.subjects import job_tasks_subject
+    from worker.schemas import subject_token
+
+    durable = settings.nats.consumer
+    if settings.nats.fair_jobs:
+        subject = job_tasks_subject(settings.model.pipeline, subject_token(job))
+        durable = job_consumer(settings.nats, subject)
+        # As a worker would make it, should none have found the job before it stopped.
+        await js.add_consumer(
+            settings.nats.tasks_stream, job_consumer_config(settings.nats, subject)
+        )
+    sub = await js.pull_subscribe_bind(durable=durable, stream=settings.nats.tasks_stream)
     taken: list[Any] = []
     deadline = time.monotonic() + timeout_s
     try:

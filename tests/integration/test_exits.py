@@ -50,7 +50,7 @@ async def run_until_it_exits(
         with worker_process(env, log_path) as proc:
             code = await asyncio.to_thread(proc.wait, EXIT_WAIT_S)
         results = await job_results(js, settings.nats, job)
-        given_back = await take_back(js, settings, len(tasks) - len(results))
+        given_back = await take_back(js, settings, job, len(tasks) - len(results))
     return Ended(code, log_path.read_text(), given_back, results, len(tasks))
 
 

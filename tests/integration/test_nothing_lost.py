@@ -147,7 +147,9 @@ async def test_sigterm_mid_job_finishes_the_batch_gives_back_the_rest_and_exits_
             proc.send_signal(signal.SIGTERM)
             code = await asyncio.to_thread(proc.wait, 30)
         partial = await job_results(js, settings.nats, "job-sigterm")
-        given_back = await take_back(js, settings, len(tasks) - len(partial), hand_on=True)
+        given_back = await take_back(
+            js, settings, "job-sigterm", len(tasks) - len(partial), hand_on=True
+        )
         async with running_worker(settings):
             results = await wait_results(js, settings, "job-sigterm", len(tasks))
             await consumer_idle(js, settings)
