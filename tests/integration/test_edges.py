@@ -105,9 +105,16 @@ async def test_a_forged_max_deliveries_advisory_fails_no_task(nats_server, setti
     from nats.js.errors import NotFoundError
 
     from worker.nats.advisories import ExhaustedTasks
+    from worker.nats.jobs import job_consumer, job_consumer_config
     from worker.nats.provision import provision
-    from worker.nats.subjects import advisory_consumer, advisory_subject, result_subject
+    from worker.nats.subjects import (
+        advisory_consumer,
+        advisory_subject,
+        job_tasks_subject,
+        result_subject,
+    )
     from worker.results import ResultStore
+    from worker.schemas import subject_token
     from worker.settle import Settler
 
     settings = settings_for(nats_server.url)
@@ -123,7 +130,9 @@ async def test_a_forged_max_deliveries_advisory_fails_no_task(nats_server, setti
             "stream": n.tasks_stream,
             "consumer": n.consumer,
         }
-        for advisory in ({}, dressed):
+        subject = job_tasks_subject(settings.model.pipeline, subject_token(task.job_id))
+        as_its_job_consumer = {**dressed, "consumer": job_consumer(n, subject)}  # not made yet
+        for advisory in ({}, dressed, as_its_job_consumer):
             payload = {**advisory, "stream_seq": seq, "deliveries": n.max_deliver}
             await js.publish(advisory_subject(n), json.dumps(payload).encode())
         # And the max-deliveries handler reads them
@@ -145,8 +154,9 @@ async def test_a_forged_max_deliveries_advisory_fails_no_task(nats_server, setti
         # Then the task has no result: it is still queued, for a worker to serve
         with pytest.raises(NotFoundError):
             await js.get_last_msg(n.results_stream, result_subject(task.job_id, task.id))
-        tasks = await js.consumer_info(n.tasks_stream, n.consumer)
-    assert tasks.num_pending == 1
+        # (the job's consumer, made as a worker finding the job makes it, has it pending)
+        serving = await js.add_consumer(n.tasks_stream, job_consumer_config(n, subject))
+    assert serving.num_pending == 1
 
 
 async def test_a_full_tasks_stream_refuses_new_tasks_and_keeps_the_queued_ones(

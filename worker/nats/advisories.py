@@ -27,6 +27,7 @@ from nats.js.api import RawStreamMsg
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from config.settings import NatsSettings
+from worker.nats.jobs import is_job_consumer
 from worker.nats.subjects import advisory_consumer
 from worker.settle import Settler, backoff_s
 
@@ -137,15 +138,18 @@ class ExhaustedTasks:
         subject could otherwise fail any task by its sequence: deployments deny it (README,
         "NATS permissions"); what passes here names a task the consumer did deliver, at
         least as often as its max_deliver."""
-        expected = (MAX_DELIVER_TYPE, self._settings.tasks_stream, self._settings.consumer)
-        if (advisory.type, advisory.stream, advisory.consumer) != expected:
+        s = self._settings
+        ours = advisory.consumer == s.consumer or is_job_consumer(s, advisory.consumer)
+        if (advisory.type, advisory.stream) != (MAX_DELIVER_TYPE, s.tasks_stream) or not ours:
             return (
                 f"names type {advisory.type!r}, stream {advisory.stream!r} and consumer "
-                f"{advisory.consumer!r}; the server writes {expected!r}"
+                f"{advisory.consumer!r}; the server writes {MAX_DELIVER_TYPE!r}, "
+                f"{s.tasks_stream!r} and {s.consumer!r} or one of its job consumers"
             )
-        stream, consumer = self._settings.tasks_stream, self._settings.consumer
         try:
-            info = await self._js.consumer_info(stream, consumer)
+            info = await self._js.consumer_info(s.tasks_stream, advisory.consumer)
+        except NotFoundError:
+            return f"consumer {advisory.consumer!r} does not exist"
         except (nats.errors.Error, TimeoutError):
             await self._later(msg)
             return None

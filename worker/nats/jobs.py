@@ -52,6 +52,17 @@ def job_consumer(settings: NatsSettings, subject: str) -> str:
     return f"{settings.consumer}-job-{digest}"
 
 
+def is_job_consumer(settings: NatsSettings, name: str) -> bool:
+    """Whether ``name`` is one of our job consumers' (``job_consumer``'s form)."""
+    prefix = f"{settings.consumer}-job-"
+    digest = name.removeprefix(prefix)
+    return (
+        name.startswith(prefix)
+        and len(digest) == 16
+        and all(c in "0123456789abcdef" for c in digest)
+    )
+
+
 def job_consumer_config(settings: NatsSettings, subject: str) -> api.ConsumerConfig:
     name = job_consumer(settings, subject)
     return api.ConsumerConfig(
