@@ -197,7 +197,7 @@ class PrometheusServer:
         if binary is None:
             raise ServerNotFound("prometheus not found: `apt-get install prometheus`")
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        rules = (Path(__file__).parents[1] / "deploy/prometheus/alerts.yml").read_text()
+        rules = (Path(__file__).parents[2] / "deploy/prometheus/alerts.yml").read_text()
         if self.rule_for:
             rules = re.sub(r"(?m)^(\s+for:) \S+$", rf"\1 {self.rule_for}", rules)
         (self.work_dir / "alerts.yml").write_text(rules)
