@@ -54,6 +54,7 @@ from pathlib import Path
 import structlog
 
 from config.errors import ConfigError
+from config.names import env_name
 from datasets import processes, semaphores
 
 log = structlog.get_logger(__name__)
@@ -91,7 +92,8 @@ def claim(base: Path, index: int, named: str = "") -> RunDir:
     try:
         run = _take(base, index)
     except (OSError, Unsafe) as error:
-        raise ConfigError(f"{named or f'WORKER_RUN_DIR={base}'}: {_reason(error)}") from None
+        setting = named or f"{env_name('run_dir')}={base}"
+        raise ConfigError(f"{setting}: {_reason(error)}") from None
     empty(run)
     _tidy_others(base, index, run.path)
     mark_self(run.path)
