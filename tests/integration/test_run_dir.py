@@ -14,10 +14,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
+from config.names import env_name
 from datasets.rundir import semprefix_for
 from tests.helpers import client, submit, until_gone, upload_images, wait_results, worker_env
 from worker.commands.client import job_results
@@ -31,26 +33,32 @@ SHM = Path("/dev/shm")
 # Short timeouts: a task held by a killed worker comes back after a 4 s ack wait.
 SHORT = {
     "nats": {"ack_wait_s": 4, "max_deliver": 10, "fetch_timeout_s": 0.3, "store_retry_s": 1},
-    "loader": {"timeout_s": 1.5},
+    "loader": {"timeout_s": 1.5, "reads_per_worker": 1},
     "s3": {"connect_timeout_s": 0.3, "read_timeout_s": 0.4, "max_attempts": 1},
     "health": {"stall_timeout_s": 2, "drain_timeout_s": 1, "watchdog_timeout_s": 0},
+    "metrics": {"port": 0},
 }
-ENV = {
-    "WORKER_NATS__ACK_WAIT_S": "4",
-    "WORKER_NATS__MAX_DELIVER": "10",
-    "WORKER_NATS__FETCH_TIMEOUT_S": "0.3",
-    "WORKER_NATS__STORE_RETRY_S": "1",
-    "WORKER_LOADER__TIMEOUT_S": "1.5",
-    "WORKER_S3__CONNECT_TIMEOUT_S": "0.3",
-    "WORKER_S3__READ_TIMEOUT_S": "0.4",
-    "WORKER_S3__MAX_ATTEMPTS": "1",
-    "WORKER_HEALTH__STALL_TIMEOUT_S": "2",
-    "WORKER_HEALTH__DRAIN_TIMEOUT_S": "1",
-    "WORKER_HEALTH__WATCHDOG_TIMEOUT_S": "0",
-    "WORKER_METRICS__PORT": "0",
-    "WORKER_LOADER__READS_PER_WORKER": "1",
-    "WORKER_PROCESS_INDEX": str(INDEX),
-}
+
+
+def as_env(groups: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """``settings_for``'s keyword groups as a worker process's environment."""
+    return {
+        env_name(group, name): str(value)
+        for group, values in groups.items()
+        for name, value in values.items()
+    }
+
+
+# The worker processes': the settings above, and the index whose run directory is watched.
+ENV = {**as_env(SHORT), env_name("process_index"): str(INDEX)}
+
+
+@pytest.fixture
+def system_tmp(request) -> Path:
+    """The workers' system temp dir: short (the fork server's Unix socket lives below it)."""
+    path = Path(tempfile.mkdtemp(prefix="iw-tmp-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(path, ignore_errors=True))
+    return path
 
 
 def semaphores_mapped(pids: list[int]) -> set[str]:
@@ -95,15 +103,12 @@ async def kill_group_mid_job(
 
 
 async def test_group_kills_mid_job_leave_nothing_once_a_clean_process_starts(
-    nats_server, s3_server, bucket, settings_for, tmp_path, request
+    nats_server, s3_server, bucket, settings_for, tmp_path, system_tmp
 ):
     from testing.shapednet import Shape, ShapedProxy
 
     settings = settings_for(nats_server.url, **SHORT)
     uris = upload_images(s3_server.client(), bucket, 60)
-    # The workers' system temp dir: short (the fork server's Unix socket lives below it).
-    system_tmp = Path(tempfile.mkdtemp(prefix="iw-tmp-", dir="/tmp"))
-    request.addfinalizer(lambda: shutil.rmtree(system_tmp, ignore_errors=True))
     run_dir = system_tmp / f"inference-worker-{os.geteuid()}" / f"process-{INDEX}"
     log = tmp_path / "worker.log"
     # Reads of 0.2 s, one at a time per child: a kill lands in the middle of the job.
