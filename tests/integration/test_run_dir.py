@@ -1,7 +1,8 @@
 """A worker killed with its whole process group, again and again mid-job, leaves nothing
 behind once a clean process with its index has started: no ``pymp-*`` directory in its temp
 dir, no ``sem.mp-*`` or ``torch_*`` entry of the dead processes in /dev/shm, and the job
-still ends with one result per task."""
+still ends with one result per task. A start refused for its settings removes nothing from
+any run directory: not a live process's files, not a dead one's leftovers."""
 
 from __future__ import annotations
 
@@ -9,19 +10,33 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
+from config.derived import port_for
 from config.names import env_name
 from datasets.rundir import semprefix_for
-from tests.helpers import client, submit, until_gone, upload_images, wait_results, worker_env
+from tests.helpers import (
+    claimed_path,
+    cli,
+    client,
+    run_dir_holder,
+    submit,
+    until_gone,
+    upload_images,
+    wait_results,
+    worker_env,
+)
 from worker.commands.client import job_results
 from worker.nats.provision import provision
 
@@ -159,3 +174,65 @@ async def test_group_kills_mid_job_leave_nothing_once_a_clean_process_starts(
     shm = os.listdir(SHM)
     assert not [n for n in shm if n.startswith(prefix)]
     assert not [n for n in shm for pid in killed if n.startswith(f"torch_{pid}_")]
+
+
+def listing(base: Path) -> list[str]:
+    """Every path below ``base``, relative to it."""
+    return sorted(str(path.relative_to(base)) for path in base.rglob("*"))
+
+
+@contextmanager
+def refused_by(refusal: str) -> Iterator[tuple[dict[str, str], str]]:
+    """The settings that refuse a start after its run directory is claimed, and the setting
+    its config error names."""
+    if refusal == "port":
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen(1)
+            port = env_name("metrics", "port")
+            # Each process listens on the base port plus its index.
+            first = taken.getsockname()[1] - INDEX
+            assert port_for(first, INDEX) == taken.getsockname()[1]
+            yield {port: str(first)}, port
+    else:
+        budget = env_name("model", "memory_budget_bytes")
+        yield {budget: "1"}, budget
+
+
+@pytest.mark.parametrize("refusal", ["port", "budget"], ids=["port held", "budget too small"])
+def test_a_start_refused_for_its_settings_removes_nothing_from_any_run_directory(
+    refusal, nats_server, settings_for, system_tmp
+):
+    # Given a live process in the first slot of index 7, and a killed overlap's leftovers
+    # (a pymp-* dir, its mark, its lock file, a semaphore) in the two slots after it
+    base = system_tmp / "run"
+    live = run_dir_holder(base, INDEX)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(10)
+    semaphores = []
+    try:
+        assert claimed_path(live) == base / f"process-{INDEX}"
+        for slot in (base / f"process-{INDEX}.1", base / f"process-{INDEX}.2"):
+            slot.mkdir(mode=0o700)
+            for name in ("pymp-left", f"pid-{dead.pid}-1", "owner.lock"):
+                (slot / name).mkdir() if name.startswith("pymp") else (slot / name).touch()
+            semaphores.append(SHM / f"sem.{semprefix_for(slot).lstrip('/')}-left")
+            semaphores[-1].touch()
+        before = listing(base)
+        # When a worker with index 7 starts and is refused for its settings
+        settings = settings_for(nats_server.url)
+        with refused_by(refusal) as (refusing, setting):
+            env = {**worker_env(settings, WORKER_RUN_DIR=str(base)), **ENV, **refusing}
+            done = cli("run", env=env, timeout=90)
+        # Then it exits 2 naming the setting, and every run directory holds what it held
+        assert done.returncode == 2, done.stderr[-3000:]
+        errors = [line for line in done.stderr.splitlines() if line.startswith("config error:")]
+        assert errors and setting in errors[0], done.stderr[-3000:]
+        assert "run_dir_emptied" not in done.stderr
+        assert listing(base) == before
+        assert all(semaphore.exists() for semaphore in semaphores)
+    finally:
+        live.stdin.close()  # type: ignore[union-attr]
+        live.wait(10)
+        for semaphore in semaphores:
+            semaphore.unlink(missing_ok=True)
