@@ -16,12 +16,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from bench.outcomes import Outcomes
 from worker.commands.demo_images import image_bytes
 from worker.commands.localservers import NatsServer, S3Server, stop_process
+
+if TYPE_CHECKING:
+    from datasets.images import Decoded
+    from datasets.loader import StreamingLoader
 
 PIPELINE = "mobilenet-v3-small-classifier"
 ARCHITECTURE = "mobilenet_v3_small"
@@ -271,3 +276,30 @@ def run_benchmark(name: str, run: Any) -> tuple[dict[str, Any], Path, bool]:
     path = save(name, result)
     print(json.dumps(result, indent=2))
     return result, path, args.smoke
+
+
+def take_loaded(
+    loader: StreamingLoader,
+    first_key: int,
+    uris: list[str],
+    shape: tuple[int, ...],
+    outcomes: Outcomes,
+) -> list[Decoded]:
+    """Submit one request per URI to a started loader (keys ``first_key`` on) and take every
+    outcome: a failure, or an image not of ``shape``, is counted bad in ``outcomes``; the good
+    images are returned in the order they came."""
+    from datasets.loader import LoadRequest
+
+    loader.submit([LoadRequest(first_key + i, uri) for i, uri in enumerate(uris)])
+    images = []
+    for _ in uris:
+        loaded = loader.next_loaded()
+        if loaded.failure is not None:
+            outcomes.bad(loaded.failure.kind, loaded.failure.message)
+        elif loaded.image is None or tuple(loaded.image.pixels.shape) != shape:
+            got = None if loaded.image is None else tuple(loaded.image.pixels.shape)
+            outcomes.bad("wrong_shape", f"image {got}, {shape} expected")
+        else:
+            outcomes.good()
+            images.append(loaded.image)
+    return images

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import PIPELINE, start_worker, stop_worker, upload, world
+from testing.prometheus import PrometheusServer
 from worker.commands.client import make_tasks, publish_tasks
 from worker.commands.demo_images import corrupt_bytes
-from worker.commands.localservers import PrometheusServer, free_port
+from worker.commands.localservers import free_port
 from worker.nats.connection import connect
 
 DASHBOARD = Path(__file__).parents[1] / "deploy/grafana/inference-worker.json"

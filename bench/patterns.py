@@ -33,6 +33,9 @@ _clients: dict[int, Any] = {}
 
 
 class FullResolution(Dataset[torch.Tensor]):
+    """Each image as a full-resolution float32 tensor, read with a boto3 client of the
+    process's own (keyed by pid): what these patterns and AMI's (``bench.workload_ami``) load."""
+
     def __init__(self, uris: list[str], endpoint: str) -> None:
         self.uris = uris
         self.endpoint = endpoint
@@ -53,6 +56,7 @@ class FullResolution(Dataset[torch.Tensor]):
 
 
 def as_list(batch: list[torch.Tensor]) -> list[torch.Tensor]:
+    """No collation: images of different sizes stay a list."""
     return batch
 
 

@@ -32,6 +32,7 @@ from bench.common import (
     run_benchmark,
     start_worker,
     stop_worker,
+    take_loaded,
     tree,
     upload,
     world,
@@ -93,23 +94,12 @@ class LoaderAlone:
 
     def seconds(self, uris: list[str]) -> float:
         """Seconds to load every one of ``uris``; ``BenchmarkFailed`` unless all were images."""
-        from datasets.loader import LoadRequest
-
         outcomes = Outcomes(self.name)
         shape = (3, self.plan.size, self.plan.size)
         started = time.perf_counter()
         with self.cpu:
-            self.loader.submit([LoadRequest(self._keys + i, u) for i, u in enumerate(uris)])
+            take_loaded(self.loader, self._keys, uris, shape, outcomes)
             self._keys += len(uris)
-            for _ in uris:
-                loaded = self.loader.next_loaded()
-                if loaded.failure is not None:
-                    outcomes.bad(loaded.failure.kind, loaded.failure.message)
-                elif loaded.image is None or tuple(loaded.image.pixels.shape) != shape:
-                    got = None if loaded.image is None else tuple(loaded.image.pixels.shape)
-                    outcomes.bad("wrong_shape", f"image {got}, {shape} expected")
-                else:
-                    outcomes.good()
         elapsed = time.perf_counter() - started
         outcomes.check(len(uris))
         return elapsed

@@ -45,6 +45,7 @@ from bench.common import (
     save,
     start_worker,
     stop_worker,
+    take_loaded,
     tree,
     world,
 )
@@ -140,22 +141,11 @@ class Loader:
         self._keys = 0
 
     def load(self, uris: list[str]) -> tuple[float, list[Decoded]]:
-        from datasets.loader import LoadRequest
-
-        outcomes, images = Outcomes("loader alone (detector input)"), []
+        outcomes = Outcomes("loader alone (detector input)")
         started = time.perf_counter()
         with self.cpu:
-            self.loader.submit([LoadRequest(self._keys + i, u) for i, u in enumerate(uris)])
+            images = take_loaded(self.loader, self._keys, uris, self.expected, outcomes)
             self._keys += len(uris)
-            for _ in uris:
-                loaded = self.loader.next_loaded()
-                if loaded.failure is not None:
-                    outcomes.bad(loaded.failure.kind, loaded.failure.message)
-                elif loaded.image is None or tuple(loaded.image.pixels.shape) != self.expected:
-                    outcomes.bad("wrong_shape", f"not {self.expected}")
-                else:
-                    outcomes.good()
-                    images.append(loaded.image)
         elapsed = time.perf_counter() - started
         outcomes.check(len(uris))
         return elapsed, images

@@ -13,48 +13,18 @@ detections and classifications (``bench.workload`` checks them), CPU ms per imag
 
 from __future__ import annotations
 
-import io
 import json
 import multiprocessing as mp
-import os
-import resource
 import sys
 import time
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
+from bench.patterns import FullResolution, as_list, cpu_s
 from pipelines.architectures import build_classifier, build_detector
-
-_clients: dict[int, Any] = {}
-
-
-class FullResolution(Dataset[torch.Tensor]):
-    def __init__(self, uris: list[str], endpoint: str) -> None:
-        self.uris = uris
-        self.endpoint = endpoint
-
-    def __len__(self) -> int:
-        return len(self.uris)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        import boto3
-
-        client = _clients.get(os.getpid())
-        if client is None:
-            client = _clients[os.getpid()] = boto3.client("s3", endpoint_url=self.endpoint)
-        bucket, _, key = self.uris[index][len("s3://") :].partition("/")
-        data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
-        array = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.float32) / 255.0
-        return torch.from_numpy(array).permute(2, 0, 1).contiguous()
-
-
-def as_list(batch: list[torch.Tensor]) -> list[torch.Tensor]:
-    return batch
 
 
 def load(config: dict[str, Any]) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
@@ -111,12 +81,6 @@ def job(
                 good = torch.isfinite(first).all(dim=1) & torch.isfinite(second).all(dim=1)
                 classified += int(good.sum())
     return detected, classified
-
-
-def cpu_s() -> float:
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def main() -> None:

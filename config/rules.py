@@ -167,12 +167,6 @@ def antenna_source_usable(s: Settings) -> list[str]:
             f"{n('source')}=antenna needs {n('model', 'scores')}=all: Antenna saves a "
             "classification only when its scores index the whole category map"
         )
-    if len(s.model.served()) != 1:
-        problems.append(
-            f"{n('source')}=antenna serves one pipeline per process for now: give "
-            f"{n('model', 'pipeline')} (or one entry in {n('model', 'pipelines')}); run one "
-            "process per pipeline"
-        )
     if problems:
         return problems
     problems += _shorter(s, ("health", "drain_timeout_s"), ("antenna", "ttr_s"))

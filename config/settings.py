@@ -270,6 +270,14 @@ class ModelSettings(BaseModel):
         "0 = only when another pipeline needs the room",
         ge=0,
     )
+    hold_per_load: float = Field(
+        4.0,
+        description="after a pipeline's models load, pipelines whose models are not loaded wait "
+        "until it has had the engine for this many times its load time (at most 30 s) or has "
+        "no task left: loading then takes at most 1/(1+N) of the time when jobs of more "
+        "pipelines than the budget holds interleave; 0 = switch whenever the fair share says",
+        ge=0,
+    )
     device: str = Field(
         "auto",
         description="auto, cpu, cuda, cuda:N, or a GPU/MIG UUID; a comma-separated list gives "

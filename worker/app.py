@@ -230,21 +230,26 @@ class WorkerApp:
     async def _antenna_services(
         self, liveness: Liveness, chosen: list[Chosen], engine: Engine, served: Served
     ) -> Services:
-        """Antenna's HTTP task API as the source (worker/antenna/): no NATS connection. It
-        serves one pipeline (a settings rule), loaded at start: its algorithm keys and
-        category maps are what results are checked against before they are posted."""
+        """Antenna's HTTP task API as the source (worker/antenna/): no NATS connection. The
+        jobs of every served pipeline are listed; each pipeline's algorithm keys and category
+        maps, which its results are checked against before they are posted, are taken as its
+        models load (``Catalog``)."""
+        from worker.antenna.catalog import Catalog
         from worker.antenna.wiring import AntennaParts
         from worker.antenna.wiring import served as antenna_served
 
         s = self.settings
-        name = served.default
-        runner = served.loaded(name)
-        if runner is None:  # WORKER_MODEL__LOAD_AT_START=false: Antenna needs it now
-            await in_daemon_thread(_preload, served, [name])
+        catalog = Catalog(served.names)
+        pipelines = {c.pipeline.name: c.pipeline for c in chosen}
+
+        async def loaded(name: str) -> None:
             runner = served.loaded(name)
-        assert runner is not None
-        pipeline = chosen[0].pipeline
-        self.antenna = parts = AntennaParts.build(s, antenna_served(pipeline, runner.algorithms()))
+            if runner is not None:
+                catalog.add(antenna_served(pipelines[name], runner.algorithms()))
+
+        for name in served.names:  # those loaded at start
+            await loaded(name)
+        self.antenna = parts = AntennaParts.build(s, catalog)
         metrics = self._build_health(
             liveness,
             engine.loader.child_pids,
@@ -253,6 +258,9 @@ class WorkerApp:
         self._collect_engine(metrics, engine, served)
         parts.attach(metrics.registry)
         parts.rules.count = lambda outcome: metrics.tasks.labels(outcome).inc()
+        helpers: list[tuple[str, Any]] = []
+        if s.model.idle_unload_s > 0:
+            helpers.append(("idle-unload", self._unloading_idle(served)))
         return Services(
             source=parts.source,
             store=parts.lookup,
@@ -262,7 +270,9 @@ class WorkerApp:
             liveness=liveness,
             metrics=metrics,
             guard=ResourceGuard(s.guards, engine.loader.child_pids).check,
-            image_bytes=chosen[0].plan.max_image_bytes(),
+            helpers=tuple(helpers),
+            image_bytes=max(c.plan.max_image_bytes() for c in chosen),
+            loaded=loaded,
         )
 
     def _choose(self) -> list[Chosen]:

@@ -7,13 +7,20 @@ the fair share across jobs (``fairshare.FairQueue``); a batch never mixes pipeli
 pipeline's batch runs, its models are made ready (``prepare``: loaded off the event loop when
 they are not); a pipeline whose models cannot be had gives its waiting tasks that failure.
 While one batch runs on the engine thread, the previous one is settled on the event loop.
+
+A model switch is paid for (``_Hold``): after a pipeline's models load, batches of pipelines
+whose models are not loaded wait until it has run for ``hold_per_load`` times its load time
+(at most ``MAX_HOLD_S``) or has nothing waiting, so jobs of more pipelines than the memory
+budget holds do not load a model per batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any
 
 from config.errors import Failure
@@ -24,6 +31,15 @@ from worker.ports import BatchEngine, BatchReport
 
 SettleBatch = Callable[[list[Claim], BatchReport], Coroutine[Any, Any, None]]
 Prepare = Callable[[str], Coroutine[Any, Any, Failure | None]]
+MAX_HOLD_S = 30.0  # the longest a load keeps other unloaded pipelines waiting
+
+
+@dataclass(frozen=True)
+class _Hold:
+    """The pipeline loaded last, and until when other pipelines that need a load wait."""
+
+    pipeline: str
+    until_s: float
 
 
 async def _always_ready(_pipeline: str) -> Failure | None:
@@ -40,6 +56,8 @@ class Batches:
         settle: SettleBatch,
         prepare: Prepare = _always_ready,
         weight: Callable[[JobKey], float] = lambda _key: 1.0,
+        hold_per_load: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._batch_size = batch_size
         self._engine = engine
@@ -50,6 +68,9 @@ class Batches:
         self._waiting: FairQueue[Claim] = FairQueue(weight)  # admitted, not in a batch
         self._arrived = asyncio.Event()
         self._stopped = False
+        self._hold_per_load = hold_per_load
+        self._clock = clock
+        self._hold: _Hold | None = None
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -88,7 +109,7 @@ class Batches:
         try:
             while batch := await self._next_batch():
                 pipeline = batch[0].task.pipeline
-                failure = await self._prepare(pipeline)
+                failure = await self._prepared(pipeline)
                 if failure is not None:
                     batch += self._waiting.take_pipeline(pipeline)
                     self._engine.forget([h.key for h in batch])
@@ -110,10 +131,32 @@ class Batches:
             if settling is not None:
                 await asyncio.shield(settling)
 
+    async def _prepared(self, pipeline: str) -> Failure | None:
+        """``prepare``; a load that happened starts a hold for ``pipeline``."""
+        if self._engine.ready(pipeline) or self._hold_per_load <= 0:
+            return await self._prepare(pipeline)
+        started_s = self._clock()
+        failure = await self._prepare(pipeline)
+        if failure is None:
+            now_s = self._clock()
+            held_s = min(self._hold_per_load * (now_s - started_s), MAX_HOLD_S)
+            self._hold = _Hold(pipeline, now_s + held_s)
+        return failure
+
+    def _usable(self, pipeline: str) -> bool:
+        """Whether a batch of ``pipeline`` may run now: the hold, if one is on, keeps out
+        pipelines that would need a load."""
+        hold = self._hold
+        if hold is None or self._clock() >= hold.until_s or pipeline == hold.pipeline:
+            return True
+        return self._engine.ready(pipeline)
+
     async def _next_batch(self) -> list[Claim]:
-        """The fair share's next batch, once a task waits; [] to stop."""
+        """The fair share's next batch, once a task waits; [] to stop. Under a hold, the
+        fairest job that needs no load; any, when only such jobs wait."""
         while not self._stopped:
-            batch = self._waiting.next_batch(self._batch_size)
+            batch = self._waiting.next_batch(self._batch_size, self._usable)
+            batch = batch or self._waiting.next_batch(self._batch_size)
             if batch:
                 return batch
             self._arrived.clear()

@@ -86,6 +86,7 @@ class Worker:
             lambda batch, report: observer.batch_done(len(batch), report),
             self._settle_batch,
             prepare=self._prepare,
+            hold_per_load=settings.model.hold_per_load,
         )
         self._until_idle = until_idle
         self._stop = asyncio.Event()

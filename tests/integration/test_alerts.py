@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from testing.prometheus import PrometheusServer
 from tests.conftest import _unavailable
 from tests.helpers import (
     client,
@@ -28,7 +29,7 @@ from tests.helpers import (
     worker_env,
     worker_process,
 )
-from worker.commands.localservers import NatsServer, PrometheusServer, ServerNotFound, free_port
+from worker.commands.localservers import NatsServer, ServerNotFound, free_port
 
 pytestmark = pytest.mark.integration
 

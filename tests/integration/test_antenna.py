@@ -263,3 +263,58 @@ def test_sigterm_posts_what_is_finished_reserves_nothing_more_and_metrics_show_a
             stop_process(proc)
         assert fake.lost(job) == set()
         assert saved_once(fake, job, images) == {image: 1 for image, _ in images}
+
+
+def _classifier_toml(directory: Path, name: str, labels: list[str], seed: int) -> str:
+    from pipelines.models import save_classifier
+
+    weights = save_classifier("mobilenet_v3_small", labels, str(directory / name), seed=seed)
+    toml = directory / f"{name}.toml"
+    toml.write_text(
+        f'name = "{name}"\n[classifier]\nkey = "{name}-classifier"\n'
+        f'architecture = "mobilenet_v3_small"\nweights = "{weights}"\n'
+    )
+    return str(toml)
+
+
+def test_one_process_serves_the_jobs_of_every_pipeline_it_serves_and_no_other(
+    antenna: FakeAntenna, model_path: str, tmp_path: Path
+) -> None:
+    animals = ["cat", "dog", "bird", "fish", "horse"]
+    colours = ["red", "green", "blue"]
+    tomls = [
+        _classifier_toml(tmp_path, "animals", animals, seed=1),
+        _classifier_toml(tmp_path, "colours", colours, seed=2),
+    ]
+    env = env_for(antenna, model_path, WORKER_MODEL__PIPELINES=",".join(tomls))
+    done = cli("register", env=env, timeout=180)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert set(antenna.projects[1]) == {"animals", "colours"}
+    assert "of animals" in done.stdout and "of colours" in done.stdout
+    antenna.register_direct(1, {**antenna.projects[1]["animals"]["config"], "slug": "other"})
+
+    jobs = {
+        "animals": (antenna.add_job("animals", add_images(antenna, "A", 5)), animals),
+        "colours": (antenna.add_job("colours", add_images(antenna, "C", 5)), colours),
+    }
+    other = antenna.add_job("other", add_images(antenna, "O", 3))
+    log = tmp_path / "worker.log"
+    proc = start(env, log, "--until-idle")
+    try:
+        assert proc.wait(timeout=240) == 0, log.read_text()[-4000:]
+    finally:
+        stop_process(proc)
+
+    for slug, (job, labels) in jobs.items():
+        assert antenna.jobs[job].status == "SUCCESS", (slug, log.read_text()[-4000:])
+        saved = antenna.jobs[job].saved
+        assert {image: len(found) for image, found in saved.items()} == {
+            image: 1 for image in antenna.jobs[job].tasks
+        }
+        classifications = [c for found in saved.values() for c in found[0]["classifications"]]
+        assert {c["algorithm"]["key"].rsplit("-", 1)[0] for c in classifications} == {
+            f"{slug}-classifier"
+        }
+        assert {len(c["scores"]) for c in classifications} == {len(labels)}
+    assert antenna.pending(other) == {"O0", "O1", "O2"}  # another pipeline's: never reserved
+    assert not [p for _m, p, _s in antenna.requests if p.startswith(f"/api/v2/jobs/{other}/tasks")]

@@ -15,6 +15,7 @@ from pydantic import SecretStr
 from config.aliases import alias_overrides
 from pipelines.models import Algorithm
 from tests.antenna_fake import FakeAntenna
+from worker.antenna.catalog import Catalog
 from worker.antenna.client import AntennaClient
 from worker.antenna.jobs import JobRotation
 from worker.antenna.post import Poster
@@ -131,6 +132,23 @@ async def test_only_started_and_retry_jobs_are_rotated_in_turn(fake: FakeAntenna
     assert [j.id for j in rotation.next_jobs()] == [ids["RETRY"], ids["STARTED"]]
 
 
+async def test_jobs_of_every_served_pipeline_are_rotated_and_no_other_pipelines(
+    fake: FakeAntenna,
+) -> None:
+    moths = fake.add_job(SLUG, images(1, "m"))
+    orders = fake.add_job("orders", images(1, "o"))
+    other = fake.add_job("beetles", images(1, "b"))
+    rotation = JobRotation(client_of(fake), (SLUG, "orders"), 10.0, 100)
+    active = await rotation.refresh()
+    assert [(j.id, j.pipeline) for j in active] == [(moths, SLUG), (orders, "orders")]
+
+    # An Antenna that ignored the filter would list another pipeline's job: it is not taken.
+    listed = fake._list
+    fake._list = lambda query: listed({**query, "pipeline__slug__in": ""})  # type: ignore[method-assign]
+    rotation = JobRotation(client_of(fake), (SLUG, "orders"), 10.0, 100)
+    assert other not in [j.id for j in await rotation.refresh()]
+
+
 async def test_a_reservation_runs_out_after_its_ttr_and_a_task_comes_back_once(
     fake: FakeAntenna,
 ) -> None:
@@ -242,7 +260,9 @@ async def test_identical_reposts_add_nothing_and_error_results_need_an_image_id(
 # -- posting: size cap, 413, validation ---------------------------------------------------------
 def rules_of(fake: FakeAntenna, max_post_bytes: int) -> AntennaRules:
     poster = Poster(client_of(fake), max_post_bytes, 5.0)
-    return AntennaRules(poster, SERVED, 2, max_post_bytes)
+    catalog = Catalog([SLUG])
+    catalog.add(SERVED)
+    return AntennaRules(poster, catalog, 2, max_post_bytes)
 
 
 def outcome(scores: tuple[float, ...] = (0.7, 0.2, 0.1), detections: int = 1) -> Outcome:

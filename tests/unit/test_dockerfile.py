@@ -10,6 +10,7 @@ Dockerfile forgets to copy is a module that cannot be imported.
 
 from __future__ import annotations
 
+import ast
 import shlex
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
 PACKAGES = ("worker", "datasets", "config", "pipelines")  # pyproject's packages.find
+NOT_SHIPPED = ("testing", "tests", "bench")
 WORKDIR = "/app"
 
 
@@ -116,3 +118,26 @@ def test_the_modules_of_every_command_import_from_the_wheel_the_dockerfile_build
         timeout=120,
     )
     assert help_text.returncode == 0 and "provision" in help_text.stdout
+
+
+def imports_of(path: Path) -> set[str]:
+    """The top-level names ``path`` imports, at any depth (a function's lazy imports too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_no_module_of_the_wheel_imports_what_stays_out_of_it():
+    """``testing/``, ``tests/`` and ``bench/`` are not installed: an import of them from the
+    package, even one inside a function, fails in the image."""
+    found = [
+        f"{path.relative_to(ROOT)} imports {sorted(imports_of(path) & set(NOT_SHIPPED))}"
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if imports_of(path) & set(NOT_SHIPPED)
+    ]
+    assert found == []

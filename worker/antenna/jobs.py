@@ -3,7 +3,8 @@
 Antenna lists one random job per call unless it is given ``limit``, and its
 ``incomplete_only`` still lists jobs that serve no tasks (CREATED, PENDING, CANCELING): the
 jobs are listed with ``limit`` every ``poll_interval_s``, each one's status read, and only
-STARTED and RETRY jobs kept. ``next_jobs`` hands them out in turn, starting after the job
+STARTED and RETRY jobs of the served pipelines kept (a task of a pipeline this process does
+not serve is never reserved). ``next_jobs`` hands them out in turn, starting after the job
 served last, so every active job gets a reservation before any gets a second one; a job that
 had nothing to give is skipped until the next poll.
 """
@@ -86,7 +87,10 @@ class JobRotation:
         for item in reply.body.get("results") or []:
             if isinstance(item, dict) and isinstance(item.get("id"), int):
                 slug = str(item.get("pipeline_slug") or "")
-                jobs.append(Job(item["id"], slug or self._pipelines[0]))
+                if slug in self._pipelines:
+                    jobs.append(Job(item["id"], slug))
+                else:  # Antenna filters by our slugs: a job of another is never reserved from
+                    log.warning("antenna_job_not_ours", job_id=item["id"], pipeline=slug)
         count = reply.body.get("count")
         if isinstance(count, int) and count > len(jobs):
             log.warning("antenna_more_jobs_than_listed", count=count, listed=len(jobs))

@@ -7,8 +7,9 @@ Antenna's result post is the result store and the ack in one; it has no nak. So:
   to Antenna's redelivery: nothing is posted, and the log says so;
 - on the last delivery, and for every permanent failure, an error result with ``image_id``
   is posted (Antenna marks the image failed; without ``image_id`` it would stay pending);
-- a result is checked against what this worker registers before it is posted; one Antenna
-  would accept and then drop becomes an error result naming why;
+- a result is checked against what this worker registers for the task's pipeline (its job's,
+  from the ``Catalog``) before it is posted; one Antenna would accept and then drop becomes
+  an error result naming why;
 - a result that cannot be posted (``PostFailed``) leaves its task to redelivery.
 """
 
@@ -23,9 +24,10 @@ from typing import Any
 
 import structlog
 
+from worker.antenna.catalog import Catalog
 from worker.antenna.post import Poster, PostFailed
 from worker.antenna.reservations import AntennaDelivery
-from worker.antenna.results import Served, error_result, fit, item, ok_result, problems
+from worker.antenna.results import error_result, fit, item, ok_result, problems
 from worker.outcome import Outcome
 from worker.ports import Delivery
 from worker.schemas import Task, make_result
@@ -36,7 +38,7 @@ log = structlog.get_logger(__name__)
 @dataclass
 class AntennaRules:
     poster: Poster
-    served: Served
+    catalog: Catalog
     max_deliver: int
     max_post_bytes: int
     count: Callable[[str], None] = lambda _outcome: None
@@ -104,8 +106,12 @@ class AntennaRules:
             worker=self.worker_id,
             attempt=delivered,
         )
-        result = ok_result(task, shaped["response"], self.served, slug)
-        found = problems(result, task, self.served, slug)
+        served = self.catalog.get(slug)
+        if served is None:  # not made by loaded models: cannot be (see Catalog)
+            message = f"pipeline {slug!r} has no loaded models to name in the result"
+            return error_result(task, message), "error", message
+        result = ok_result(task, shaped["response"], served, slug)
+        found = problems(result, task, served, slug)
         if found:
             message = "Antenna would not save this result: " + "; ".join(found)
             return error_result(task, message), "error", message
@@ -120,7 +126,7 @@ class AntennaRules:
                 pipeline = str(json.loads(msg.data).get("pipeline") or "")
             except (ValueError, AttributeError):
                 pipeline = ""
-        return pipeline or self.served.slug
+        return pipeline or self.catalog.default
 
     async def already_stored(self, msg: Delivery, task: Task) -> None:
         """Never asked: Antenna cannot say whether a task's result is saved."""

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 from config.settings import Settings
 from pipelines.declare import Pipeline
 from pipelines.models import Algorithm
+from worker.antenna.catalog import Catalog
 from worker.antenna.client import AntennaClient
 from worker.antenna.jobs import JobRotation
 from worker.antenna.metrics import AntennaMetrics
@@ -51,10 +52,12 @@ class AntennaParts:
     lookup: NoResultsLookup
 
     @classmethod
-    def build(cls, s: Settings, pipeline: Served) -> AntennaParts:
+    def build(cls, s: Settings, catalog: Catalog) -> AntennaParts:
+        """The parts for the pipelines of ``catalog``: their jobs are listed and reserved
+        from, and results are checked against each one's entry as its models load."""
         a = s.antenna
         client = AntennaClient(a.base_url, a.token, a.request_timeout_s)
-        jobs = JobRotation(client, (pipeline.slug,), a.poll_interval_s, a.jobs_limit)
+        jobs = JobRotation(client, catalog.slugs, a.poll_interval_s, a.jobs_limit)
         reservations = Reservations(a.ttr_s, finish_within_s(s), reservation_size(s))
         source = AntennaSource(
             client,
@@ -65,7 +68,7 @@ class AntennaParts:
             max_deliver=a.max_deliver,
         )
         poster = Poster(client, a.max_post_bytes, a.post_timeout_s)
-        rules = AntennaRules(poster, pipeline, a.max_deliver, a.max_post_bytes)
+        rules = AntennaRules(poster, catalog, a.max_deliver, a.max_post_bytes)
         return cls(client, jobs, source, poster, rules, NoResultsLookup())
 
     def attach(self, registry: CollectorRegistry) -> AntennaMetrics:

@@ -78,7 +78,8 @@ async def _antenna_problems(settings: Settings) -> list[str]:
         return [str(error)]
     client = AntennaClient(a.base_url, a.token, min(a.request_timeout_s, _CHECK_TIMEOUT_S))
     token_set = bool(a.token.get_secret_value())
-    return await antenna_problems(client, [name_of(settings.model.pipeline)], projects, token_set)
+    slugs = [name_of(entry) for entry in settings.model.served()]
+    return await antenna_problems(client, slugs, projects, token_set)
 
 
 async def readiness_problems(settings: Settings) -> list[str]:

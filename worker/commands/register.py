@@ -1,5 +1,6 @@
-"""``inference-worker register``: the served pipeline's ``PipelineConfigResponse`` posted to
-each project in ``WORKER_ANTENNA__PROJECT_IDS``; one line per project, exit 1 if any failed."""
+"""``inference-worker register``: every served pipeline's ``PipelineConfigResponse`` posted,
+in one call, to each project in ``WORKER_ANTENNA__PROJECT_IDS``; one line per project, then
+each algorithm's Antenna key; exit 1 if any project failed."""
 
 from __future__ import annotations
 
@@ -12,21 +13,27 @@ from worker.antenna.results import Served
 from worker.exits import CommandExit
 
 
-def _served(settings: Settings) -> Served:
-    """The pipeline with its stages loaded (keys need the weights' sha256, maps their labels)."""
+def _served(settings: Settings) -> list[Served]:
+    """Each pipeline with its stages loaded (keys need the weights' sha256, maps their
+    labels), one at a time: only one pipeline's models are in memory at once."""
     from config.derived import chosen_device
-    from pipelines.device import visibility
+    from pipelines.device import release_cached_memory, visibility
     from pipelines.runner import load_runner
-    from pipelines.setup import choose
+    from pipelines.setup import choose_all
     from worker.antenna.wiring import served
     from worker.app import source_config
 
-    chosen = choose(settings)
     _visible, device = visibility(chosen_device(settings))
-    runner = load_runner(
-        chosen.pipeline, source_config(settings), device, chosen.limits, chosen.response_format
-    )
-    return served(chosen.pipeline, runner.algorithms())
+    sources = source_config(settings)
+    pipelines = []
+    for chosen in choose_all(settings):
+        runner = load_runner(
+            chosen.pipeline, sources, device, chosen.limits, chosen.response_format
+        )
+        pipelines.append(served(chosen.pipeline, runner.algorithms()))
+        del runner
+        release_cached_memory()
+    return pipelines
 
 
 async def register_command(settings: Settings) -> int:
@@ -46,11 +53,12 @@ async def register_command(settings: Settings) -> int:
             file=sys.stderr,
         )
         return CommandExit.CONFIG
-    pipeline = await asyncio.to_thread(_served, settings)
+    pipelines = await asyncio.to_thread(_served, settings)
     client = AntennaClient(a.base_url, a.token, a.request_timeout_s)
-    lines = await register(client, [pipeline], projects, a.service_name)
+    lines = await register(client, pipelines, projects, a.service_name)
     for ok, line in lines:
         print(line if ok else f"not registered: {line}", file=sys.stdout if ok else sys.stderr)
-    for algorithm in pipeline.config()["algorithms"]:
-        print(f"algorithm {algorithm['key']} ({algorithm['task_type']})")
+    for pipeline in pipelines:
+        for algorithm in pipeline.config()["algorithms"]:
+            print(f"algorithm {algorithm['key']} ({algorithm['task_type']}) of {pipeline.slug}")
     return CommandExit.OK if all(ok for ok, _ in lines) else CommandExit.FAILED

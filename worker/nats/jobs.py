@@ -39,6 +39,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from config.settings import NatsSettings
+from worker.nats.provision import task_consumer_config
 from worker.nats.subjects import job_tasks_subject
 
 log = structlog.get_logger(__name__)
@@ -64,20 +65,12 @@ def is_job_consumer(settings: NatsSettings, name: str) -> bool:
 
 
 def job_consumer_config(settings: NatsSettings, subject: str) -> api.ConsumerConfig:
-    name = job_consumer(settings, subject)
-    return api.ConsumerConfig(
-        name=name,
-        durable_name=name,
+    return task_consumer_config(
+        settings,
+        job_consumer(settings, subject),
         description=subject,
         filter_subject=subject,
-        ack_policy=api.AckPolicy.EXPLICIT,
-        deliver_policy=api.DeliverPolicy.ALL,
-        ack_wait=settings.ack_wait_s,
-        max_deliver=settings.max_deliver,
-        max_ack_pending=10_000,
-        max_waiting=512,
         inactive_threshold=settings.job_consumer_inactive_s or settings.tasks_max_age_s,
-        num_replicas=settings.replicas if settings.replicas > 1 else None,
     )
 
 

@@ -4,6 +4,8 @@ idempotent.
 
 from __future__ import annotations
 
+from typing import Any
+
 import structlog
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
@@ -65,11 +67,30 @@ def stream_configs(settings: NatsSettings) -> list[api.StreamConfig]:
     ]
 
 
+def task_consumer_config(settings: NatsSettings, name: str, **which: Any) -> api.ConsumerConfig:
+    """A durable consumer of tasks named ``name``: the shared one, or a job's
+    (``worker.nats.jobs``); ``which`` says what it filters, and for a job its description and
+    inactive threshold. Both deliver alike: explicit acks, from the first task on, with the ack
+    wait and the delivery cap that the settle rules count on."""
+    return api.ConsumerConfig(
+        name=name,
+        durable_name=name,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        deliver_policy=api.DeliverPolicy.ALL,
+        ack_wait=settings.ack_wait_s,
+        max_deliver=settings.max_deliver,
+        max_ack_pending=10_000,
+        max_waiting=512,
+        num_replicas=settings.replicas if settings.replicas > 1 else None,
+        **which,
+    )
+
+
 def consumer_config(settings: NatsSettings, pipelines: str | list[str]) -> api.ConsumerConfig:
     served = [pipelines] if isinstance(pipelines, str) else pipelines
-    return api.ConsumerConfig(
-        name=settings.consumer,
-        durable_name=settings.consumer,
+    return task_consumer_config(
+        settings,
+        settings.consumer,
         # Tasks with the job in the payload, and tasks with the job in the subject (Antenna's),
         # of every pipeline served.
         # With a consumer per job (fair_jobs, worker.nats.jobs), only the former.
@@ -82,13 +103,6 @@ def consumer_config(settings: NatsSettings, pipelines: str | list[str]) -> api.C
                 else (tasks_subject(pipeline), job_tasks_subject(pipeline, "*"))
             )
         ],
-        ack_policy=api.AckPolicy.EXPLICIT,
-        deliver_policy=api.DeliverPolicy.ALL,
-        ack_wait=settings.ack_wait_s,
-        max_deliver=settings.max_deliver,
-        max_ack_pending=10_000,
-        max_waiting=512,
-        num_replicas=settings.replicas if settings.replicas > 1 else None,
     )
 
 
