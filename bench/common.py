@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from bench.outcomes import Outcomes
+from bench.outcomes import BenchmarkFailed, Outcomes
 from worker.commands.demo_images import image_bytes
 from worker.commands.localservers import NatsServer, S3Server, stop_process
 
@@ -303,3 +303,18 @@ def take_loaded(
             outcomes.good()
             images.append(loaded.image)
     return images
+
+
+def last_json_line(args: list[str], what: str, timeout_s: float) -> tuple[dict[str, Any], int]:
+    """Run ``args`` (a pattern compared against, in a process of its own): the JSON of the
+    last line it printed, and its peak resident bytes; ``BenchmarkFailed`` with the end of its
+    stderr unless it exited 0 having printed one."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with PeakRss(proc.pid) as peak:
+        out, err = proc.communicate(timeout=timeout_s)
+    lines = out.decode().strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = " | ".join(err.decode(errors="replace").strip().splitlines()[-3:])
+        raise BenchmarkFailed(f"{what} exited {proc.returncode}: {tail}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result, peak.peak_bytes

@@ -27,6 +27,7 @@ from bench.common import (
     TreeCpu,
     World,
     cycle,
+    last_json_line,
     machine,
     median,
     run_benchmark,
@@ -37,7 +38,7 @@ from bench.common import (
     upload,
     world,
 )
-from bench.outcomes import BenchmarkFailed, Outcomes, refusing
+from bench.outcomes import Outcomes, refusing
 from config.settings import NatsSettings, load_settings
 from datasets.images import DecodePlan
 from worker.commands.client import make_tasks, publish_tasks
@@ -325,25 +326,18 @@ async def per_job_overhead(
 def pattern(w: World, name: str, uris_file: str, expected: int) -> dict[str, float]:
     """One run of a pattern of ``bench.patterns`` in its own process; ``BenchmarkFailed``
     unless it exited 0 having classified all ``expected`` images."""
-    proc = subprocess.Popen(
+    result, peak_bytes = last_json_line(
         [sys.executable, "-m", "bench.patterns", name, uris_file, w.s3.endpoint_url, w.weights],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        f"pattern {name}",
+        timeout_s=1800,
     )
-    with PeakRss(proc.pid) as peak:
-        out, err = proc.communicate(timeout=1800)
-    lines = out.decode().strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = err.decode(errors="replace").strip().splitlines()[-3:]
-        raise BenchmarkFailed(f"pattern {name} exited {proc.returncode}: {' | '.join(tail)}")
-    result = json.loads(lines[-1])
     outcomes = Outcomes(f"pattern {name}")
     outcomes.good(result["classified"])
     outcomes.check(expected)
     return {
         "images_per_s": result["images_per_s"],
         "cpu_ms_per_image": result["cpu_ms_per_image"],
-        "peak_rss_bytes": peak.peak_bytes,
+        "peak_rss_bytes": peak_bytes,
     }
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from bench.common import (
     PeakRss,
     TreeCpu,
     World,
+    last_json_line,
     machine,
     median,
     save,
@@ -49,7 +49,7 @@ from bench.common import (
     tree,
     world,
 )
-from bench.outcomes import BenchmarkFailed, Outcomes, refusing
+from bench.outcomes import Outcomes, refusing
 from bench.preprocess import scene
 from datasets.images import Decoded, DecodePlan
 from pipelines.models import save_classifier, save_detector
@@ -187,18 +187,9 @@ def ami(w: World, uris: list[str], weights: dict[str, str], shape: Shape) -> dic
     }
     path = w.workdir / "ami.json"
     path.write_text(json.dumps(config))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.workload_ami", str(path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+    result, peak_bytes = last_json_line(
+        [sys.executable, "-m", "bench.workload_ami", str(path)], "AMI's pattern", timeout_s=3600
     )
-    with PeakRss(proc.pid) as peak:
-        out, err = proc.communicate(timeout=3600)
-    lines = out.decode().strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = " | ".join(err.decode(errors="replace").strip().splitlines()[-3:])
-        raise BenchmarkFailed(f"AMI's pattern exited {proc.returncode}: {tail}")
-    result = json.loads(lines[-1])
     outcomes = Outcomes("AMI's pattern")
     outcomes.good(result["images_with_detections"])
     outcomes.check(result["images"])
@@ -208,7 +199,7 @@ def ami(w: World, uris: list[str], weights: dict[str, str], shape: Shape) -> dic
         "runs_images_per_s": rates,
         "crops_classified": result["crops_classified"],
         "cpu_ms_per_image": round(result["cpu_ms_per_image"], 1),
-        "peak_rss_bytes": peak.peak_bytes,
+        "peak_rss_bytes": peak_bytes,
     }
 
 

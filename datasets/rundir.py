@@ -8,14 +8,14 @@ finaliser, so three kinds of leftovers outlive a worker:
 - ``pymp-*`` directories: ``multiprocessing.util.get_temp_dir`` makes one with
   ``tempfile.mkdtemp`` (so under ``tempfile.gettempdir()``, i.e. ``$TMPDIR``) in the main
   process for the fork server's socket, and children inherit it or make their own (a
-  ``resource_sharer`` listener); only an ``atexit``-time finaliser removes them. ``claim``
-  (with ``use``) points ``$TMPDIR`` and ``tempfile.tempdir`` at the run directory before anything of
+  ``resource_sharer`` listener); only an ``atexit``-time finaliser removes them. ``use``
+  points ``$TMPDIR`` and ``tempfile.tempdir`` at the run directory before anything of
   multiprocessing starts, so the fork server, the loader children (which inherit the
   environment) and every other temporary file of the process land there.
 - ``/dev/shm/sem.mp-*``: every multiprocessing lock, semaphore and queue is a named POSIX
   semaphore, always in /dev/shm (glibc's ``sem_open``; no setting moves it), named
   ``<semprefix>-<random>`` with the process's ``_config['semprefix']`` (default ``/mp``),
-  unlinked by a finaliser or by the resource tracker, which dies with the group. ``claim``
+  unlinked by a finaliser or by the resource tracker, which dies with the group. ``use``
   sets a prefix of this run directory's own (``/mp-iw<hash>``), so its semaphores can be
   told from any other process's. (``datasets.semaphores`` unlinks a loader's names as soon
   as every child has opened them; this is for what a kill in between leaves.)
@@ -29,9 +29,15 @@ finaliser, so three kinds of leftovers outlive a worker:
 Ownership is an ``flock`` on ``owner.lock``: the kernel drops it when its process dies, even
 by SIGKILL. A process takes the first slot of its index whose lock is free
 (``process-<index>``, then ``process-<index>.1``, ...), so a second live process with the
-same index (two test runs, a misconfiguration) never empties the first one's files. Emptying
-is skipped, and said, while any marked process of the slot still lives. Claiming also empties
-the index's other free slots, and removes the ``.N`` ones, so a killed overlap leaves nothing.
+same index (two test runs, a misconfiguration) never empties the first one's files.
+
+Taking a slot and emptying it are two steps. ``claim`` only takes the lock: nothing is
+removed. ``clear_leftovers`` then empties the slot and the index's other free slots
+(removing the ``.N`` ones, so a killed overlap leaves nothing); the worker calls it only once
+its start can no longer be refused for its settings (a port another process holds, a
+pipeline or memory budget that cannot be), just before its first child process, so a start
+that is refused removes nothing (it may have made the base, a slot and its lock file).
+Emptying a slot is skipped, and said, while any marked process of it still lives.
 
 The base and each slot must be real directories (not symlinks) of this user that no one else
 can write, checked with ``lstat``: a planted symlink or foreign directory is refused, never
@@ -71,6 +77,7 @@ _MAX_SOCKET_BYTES = 107
 @dataclass
 class RunDir:
     path: Path
+    index: int
     semprefix: str
     lock_fd: int
 
@@ -85,20 +92,26 @@ def semprefix_for(path: Path) -> str:
 
 
 def claim(base: Path, index: int, named: str = "") -> RunDir:
-    """Take the first free slot of ``index`` under ``base`` and empty it of dead processes'
-    leftovers; ``use`` then makes it this process's temporary directory. A base or slot that
-    cannot be used safely raises ``ConfigError`` starting with ``named`` (the setting; by
-    default ``WORKER_RUN_DIR=<base>``)."""
+    """Take (lock) the first free slot of ``index`` under ``base``; nothing is emptied yet
+    (``clear_leftovers``), and ``use`` then makes it this process's temporary directory. A
+    base or slot that cannot be used safely raises ``ConfigError`` starting with ``named``
+    (the setting; by default ``WORKER_RUN_DIR=<base>``)."""
     try:
         run = _take(base, index)
     except (OSError, Unsafe) as error:
         setting = named or f"{env_name('run_dir')}={base}"
         raise ConfigError(f"{setting}: {_reason(error)}") from None
-    empty(run)
-    _tidy_others(base, index, run.path)
-    mark_self(run.path)
     log.info("run_dir_claimed", path=str(run.path))
     return run
+
+
+def clear_leftovers(run: RunDir) -> None:
+    """Now that the process will go on with its claimed slot: empty it of dead processes'
+    leftovers, empty the index's other free slots (and remove the ``.N`` ones), and mark
+    this process in it."""
+    empty(run)
+    _tidy_others(run.path.parent, run.index, run.path)
+    mark_self(run.path)
 
 
 class Unsafe(Exception):
@@ -121,7 +134,7 @@ def _take(base: Path, index: int) -> RunDir:
         _check_socket_room(path)
         fd = _open_slot(path)
         if fd is not None:
-            return RunDir(path, semprefix_for(path), fd)
+            return RunDir(path, index, semprefix_for(path), fd)
     raise Unsafe(f"all {_MAX_SLOTS} run directories of process {index} are in use")
 
 
@@ -200,7 +213,7 @@ def _tidy_others(base: Path, index: int, taken: Path) -> None:
             continue
         if fd is None:
             continue  # a live process's
-        other = RunDir(path, semprefix_for(path), fd)
+        other = RunDir(path, index, semprefix_for(path), fd)
         try:
             if empty(other) and overflow:
                 os.unlink(path / LOCK)
@@ -279,7 +292,8 @@ def mark_child() -> None:
 
 def use(run: RunDir) -> None:
     """From now on, this process's (and its future children's) temporary files and
-    multiprocessing semaphores are the run directory's."""
+    multiprocessing semaphores are the run directory's (after ``clear_leftovers``, which
+    would take this process's own files for leftovers)."""
     os.environ["TMPDIR"] = str(run.path)
     tempfile.tempdir = str(run.path)
     semaphores.use_prefix(run.semprefix)

@@ -7,10 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any
 
 from worker.app import WorkerApp
@@ -262,3 +264,35 @@ def worker_process(env: dict[str, str], log_path: Any) -> Iterator[subprocess.Po
         yield proc
     finally:
         stop_process(proc, wait_s=30.0)
+
+
+def run_dir_holder(base: Path, index: int) -> subprocess.Popen[str]:
+    """A live process that claimed ``index``'s slot and uses it until its stdin closes."""
+    script = textwrap.dedent(
+        f"""
+        import sys, tempfile
+        from pathlib import Path
+        from datasets import rundir
+        run = rundir.claim(Path({str(base)!r}), {index})
+        rundir.clear_leftovers(run)
+        rundir.use(run)
+        Path(tempfile.mkdtemp(prefix="pymp-"))
+        print("PATH=" + str(run.path), flush=True)
+        sys.stdin.read()
+        """
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def claimed_path(proc: subprocess.Popen[str]) -> Path:
+    """The slot a ``run_dir_holder`` claimed, once it says so."""
+    for _ in range(20):  # the log lines, then ours
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        if line.startswith("PATH="):
+            return Path(line.removeprefix("PATH=").strip())
+    raise AssertionError("the holder said no path")

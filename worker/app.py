@@ -151,7 +151,10 @@ class WorkerApp:
         self._loader: StreamingLoader | None = None
         self.antenna: Any = None  # worker.antenna.wiring.AntennaParts with WORKER_SOURCE=antenna
 
-    async def start(self) -> None:
+    async def start(self, checked: Callable[[], None] = lambda: None) -> None:
+        """``checked`` is called once the start can no longer be refused for its settings
+        (port, device, pipelines, memory budget: ConfigError, exit 2), before any child
+        process starts: ``Server`` empties its run directory then."""
         s = self.settings
         self._listen()  # first: a port another process holds ends the start at once (exit 2)
         liveness = Liveness(
@@ -162,7 +165,9 @@ class WorkerApp:
         # choose() may touch CUDA.
         self.device = _claim_device(s)
         chosen = self._choose()  # ConfigError before anything starts
-        engine, served = await self._build_engine(liveness, chosen)
+        budget = self._budget_bytes(chosen)
+        checked()
+        engine, served = await self._build_engine(liveness, chosen, budget)
         if s.source == "antenna":
             services = await self._antenna_services(liveness, chosen, engine, served)
         else:
@@ -309,7 +314,7 @@ class WorkerApp:
         return run
 
     async def _build_engine(
-        self, liveness: Liveness, chosen: list[Chosen]
+        self, liveness: Liveness, chosen: list[Chosen], budget_bytes: int
     ) -> tuple[Engine, Served]:
         """The served pipelines' models (loaded on demand, or at start as many as fit), and
         the loader with its children (started on the engine thread)."""
@@ -325,7 +330,7 @@ class WorkerApp:
             lambda c: load_runner(
                 c.pipeline, sources, device, c.limits, c.response_format, s.model.precision
             ),
-            self._budget_bytes(chosen),
+            budget_bytes,
             unloaded=lambda _name: release_cached_memory(),
         )
         loader = _loader(s, chosen, sources)

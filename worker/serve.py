@@ -4,10 +4,12 @@
 - Signals: SIGTERM and SIGINT only record that the process should stop; the main loop drains.
   A second one while stopping means "now": the process's children (fork server, loader
   children) are SIGKILLed and reaped, bounded, then out at once with 128 + the signal's number.
-- Startup: the run directory (``datasets.rundir``: this process's temporary files, emptied
-  of a dead predecessor's leftovers), then the parts (``WorkerApp.start``). A start waits on
-  an unreachable NATS server or a slow model for as long as it takes, so a signal gives it
-  up: nothing is held yet, exit 0.
+- Startup: the run directory's slot is claimed (``datasets.rundir``: this process's
+  temporary files), then the parts start (``WorkerApp.start``). Only once the start's checks
+  have passed, before its first child process, is the slot emptied of a dead predecessor's
+  leftovers and made the temporary directory: a refused start (exit 2) removes nothing. A
+  start waits on an unreachable NATS server or a slow model for as long as it takes, so a
+  signal gives it up: nothing is held yet, exit 0.
 - Main loop: the orchestrator, until a signal, a failure, a crossed limit or burst mode's end;
   it says how the process ends (``exits.Exit``).
 - Shutdown: every part closed in order (loader children and the fork server reaped), each
@@ -45,11 +47,11 @@ class Server:
     async def serve(self) -> int:
         self.install_signal_handlers()
         s = self.settings
-        run = rundir.claim(run_dir_base(s), s.process_index, run_dir_setting(s))
-        rundir.use(run)  # before anything of multiprocessing starts
+        run = rundir.claim(run_dir_base(s), s.process_index, run_dir_setting(s))  # locked only
         app = WorkerApp(self.settings, until_idle=self.until_idle)
         try:
-            exit = await self.main_loop(app) if await self.startup(app) else STOPPED
+            started = await self.startup(app, checked=lambda: take_over(run))
+            exit = await self.main_loop(app) if started else STOPPED
         finally:
             await self.shutdown(app)
             run.release()
@@ -69,9 +71,9 @@ class Server:
             return
         self.should_exit.set()
 
-    async def startup(self, app: WorkerApp) -> bool:
-        """``app.start()``, given up when a signal comes first; False then."""
-        starting = asyncio.ensure_future(app.start())
+    async def startup(self, app: WorkerApp, checked: Callable[[], None] = lambda: None) -> bool:
+        """``app.start(checked)``, given up when a signal comes first; False then."""
+        starting = asyncio.ensure_future(app.start(checked))
         stopping = asyncio.ensure_future(self.should_exit.wait())
         try:
             await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -92,6 +94,14 @@ class Server:
 
     async def shutdown(self, app: WorkerApp) -> None:
         await app.close()
+
+
+def take_over(run: rundir.RunDir) -> None:
+    """The start's checks have passed and no child process has started: empty what dead
+    processes left (a refused start has removed nothing), then make the run directory this
+    process's temporary directory, before anything of multiprocessing starts."""
+    rundir.clear_leftovers(run)
+    rundir.use(run)
 
 
 REAP_TIMEOUT_S = 3.0

@@ -1,7 +1,8 @@
 """A worker killed with its whole process group, again and again mid-job, leaves nothing
 behind once a clean process with its index has started: no ``pymp-*`` directory in its temp
 dir, no ``sem.mp-*`` or ``torch_*`` entry of the dead processes in /dev/shm, and the job
-still ends with one result per task."""
+still ends with one result per task. A start refused for its settings removes nothing from
+any run directory: not a live process's files, not a dead one's leftovers."""
 
 from __future__ import annotations
 
@@ -9,17 +10,33 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
+from config.derived import port_for
+from config.names import env_name
 from datasets.rundir import semprefix_for
-from tests.helpers import client, submit, until_gone, upload_images, wait_results, worker_env
+from tests.helpers import (
+    claimed_path,
+    cli,
+    client,
+    run_dir_holder,
+    submit,
+    until_gone,
+    upload_images,
+    wait_results,
+    worker_env,
+)
 from worker.commands.client import job_results
 from worker.nats.provision import provision
 
@@ -31,26 +48,32 @@ SHM = Path("/dev/shm")
 # Short timeouts: a task held by a killed worker comes back after a 4 s ack wait.
 SHORT = {
     "nats": {"ack_wait_s": 4, "max_deliver": 10, "fetch_timeout_s": 0.3, "store_retry_s": 1},
-    "loader": {"timeout_s": 1.5},
+    "loader": {"timeout_s": 1.5, "reads_per_worker": 1},
     "s3": {"connect_timeout_s": 0.3, "read_timeout_s": 0.4, "max_attempts": 1},
     "health": {"stall_timeout_s": 2, "drain_timeout_s": 1, "watchdog_timeout_s": 0},
+    "metrics": {"port": 0},
 }
-ENV = {
-    "WORKER_NATS__ACK_WAIT_S": "4",
-    "WORKER_NATS__MAX_DELIVER": "10",
-    "WORKER_NATS__FETCH_TIMEOUT_S": "0.3",
-    "WORKER_NATS__STORE_RETRY_S": "1",
-    "WORKER_LOADER__TIMEOUT_S": "1.5",
-    "WORKER_S3__CONNECT_TIMEOUT_S": "0.3",
-    "WORKER_S3__READ_TIMEOUT_S": "0.4",
-    "WORKER_S3__MAX_ATTEMPTS": "1",
-    "WORKER_HEALTH__STALL_TIMEOUT_S": "2",
-    "WORKER_HEALTH__DRAIN_TIMEOUT_S": "1",
-    "WORKER_HEALTH__WATCHDOG_TIMEOUT_S": "0",
-    "WORKER_METRICS__PORT": "0",
-    "WORKER_LOADER__READS_PER_WORKER": "1",
-    "WORKER_PROCESS_INDEX": str(INDEX),
-}
+
+
+def as_env(groups: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """``settings_for``'s keyword groups as a worker process's environment."""
+    return {
+        env_name(group, name): str(value)
+        for group, values in groups.items()
+        for name, value in values.items()
+    }
+
+
+# The worker processes': the settings above, and the index whose run directory is watched.
+ENV = {**as_env(SHORT), env_name("process_index"): str(INDEX)}
+
+
+@pytest.fixture
+def system_tmp(request) -> Path:
+    """The workers' system temp dir: short (the fork server's Unix socket lives below it)."""
+    path = Path(tempfile.mkdtemp(prefix="iw-tmp-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(path, ignore_errors=True))
+    return path
 
 
 def semaphores_mapped(pids: list[int]) -> set[str]:
@@ -95,15 +118,12 @@ async def kill_group_mid_job(
 
 
 async def test_group_kills_mid_job_leave_nothing_once_a_clean_process_starts(
-    nats_server, s3_server, bucket, settings_for, tmp_path, request
+    nats_server, s3_server, bucket, settings_for, tmp_path, system_tmp
 ):
     from testing.shapednet import Shape, ShapedProxy
 
     settings = settings_for(nats_server.url, **SHORT)
     uris = upload_images(s3_server.client(), bucket, 60)
-    # The workers' system temp dir: short (the fork server's Unix socket lives below it).
-    system_tmp = Path(tempfile.mkdtemp(prefix="iw-tmp-", dir="/tmp"))
-    request.addfinalizer(lambda: shutil.rmtree(system_tmp, ignore_errors=True))
     run_dir = system_tmp / f"inference-worker-{os.geteuid()}" / f"process-{INDEX}"
     log = tmp_path / "worker.log"
     # Reads of 0.2 s, one at a time per child: a kill lands in the middle of the job.
@@ -154,3 +174,65 @@ async def test_group_kills_mid_job_leave_nothing_once_a_clean_process_starts(
     shm = os.listdir(SHM)
     assert not [n for n in shm if n.startswith(prefix)]
     assert not [n for n in shm for pid in killed if n.startswith(f"torch_{pid}_")]
+
+
+def listing(base: Path) -> list[str]:
+    """Every path below ``base``, relative to it."""
+    return sorted(str(path.relative_to(base)) for path in base.rglob("*"))
+
+
+@contextmanager
+def refused_by(refusal: str) -> Iterator[tuple[dict[str, str], str]]:
+    """The settings that refuse a start after its run directory is claimed, and the setting
+    its config error names."""
+    if refusal == "port":
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen(1)
+            port = env_name("metrics", "port")
+            # Each process listens on the base port plus its index.
+            first = taken.getsockname()[1] - INDEX
+            assert port_for(first, INDEX) == taken.getsockname()[1]
+            yield {port: str(first)}, port
+    else:
+        budget = env_name("model", "memory_budget_bytes")
+        yield {budget: "1"}, budget
+
+
+@pytest.mark.parametrize("refusal", ["port", "budget"], ids=["port held", "budget too small"])
+def test_a_start_refused_for_its_settings_removes_nothing_from_any_run_directory(
+    refusal, nats_server, settings_for, system_tmp
+):
+    # Given a live process in the first slot of index 7, and a killed overlap's leftovers
+    # (a pymp-* dir, its mark, its lock file, a semaphore) in the two slots after it
+    base = system_tmp / "run"
+    live = run_dir_holder(base, INDEX)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(10)
+    semaphores = []
+    try:
+        assert claimed_path(live) == base / f"process-{INDEX}"
+        for slot in (base / f"process-{INDEX}.1", base / f"process-{INDEX}.2"):
+            slot.mkdir(mode=0o700)
+            for name in ("pymp-left", f"pid-{dead.pid}-1", "owner.lock"):
+                (slot / name).mkdir() if name.startswith("pymp") else (slot / name).touch()
+            semaphores.append(SHM / f"sem.{semprefix_for(slot).lstrip('/')}-left")
+            semaphores[-1].touch()
+        before = listing(base)
+        # When a worker with index 7 starts and is refused for its settings
+        settings = settings_for(nats_server.url)
+        with refused_by(refusal) as (refusing, setting):
+            env = {**worker_env(settings, WORKER_RUN_DIR=str(base)), **ENV, **refusing}
+            done = cli("run", env=env, timeout=90)
+        # Then it exits 2 naming the setting, and every run directory holds what it held
+        assert done.returncode == 2, done.stderr[-3000:]
+        errors = [line for line in done.stderr.splitlines() if line.startswith("config error:")]
+        assert errors and setting in errors[0], done.stderr[-3000:]
+        assert "run_dir_emptied" not in done.stderr
+        assert listing(base) == before
+        assert all(semaphore.exists() for semaphore in semaphores)
+    finally:
+        live.stdin.close()  # type: ignore[union-attr]
+        live.wait(10)
+        for semaphore in semaphores:
+            semaphore.unlink(missing_ok=True)

@@ -9,7 +9,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -18,40 +17,18 @@ from config.derived import run_dir_base, run_dir_setting
 from config.errors import ConfigError
 from config.settings import load_settings
 from datasets import rundir
+from tests.helpers import claimed_path, run_dir_holder
 
 
-def holder(base: Path, index: int) -> subprocess.Popen[str]:
-    """A live process that claimed ``index``'s slot and uses it until its stdin closes."""
-    script = textwrap.dedent(
-        f"""
-        import sys, tempfile
-        from pathlib import Path
-        from datasets import rundir
-        run = rundir.claim(Path({str(base)!r}), {index})
-        rundir.use(run)
-        Path(tempfile.mkdtemp(prefix="pymp-"))
-        print("PATH=" + str(run.path), flush=True)
-        sys.stdin.read()
-        """
-    )
-    return subprocess.Popen(
-        [sys.executable, "-c", script],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-
-
-def claimed_path(proc: subprocess.Popen[str]) -> Path:
-    for _ in range(20):  # the log lines, then ours
-        line = proc.stdout.readline()  # type: ignore[union-attr]
-        if line.startswith("PATH="):
-            return Path(line.removeprefix("PATH=").strip())
-    raise AssertionError("the holder said no path")
+def claimed(base: Path, index: int) -> rundir.RunDir:
+    """A slot claimed and cleared, as by a worker whose start was not refused."""
+    run = rundir.claim(base, index)
+    rundir.clear_leftovers(run)
+    return run
 
 
 def test_a_dead_processs_leftovers_are_removed_by_the_next_claim_of_its_index(tmp_path):
-    dead = holder(tmp_path, 3)
+    dead = run_dir_holder(tmp_path, 3)
     path = claimed_path(dead)
     dead.kill()
     dead.wait(10)
@@ -61,7 +38,7 @@ def test_a_dead_processs_leftovers_are_removed_by_the_next_claim_of_its_index(tm
     semaphore.touch()
     torch_segment.touch()
 
-    run = rundir.claim(tmp_path, 3)
+    run = claimed(tmp_path, 3)
     try:
         assert run.path == path == tmp_path / "process-3"
         assert sorted(os.listdir(path)) == sorted(["owner.lock", f"pid-{os.getpid()}-" + _start()])
@@ -72,12 +49,35 @@ def test_a_dead_processs_leftovers_are_removed_by_the_next_claim_of_its_index(tm
         torch_segment.unlink(missing_ok=True)
 
 
+def test_a_claim_alone_removes_nothing_until_its_process_clears_the_leftovers(short):
+    # Given a dead process's leftovers in the first slot of index 0 and in an overflow slot
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(10)
+    slots = [short / "process-0", short / "process-0.1"]
+    for slot in slots:
+        slot.mkdir(mode=0o700)
+        (slot / "pymp-left").mkdir()
+        (slot / f"pid-{dead.pid}-1").touch()
+    # When a process claims the index (a start refused after this goes no further)
+    run = rundir.claim(short, 0)
+    try:
+        # Then nothing is removed...
+        assert run.path == slots[0]
+        assert all((slot / "pymp-left").is_dir() for slot in slots)
+        # ...until the process, going on, clears them
+        rundir.clear_leftovers(run)
+        assert sorted(os.listdir(short)) == ["process-0"]
+        assert sorted(os.listdir(slots[0])) == ["owner.lock", f"pid-{os.getpid()}-{_start()}"]
+    finally:
+        run.release()
+
+
 def test_a_live_process_keeps_its_slot_and_its_files(tmp_path):
-    live = holder(tmp_path, 0)
+    live = run_dir_holder(tmp_path, 0)
     try:
         path = claimed_path(live)
         before = sorted(os.listdir(path))
-        run = rundir.claim(tmp_path, 0)
+        run = claimed(tmp_path, 0)
         try:
             assert run.path == tmp_path / "process-0.1"
             assert sorted(os.listdir(path)) == before
@@ -95,7 +95,7 @@ def test_a_slot_is_not_emptied_while_a_marked_process_of_it_still_lives(tmp_path
     path.mkdir()
     (path / "pymp-in-use").mkdir()
     rundir.mark_self(path)  # this test process: alive, like a loader child outliving its parent
-    run = rundir.claim(tmp_path, 5)
+    run = claimed(tmp_path, 5)
     try:
         assert run.path == path and (path / "pymp-in-use").is_dir()
     finally:
@@ -174,7 +174,7 @@ def test_a_symlink_left_in_a_slot_is_removed_not_its_target(short):
     (slot / "link").symlink_to(victim)
     (slot / "dir").mkdir()
     (slot / "dir" / "inner-link").symlink_to(victim / "db.sqlite")
-    run = rundir.claim(short, 0)
+    run = claimed(short, 0)
     try:
         assert not (slot / "link").exists() and not (slot / "dir").exists()
         assert sorted(os.listdir(victim)) == ["db.sqlite", "sub"]
@@ -236,7 +236,7 @@ def test_a_killed_overflow_slots_leftovers_go_with_the_next_claim(short):
     (overflow / f"pid-{dead.pid}-1").touch()
     semaphore = Path("/dev/shm") / f"sem.{rundir.semprefix_for(overflow).lstrip('/')}-left"
     semaphore.touch()
-    run = rundir.claim(short, 0)
+    run = claimed(short, 0)
     try:
         assert run.path == short / "process-0"
         assert sorted(os.listdir(short)) == ["process-0"]
@@ -247,16 +247,16 @@ def test_a_killed_overflow_slots_leftovers_go_with_the_next_claim(short):
 
 
 def test_a_live_overflow_slot_is_kept_by_the_next_claim(short):
-    live = holder(short, 0)
+    live = run_dir_holder(short, 0)
     first_path = claimed_path(live)
-    second = holder(short, 0)
+    second = run_dir_holder(short, 0)
     try:
         second_path = claimed_path(second)
         assert second_path == short / "process-0.1"
         before = sorted(os.listdir(second_path))
         live.stdin.close()  # type: ignore[union-attr]
         live.wait(10)
-        run = rundir.claim(short, 0)
+        run = claimed(short, 0)
         try:
             assert run.path == first_path
             assert sorted(os.listdir(second_path)) == before

@@ -37,7 +37,7 @@ class StartsForever:
         self.started = asyncio.Event()
         self.cancelled = False
 
-    async def start(self) -> None:
+    async def start(self, _checked: object = None) -> None:
         self.started.set()
         try:
             await asyncio.Event().wait()  # NATS unreachable: it retries for ever
@@ -57,7 +57,7 @@ async def test_a_signal_during_the_start_gives_the_start_up():
 
 
 class FailsToStart:
-    async def start(self) -> None:
+    async def start(self, _checked: object = None) -> None:
         raise RuntimeError("no model")
 
 
