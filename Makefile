@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.recovery
 	$(BIN)/python -m bench.profile
 	$(BIN)/python -m bench.soak
+	$(BIN)/python -m bench.pipelines
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

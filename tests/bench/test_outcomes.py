@@ -44,3 +44,43 @@ def test_the_loader_stage_refuses_a_run_in_which_an_image_failed():
             assert loader.seconds(uris) > 0
             with pytest.raises(BenchmarkFailed, match=r"1 of 3 images failed \(object_missing"):
                 loader.seconds([*uris, "s3://probe/img/missing.jpg"])
+
+
+def _answer(job: str, task: str, pipeline: str, sha: str, label: str) -> dict:
+    detection = {"classifications": [{"classification": label, "scores": [1.0]}]}
+    return {
+        "task_id": task,
+        "job_id": job,
+        "status": "ok",
+        "pipeline": pipeline,
+        "model": {"name": pipeline, "weights_sha256": sha},
+        "response": {"detections": [detection]},
+    }
+
+
+def test_bench_pipelines_refuses_a_job_answered_by_another_model_twice_or_not_at_all(tmp_path):
+    """bench.pipelines counts a result only when it is its own pipeline's answer (name,
+    weights sha256, labels), once per task; anything else stops the run."""
+    from bench.pipelines import Declared, Job, check_job
+    from worker.commands.client import make_tasks
+
+    alpha = Declared("alpha", "alpha.toml", tmp_path / "model.pt", "a" * 64)
+    uris = ["s3://b/img/1.jpg", "s3://b/img/2.jpg"]
+    ids = [t.id for t in make_tasks("j", uris)]
+
+    def job(*results: dict) -> Job:
+        return Job("j", alpha, uris, messages=len(uris), results=list(results))
+
+    good = [_answer("j", i, "alpha", "a" * 64, "alpha-3") for i in ids]
+    check_job(job(*good))
+    cases = {
+        "wrong_pipeline": job(good[0], _answer("j", ids[1], "beta", "a" * 64, "alpha-3")),
+        "wrong_weights": job(good[0], _answer("j", ids[1], "alpha", "b" * 64, "alpha-3")),
+        "wrong_labels": job(good[0], _answer("j", ids[1], "alpha", "a" * 64, "beta-3")),
+        "duplicate": job(*good, good[1]),
+        "1 images made, 2 asked for": job(good[0]),
+        "error": job(good[0], {**good[1], "status": "error", "error": {"type": "error"}}),
+    }
+    for expected, case in cases.items():
+        with pytest.raises(BenchmarkFailed, match=expected):
+            check_job(case)

@@ -132,3 +132,21 @@ def test_bench_stages_runs_the_throughput_stages():
     from bench import stages, throughput
 
     assert stages.stages is throughput.stages
+
+
+def test_pipelines_runs_every_case_and_checks_every_answer(tmp_path):
+    """bench.pipelines alone (its own workers, not two at a time with the others): the model
+    switch, two pipelines interleaved, fair share off and on, models under a budget; each
+    result was its own pipeline's answer (a failed check exits 1 without figures)."""
+    run = run_smoke("pipelines", tmp_path)
+    assert run.returncode == 0, f"bench.pipelines exited {run.returncode}:\n{run.stderr[-3000:]}"
+    result = json.loads((tmp_path / "pipelines.json").read_text())
+    switch = result["switch"]
+    assert switch["same_sha256"] and switch["s3_equals_disk_logits"]
+    assert result["interleaved"]["models_loaded_ample_budget"] == 2
+    assert result["interleaved"]["budget_fits_one"]["model_loads"] >= 1
+    assert set(result["fairness"]) >= {"off", "on"}
+    memory = result["memory"]
+    assert memory["fits_2"]["peak_models_resident"] == 2 and memory["fits_2"]["evictions"] > 0
+    assert memory["fits_3"]["peak_models_resident"] == 3 and memory["fits_3"]["evictions"] == 0
+    assert memory["answers_compared"]["labels_differ"] == 0

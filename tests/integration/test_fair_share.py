@@ -56,3 +56,22 @@ async def test_a_small_job_published_after_a_big_one_finishes_while_the_big_one_
     assert len({r["task_id"] for r in big}) == BIG and len(big) == BIG  # none lost or twice
     # The small job ended before the big one was half done (in stream order it ends last).
     assert big_then < BIG // 2, f"{big_then} of {BIG} big-job results before the small job's last"
+
+
+async def test_a_job_published_to_an_idle_worker_is_served_without_waiting_out_a_long_pull(
+    nats_server, s3_server, bucket, settings_for
+):
+    """An idle worker waits on its durable consumer only until the next job discovery, not
+    for a whole fetch timeout: with a 20 s pull each new job is still found at the next
+    discovery (0.2 s) and answered well within the 10 s this test waits for it (before the
+    fix each one waited out the pull in progress)."""
+    settings = settings_for(nats_server.url, nats={"job_discovery_s": 0.2, "fetch_timeout_s": 20.0})
+    uris = upload_images(s3_server.client(), bucket, 2)
+    async with running_worker(settings), client(settings) as js:
+        pipeline = settings.model.pipeline
+        for n, uri in enumerate(uris):  # each job published to a worker with nothing to do
+            await asyncio.sleep(0.5)
+            await publish_tasks(js, settings.nats, pipeline, make_tasks(f"job-idle-{n}", [uri]))
+            (result,) = await wait_results(js, settings, f"job-idle-{n}", 1, timeout_s=10)
+            assert result["status"] == "ok"
+        await quiescent(js, settings)

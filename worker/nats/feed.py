@@ -20,6 +20,7 @@ log = structlog.get_logger(__name__)
 
 
 _SHARE_TIMEOUT_S = 0.2  # a job's share of a fetch: its tasks are there, or gone to another
+_IDLE_PULL_MIN_S = 0.01  # the shortest pull while waiting for a discovery (nats-py needs > 0)
 
 
 class TaskFeed:
@@ -85,7 +86,10 @@ class TaskFeed:
         main = [self._sub] if self._jobs.main_pending and batch > 1 else []
         jobs = self._jobs.active()[: batch - len(main)]  # at least one task each
         if not jobs:
-            return await self._fetch_from(self._sub, batch, self._settings.fetch_timeout_s)
+            # No job bound: wait on the durable consumer only until the next discovery, so a
+            # new job waits one discovery interval at most, not a whole fetch timeout.
+            wait_s = min(self._settings.fetch_timeout_s, self._jobs.until_due())
+            return await self._fetch_from(self._sub, batch, max(_IDLE_PULL_MIN_S, wait_s))
         subs = [job.sub for job in jobs] + main
         share = max(1, batch // len(subs))
         shares = [share + (i < batch - share * len(subs)) for i in range(len(subs))]

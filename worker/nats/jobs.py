@@ -100,6 +100,11 @@ class JobConsumers:
     def due(self) -> bool:
         return time.monotonic() - self._refreshed_at >= self._settings.job_discovery_s
 
+    def until_due(self) -> float:
+        """Seconds until the next discovery is due (0 when it is)."""
+        waited = time.monotonic() - self._refreshed_at
+        return max(0.0, self._settings.job_discovery_s - waited)
+
     async def refresh(self) -> list[Msg]:
         """Discover jobs, make the consumers they lack, bind those with pending tasks and
         unbind the others; returns what unbound subscriptions had received after their last
