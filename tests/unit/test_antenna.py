@@ -149,6 +149,42 @@ async def test_jobs_of_every_served_pipeline_are_rotated_and_no_other_pipelines(
     assert other not in [j.id for j in await rotation.refresh()]
 
 
+async def test_jobs_listed_without_their_pipeline_slug_are_still_served(
+    fake: FakeAntenna,
+) -> None:
+    """Antenna's ids-only jobs list gave ``id`` alone before it gave ``pipeline_slug``: the
+    job's own page names its pipeline; with neither, a worker of one pipeline takes the job
+    Antenna listed for its slug, one of several leaves it."""
+    moths = fake.add_job(SLUG, images(1, "m"))
+    orders = fake.add_job("orders", images(1, "o"))
+    listed, answer = fake._list, fake.handle
+
+    def ids_alone(query: dict[str, str]) -> tuple[int, Any]:
+        status, body = listed(query)
+        return status, {**body, "results": [{"id": j["id"]} for j in body["results"]]}
+
+    fake._list = ids_alone  # type: ignore[method-assign]
+    rotation = JobRotation(client_of(fake), (SLUG, "orders"), 10.0, 100)
+    assert [(j.id, j.pipeline) for j in await rotation.refresh()] == [
+        (moths, SLUG),
+        (orders, "orders"),
+    ]
+
+    def no_slug_anywhere(method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        status, body = answer(method, path, *args, **kwargs)
+        if isinstance(body, dict) and "status" in body:  # a job's page
+            body = {k: v for k, v in body.items() if k != "pipeline_slug"}
+        return status, body
+
+    fake.handle = no_slug_anywhere  # type: ignore[method-assign]
+    fake.jobs[orders].status = "SUCCESS"
+    one = JobRotation(client_of(fake), (SLUG,), 10.0, 100)
+    assert [(j.id, j.pipeline) for j in await one.refresh()] == [(moths, SLUG)]
+    fake.jobs[orders].status = "STARTED"
+    several = JobRotation(client_of(fake), (SLUG, "orders"), 10.0, 100)
+    assert await several.refresh() == []  # whose job is it? not reserved from
+
+
 async def test_a_reservation_runs_out_after_its_ttr_and_a_task_comes_back_once(
     fake: FakeAntenna,
 ) -> None:

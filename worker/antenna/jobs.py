@@ -52,7 +52,7 @@ class JobRotation:
         self._listed_at = time.monotonic()
         try:
             listed = await self._listed()
-            statuses = {job.id: await self._status(job.id) for job in listed}
+            details = {job.id: await self._detail(job.id) for job in listed}
         except AntennaUnreachable as error:
             if self.unreachable_since is None:
                 self.unreachable_since = time.monotonic()
@@ -61,7 +61,11 @@ class JobRotation:
             )
             return self._jobs
         self.unreachable_since = None
-        active = [job for job in listed if statuses[job.id] in ACTIVE]
+        active = [
+            ours
+            for job in listed
+            if details[job.id][0] in ACTIVE and (ours := self._ours(job, details[job.id][1]))
+        ]
         if [j.id for j in active] != [j.id for j in self._jobs]:
             log.info("antenna_active_jobs", jobs=[j.id for j in active], listed=len(listed))
         self._jobs = active
@@ -86,8 +90,8 @@ class JobRotation:
         jobs = []
         for item in reply.body.get("results") or []:
             if isinstance(item, dict) and isinstance(item.get("id"), int):
-                slug = str(item.get("pipeline_slug") or "")
-                if slug in self._pipelines:
+                slug = str(item.get("pipeline_slug") or "")  # "": said by the job itself
+                if not slug or slug in self._pipelines:
                     jobs.append(Job(item["id"], slug))
                 else:  # Antenna filters by our slugs: a job of another is never reserved from
                     log.warning("antenna_job_not_ours", job_id=item["id"], pipeline=slug)
@@ -96,11 +100,29 @@ class JobRotation:
             log.warning("antenna_more_jobs_than_listed", count=count, listed=len(jobs))
         return sorted(jobs, key=lambda j: j.id)
 
-    async def _status(self, job_id: int) -> str:
+    async def _detail(self, job_id: int) -> tuple[str, str]:
+        """The job's status and its pipeline's slug ("" when the reply names none)."""
         reply = await self._client.get(f"jobs/{job_id}/", "job")
-        if reply.ok and isinstance(reply.body, dict):
-            return str(reply.body.get("status") or "")
-        return ""
+        if not (reply.ok and isinstance(reply.body, dict)):
+            return "", ""
+        pipeline = reply.body.get("pipeline")
+        slug = reply.body.get("pipeline_slug") or (
+            pipeline.get("slug") if isinstance(pipeline, dict) else None
+        )
+        return str(reply.body.get("status") or ""), str(slug or "")
+
+    def _ours(self, job: Job, detail_slug: str) -> Job | None:
+        """``job`` with its pipeline, when it is one we serve. An Antenna whose jobs list
+        leaves ``pipeline_slug`` out (its ids-only serializer gave ``id`` alone) names it in
+        the job itself; when neither does, a worker of one pipeline takes the job as its own
+        (Antenna listed it for that slug), one of several cannot tell and leaves it."""
+        slug = (
+            job.pipeline or detail_slug or (self._pipelines[0] if len(self._pipelines) == 1 else "")
+        )
+        if slug in self._pipelines:
+            return Job(job.id, slug)
+        log.warning("antenna_job_not_ours", job_id=job.id, pipeline=slug or None)
+        return None
 
     def next_jobs(self) -> list[Job]:
         """The active jobs that may have tasks, starting after the one served last."""
