@@ -209,27 +209,24 @@ class WorkerApp:
         for name in served.names:  # those loaded at start
             await loaded(name)
         metrics = self._build_health(liveness, engine.loader.child_pids)
-        self._collect_engine(metrics, engine, served)
         settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
         settler.completed_twice = metrics.results_already_stored.inc
-        helpers: list[tuple[str, Any]] = [
-            ("max-deliveries", ExhaustedTasks(js, s.nats, settler).run)
-        ]
-        if s.model.idle_unload_s > 0:
-            helpers.append(("idle-unload", self._unloading_idle(served)))
-        return Services(
-            source=feed,
-            store=store,
-            settler=settler,
-            engine=self._with_faults(engine),
-            engine_thread=self.engine_thread,
-            liveness=liveness,
-            metrics=metrics,
-            guard=ResourceGuard(s.guards, engine.loader.child_pids).check,
-            helpers=tuple(helpers),
-            closed=self.connection.lost,
-            image_bytes=max(c.plan.max_image_bytes() for c in chosen),
-            loaded=loaded,
+        return self._services(
+            Services(
+                source=feed,
+                store=store,
+                settler=settler,
+                engine=self._with_faults(engine),
+                engine_thread=self.engine_thread,
+                liveness=liveness,
+                metrics=metrics,
+                helpers=(("max-deliveries", ExhaustedTasks(js, s.nats, settler).run),),
+                closed=self.connection.lost,
+                loaded=loaded,
+            ),
+            chosen,
+            engine,
+            served,
         )
 
     async def _antenna_services(
@@ -260,24 +257,39 @@ class WorkerApp:
             engine.loader.child_pids,
             lambda: parts.problem(s.health.disconnected_timeout_s),
         )
-        self._collect_engine(metrics, engine, served)
         parts.attach(metrics.registry)
         parts.rules.count = lambda outcome: metrics.tasks.labels(outcome).inc()
-        helpers: list[tuple[str, Any]] = []
+        return self._services(
+            Services(
+                source=parts.source,
+                store=parts.lookup,
+                settler=parts.rules,
+                engine=self._with_faults(engine),
+                engine_thread=self.engine_thread,
+                liveness=liveness,
+                metrics=metrics,
+                loaded=loaded,
+            ),
+            chosen,
+            engine,
+            served,
+        )
+
+    def _services(
+        self, own: Services, chosen: list[Chosen], engine: Engine, served: Served
+    ) -> Services:
+        """A source's ``own`` services with what every source shares: the engine's and the
+        models' metrics, the resource guard, the idle unloader, the largest image loaded."""
+        s = self.settings
+        self._collect_engine(own.metrics, engine, served)
+        helpers = own.helpers
         if s.model.idle_unload_s > 0:
-            helpers.append(("idle-unload", self._unloading_idle(served)))
-        return Services(
-            source=parts.source,
-            store=parts.lookup,
-            settler=parts.rules,
-            engine=self._with_faults(engine),
-            engine_thread=self.engine_thread,
-            liveness=liveness,
-            metrics=metrics,
+            helpers = (*helpers, ("idle-unload", self._unloading_idle(served)))
+        return replace(
+            own,
             guard=ResourceGuard(s.guards, engine.loader.child_pids).check,
-            helpers=tuple(helpers),
+            helpers=helpers,
             image_bytes=max(c.plan.max_image_bytes() for c in chosen),
-            loaded=loaded,
         )
 
     def _choose(self) -> list[Chosen]:
