@@ -688,18 +688,23 @@ CASES = ("switch", "interleaved", "fairness", "memory")
 async def run(cases: list[str], sizes: Sizes) -> dict[str, Any]:
     result: dict[str, Any] = {"machine": machine(), "sizes": asdict(sizes)}
     with world() as w:
-        uris = upload(w.s3.client(), "pipelines", list(sizes.image_sizes), sizes.images)
-        for case in cases:
-            started = time.perf_counter()
-            if case == "switch":
-                result[case] = switch(w, sizes)
-            else:
-                result[case] = await {
-                    "interleaved": interleaved,
-                    "fairness": fairness,
-                    "memory": memory,
-                }[case](w, uris, sizes)
-            result[case]["case_wall_s"] = round(time.perf_counter() - started, 1)
+        try:
+            uris = upload(w.s3.client(), "pipelines", list(sizes.image_sizes), sizes.images)
+            for case in cases:
+                started = time.perf_counter()
+                if case == "switch":
+                    result[case] = switch(w, sizes)
+                else:
+                    result[case] = await {
+                        "interleaved": interleaved,
+                        "fairness": fairness,
+                        "memory": memory,
+                    }[case](w, uris, sizes)
+                result[case]["case_wall_s"] = round(time.perf_counter() - started, 1)
+        finally:
+            # The workdir stays for its logs; the weights (about 0.5 GB) do not.
+            for weights in w.workdir.glob("*/model.pt"):
+                weights.unlink()
     return result
 
 

@@ -76,7 +76,11 @@ class NatsSettings(BaseModel):
         "one consumer for every served subject, in stream order",
     )
     job_discovery_s: float = Field(
-        1.0, description="how often new jobs are looked for on the tasks stream's subjects", gt=0
+        1.0,
+        description="how often new jobs are looked for on the tasks stream's subjects (a job "
+        "whose first task is heard of as it is published is looked for at once; README, Fair "
+        "share across jobs)",
+        gt=0,
     )
     job_consumer_inactive_s: float = Field(
         0.0,

@@ -14,13 +14,14 @@ from nats.js import JetStreamContext
 
 from config.settings import NatsSettings
 from worker.nats.jobs import JobConsumers
+from worker.nats.news import PublishedTasks
 from worker.nats.subjects import advisory_consumer
 
 log = structlog.get_logger(__name__)
 
 
 _SHARE_TIMEOUT_S = 0.2  # a job's share of a fetch: its tasks are there, or gone to another
-_IDLE_PULL_MIN_S = 0.01  # the shortest pull while waiting for a discovery (nats-py needs > 0)
+_IDLE_PULL_S = 0.05  # an idle worker's pull on the durable consumer, once per discovery
 
 
 class TaskFeed:
@@ -38,12 +39,14 @@ class TaskFeed:
             if settings.fair_jobs and pipelines
             else None
         )
+        self._news = PublishedTasks(nc, pipelines or [], self._jobs.heard) if self._jobs else None
 
     async def open(self) -> None:
         self._sub = await self._js.pull_subscribe_bind(
             durable=self._settings.consumer, stream=self._settings.tasks_stream
         )
-        if self._jobs is not None:
+        if self._jobs is not None and self._news is not None:
+            await self._news.open()
             self._late = await self._jobs.refresh()
 
     async def max_deliver(self) -> int:
@@ -86,10 +89,7 @@ class TaskFeed:
         main = [self._sub] if self._jobs.main_pending and batch > 1 else []
         jobs = self._jobs.active()[: batch - len(main)]  # at least one task each
         if not jobs:
-            # No job bound: wait on the durable consumer only until the next discovery, so a
-            # new job waits one discovery interval at most, not a whole fetch timeout.
-            wait_s = min(self._settings.fetch_timeout_s, self._jobs.until_due())
-            return await self._fetch_from(self._sub, batch, max(_IDLE_PULL_MIN_S, wait_s))
+            return await self._idle_fetch(batch)
         subs = [job.sub for job in jobs] + main
         share = max(1, batch // len(subs))
         shares = [share + (i < batch - share * len(subs)) for i in range(len(subs))]
@@ -102,6 +102,20 @@ class TaskFeed:
         for job, got in zip(jobs, fetched, strict=False):
             job.dry = not got  # not asked again until the next listing
         return [msg for got in fetched for msg in got]
+
+    async def _idle_fetch(self, batch: int) -> list[Msg]:
+        """No job bound: until the next discovery, wait for a task to be heard of
+        (``PublishedTasks``; [] at once then, so the next fetch discovers its job), or pull
+        on the durable consumer while it has tasks; else one short pull there at the end
+        (a task given back on it comes back then). A new job waits for its first task's
+        publish, or one discovery interval at most when it goes unheard."""
+        assert self._jobs is not None
+        wait_s = min(self._settings.fetch_timeout_s, self._jobs.until_due())
+        if self._jobs.main_pending:
+            return await self._fetch_from(self._sub, batch, max(_IDLE_PULL_S, wait_s))
+        if await self._jobs.news_within(wait_s):
+            return []
+        return await self._fetch_from(self._sub, batch, _IDLE_PULL_S)
 
     async def _fetch_from(self, sub: Any, batch: int, timeout_s: float) -> list[Msg]:
         try:
@@ -127,6 +141,8 @@ class TaskFeed:
         """
         if self._sub is None:
             return []
+        if self._news is not None:
+            await self._news.close()
         jobs = await self._jobs.close() if self._jobs is not None else []
         jobs += self._late if self._jobs is not None else []
         pending = late_deliveries(self._sub)

@@ -7,7 +7,8 @@ So every job subject ``tasks.<pipeline>.<job>`` of a served pipeline gets a cons
 own, filtered to that subject and shared by every worker process (its name is made from the
 subject: ``<WORKER_NATS__CONSUMER>-job-<sha256 of the subject, 16 hex>``, its description is
 the subject). Jobs are discovered from the stream's subjects (``stream_info`` with a subjects
-filter, one request per served pipeline) every ``WORKER_NATS__JOB_DISCOVERY_S``; the
+filter, one request per served pipeline) every ``WORKER_NATS__JOB_DISCOVERY_S``, and at
+once when a task of a job not served yet is heard of (``worker.nats.news``); the
 consumers' pending counts come from one consumer listing. Each fetch takes from the jobs
 with tasks pending (or awaiting an ack: redeliveries come from there) in rotation, an equal
 share each, concurrently (and from the durable consumer for
@@ -28,6 +29,7 @@ page of subjects (100,000) per pipeline; consumers are listed 256 per request.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from dataclasses import dataclass
@@ -40,7 +42,7 @@ from nats.js import JetStreamContext, api
 
 from config.settings import NatsSettings
 from worker.nats.provision import task_consumer_config
-from worker.nats.subjects import job_tasks_subject
+from worker.nats.subjects import job_tasks_subject, tasks_subject
 
 log = structlog.get_logger(__name__)
 _PAGE = 256
@@ -96,9 +98,32 @@ class JobConsumers:
         self._turn = 0
         self._refreshed_at = float("-inf")
         self.main_pending = False  # the durable consumer (job in the payload) has tasks
+        self.news = asyncio.Event()  # a task was heard of on a subject not served yet
+        self._main_subjects = {tasks_subject(p) for p in pipelines}
 
     def due(self) -> bool:
         return time.monotonic() - self._refreshed_at >= self._settings.job_discovery_s
+
+    def heard(self, subject: str) -> None:
+        """A task was published on ``subject`` (``worker.nats.news``): a job subject not
+        served yet makes the discovery due now; one on ``tasks.<pipeline>`` marks the durable
+        consumer as having work. Wakes an idle fetch either way."""
+        if subject in self._jobs:
+            return
+        if subject in self._main_subjects:  # tasks.<pipeline>: the durable consumer's
+            self.main_pending = True
+        else:
+            self._refreshed_at = float("-inf")
+        self.news.set()
+
+    async def news_within(self, timeout_s: float) -> bool:
+        """Whether a task was heard of (since the last call) within ``timeout_s``."""
+        try:
+            await asyncio.wait_for(self.news.wait(), max(0.0, timeout_s))
+        except TimeoutError:
+            return False
+        self.news.clear()
+        return True
 
     def until_due(self) -> float:
         """Seconds until the next discovery is due (0 when it is)."""
