@@ -3,6 +3,7 @@ engine. They keep what was done to them, for tests to read."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -104,16 +105,22 @@ def task_msg(
 
 @dataclass
 class FakeSource:
-    """A task source that hands out its messages, then nothing."""
+    """A task source that hands out its messages, then nothing; those of ``runnable``
+    pipelines (``tasks.<pipeline>``) first, as a source of one consumer per job can."""
 
     msgs: list[FakeMsg] = field(default_factory=list)
     fetches: int = 0
 
-    async def fetch(self, batch: int) -> Sequence[FakeMsg]:
+    async def fetch(self, batch: int, runnable: Any = None) -> Sequence[FakeMsg]:
         import asyncio
 
         self.fetches += 1
-        taken, self.msgs = self.msgs[:batch], self.msgs[batch:]
+        taken = self.msgs[:batch]
+        if runnable is not None:
+            ready = (m for m in self.msgs if runnable(m.subject.split(".")[1]))
+            taken = list(itertools.islice(ready, batch)) or taken
+        gone = {id(m) for m in taken}
+        self.msgs = [m for m in self.msgs if id(m) not in gone]
         if not taken:
             await asyncio.sleep(0.01)
         return taken

@@ -17,6 +17,7 @@ budget holds do not load a model per batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
@@ -32,6 +33,7 @@ from worker.ports import BatchEngine, BatchReport
 SettleBatch = Callable[[list[Claim], BatchReport], Coroutine[Any, Any, None]]
 Prepare = Callable[[str], Coroutine[Any, Any, Failure | None]]
 MAX_HOLD_S = 30.0  # the longest a load keeps other unloaded pipelines waiting
+SWITCH_WAIT_S = 0.25  # under a hold, how long the engine waits for runnable tasks to arrive
 
 
 @dataclass(frozen=True)
@@ -143,9 +145,13 @@ class Batches:
             self._hold = _Hold(pipeline, now_s + held_s)
         return failure
 
-    def _usable(self, pipeline: str) -> bool:
+    def _holding(self) -> bool:
+        return self._hold is not None and self._clock() < self._hold.until_s
+
+    def runnable(self, pipeline: str) -> bool:
         """Whether a batch of ``pipeline`` may run now: the hold, if one is on, keeps out
-        pipelines that would need a load."""
+        pipelines that would need a load. The sources fetch from such pipelines' jobs first
+        (``TaskSource.fetch``), or the held room would fill with tasks that must wait."""
         hold = self._hold
         if hold is None or self._clock() >= hold.until_s or pipeline == hold.pipeline:
             return True
@@ -153,9 +159,15 @@ class Batches:
 
     async def _next_batch(self) -> list[Claim]:
         """The fair share's next batch, once a task waits; [] to stop. Under a hold, the
-        fairest job that needs no load; any, when only such jobs wait."""
+        fairest job that needs no load; any, when only such jobs wait (after waiting up to
+        ``SWITCH_WAIT_S`` for runnable tasks: the held pipeline's next ones may be arriving)."""
         while not self._stopped:
-            batch = self._waiting.next_batch(self._batch_size, self._usable)
+            batch = self._waiting.next_batch(self._batch_size, self.runnable)
+            if not batch and len(self._waiting) and self._holding():
+                self._arrived.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._arrived.wait(), SWITCH_WAIT_S)
+                batch = self._waiting.next_batch(self._batch_size, self.runnable)
             batch = batch or self._waiting.next_batch(self._batch_size)
             if batch:
                 return batch

@@ -129,7 +129,9 @@ class Worker:
             if room <= 0:
                 await self.claims.wait_for_room(timeout_s)
                 continue
-            msgs = await self.s.source.fetch(min(self.settings.loader.batch_size, room))
+            msgs = await self.s.source.fetch(
+                min(self.settings.loader.batch_size, room), self.batches.runnable
+            )
             # Concurrently: each asks the results stream whether its task is done already.
             admitted = [h for h in await asyncio.gather(*map(self.admission.admit, msgs)) if h]
             self.batches.add(admitted)

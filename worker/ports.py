@@ -7,7 +7,7 @@ thread) is a ``BatchEngine``. Tests give the orchestrator in-memory fakes of eac
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -53,9 +53,14 @@ class DeliveryRules(Protocol):
     async def give_back(self, msg: Delivery) -> None: ...
 
 
+Runnable = Callable[[str], bool]  # whether a pipeline's batches may run now (the hold)
+
+
 class TaskSource(Protocol):
-    async def fetch(self, batch: int) -> Sequence[Delivery]:
-        """Up to ``batch`` deliveries; [] after the fetch timeout or while disconnected."""
+    async def fetch(self, batch: int, runnable: Runnable | None = None) -> Sequence[Delivery]:
+        """Up to ``batch`` deliveries; [] after the fetch timeout or while disconnected. A
+        source that can choose takes from jobs of ``runnable`` pipelines first, and from the
+        others only when those have none."""
         ...
 
     async def close(self) -> Sequence[Delivery]:

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from config.errors import Failure
-from tests.fakes import FakeEngine
+from tests.fakes import FakeEngine, FakeSource, task_msg
+from tests.unit.test_orchestrator import a_worker
 from worker.batches import MAX_HOLD_S, Batches
 from worker.ports import BatchReport
 
@@ -108,3 +109,35 @@ async def test_no_hold_is_longer_than_its_cap():
     engine = await run(hold_per_load=4.0, tasks_per_job=400, load_s=20.0)
     runs = [(p, len(list(group))) for p, group in itertools.groupby(p for p, _ in engine.ran)]
     assert runs == [("animals", 120), ("colours", 120), ("animals", 80), ("colours", 80)]
+
+
+class SourceThatCannotChoose(FakeSource):
+    async def fetch(self, batch: int, runnable: Any = None) -> Sequence[Any]:
+        return await super().fetch(batch)
+
+
+async def loads_with(source_type: type[FakeSource]) -> tuple[int, list[int]]:
+    """Tasks of two pipelines arriving interleaved through the orchestrator (8 held at most):
+    the model loads, and the batches of each run."""
+    msgs = []
+    for i in range(400):
+        msgs.append(task_msg(f"a{i}", job_id="job-a", subject="tasks.animals"))
+        msgs.append(task_msg(f"c{i}", job_id="job-c", subject="tasks.colours"))
+    engine = OneModelEngine(LOAD_S)
+    worker, store, _js, _metrics = a_worker(source_type(msgs), engine)
+    worker.batches._clock = lambda: engine.now_s  # the fake clock of loads and batches
+    exit = await asyncio.wait_for(worker.run(asyncio.Event()), 60)
+    assert exit.code == 0 and len(store.stored) == 800
+    assert len({r["task_id"] for r in store.stored}) == 800
+    runs = [len(list(group)) for _p, group in itertools.groupby(p for p, _ in engine.ran)]
+    return len(runs), runs
+
+
+async def test_the_hold_lasts_while_tasks_of_both_pipelines_keep_arriving():
+    """The sources are asked for the runnable pipelines' tasks first, so the held room does
+    not fill with tasks that must wait and so end the hold early (review finding F2): 200
+    batches of 0.25 s, a 1 s load holding 4 s (16 batches)."""
+    loads, runs = await loads_with(FakeSource)
+    blind_loads, blind_runs = await loads_with(SourceThatCannotChoose)
+    assert loads <= 200 // 16 + 2, runs
+    assert blind_loads > 2 * loads, (blind_runs, runs)  # without the choice: short runs

@@ -26,6 +26,7 @@ from worker.antenna.reservations import (
     delivered_of,
     stream_seq_of,
 )
+from worker.ports import Runnable
 from worker.schemas import subject_token
 
 log = structlog.get_logger(__name__)
@@ -57,7 +58,7 @@ class AntennaSource:
         """Antenna's last 401/403 (listing or reserving): our token, or its permissions."""
         return self.last_refusal or self._jobs.last_refusal
 
-    async def fetch(self, batch: int) -> list[AntennaDelivery]:
+    async def fetch(self, batch: int, runnable: Runnable | None = None) -> list[AntennaDelivery]:
         """Up to ``batch`` reserved tasks; [] within about ``wait_s`` when there are none."""
         if self._closed:
             return []
@@ -67,7 +68,10 @@ class AntennaSource:
             return []
         if self._jobs.due():
             await self._jobs.refresh()
-        for job in self._jobs.next_jobs():
+        jobs = self._jobs.next_jobs()
+        if runnable is not None:  # the jobs of pipelines that can run now first
+            jobs.sort(key=lambda job: not runnable(job.pipeline))
+        for job in jobs:
             got = await self._reserve(job, wanted)
             if got:
                 self._jobs.served(job)

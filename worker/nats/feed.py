@@ -16,6 +16,7 @@ from config.settings import NatsSettings
 from worker.nats.jobs import JobConsumers
 from worker.nats.news import PublishedTasks
 from worker.nats.subjects import advisory_consumer
+from worker.ports import Runnable
 
 log = structlog.get_logger(__name__)
 
@@ -73,7 +74,7 @@ class TaskFeed:
             return False
         return True
 
-    async def fetch(self, batch: int) -> list[Msg]:
+    async def fetch(self, batch: int, runnable: Runnable | None = None) -> list[Msg]:
         """Up to ``batch`` messages; [] after ``fetch_timeout_s`` or while disconnected. With
         jobs pending, an equal share of ``batch`` from each (and from the durable consumer
         when it has tasks), the first job turning round from one fetch to the next."""
@@ -85,9 +86,9 @@ class TaskFeed:
         if self._jobs.due():
             self._late = await self._jobs.refresh()
             if self._late:
-                return await self.fetch(batch)
+                return await self.fetch(batch, runnable)
         main = [self._sub] if self._jobs.main_pending and batch > 1 else []
-        jobs = self._jobs.active()[: batch - len(main)]  # at least one task each
+        jobs = self._jobs.active(runnable)[: batch - len(main)]  # at least one task each
         if not jobs:
             return await self._idle_fetch(batch)
         subs = [job.sub for job in jobs] + main

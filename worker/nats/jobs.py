@@ -43,6 +43,7 @@ from nats.js import JetStreamContext, api
 from config.settings import NatsSettings
 from worker.nats.provision import task_consumer_config
 from worker.nats.subjects import job_tasks_subject, tasks_subject
+from worker.ports import Runnable
 
 log = structlog.get_logger(__name__)
 _PAGE = 256
@@ -82,6 +83,7 @@ class JobSource:
     name: str
     pending: int  # not yet delivered, as last listed
     ack_pending: int
+    pipeline: str = ""  # the subject's tasks.<pipeline>.<job>
     sub: Any = None  # bound while the job has tasks pending or awaiting an ack
     dry: bool = False  # its last fetch found nothing: skipped until the next listing
 
@@ -155,16 +157,18 @@ class JobConsumers:
             config = job_consumer_config(self._settings, subject)
             info = await self._js.add_consumer(self._settings.tasks_stream, config)
             log.info("job_consumer_made", consumer=name, subject=subject)
-        job = self._jobs.get(subject) or JobSource(subject, name, 0, 0)
+        job = self._jobs.get(subject) or JobSource(subject, name, 0, 0, subject.split(".")[1])
         job.pending, job.ack_pending = info.num_pending or 0, info.num_ack_pending or 0
         job.dry = False
         if job.pending or job.ack_pending or job.sub is not None:
             self._jobs[subject] = job
 
-    def active(self) -> list[JobSource]:
+    def active(self, runnable: Runnable | None = None) -> list[JobSource]:
         """Bound jobs worth a fetch, rotated one place per call: each fetch starts with the
-        next job."""
+        next job. Only those of ``runnable`` pipelines while any of them has one."""
         bound = [job for job in self._jobs.values() if job.sub is not None and not job.dry]
+        if runnable is not None:
+            bound = [job for job in bound if runnable(job.pipeline)] or bound
         if not bound:
             return []
         self._turn = (self._turn + 1) % len(bound)
