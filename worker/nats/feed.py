@@ -23,6 +23,9 @@ log = structlog.get_logger(__name__)
 
 _SHARE_TIMEOUT_S = 0.2  # a job's share of a fetch: its tasks are there, or gone to another
 _IDLE_PULL_S = 0.05  # an idle worker's pull on the durable consumer, once per discovery
+# An idle worker woken by a new job waits this long before discovering it, so jobs published
+# together (a big one, then a small one) are found in one listing and share the first fetch.
+_NEWS_SETTLE_S = 0.05
 
 
 class TaskFeed:
@@ -106,7 +109,8 @@ class TaskFeed:
 
     async def _idle_fetch(self, batch: int) -> list[Msg]:
         """No job bound: until the next discovery, wait for a task to be heard of
-        (``PublishedTasks``; [] at once then, so the next fetch discovers its job), or pull
+        (``PublishedTasks``; [] then, ``_NEWS_SETTLE_S`` later, so the next fetch discovers
+        its job with any published along with it), or pull
         on the durable consumer while it has tasks; else one short pull there at the end
         (a task given back on it comes back then). A new job waits for its first task's
         publish, or one discovery interval at most when it goes unheard."""
@@ -115,6 +119,7 @@ class TaskFeed:
         if self._jobs.main_pending:
             return await self._fetch_from(self._sub, batch, max(_IDLE_PULL_S, wait_s))
         if await self._jobs.news_within(wait_s):
+            await asyncio.sleep(_NEWS_SETTLE_S)
             return []
         return await self._fetch_from(self._sub, batch, _IDLE_PULL_S)
 
