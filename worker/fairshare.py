@@ -2,8 +2,7 @@
 
 Every (pipeline, job) with waiting tasks has a queue. The next batch goes to the job that has
 had the least service for its weight (stride scheduling: each job's ``pass`` grows by tasks
-served / weight; the smallest pass goes next, on a tie the one served longest ago, then the
-one with fewer tasks waiting: it finishes sooner), so jobs with
+served / weight; the smallest pass goes next, on a tie the one served longest ago), so jobs with
 pending tasks get batches in proportion to their weights (1 each by default). A batch is
 that job's tasks, topped up from the other jobs of the same pipeline in the same order when
 it has fewer than a batch: a batch never mixes pipelines. A job that arrives (or comes back
@@ -94,6 +93,4 @@ class FairQueue(Generic[T]):
             yield from job.tasks
 
     def _order(self) -> list[_Job[T]]:
-        return sorted(
-            self._jobs.values(), key=lambda job: (job.pass_, job.served_at, len(job.tasks))
-        )
+        return sorted(self._jobs.values(), key=lambda job: (job.pass_, job.served_at))

@@ -19,18 +19,6 @@ def test_a_small_job_behind_a_big_one_gets_the_next_batch():
     assert second[5:] == [f"big-{i}" for i in range(16, 27)]
 
 
-def test_jobs_that_arrive_together_go_smallest_first():
-    queue: FairQueue[str] = FairQueue()
-    for i in range(240):
-        queue.add(("p", "big"), f"big-{i}")
-    for i in range(5):
-        queue.add(("p", "small"), f"small-{i}")
-    first = queue.next_batch(16)
-    # neither has been served: the one with fewer tasks waiting finishes in the first batch
-    assert first[:5] == [f"small-{i}" for i in range(5)]
-    assert first[5:] == [f"big-{i}" for i in range(11)]
-
-
 def test_jobs_get_batches_in_proportion_to_their_weights():
     weights = {("p", "a"): 1.0, ("p", "b"): 3.0}
     queue: FairQueue[str] = FairQueue(weights.__getitem__)
