@@ -96,6 +96,30 @@ def test_check_says_ready_or_names_each_problem(settings_for, nats_server):
     assert "hunter2" not in broken.stderr + broken.stdout
 
 
+def test_check_loads_every_served_pipeline_and_names_the_one_that_cannot_load(
+    settings_for, nats_server, tmp_path
+):
+    from pipelines.models import save_classifier
+
+    tomls = []
+    for name, seed in (("animals", 1), ("colours", 2)):
+        weights = save_classifier("mobilenet_v3_small", ["a", "b"], str(tmp_path / name), seed=seed)
+        toml = tmp_path / f"{name}.toml"
+        arch = "mobilenet_v3_small" if name == "animals" else "resnet18"  # not its weights
+        toml.write_text(
+            f'name = "{name}"\n[classifier]\nkey = "{name}"\narchitecture = "{arch}"\n'
+            f'weights = "{weights}"\n'
+        )
+        tomls.append(str(toml))
+    env = worker_env(settings_for(nats_server.url), WORKER_MODEL__PIPELINES=",".join(tomls))
+    assert cli("provision", env=env).returncode == 0
+    done = cli("check", env=env, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    model_lines = [line for line in done.stderr.splitlines() if "model:" in line]
+    assert model_lines and all("colours" in line for line in model_lines), done.stderr
+    assert not any("animals" in line for line in model_lines)
+
+
 @pytest.mark.parametrize(
     "command",
     [

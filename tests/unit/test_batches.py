@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import statistics
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -139,5 +140,8 @@ async def test_the_hold_lasts_while_tasks_of_both_pipelines_keep_arriving():
     batches of 0.25 s, a 1 s load holding 4 s (16 batches)."""
     loads, runs = await loads_with(FakeSource)
     blind_loads, blind_runs = await loads_with(SourceThatCannotChoose)
-    assert loads <= 200 // 16 + 2, runs
+    # most runs last the hold (16 batches; the last ones are shorter as the jobs run out,
+    # and a busy machine can let the engine outrun the fetches now and then)
+    assert statistics.median(runs) >= 15, runs
     assert blind_loads > 2 * loads, (blind_runs, runs)  # without the choice: short runs
+    assert statistics.median(blind_runs) < 10, blind_runs

@@ -45,23 +45,37 @@ async def _nats_problems(settings: Settings) -> list[str]:
 
 
 def _model_problems(settings: Settings) -> list[str]:
+    """Every served pipeline resolved, then loaded one at a time (one's models in memory at
+    once): one line per problem, naming the pipeline that cannot load."""
     from config.derived import chosen_device
-    from pipelines.device import visibility
+    from pipelines.device import release_cached_memory, visibility
     from pipelines.runner import load_runner
-    from pipelines.setup import choose
+    from pipelines.setup import choose_all
     from worker.app import source_config
 
     try:
-        chosen = choose(settings)
+        everything = choose_all(settings)
         _visible, device = visibility(chosen_device(settings))  # check reads; it sets nothing
-        load_runner(
-            chosen.pipeline, source_config(settings), device, chosen.limits, chosen.response_format
-        )
     except WorkerError as error:
         return [f"model: {line}" for line in str(error).splitlines()]
-    except Exception as error:  # noqa: BLE001 - reported as a problem line
-        return [f"model: cannot load {settings.model.pipeline}: {type(error).__name__} {error}"]
-    return []
+    problems: list[str] = []
+    for chosen in everything:
+        try:
+            runner = load_runner(
+                chosen.pipeline,
+                source_config(settings),
+                device,
+                chosen.limits,
+                chosen.response_format,
+            )
+            del runner
+            release_cached_memory()
+        except WorkerError as error:
+            problems += [f"model: {line}" for line in str(error).splitlines()]
+        except Exception as error:  # noqa: BLE001 - reported as a problem line
+            name = chosen.pipeline.name
+            problems.append(f"model: cannot load {name}: {type(error).__name__} {error}")
+    return problems
 
 
 async def _antenna_problems(settings: Settings) -> list[str]:
