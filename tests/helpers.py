@@ -296,3 +296,18 @@ def claimed_path(proc: subprocess.Popen[str]) -> Path:
         if line.startswith("PATH="):
             return Path(line.removeprefix("PATH=").strip())
     raise AssertionError("the holder said no path")
+
+
+def start_run(
+    env: dict[str, str], log: Path, *args: str, own_group: bool = False
+) -> subprocess.Popen[bytes]:
+    """``worker run`` as a process, its output appended to ``log``; with ``own_group``, in a
+    process group of its own, as under supervisord."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "worker", "run", *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=own_group,
+        )

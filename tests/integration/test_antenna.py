@@ -7,8 +7,6 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +16,7 @@ import pytest
 
 from tests.antenna_fake import FakeAntenna
 from tests.conftest import LABELS, PIPELINE
-from tests.helpers import cli
+from tests.helpers import cli, start_run
 from worker.commands.demo_images import corrupt_bytes, image_bytes
 from worker.commands.localservers import stop_process
 
@@ -68,16 +66,6 @@ def add_images(fake: FakeAntenna, prefix: str, count: int) -> list[tuple[str, st
     return images
 
 
-def start(env: dict[str, str], log_path: Path, *args: str) -> subprocess.Popen[bytes]:
-    with open(log_path, "ab") as log_file:
-        return subprocess.Popen(
-            [sys.executable, "-m", "worker", "run", *args],
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-
-
 def wait_for(condition: Callable[[], bool], timeout_s: float, what: str, log: Path) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -114,7 +102,7 @@ def test_register_is_idempotent_and_a_mixed_job_completes_with_every_image_saved
     bad = [("corrupt", antenna.media_url("corrupt.jpg")), ("gone", antenna.media_url("no.jpg"))]
     job = antenna.add_job(PIPELINE, good + bad)
     log = tmp_path / "worker.log"
-    proc = start(env_for(antenna, model_path), log, "--until-idle")
+    proc = start_run(env_for(antenna, model_path), log, "--until-idle")
     try:
         assert proc.wait(timeout=180) == 0, log.read_text()[-4000:]
     finally:
@@ -142,7 +130,7 @@ def test_sigkill_mid_job_and_a_restart_lose_nothing_antenna_would_not_redeliver(
             fake, model_path, WORKER_ANTENNA__TTR_S="8", WORKER_HEALTH__DRAIN_TIMEOUT_S="5"
         )
         log = tmp_path / "worker.log"
-        proc = start(env, log)
+        proc = start_run(env, log)
         try:
             wait_for(lambda: len(fake.jobs[job].done) >= 4, 120, "4 images saved", log)
             fake.results_unavailable = True  # what it holds now stays held until the kill
@@ -157,7 +145,7 @@ def test_sigkill_mid_job_and_a_restart_lose_nothing_antenna_would_not_redeliver(
             }
             assert held, "the killed process held no reservation"
             fake.results_unavailable = False
-            proc = start(env, log)
+            proc = start_run(env, log)
             wait_for(lambda: fake.jobs[job].status == "SUCCESS", 180, "the job done", log)
         finally:
             stop_process(proc)
@@ -175,7 +163,7 @@ def test_a_503_storm_on_result_loses_nothing(
     antenna.fail_results = 6  # the next six result posts answer 503
     job = antenna.add_job(PIPELINE, images)
     log = tmp_path / "worker.log"
-    proc = start(env_for(antenna, model_path), log, "--until-idle")
+    proc = start_run(env_for(antenna, model_path), log, "--until-idle")
     try:
         assert proc.wait(timeout=180) == 0, log.read_text()[-4000:]
     finally:
@@ -194,7 +182,7 @@ def test_a_small_job_behind_a_large_one_finishes_long_before_it(
     large = antenna.add_job(PIPELINE, add_images(antenna, "L", 60))
     small = antenna.add_job(PIPELINE, add_images(antenna, "S", 5))
     log = tmp_path / "worker.log"
-    proc = start(env_for(antenna, model_path), log, "--until-idle")
+    proc = start_run(env_for(antenna, model_path), log, "--until-idle")
     try:
         wait_for(lambda: antenna.jobs[small].status == "SUCCESS", 180, "the small job done", log)
         left_in_large = len(antenna.pending(large))
@@ -230,7 +218,7 @@ def test_sigterm_posts_what_is_finished_reserves_nothing_more_and_metrics_show_a
             WORKER_LOADER__BATCH_SIZE="2",
         )
         log = tmp_path / "worker.log"
-        proc = start(env, log)
+        proc = start_run(env, log)
         try:
             wait_for(lambda: len(fake.jobs[job].done) >= 4, 120, "4 images saved", log)
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
@@ -251,7 +239,7 @@ def test_sigterm_posts_what_is_finished_reserves_nothing_more_and_metrics_show_a
         assert all(f'"image_id": "{image}"' in text for image in held)  # each said in the log
         assert TOKEN not in text
         # What was left comes back from Antenna: a second worker finishes the job.
-        proc = start(
+        proc = start_run(
             env_for(
                 fake, model_path, WORKER_ANTENNA__TTR_S="6", WORKER_HEALTH__DRAIN_TIMEOUT_S="4"
             ),
@@ -299,7 +287,7 @@ def test_one_process_serves_the_jobs_of_every_pipeline_it_serves_and_no_other(
     }
     other = antenna.add_job("other", add_images(antenna, "O", 3))
     log = tmp_path / "worker.log"
-    proc = start(env, log, "--until-idle")
+    proc = start_run(env, log, "--until-idle")
     try:
         assert proc.wait(timeout=240) == 0, log.read_text()[-4000:]
     finally:

@@ -31,6 +31,7 @@ from tests.helpers import (
     cli,
     client,
     run_dir_holder,
+    start_run,
     submit,
     until_gone,
     upload_images,
@@ -91,14 +92,7 @@ def semaphores_mapped(pids: list[int]) -> set[str]:
 
 
 def start(env: dict[str, str], log: Path, *args: str) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "worker", "run", *args],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group, as under supervisord
-        )
+    return start_run(env, log, *args, own_group=True)  # as under supervisord
 
 
 async def kill_group_mid_job(
