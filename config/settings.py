@@ -84,12 +84,23 @@ class NatsSettings(BaseModel):
     )
     job_consumer_inactive_s: float = Field(
         0.0,
-        description="a job's consumer is deleted by the server after no worker pulled from it "
-        "for this long; 0 = WORKER_NATS__TASKS_MAX_AGE_S (it outlives its job's messages)",
+        description="a backstop: the server deletes a job's consumer after no worker pulled "
+        "from it for this long; 0 = WORKER_NATS__TASKS_MAX_AGE_S (the workers delete a "
+        "finished job's consumer themselves: WORKER_NATS__JOB_CONSUMER_LINGER_S)",
         ge=0,
     )
+    job_consumer_linger_s: float = Field(
+        5.0,
+        description="a job's consumer is deleted once it has had nothing pending and nothing "
+        "awaiting an ack for this long (README, Fair share across jobs)",
+        gt=0,
+    )
     max_job_consumers: int = Field(
-        256, description="jobs a process fetches from at once (the rest wait for a slot)", ge=1
+        256,
+        description="job consumers that exist at once on the tasks stream, and at most half "
+        "the server's per-stream consumer limit (the stream's or account's max_consumers, "
+        "else 1,000); new jobs wait for room",
+        ge=1,
     )
     # JetStream reserves a stream's max_bytes on its server's disk when the stream is made,
     # and refuses the stream when the reservations would not fit: the defaults stay small.

@@ -37,6 +37,7 @@ from worker.health.liveness import Liveness
 from worker.health.metrics import (
     PREFIX,
     DeviceCollector,
+    JobConsumersCollector,
     Metrics,
     ModelsCollector,
     ReadsCollector,
@@ -47,7 +48,7 @@ from worker.health.watchdog import Watchdog
 from worker.nats.advisories import ExhaustedTasks
 from worker.nats.connection import ConnectionState, connect
 from worker.nats.feed import TaskFeed
-from worker.nats.provision import provision
+from worker.nats.provision import provision, refuse_other_fair_jobs
 from worker.orchestrator import Services, Worker
 from worker.ports import BatchEngine
 from worker.results import ResultStore, publish_algorithms
@@ -208,7 +209,13 @@ class WorkerApp:
 
         for name in served.names:  # those loaded at start
             await loaded(name)
-        metrics = self._build_health(liveness, engine.loader.child_pids)
+        connection = self.connection
+        metrics = self._build_health(
+            liveness,
+            engine.loader.child_pids,
+            lambda: connection.problem(s.health.disconnected_timeout_s) or feed.problem(),
+        )
+        metrics.registry.register(JobConsumersCollector(feed.job_stats))
         settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
         settler.completed_twice = metrics.results_already_stored.inc
         return self._services(
@@ -377,6 +384,7 @@ class WorkerApp:
         s = self.settings
         self.nc = nc = await connect(s.nats, state=self.connection)
         js = nc.jetstream()
+        await refuse_other_fair_jobs(js, s.nats)
         await provision(js, s.nats, served.names)
         self.feed = TaskFeed(nc, s.nats, served.names)
         await self.feed.open()

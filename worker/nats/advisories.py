@@ -23,7 +23,7 @@ import nats
 import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import RawStreamMsg
+from nats.js.api import ConsumerInfo, RawStreamMsg
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from config.settings import NatsSettings
@@ -115,15 +115,15 @@ class ExhaustedTasks:
             await msg.term()
             return
         seq, deliveries = read.stream_seq, read.deliveries
-        forged = await self._forged(msg, read)
+        original = await self._original(msg, seq)
+        if original is None:
+            return
+        forged = await self._forged(msg, read, original.subject or "")
         if forged is None:
-            return  # an outage: it comes back later
+            return  # an outage, or the task still in flight: it comes back later
         if forged:
             log.error("advisory_refused", stream_seq=seq, reason=forged, data=msg.data[:200])
             await msg.term()
-            return
-        original = await self._original(msg, seq)
-        if original is None:
             return
         data, subject = original.data or b"", original.subject or ""
         if await self._settler.exhausted(data, subject, seq, deliveries):
@@ -131,13 +131,16 @@ class ExhaustedTasks:
         else:
             await self._later(msg)
 
-    async def _forged(self, msg: Msg, advisory: Advisory) -> str | None:
-        """Why ``advisory`` cannot be the server's, against its own fields and the tasks
-        consumer's state now; "" when it can be; None when the state could not be read (the
-        advisory is given back for later). A client allowed to publish on the advisory
-        subject could otherwise fail any task by its sequence: deployments deny it (README,
-        "NATS permissions"); what passes here names a task the consumer did deliver, at
-        least as often as its max_deliver."""
+    async def _forged(self, msg: Msg, advisory: Advisory, subject: str) -> str | None:
+        """Why ``advisory`` cannot be the server's, against its own fields and the named
+        consumer's state now; "" when it can be; None when it is given back for later (the
+        state could not be read, or the task is still awaiting an ack there). A client
+        allowed to publish on the advisory subject could otherwise fail any task by its
+        sequence: deployments deny it (README, "NATS permissions"); what passes here names a
+        consumer whose filter takes the task's subject, that has delivered it, at least as
+        often as its max_deliver, and holds it no longer (the server drops a task from the
+        pending ones when its deliveries run out: an acked or dropped task is below the ack
+        floor)."""
         s = self._settings
         ours = advisory.consumer == s.consumer or is_job_consumer(s, advisory.consumer)
         if (advisory.type, advisory.stream) != (MAX_DELIVER_TYPE, s.tasks_stream) or not ours:
@@ -153,15 +156,33 @@ class ExhaustedTasks:
         except (nats.errors.Error, TimeoutError):
             await self._later(msg)
             return None
+        return await self._against(msg, advisory, subject, info)
+
+    async def _against(
+        self, msg: Msg, advisory: Advisory, subject: str, info: ConsumerInfo
+    ) -> str | None:
+        """``_forged``'s checks against the named consumer's ``info``."""
         max_deliver = int(info.config.max_deliver or 0)
         if advisory.deliveries < max_deliver:
             return f"{advisory.deliveries} deliveries, fewer than the consumer's {max_deliver}"
+        filters = info.config.filter_subjects or [info.config.filter_subject or ">"]
+        if not any(_matches(f, subject) for f in filters):
+            return f"consumer {advisory.consumer!r} does not take {subject!r} (filter {filters})"
         delivered_seq = int(info.delivered.stream_seq or 0) if info.delivered else 0
         if advisory.stream_seq > delivered_seq:
             return (
                 f"stream sequence {advisory.stream_seq} was never delivered (the consumer has "
                 f"delivered up to {delivered_seq})"
             )
+        floor = int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0
+        if advisory.stream_seq > floor and info.num_ack_pending:
+            log.warning(
+                "advisory_deferred",
+                stream_seq=advisory.stream_seq,
+                reason=f"consumer {advisory.consumer!r} may still hold it (ack floor {floor})",
+            )
+            await self._later(msg)
+            return None
         return ""
 
     async def _original(self, msg: Msg, seq: int) -> RawStreamMsg | None:
@@ -179,6 +200,17 @@ class ExhaustedTasks:
         except nats.errors.Error:
             await self._later(msg)
         return None
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` one token, ``>`` the rest."""
+    want, have = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(have) > i
+        if i >= len(have) or (token != "*" and token != have[i]):
+            return False
+    return len(want) == len(have)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from nats.js import JetStreamContext
 
 from config.settings import NatsSettings
 from worker.nats.jobs import JobConsumers
+from worker.nats.lifecycle import ConsumerStats
 from worker.nats.news import PublishedTasks
 from worker.nats.subjects import advisory_consumer
 from worker.ports import Runnable
@@ -23,8 +24,11 @@ log = structlog.get_logger(__name__)
 
 _SHARE_TIMEOUT_S = 0.2  # a job's share of a fetch: its tasks are there, or gone to another
 _IDLE_PULL_S = 0.05  # an idle worker's pull on the durable consumer, once per discovery
-# An idle worker woken by a new job waits this long before discovering it, so jobs published
-# together (a big one, then a small one) are found in one listing and share the first fetch.
+# An idle worker woken by a new job discovers it once the hints have gone quiet for
+# _NEWS_QUIET_S (at most _NEWS_SETTLE_S after the first), so jobs published together (a big
+# one, then a small one) are found in one discovery and share the first fetch, and a job
+# published alone waits only the quiet gap.
+_NEWS_QUIET_S = 0.002
 _NEWS_SETTLE_S = 0.05
 
 
@@ -51,7 +55,14 @@ class TaskFeed:
         )
         if self._jobs is not None and self._news is not None:
             await self._news.open()
-            self._late = await self._jobs.refresh()
+            self._late = await self._jobs.open()
+
+    def problem(self) -> str | None:
+        """Why this feed cannot serve new jobs now (for /healthz), or None."""
+        return self._jobs.problem() if self._jobs is not None else None
+
+    def job_stats(self) -> ConsumerStats | None:
+        return self._jobs.stats if self._jobs is not None else None
 
     async def max_deliver(self) -> int:
         """The server's setting, which is what counts (not ours)."""
@@ -109,7 +120,7 @@ class TaskFeed:
 
     async def _idle_fetch(self, batch: int) -> list[Msg]:
         """No job bound: until the next discovery, wait for a task to be heard of
-        (``PublishedTasks``; [] then, ``_NEWS_SETTLE_S`` later, so the next fetch discovers
+        (``PublishedTasks``; [] then, once the hints go quiet, so the next fetch discovers
         its job with any published along with it), or pull
         on the durable consumer while it has tasks; else one short pull there at the end
         (a task given back on it comes back then). A new job waits for its first task's
@@ -119,7 +130,7 @@ class TaskFeed:
         if self._jobs.main_pending:
             return await self._fetch_from(self._sub, batch, max(_IDLE_PULL_S, wait_s))
         if await self._jobs.news_within(wait_s):
-            await asyncio.sleep(_NEWS_SETTLE_S)
+            await self._jobs.news_quiet(_NEWS_QUIET_S, _NEWS_SETTLE_S)
             return []
         return await self._fetch_from(self._sub, batch, _IDLE_PULL_S)
 
@@ -137,6 +148,9 @@ class TaskFeed:
         ) as error:
             log.warning("fetch_failed_will_retry", error=type(error).__name__)
             await asyncio.sleep(self._settings.fetch_timeout_s)
+            return []
+        except nats.errors.Error as error:  # a job consumer deleted meanwhile: [] until unbound
+            log.info("fetch_refused", error=f"{type(error).__name__}: {error}")
             return []
 
     async def close(self) -> list[Msg]:

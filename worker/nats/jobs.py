@@ -4,33 +4,27 @@ the stream order of a big one.
 The tasks stream delivers in publish order through one consumer, and the held-task cap fills
 with whatever came first: behind a 100,000-task job a 5-task job would not even be fetched.
 So every job subject ``tasks.<pipeline>.<job>`` of a served pipeline gets a consumer of its
-own, filtered to that subject and shared by every worker process (its name is made from the
-subject: ``<WORKER_NATS__CONSUMER>-job-<sha256 of the subject, 16 hex>``, its description is
-the subject). Jobs are discovered from the stream's subjects (``stream_info`` with a subjects
-filter, one request per served pipeline) every ``WORKER_NATS__JOB_DISCOVERY_S``, and at
-once when a task of a job not served yet is heard of (``worker.nats.news``); the
-consumers' pending counts come from one consumer listing. Each fetch takes from the jobs
-with tasks pending (or awaiting an ack: redeliveries come from there) in rotation, an equal
-share each, concurrently (and from the durable consumer for
-``tasks.<pipeline>``, the job in the payload), so the held tasks hold every job's; the
-orchestrator's fair share then forms the batches.
+own while it has work, filtered to that subject and shared by every worker process (its name
+is made from the subject: ``<WORKER_NATS__CONSUMER>-job-<sha256 of the subject, 16 hex>``, its
+description is the subject). Consumers are made as jobs come and deleted as they finish,
+within a bound (``worker.nats.lifecycle``). Every ``WORKER_NATS__JOB_DISCOVERY_S``, and at
+once when a task of a job not served yet is heard of (``worker.nats.news``), one consumer
+listing gives the job consumers' pending counts. Each fetch takes from the jobs with tasks
+pending (or awaiting an ack: redeliveries come from there) in rotation, an equal share each,
+concurrently (and from the durable consumer for ``tasks.<pipeline>``, the job in the
+payload), so the held tasks hold every job's; the orchestrator's fair share then forms the
+batches.
 
-Cleanup: the server deletes a job's consumer once no worker has pulled from it for
-``WORKER_NATS__JOB_CONSUMER_INACTIVE_S`` (``inactive_threshold``; by default the tasks'
-``max_age``, so a consumer outlives its job's messages and is never made again for a job
-that is done). Should one be made again (its job's messages still there, a new release
-reading an old stream), it walks its job from the start: a task whose result is already
-stored is only acked (admission checks every task), so nothing runs twice.
+Should a job's consumer be made again from its start (a new release reading an old stream),
+it walks its job: a task whose result is already stored is only acked (admission checks
+every task), so nothing runs twice.
 
-Limits: ``WORKER_NATS__MAX_JOB_CONSUMERS`` jobs are served at once per process (oldest
-discovered first; the rest wait for a slot); a subject listing holds at most the server's
-page of subjects (100,000) per pipeline; consumers are listed 256 per request.
+Limits: consumers are listed 256 per request, 64 pages at most.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -41,40 +35,16 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from config.settings import NatsSettings
-from worker.nats.provision import task_consumer_config
-from worker.nats.subjects import job_tasks_subject, tasks_subject
+from worker.nats.job_names import is_job_consumer, job_consumer, job_consumer_config
+from worker.nats.lifecycle import ConsumerStats, JobLifecycle, new_jobs_consumer
+from worker.nats.provision import serves_job_subjects
+from worker.nats.subjects import tasks_subject
 from worker.ports import Runnable
 
 log = structlog.get_logger(__name__)
 _PAGE = 256
 _MAX_PAGES = 64
-
-
-def job_consumer(settings: NatsSettings, subject: str) -> str:
-    """The consumer of one job subject: the same name in every worker process."""
-    digest = hashlib.sha256(subject.encode()).hexdigest()[:16]
-    return f"{settings.consumer}-job-{digest}"
-
-
-def is_job_consumer(settings: NatsSettings, name: str) -> bool:
-    """Whether ``name`` is one of our job consumers' (``job_consumer``'s form)."""
-    prefix = f"{settings.consumer}-job-"
-    digest = name.removeprefix(prefix)
-    return (
-        name.startswith(prefix)
-        and len(digest) == 16
-        and all(c in "0123456789abcdef" for c in digest)
-    )
-
-
-def job_consumer_config(settings: NatsSettings, subject: str) -> api.ConsumerConfig:
-    return task_consumer_config(
-        settings,
-        job_consumer(settings, subject),
-        description=subject,
-        filter_subject=subject,
-        inactive_threshold=settings.job_consumer_inactive_s or settings.tasks_max_age_s,
-    )
+__all__ = ["JobConsumers", "JobSource", "is_job_consumer", "job_consumer", "job_consumer_config"]
 
 
 @dataclass
@@ -95,13 +65,14 @@ class JobConsumers:
     def __init__(self, js: JetStreamContext, settings: NatsSettings, pipelines: list[str]):
         self._js = js
         self._settings = settings
-        self._pipelines = pipelines
+        self._life = JobLifecycle(js, settings, pipelines)
         self._jobs: dict[str, JobSource] = {}  # by subject, in discovery order
         self._turn = 0
         self._refreshed_at = float("-inf")
         self.main_pending = False  # the durable consumer (job in the payload) has tasks
         self.news = asyncio.Event()  # a task was heard of on a subject not served yet
         self._main_subjects = {tasks_subject(p) for p in pipelines}
+        self._conflict_logged = False
 
     def due(self) -> bool:
         return time.monotonic() - self._refreshed_at >= self._settings.job_discovery_s
@@ -127,41 +98,98 @@ class JobConsumers:
         self.news.clear()
         return True
 
+    async def news_quiet(self, quiet_s: float, most_s: float) -> None:
+        """Wait until no task has been heard of for ``quiet_s``, ``most_s`` at most."""
+        deadline = time.monotonic() + most_s
+        while await self.news_within(min(quiet_s, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                return
+
     def until_due(self) -> float:
         """Seconds until the next discovery is due (0 when it is)."""
         waited = time.monotonic() - self._refreshed_at
         return max(0.0, self._settings.job_discovery_s - waited)
 
     async def refresh(self) -> list[Msg]:
-        """Discover jobs, make the consumers they lack, bind those with pending tasks and
-        unbind the others; returns what unbound subscriptions had received after their last
-        fetch (to be admitted like any fetched message). A NATS error changes nothing."""
+        """Make the consumers new jobs lack, delete those of finished jobs, bind the jobs with
+        tasks pending and unbind the others; returns what unbound subscriptions had received
+        after their last fetch (to be admitted like any fetched message). A NATS error
+        changes nothing."""
         self._refreshed_at = time.monotonic()
         try:
-            subjects = await self._subjects()
-            listed = await self._listed()
+            scouted = await self._life.scout(self._life.stats.existing)
+            listed = await self._listed()  # after the scout read: a job listed has its consumer
             main = listed.get(self._settings.consumer)
             self.main_pending = bool(main is not None and main.num_pending)
-            for subject in subjects:
-                await self._note(subject, listed)
-            return await self._bind_or_unbind()
+            ours = {n: i for n, i in listed.items() if is_job_consumer(self._settings, n)}
+            if main is not None and self._shared_serves_jobs(main):
+                ours, scouted = {}, await self._give_back(scouted)
+            await self._life.make_missing(scouted, ours)
+            self._life.waiting(listed.get(new_jobs_consumer(self._settings)))
+            for job in self._jobs.values():
+                if job.name not in ours:  # deleted by another worker: nothing left to do
+                    job.pending = job.ack_pending = 0
+            for info in ours.values():
+                self._note(info)
+            late = await self._bind_or_unbind()
+            await self._life.delete_finished(ours, {j.name for j in self._jobs.values() if j.sub})
+            self._life.stats.existing = len(ours)
+            if self._life.more:
+                self._refreshed_at = float("-inf")
+            return late
         except (nats.errors.Error, TimeoutError) as error:
             log.warning("job_discovery_failed", error=f"{type(error).__name__}: {error}")
             return []
 
-    async def _note(self, subject: str, listed: dict[str, api.ConsumerInfo]) -> None:
-        """One job subject: its consumer made when it has none; tracked while it has work."""
-        name = job_consumer(self._settings, subject)
-        info = listed.get(name)
-        if info is None:
-            config = job_consumer_config(self._settings, subject)
-            info = await self._js.add_consumer(self._settings.tasks_stream, config)
-            log.info("job_consumer_made", consumer=name, subject=subject)
-        job = self._jobs.get(subject) or JobSource(subject, name, 0, 0, subject.split(".")[1])
+    def _shared_serves_jobs(self, main: api.ConsumerInfo) -> bool:
+        """The shared consumer delivers job subjects too (provisioned meanwhile by a process
+        with FAIR_JOBS=false, of this release or an earlier one): job consumers are not read
+        while it does, so no task is delivered by both."""
+        conflict = serves_job_subjects(main.config)
+        if conflict and not self._conflict_logged:
+            log.error(
+                "fair_jobs_suspended",
+                consumer=self._settings.consumer,
+                filter=main.config.filter_subjects,
+                hint="a process with WORKER_NATS__FAIR_JOBS=false shares this consumer; job "
+                "consumers are not read while its filter takes the job subjects",
+            )
+        self._conflict_logged = conflict
+        return conflict
+
+    async def _give_back(self, msgs: list[Msg]) -> list[Msg]:
+        for msg in msgs:
+            await msg.nak(delay=self._settings.job_discovery_s)
+        return []
+
+    def _note(self, info: api.ConsumerInfo) -> None:
+        """One job consumer, as listed: tracked while it has work."""
+        subject = info.config.filter_subject or ""
+        if not subject.startswith("tasks."):
+            return
+        job = self._jobs.get(subject) or JobSource(subject, info.name, 0, 0, subject.split(".")[1])
         job.pending, job.ack_pending = info.num_pending or 0, info.num_ack_pending or 0
         job.dry = False
         if job.pending or job.ack_pending or job.sub is not None:
             self._jobs[subject] = job
+
+    async def open(self) -> list[Msg]:
+        """The bound read from the server, and every existing job consumer given this
+        process's delivery settings (ConfigError when one cannot be), then a discovery."""
+        await self._life.open()
+        listed = await self._listed()
+        await self._life.converge(
+            {n: i for n, i in listed.items() if is_job_consumer(self._settings, n)}
+        )
+        return await self.refresh()
+
+    @property
+    def stats(self) -> ConsumerStats:
+        return self._life.stats
+
+    def problem(self) -> str | None:
+        """Why new jobs cannot be served now (the server refused their consumers), or None."""
+        return self._life.stats.refusal
 
     def active(self, runnable: Runnable | None = None) -> list[JobSource]:
         """Bound jobs worth a fetch, rotated one place per call: each fetch starts with the
@@ -177,10 +205,11 @@ class JobConsumers:
     async def busy_now(self) -> bool:
         """Any job consumer of ours with tasks pending or awaiting an ack (listed now)."""
         prefix = f"{self._settings.consumer}-job-"
+        scout = new_jobs_consumer(self._settings)
         return any(
             info.num_pending or info.num_ack_pending
             for name, info in (await self._listed()).items()
-            if name.startswith(prefix)
+            if name.startswith(prefix) or name == scout
         )
 
     async def close(self) -> list[Msg]:
@@ -188,15 +217,6 @@ class JobConsumers:
         for job in self._jobs.values():
             late += await self._unbind(job)
         return late
-
-    async def _subjects(self) -> list[str]:
-        found: list[str] = []
-        for pipeline in self._pipelines:
-            info = await self._js.stream_info(
-                self._settings.tasks_stream, subjects_filter=job_tasks_subject(pipeline, "*")
-            )
-            found += sorted((info.state.subjects or {}).keys())
-        return found
 
     async def _listed(self) -> dict[str, api.ConsumerInfo]:
         """Every consumer of the tasks stream, by name (paged)."""

@@ -10,7 +10,7 @@ import structlog
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
-from config.settings import NatsSettings
+from config.settings import ConfigError, NatsSettings
 from worker.nats.subjects import (
     advisory_consumer,
     advisory_subject,
@@ -20,6 +20,8 @@ from worker.nats.subjects import (
 
 log = structlog.get_logger(__name__)
 DEAD_LETTER_DEDUPE_S = 3600.0
+SCOUT_BATCH = 256  # new-job messages read per discovery (worker.nats.lifecycle)
+SCOUT_ACK_WAIT_S = 30.0
 
 
 def stream_configs(settings: NatsSettings) -> list[api.StreamConfig]:
@@ -87,7 +89,6 @@ def task_consumer_config(settings: NatsSettings, name: str, **which: Any) -> api
 
 
 def consumer_config(settings: NatsSettings, pipelines: str | list[str]) -> api.ConsumerConfig:
-    served = [pipelines] if isinstance(pipelines, str) else pipelines
     return task_consumer_config(
         settings,
         settings.consumer,
@@ -96,13 +97,34 @@ def consumer_config(settings: NatsSettings, pipelines: str | list[str]) -> api.C
         # With a consumer per job (fair_jobs, worker.nats.jobs), only the former.
         filter_subjects=[
             subject
-            for pipeline in served
+            for pipeline in served(pipelines)
             for subject in (
                 (tasks_subject(pipeline),)
                 if settings.fair_jobs
                 else (tasks_subject(pipeline), job_tasks_subject(pipeline, "*"))
             )
         ],
+    )
+
+
+def new_jobs_consumer(settings: NatsSettings) -> str:
+    return f"{settings.consumer}-new-jobs"
+
+
+def new_jobs_consumer_config(settings: NatsSettings, pipelines: list[str]) -> api.ConsumerConfig:
+    name = new_jobs_consumer(settings)
+    return api.ConsumerConfig(
+        name=name,
+        durable_name=name,
+        description="new jobs: one message per task, headers only (worker.nats.lifecycle)",
+        ack_policy=api.AckPolicy.EXPLICIT,
+        deliver_policy=api.DeliverPolicy.ALL,
+        filter_subjects=[job_tasks_subject(pipeline, "*") for pipeline in pipelines],
+        headers_only=True,
+        ack_wait=SCOUT_ACK_WAIT_S,
+        max_deliver=-1,  # given back while a job waits for room: never dropped
+        max_ack_pending=SCOUT_BATCH * 64,
+        num_replicas=settings.replicas if settings.replicas > 1 else None,
     )
 
 
@@ -131,6 +153,33 @@ def advisory_consumer_config(settings: NatsSettings) -> api.ConsumerConfig:
         max_deliver=-1,
         num_replicas=settings.replicas if settings.replicas > 1 else None,
     )
+
+
+def serves_job_subjects(config: api.ConsumerConfig) -> bool:
+    """Whether the shared consumer's filter takes ``tasks.<pipeline>.*`` too: made by a process
+    with ``WORKER_NATS__FAIR_JOBS=false`` (with fair share it takes ``tasks.<pipeline>``)."""
+    filters = config.filter_subjects or ([config.filter_subject] if config.filter_subject else [])
+    return any(f.endswith(".*") or f.endswith(".>") for f in filters)
+
+
+async def refuse_other_fair_jobs(js: JetStreamContext, settings: NatsSettings) -> None:
+    """ConfigError (exit 2) when the shared consumer exists and serves the other
+    ``WORKER_NATS__FAIR_JOBS``: processes that differ there would each deliver every job task
+    (one through the shared consumer, one through the job's own)."""
+    try:
+        info = await js.consumer_info(settings.tasks_stream, settings.consumer)
+    except NotFoundError:
+        return
+    theirs = not serves_job_subjects(info.config)
+    if theirs != settings.fair_jobs:
+        ours, other = str(settings.fair_jobs).lower(), str(theirs).lower()
+        raise ConfigError(
+            f"WORKER_NATS__FAIR_JOBS={ours}: consumer {settings.consumer} on stream "
+            f"{settings.tasks_stream} serves WORKER_NATS__FAIR_JOBS={other} (its filter: "
+            f"{', '.join(info.config.filter_subjects or [info.config.filter_subject or ''])}); "
+            "every process sharing it needs the same setting (to change it, stop them all "
+            "and run `provision` with the new one)"
+        )
 
 
 async def provision(
@@ -172,4 +221,12 @@ async def provision(
     watcher = advisory_consumer_config(settings)
     await js.add_consumer(settings.advisory_stream, watcher)
     done.append(f"created or updated consumer {watcher.name} on max-deliveries advisories")
+    if settings.fair_jobs:
+        scout = new_jobs_consumer_config(settings, served(pipelines))
+        await js.add_consumer(settings.tasks_stream, scout)
+        done.append(f"created or updated consumer {scout.name} (new jobs, headers only)")
     return done
+
+
+def served(pipelines: str | list[str]) -> list[str]:
+    return [pipelines] if isinstance(pipelines, str) else pipelines

@@ -1,0 +1,238 @@
+"""Job consumers over a week of jobs, through the real worker and nats-server: they are made
+as jobs come and deleted as they finish, never more at once than the bound, and a server that
+refuses more (its consumer limit filled by other clients) is a /healthz problem and a metric
+until there is room again (worker/nats/lifecycle.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from nats.js import api
+from nats.js.errors import APIError, NotFoundError
+
+from tests.helpers import client, running_worker
+from worker.commands.client import make_tasks, publish_tasks
+from worker.commands.demo_images import image_bytes
+from worker.commands.localservers import find_nats_server, free_port, stop_process, wait_port
+from worker.nats.subjects import result_subject
+
+pytestmark = pytest.mark.integration
+
+JOBS, WAVE = 3000, 150
+BOUND = 100  # WORKER_NATS__MAX_JOB_CONSUMERS here
+OTHERS = 2  # the shared consumer and the new-jobs one
+
+
+def small_images(s3: Any, bucket: str, count: int) -> list[str]:
+    uris = []
+    for i in range(count):
+        key = f"small/{i}.jpg"
+        s3.put_object(Bucket=bucket, Key=key, Body=image_bytes(64, 48, seed=i))
+        uris.append(f"s3://{bucket}/{key}")
+    return uris
+
+
+async def results_stored(js: Any, settings: Any) -> int:
+    return int((await js.stream_info(settings.nats.results_stream)).state.messages)
+
+
+@contextlib.asynccontextmanager
+async def consumer_counts(js: Any, stream: str) -> AsyncIterator[list[int]]:
+    """The stream's consumer count, sampled every 50 ms while inside."""
+    seen: list[int] = []
+
+    async def sample() -> None:
+        while True:
+            seen.append(int((await js.stream_info(stream)).state.consumer_count))
+            await asyncio.sleep(0.05)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        yield seen
+    finally:
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
+
+
+async def wait_until(what: str, check: Any, timeout_s: float, seen: list[int]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert max(seen, default=0) <= BOUND + OTHERS, f"{max(seen)} consumers at once"
+        assert time.monotonic() < deadline, f"{what} not within {timeout_s}s"
+        await asyncio.sleep(0.1)
+
+
+async def test_three_thousand_one_task_jobs_keep_the_consumers_bounded_and_serve_a_last_job(
+    nats_server, s3_server, bucket, settings_for
+):
+    settings = settings_for(
+        nats_server.url,
+        nats={
+            "job_discovery_s": 0.2,
+            "job_consumer_linger_s": 0.5,
+            "max_job_consumers": BOUND,
+        },
+        loader={"batch_size": 32, "prefetch_batches": 2},
+    )
+    uris = small_images(s3_server.client(), bucket, 4)
+    pipeline, n = settings.model.pipeline, settings.nats
+    async with running_worker(settings) as app, client(settings) as js:
+        async with consumer_counts(js, n.tasks_stream) as seen:
+            # Given 3,000 one-task jobs published over the run, one subject each (Antenna's)
+            for wave in range(JOBS // WAVE):
+                tasks = [
+                    task
+                    for j in range(wave * WAVE, (wave + 1) * WAVE)
+                    for task in make_tasks(f"job-{j}", [uris[j % len(uris)]])
+                ]
+                await publish_tasks(js, n, pipeline, tasks)
+                published = (wave + 1) * WAVE
+
+                async def caught_up(behind: int = published - 2 * WAVE) -> bool:
+                    return await results_stored(js, settings) >= behind
+
+                await wait_until("the worker keeping up", caught_up, 120, seen)
+
+            async def all_answered() -> bool:
+                return await results_stored(js, settings) >= JOBS
+
+            await wait_until("every job answered", all_answered, 180, seen)
+            # Then a job published at the end is served still
+            (last,) = make_tasks("job-last", uris[:1])
+            await publish_tasks(js, n, pipeline, [last])
+            started = time.monotonic()
+            result = await _result(js, settings, last, timeout_s=20)
+            served_s = time.monotonic() - started
+        ok = app.registry.get_sample_value("inference_worker_tasks_total", {"outcome": "ok"})
+        made = app.registry.get_sample_value("inference_worker_job_consumers_made_total")
+    assert result["status"] == "ok", result
+    assert ok == JOBS + 1  # each job answered, once
+    assert max(seen) <= BOUND + OTHERS, f"{max(seen)} consumers at once"
+    assert made is not None and made >= JOBS  # one consumer per job, each deleted after
+    print(f"last job served in {served_s:.2f}s; most consumers at once {max(seen)}")
+
+
+async def _result(js: Any, settings: Any, task: Any, timeout_s: float) -> dict[str, Any]:
+    """The task's stored result (a direct read: no consumer, which a full server refuses)."""
+    import json
+
+    deadline = time.monotonic() + timeout_s
+    subject = result_subject(task.job_id, task.id)
+    while time.monotonic() < deadline:
+        try:
+            stored = await js.get_last_msg(settings.nats.results_stream, subject)
+        except NotFoundError:
+            await asyncio.sleep(0.1)
+            continue
+        return dict(json.loads(stored.data))
+    raise AssertionError(f"no result for {task.id} within {timeout_s}s")
+
+
+# -- a server whose consumer limit other clients fill --------------------------------------
+ACCOUNT_MAX_CONSUMERS = 16
+
+
+@contextlib.contextmanager
+def limited_nats(tmp_path: Path) -> Iterator[str]:
+    """A nats-server whose one account may hold ACCOUNT_MAX_CONSUMERS consumers."""
+    port = free_port()
+    conf = tmp_path / "limited.conf"
+    conf.write_text(
+        f"listen: 127.0.0.1:{port}\n"
+        f'jetstream {{ store_dir: "{tmp_path / "js"}" }}\n'
+        "accounts { LIMITED { jetstream { max_consumers: "
+        f"{ACCOUNT_MAX_CONSUMERS} }}, users [{{ user: w, password: w }}] }} }}\n"
+    )
+    proc = subprocess.Popen(
+        [find_nats_server(), "-c", str(conf), "-l", str(tmp_path / "nats.log")],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_port(port, proc, "nats-server")
+        yield f"nats://w:w@127.0.0.1:{port}"
+    finally:
+        stop_process(proc)
+
+
+def healthz(port: int) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+async def fill_consumers(url: str, stream: str) -> tuple[Any, list[str]]:
+    """Another client's consumers on the tasks stream until the server refuses one."""
+    nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0)
+    js = nc.jetstream()
+    made: list[str] = []
+    for i in range(ACCOUNT_MAX_CONSUMERS + 1):
+        try:
+            await js.add_consumer(
+                stream, api.ConsumerConfig(durable_name=f"other-{i}", filter_subject="tasks.x")
+            )
+        except APIError:
+            return nc, made
+        made.append(f"other-{i}")
+    raise AssertionError("the server never refused a consumer")
+
+
+async def test_a_consumer_limit_filled_by_others_is_a_health_problem_until_there_is_room(
+    tmp_path, s3_server, bucket, settings_for
+):
+    port = free_port()
+    uris = small_images(s3_server.client(), bucket, 2)
+    with limited_nats(tmp_path) as url:
+        settings = settings_for(
+            url,
+            nats={"job_discovery_s": 0.2, "job_consumer_linger_s": 300},
+            metrics={"port": port},
+        )
+        pipeline, n = settings.model.pipeline, settings.nats
+        async with running_worker(settings) as app, client(settings) as js:
+            (first,) = make_tasks("job-before", uris[:1])
+            await publish_tasks(js, n, pipeline, [first])
+            assert (await _result(js, settings, first, 30))["status"] == "ok"
+            # Given another client's consumers filling the server's limit
+            other, theirs = await fill_consumers(url, n.tasks_stream)
+            try:
+                # When a job comes
+                (task,) = make_tasks("job-refused", uris[1:])
+                await publish_tasks(js, n, pipeline, [task])
+                # Then /healthz and the metric name the refusal
+                deadline = time.monotonic() + 30
+                while healthz(port)[0] == 200:
+                    assert time.monotonic() < deadline, "/healthz still ok"
+                    await asyncio.sleep(0.1)
+                status, body = healthz(port)
+                refused = app.registry.get_sample_value(
+                    "inference_worker_job_consumers_refused_total"
+                )
+                # And once there is room, the job is served and /healthz is ok again
+                for name in theirs:
+                    await other.jetstream().delete_consumer(n.tasks_stream, name)
+                result = await _result(js, settings, task, 30)
+                deadline = time.monotonic() + 30
+                while healthz(port)[0] != 200:
+                    assert time.monotonic() < deadline, f"/healthz: {healthz(port)}"
+                    await asyncio.sleep(0.1)
+            finally:
+                await other.close()
+    assert status == 503 and "refused a job consumer" in body, body
+    assert "maximum consumers limit reached" in body, body
+    assert refused is not None and refused >= 1
+    assert result["status"] == "ok"

@@ -1,0 +1,240 @@
+"""Job consumers made as jobs come and deleted as they finish, never more at once than a bound
+well under the server's per-stream consumer limit.
+
+New jobs are found by one shared durable consumer, ``<WORKER_NATS__CONSUMER>-new-jobs``, on
+the served pipelines' job subjects (``tasks.<pipeline>.*``), headers only: each task published
+reaches one worker process once, as a few hundred bytes of headers, and is acked there only
+once its job has a consumer (made now, or listed after the task was fetched). A worker that
+dies holding such a message gives it back after its ack wait; a job that finds no room (the
+bound, or the server refusing) has its messages given back for a discovery interval later.
+
+A job's consumer is deleted once it has had nothing pending and nothing awaiting an ack for
+``WORKER_NATS__JOB_CONSUMER_LINGER_S`` (and no max-deliveries advisory waits, which must find
+the consumer that named it). Right after the delete, the job subject's last message is read:
+one published between the consumer's last listing and its delete gets a consumer again,
+starting after what the deleted one had delivered, so no task falls between the two.
+
+The bound: ``WORKER_NATS__MAX_JOB_CONSUMERS``, and at most half of the server's per-stream
+limit (the stream's ``max_consumers``, else the account's, else 1,000 as nats-server 2.15's
+default), counted from the consumer listing of each discovery. Processes count alike, so a
+fleet overshoots it by at most what its processes make in one discovery between them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import nats
+import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+from nats.js.errors import APIError, NotFoundError
+
+from config.settings import ConfigError, NatsSettings
+from worker.nats.job_names import job_consumer, job_consumer_config
+from worker.nats.provision import SCOUT_BATCH, new_jobs_consumer
+from worker.nats.subjects import advisory_consumer
+
+log = structlog.get_logger(__name__)
+ASSUMED_SERVER_LIMIT = 1000  # nats-server 2.15's per-stream default, where nothing says more
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, float | int) and isinstance(b, float | int):
+        return abs(a - b) < 1e-3
+    return a == b or (not a and not b)
+
+
+@dataclass
+class ConsumerStats:
+    """What the lifecycle did, for the metrics and /healthz."""
+
+    made: int = 0
+    deleted: int = 0
+    refused: int = 0
+    existing: int = 0  # job consumers of ours, as last listed
+    bound: int = 0  # the most that may exist at once
+    refusal: str | None = None  # the server's last refusal, while jobs still wait for room
+
+
+class JobLifecycle:
+    """Makes the consumers new jobs lack, deletes those of finished jobs, within the bound."""
+
+    def __init__(self, js: JetStreamContext, settings: NatsSettings, pipelines: list[str]):
+        self._js = js
+        self._settings = settings
+        self._pipelines = pipelines
+        self._scout: object | None = None
+        self.stats = ConsumerStats(bound=settings.max_job_consumers)
+        self.more = False  # the last scout read was full: discover again at once
+        self._quiet_since: dict[str, float] = {}  # consumer -> when first listed with no work
+        self._owed: dict[str, int] = {}  # subject -> start sequence of a remake not done yet
+
+    async def open(self) -> None:
+        self.stats.bound = min(self._settings.max_job_consumers, await self._server_limit() // 2)
+        self._scout = await self._js.pull_subscribe_bind(
+            durable=new_jobs_consumer(self._settings), stream=self._settings.tasks_stream
+        )
+        log.info("job_consumers_bounded", most_at_once=self.stats.bound)
+
+    async def converge(self, ours: dict[str, api.ConsumerInfo]) -> None:
+        """Give every existing job consumer this process's delivery settings (ack wait,
+        delivery cap, backoff, ack and pull limits); ConfigError (exit 2) naming the consumer
+        the server will not update."""
+        wanted = job_consumer_config(self._settings, "tasks.x.x")
+        fields = ("ack_wait", "max_deliver", "backoff", "max_ack_pending", "max_waiting")
+        for name, info in ours.items():
+            if all(_same(getattr(info.config, f), getattr(wanted, f)) for f in fields):
+                continue
+            config = replace(info.config, **{f: getattr(wanted, f) for f in fields})
+            try:
+                ours[name] = await self._js.add_consumer(self._settings.tasks_stream, config)
+            except APIError as error:
+                raise ConfigError(
+                    f"WORKER_NATS__ACK_WAIT_S, WORKER_NATS__MAX_DELIVER: job consumer {name} on "
+                    f"stream {self._settings.tasks_stream} keeps ack_wait "
+                    f"{info.config.ack_wait} s and max_deliver {info.config.max_deliver}: the "
+                    f"server refused the update ({error.description or error})"
+                ) from None
+            log.info(
+                "job_consumer_updated",
+                consumer=name,
+                ack_wait_s=wanted.ack_wait,
+                max_deliver=wanted.max_deliver,
+            )
+
+    async def _server_limit(self) -> int:
+        """The stream's max_consumers, else the account's, else the assumed default."""
+        info = await self._js.stream_info(self._settings.tasks_stream)
+        if info.config.max_consumers and info.config.max_consumers > 0:
+            return int(info.config.max_consumers)
+        try:
+            account = await self._js.account_info()
+        except (nats.errors.Error, TimeoutError):
+            return ASSUMED_SERVER_LIMIT
+        limit = account.limits.max_consumers
+        return int(limit) if limit and limit > 0 else ASSUMED_SERVER_LIMIT
+
+    async def scout(self, existing: int) -> list[Msg]:
+        """New-job messages waiting (none read while the bound is reached)."""
+        self.more = False
+        if self._scout is None or existing >= self.stats.bound:
+            return []
+        try:
+            msgs: list[Msg] = await self._scout.fetch(SCOUT_BATCH, timeout=0.01)  # type: ignore[attr-defined]
+        except (TimeoutError, nats.errors.TimeoutError):
+            return []
+        self.more = len(msgs) == SCOUT_BATCH
+        return msgs
+
+    async def make_missing(self, scouted: list[Msg], ours: dict[str, api.ConsumerInfo]) -> None:
+        """Each scouted job gets its consumer (``ours`` is listed after the scout read); its
+        messages are acked once it has one, given back for later when it has no room."""
+        for subject, start in list(self._owed.items()):
+            if await self._make(subject, ours, start=start):
+                del self._owed[subject]
+        by_subject: dict[str, list[Msg]] = {}
+        for msg in scouted:
+            by_subject.setdefault(msg.subject, []).append(msg)
+        room = True
+        for subject, msgs in by_subject.items():
+            name = job_consumer(self._settings, subject)
+            if name not in ours and room:
+                room = await self._make(subject, ours)
+            for msg in msgs:
+                done = msg.ack() if name in ours else msg.nak(delay=self._settings.job_discovery_s)
+                try:
+                    await done
+                except nats.errors.Error:
+                    pass  # the ack wait gives it back
+
+    async def _make(self, subject: str, ours: dict[str, api.ConsumerInfo], start: int = 0) -> bool:
+        """Make ``subject``'s consumer (from stream sequence ``start`` when given); False when
+        there is no room for more now (the bound, or the server's refusal)."""
+        if len(ours) >= self.stats.bound:
+            return False
+        config = job_consumer_config(self._settings, subject)
+        if start:
+            config.deliver_policy = api.DeliverPolicy.BY_START_SEQUENCE
+            config.opt_start_seq = start
+        try:
+            info = await self._js.add_consumer(self._settings.tasks_stream, config)
+        except APIError as error:
+            try:  # made meanwhile by another worker (with another start): that one serves
+                ours[config.name or ""] = await self._js.consumer_info(
+                    self._settings.tasks_stream, config.name or ""
+                )
+                return True
+            except NotFoundError:
+                self._refused(subject, error)
+                return False
+        ours[info.name] = info
+        self.stats.made += 1
+        self.stats.refusal = None
+        log.info("job_consumer_made", consumer=info.name, subject=subject, start_seq=start or 1)
+        return True
+
+    def _refused(self, subject: str, error: APIError) -> None:
+        self.stats.refused += 1
+        self.stats.refusal = (
+            f"NATS refused a job consumer on stream {self._settings.tasks_stream}: "
+            f"{error.description or error} (code {error.err_code}); new jobs wait for room"
+        )
+        log.error(
+            "job_consumer_refused",
+            subject=subject,
+            error=f"{error.description or error} (code {error.err_code})",
+            hint="the stream's or account's max_consumers is reached (other clients' "
+            "consumers count too): jobs wait until there is room",
+        )
+
+    def waiting(self, scout: api.ConsumerInfo | None) -> None:
+        """The new-jobs consumer as listed: with nothing pending nor given back, no job waits
+        for room any more."""
+        if scout is not None and not scout.num_pending and not scout.num_ack_pending:
+            self.stats.refusal = None
+
+    async def delete_finished(self, ours: dict[str, api.ConsumerInfo], bound: set[str]) -> None:
+        """Delete the consumers quiet for the linger (nothing pending, nothing awaiting an
+        ack, not bound here); one whose job had a task published meanwhile is made again."""
+        now = time.monotonic()
+        quiet = self._quiet_since
+        for name in [n for n in quiet if n not in ours]:
+            del quiet[name]
+        due = []
+        for name, info in ours.items():
+            if info.num_pending or info.num_ack_pending or name in bound:
+                quiet.pop(name, None)
+            elif now - quiet.setdefault(name, now) >= self._settings.job_consumer_linger_s:
+                due.append(info)
+        if due and not await self._advisories_waiting():
+            for info in due:
+                await self._delete(info, ours)
+
+    async def _advisories_waiting(self) -> bool:
+        s = self._settings
+        try:
+            info = await self._js.consumer_info(s.advisory_stream, advisory_consumer(s))
+        except (nats.errors.Error, TimeoutError):
+            return True
+        return bool(info.num_pending or info.num_ack_pending)
+
+    async def _delete(self, info: api.ConsumerInfo, ours: dict[str, api.ConsumerInfo]) -> None:
+        name, subject = info.name, info.config.filter_subject or ""
+        try:
+            await self._js.delete_consumer(self._settings.tasks_stream, name)
+        except NotFoundError:
+            pass  # another worker deleted it
+        ours.pop(name, None)
+        self._quiet_since.pop(name, None)
+        self.stats.deleted += 1
+        log.info("job_consumer_deleted", consumer=name, subject=subject)
+        delivered = int(info.delivered.stream_seq or 0) if info.delivered else 0
+        try:
+            last = (await self._js.get_last_msg(self._settings.tasks_stream, subject)).seq or 0
+        except NotFoundError:
+            return
+        # Published since the listing: served still (made at the next discovery with room).
+        if subject and last > delivered and not await self._make(subject, ours, delivered + 1):
+            self._owed[subject] = delivered + 1
