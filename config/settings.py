@@ -90,7 +90,7 @@ class NatsSettings(BaseModel):
         ge=0,
     )
     job_consumer_linger_s: float = Field(
-        5.0,
+        2.0,
         description="a job's consumer is deleted once it has had nothing pending and nothing "
         "awaiting an ack for this long (README, Fair share across jobs)",
         gt=0,

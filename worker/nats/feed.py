@@ -28,7 +28,7 @@ _IDLE_PULL_S = 0.05  # an idle worker's pull on the durable consumer, once per d
 # _NEWS_QUIET_S (at most _NEWS_SETTLE_S after the first), so jobs published together (a big
 # one, then a small one) are found in one discovery and share the first fetch, and a job
 # published alone waits only the quiet gap.
-_NEWS_QUIET_S = 0.002
+_NEWS_QUIET_S = 0.001
 _NEWS_SETTLE_S = 0.05
 
 

@@ -73,8 +73,12 @@ class JobConsumers:
         self.news = asyncio.Event()  # a task was heard of on a subject not served yet
         self._main_subjects = {tasks_subject(p) for p in pipelines}
         self._conflict_logged = False
+        self._hinted = False  # a job not served yet was heard of since the last discovery
 
     def due(self) -> bool:
+        return self._hinted or self.due_by_time()
+
+    def due_by_time(self) -> bool:
         return time.monotonic() - self._refreshed_at >= self._settings.job_discovery_s
 
     def heard(self, subject: str) -> None:
@@ -86,7 +90,7 @@ class JobConsumers:
         if subject in self._main_subjects:  # tasks.<pipeline>: the durable consumer's
             self.main_pending = True
         else:
-            self._refreshed_at = float("-inf")
+            self._hinted = True
         self.news.set()
 
     async def news_within(self, timeout_s: float) -> bool:
@@ -108,38 +112,69 @@ class JobConsumers:
     def until_due(self) -> float:
         """Seconds until the next discovery is due (0 when it is)."""
         waited = time.monotonic() - self._refreshed_at
-        return max(0.0, self._settings.job_discovery_s - waited)
+        return 0.0 if self._hinted else max(0.0, self._settings.job_discovery_s - waited)
 
     async def refresh(self) -> list[Msg]:
         """Make the consumers new jobs lack, delete those of finished jobs, bind the jobs with
         tasks pending and unbind the others; returns what unbound subscriptions had received
         after their last fetch (to be admitted like any fetched message). A NATS error
-        changes nothing."""
-        self._refreshed_at = time.monotonic()
+        changes nothing. Woken by a hint between two discoveries, only the new jobs."""
+        hinted, self._hinted = self._hinted, False
         try:
+            if hinted and not self.due_by_time():
+                return await self._new_jobs_only()
+            self._refreshed_at = time.monotonic()
             scouted = await self._life.scout(self._life.stats.existing)
             listed = await self._listed()  # after the scout read: a job listed has its consumer
             main = listed.get(self._settings.consumer)
             self.main_pending = bool(main is not None and main.num_pending)
             ours = {n: i for n, i in listed.items() if is_job_consumer(self._settings, n)}
             if main is not None and self._shared_serves_jobs(main):
-                ours, scouted = {}, await self._give_back(scouted)
+                await self._give_back(scouted)
+                for job in self._jobs.values():
+                    job.pending = job.ack_pending = 0
+                return await self._bind_or_unbind()
+            self._life.listed(ours)
             await self._life.make_missing(scouted, ours)
             self._life.waiting(listed.get(new_jobs_consumer(self._settings)))
-            for job in self._jobs.values():
-                if job.name not in ours:  # deleted by another worker: nothing left to do
-                    job.pending = job.ack_pending = 0
-            for info in ours.values():
-                self._note(info)
-            late = await self._bind_or_unbind()
-            await self._life.delete_finished(ours, {j.name for j in self._jobs.values() if j.sub})
-            self._life.stats.existing = len(ours)
-            if self._life.more:
-                self._refreshed_at = float("-inf")
-            return late
+            return await self._settle_listing(ours, scouted)
         except (nats.errors.Error, TimeoutError) as error:
             log.warning("job_discovery_failed", error=f"{type(error).__name__}: {error}")
             return []
+
+    async def _new_jobs_only(self) -> list[Msg]:
+        """The new-jobs messages waiting, their consumers made (or found: made elsewhere) and
+        bound, with no listing: a new job's first fetch waits on nothing else."""
+        scouted = await self._life.scout(self._life.stats.existing)
+        if not scouted:
+            return []
+        ours: dict[str, api.ConsumerInfo] = {}
+        made = self._life.stats.made
+        await self._life.make_missing(scouted, ours, counted=self._life.stats.existing)
+        self._life.stats.existing += self._life.stats.made - made
+        for info in ours.values():
+            self._note(info)
+        if self._life.more:
+            self._hinted = True
+        return await self._bind_or_unbind()
+
+    async def _settle_listing(
+        self, ours: dict[str, api.ConsumerInfo], scouted: list[Msg]
+    ) -> list[Msg]:
+        """After a listing: jobs noted, bound or unbound, finished ones' consumers deleted."""
+        for job in self._jobs.values():
+            if job.name not in ours:  # deleted by another worker: nothing left to do
+                job.pending = job.ack_pending = 0
+        for info in ours.values():
+            self._note(info)
+        late = await self._bind_or_unbind()
+        if not scouted:  # new jobs first: their first fetch does not wait on deletes
+            bound = {job.name for job in self._jobs.values() if job.sub is not None}
+            await self._life.delete_finished(ours, bound)
+        self._life.stats.existing = len(ours)
+        if self._life.more:
+            self._refreshed_at = float("-inf")
+        return late
 
     def _shared_serves_jobs(self, main: api.ConsumerInfo) -> bool:
         """The shared consumer delivers job subjects too (provisioned meanwhile by a process
@@ -157,10 +192,9 @@ class JobConsumers:
         self._conflict_logged = conflict
         return conflict
 
-    async def _give_back(self, msgs: list[Msg]) -> list[Msg]:
+    async def _give_back(self, msgs: list[Msg]) -> None:
         for msg in msgs:
             await msg.nak(delay=self._settings.job_discovery_s)
-        return []
 
     def _note(self, info: api.ConsumerInfo) -> None:
         """One job consumer, as listed: tracked while it has work."""

@@ -70,6 +70,8 @@ class JobLifecycle:
         self.more = False  # the last scout read was full: discover again at once
         self._quiet_since: dict[str, float] = {}  # consumer -> when first listed with no work
         self._owed: dict[str, int] = {}  # subject -> start sequence of a remake not done yet
+        self._known: set[str] = set()  # job consumers as last listed, and made since
+        self._counted = 0  # job consumers that exist besides those in hand
 
     async def open(self) -> None:
         self.stats.bound = min(self._settings.max_job_consumers, await self._server_limit() // 2)
@@ -128,9 +130,13 @@ class JobLifecycle:
         self.more = len(msgs) == SCOUT_BATCH
         return msgs
 
-    async def make_missing(self, scouted: list[Msg], ours: dict[str, api.ConsumerInfo]) -> None:
-        """Each scouted job gets its consumer (``ours`` is listed after the scout read); its
-        messages are acked once it has one, given back for later when it has no room."""
+    async def make_missing(
+        self, scouted: list[Msg], ours: dict[str, api.ConsumerInfo], counted: int = 0
+    ) -> None:
+        """Each scouted job gets its consumer (``ours`` is listed after the scout read, or
+        empty: then each is made or found by ``add_consumer``, and ``counted`` others exist);
+        its messages are acked once it has one, given back for later when it has no room."""
+        self._counted = counted
         for subject, start in list(self._owed.items()):
             if await self._make(subject, ours, start=start):
                 del self._owed[subject]
@@ -152,7 +158,7 @@ class JobLifecycle:
     async def _make(self, subject: str, ours: dict[str, api.ConsumerInfo], start: int = 0) -> bool:
         """Make ``subject``'s consumer (from stream sequence ``start`` when given); False when
         there is no room for more now (the bound, or the server's refusal)."""
-        if len(ours) >= self.stats.bound:
+        if self._counted + len(ours) >= self.stats.bound:
             return False
         config = job_consumer_config(self._settings, subject)
         if start:
@@ -170,9 +176,11 @@ class JobLifecycle:
                 self._refused(subject, error)
                 return False
         ours[info.name] = info
-        self.stats.made += 1
         self.stats.refusal = None
-        log.info("job_consumer_made", consumer=info.name, subject=subject, start_seq=start or 1)
+        if info.name not in self._known:  # else add_consumer found it made: nothing new
+            self._known.add(info.name)
+            self.stats.made += 1
+            log.info("job_consumer_made", consumer=info.name, subject=subject, start_seq=start or 1)
         return True
 
     def _refused(self, subject: str, error: APIError) -> None:
@@ -189,6 +197,10 @@ class JobLifecycle:
             "consumers count too): jobs wait until there is room",
         )
 
+    def listed(self, ours: dict[str, api.ConsumerInfo]) -> None:
+        self._known = set(ours)
+        self.stats.existing = len(ours)
+
     def waiting(self, scout: api.ConsumerInfo | None) -> None:
         """The new-jobs consumer as listed: with nothing pending nor given back, no job waits
         for room any more."""
@@ -202,12 +214,16 @@ class JobLifecycle:
         quiet = self._quiet_since
         for name in [n for n in quiet if n not in ours]:
             del quiet[name]
+        # At the bound, with jobs waiting, one discovery's quiet is linger enough.
+        linger_s = 0.0 if len(ours) >= self.stats.bound else self._settings.job_consumer_linger_s
         due = []
         for name, info in ours.items():
             if info.num_pending or info.num_ack_pending or name in bound:
                 quiet.pop(name, None)
-            elif now - quiet.setdefault(name, now) >= self._settings.job_consumer_linger_s:
+            elif name in quiet and now - quiet[name] >= linger_s:
                 due.append(info)
+            else:
+                quiet.setdefault(name, now)
         if due and not await self._advisories_waiting():
             for info in due:
                 await self._delete(info, ours)
@@ -227,6 +243,7 @@ class JobLifecycle:
         except NotFoundError:
             pass  # another worker deleted it
         ours.pop(name, None)
+        self._known.discard(name)
         self._quiet_since.pop(name, None)
         self.stats.deleted += 1
         log.info("job_consumer_deleted", consumer=name, subject=subject)

@@ -1,0 +1,133 @@
+"""10,000 one-task jobs through one worker (fair share on, one subject each, as Antenna
+publishes): tasks/s, the job consumers made and deleted, the most consumers on the tasks
+stream at once, and the worker's RSS before and after. Every result is checked (``ok``).
+
+    .venv/bin/python -m bench.many_jobs --jobs 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench.common import results_stored, save, start_worker, stop_worker, upload, world
+from worker.commands.client import make_tasks, publish_tasks
+from worker.commands.localservers import free_port
+from worker.nats.connection import connect
+
+PIPELINE = "mobilenet-v3-small-classifier"
+WAVE = 500
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        for line in answer.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return float("nan")
+
+
+async def wait_port_answers(port: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            metric(port, "inference_worker_job_consumers_made_total")
+            return
+        except OSError:
+            await asyncio.sleep(0.2)
+    raise TimeoutError("the worker's metrics never answered")
+
+
+async def stored_at_least(js: Any, stream: str, count: int, started: float) -> None:
+    """Until ``count`` results are stored (an hour from ``started`` at most)."""
+    while await results_stored(js, stream) < count:
+        if time.monotonic() - started > 3600:
+            raise TimeoutError(f"fewer than {count} results after an hour")
+        await asyncio.sleep(0.1)
+
+
+async def run(jobs: int) -> dict[str, Any]:
+    from config.settings import NatsSettings
+
+    with world() as w:
+        uris = upload(w.s3.client(), "many", [(64, 48)], 8)
+        port = free_port()
+        proc = start_worker(w, "worker.log", WORKER_METRICS__PORT=str(port))
+        settings = NatsSettings(url=w.nats.url)
+        nc = await connect(settings, name="bench", give_up_after_s=30)
+        js = nc.jetstream()
+        try:
+            await wait_port_answers(port)
+            rss_before = rss_bytes(proc.pid)
+            seen: list[int] = []
+
+            async def sample() -> None:
+                while True:
+                    info = await js.stream_info(settings.tasks_stream)
+                    seen.append(int(info.state.consumer_count))
+                    await asyncio.sleep(0.1)
+
+            sampler = asyncio.create_task(sample())
+            started = time.monotonic()
+            for wave in range(0, jobs, WAVE):
+                tasks = [
+                    t
+                    for j in range(wave, min(jobs, wave + WAVE))
+                    for t in make_tasks(f"many-{j}", [uris[j % len(uris)]])
+                ]
+                await publish_tasks(js, settings, PIPELINE, tasks)
+                await stored_at_least(js, settings.results_stream, wave - WAVE, started)
+            await stored_at_least(js, settings.results_stream, jobs, started)
+            seconds = time.monotonic() - started
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+            ok = metric(port, 'inference_worker_tasks_total{outcome="ok"}')
+            if ok != jobs:
+                raise RuntimeError(f"{ok} ok results of {jobs}")
+            await asyncio.sleep(10)  # the last consumers' linger
+            return {
+                "jobs": jobs,
+                "tasks_per_s": round(jobs / seconds, 1),
+                "seconds": round(seconds, 1),
+                "consumers_made": metric(port, "inference_worker_job_consumers_made_total"),
+                "consumers_deleted": metric(port, "inference_worker_job_consumers_deleted_total"),
+                "consumers_refused": metric(port, "inference_worker_job_consumers_refused_total"),
+                "most_consumers_at_once": max(seen),
+                "consumers_after": int(
+                    (await js.stream_info(settings.tasks_stream)).state.consumer_count
+                ),
+                "rss_before_bytes": rss_before,
+                "rss_after_bytes": rss_bytes(proc.pid),
+            }
+        finally:
+            await nc.close()
+            stop_worker(proc)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--jobs", type=int, default=10_000)
+    args = parser.parse_args()
+    result = asyncio.run(run(args.jobs))
+    result["command"] = f"python -m bench.many_jobs --jobs {args.jobs}"
+    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    save("many_jobs", result)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
