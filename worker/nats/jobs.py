@@ -121,8 +121,8 @@ class JobConsumers:
         changes nothing. Woken by a hint between two discoveries, only the new jobs."""
         hinted, self._hinted = self._hinted, False
         try:
-            if hinted and not self.due_by_time():
-                return await self._new_jobs_only()
+            if hinted and not self.due_by_time():  # (none while the shared one takes them)
+                return [] if self._conflict_logged else await self._new_jobs_only()
             self._refreshed_at = time.monotonic()
             scouted = await self._life.scout(self._life.stats.existing)
             listed = await self._listed()  # after the scout read: a job listed has its consumer

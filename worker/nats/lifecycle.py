@@ -184,12 +184,15 @@ class JobLifecycle:
         return True
 
     def _refused(self, subject: str, error: APIError) -> None:
+        """Counted each time; logged once while the refusals last (they are retried at every
+        discovery)."""
         self.stats.refused += 1
+        first = self.stats.refusal is None
         self.stats.refusal = (
             f"NATS refused a job consumer on stream {self._settings.tasks_stream}: "
             f"{error.description or error} (code {error.err_code}); new jobs wait for room"
         )
-        log.error(
+        (log.error if first else log.debug)(
             "job_consumer_refused",
             subject=subject,
             error=f"{error.description or error} (code {error.err_code})",
