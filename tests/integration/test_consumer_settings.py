@@ -57,7 +57,7 @@ async def test_a_process_with_the_other_fair_jobs_is_refused_and_no_task_runs_tw
     other = str(not first_fair).lower()
     async with running_worker(settings) as app, client(settings) as js:
         # When a process with the other WORKER_NATS__FAIR_JOBS starts on the same consumer
-        env = worker_env(settings, WORKER_NATS__FAIR_JOBS=other)
+        env = worker_env(settings, WORKER_NATS__FAIR_JOBS=other, WORKER_METRICS__PORT="0")
         refused = cli("run", env=env, timeout=120)
         # Then it ends at once with exit 2, one line naming the consumer
         # And the 40 tasks published are each run once
