@@ -23,6 +23,7 @@ fleet overshoots it by at most what its processes make in one discovery between 
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 
 import nats
@@ -37,7 +38,15 @@ from worker.nats.provision import SCOUT_BATCH, new_jobs_consumer
 from worker.nats.subjects import advisory_consumer
 
 log = structlog.get_logger(__name__)
+DONE_KEPT = 10_000  # deleted consumers remembered, so a late new-jobs message makes none again
 ASSUMED_SERVER_LIMIT = 1000  # nats-server 2.15's per-stream default, where nothing says more
+
+
+async def _settled(action: Awaitable[None]) -> None:
+    try:
+        await action
+    except nats.errors.Error:
+        pass  # the ack wait gives it back
 
 
 def _same(a: object, b: object) -> bool:
@@ -72,6 +81,7 @@ class JobLifecycle:
         self._owed: dict[str, int] = {}  # subject -> start sequence of a remake not done yet
         self._known: set[str] = set()  # job consumers as last listed, and made since
         self._counted = 0  # job consumers that exist besides those in hand
+        self._done: dict[str, int] = {}  # subject -> what its consumer deleted here delivered
 
     async def open(self) -> None:
         self.stats.bound = min(self._settings.max_job_consumers, await self._server_limit() // 2)
@@ -142,18 +152,18 @@ class JobLifecycle:
                 del self._owed[subject]
         by_subject: dict[str, list[Msg]] = {}
         for msg in scouted:
-            by_subject.setdefault(msg.subject, []).append(msg)
+            if msg.metadata.sequence.stream <= self._done.get(msg.subject, 0):
+                await _settled(msg.ack())  # delivered by a consumer deleted here since
+            else:
+                by_subject.setdefault(msg.subject, []).append(msg)
         room = True
         for subject, msgs in by_subject.items():
             name = job_consumer(self._settings, subject)
             if name not in ours and room:
                 room = await self._make(subject, ours)
             for msg in msgs:
-                done = msg.ack() if name in ours else msg.nak(delay=self._settings.job_discovery_s)
-                try:
-                    await done
-                except nats.errors.Error:
-                    pass  # the ack wait gives it back
+                delay_s = self._settings.job_discovery_s
+                await _settled(msg.ack() if name in ours else msg.nak(delay=delay_s))
 
     async def _make(self, subject: str, ours: dict[str, api.ConsumerInfo], start: int = 0) -> bool:
         """Make ``subject``'s consumer (from stream sequence ``start`` when given); False when
@@ -251,6 +261,9 @@ class JobLifecycle:
         self.stats.deleted += 1
         log.info("job_consumer_deleted", consumer=name, subject=subject)
         delivered = int(info.delivered.stream_seq or 0) if info.delivered else 0
+        self._done[subject] = delivered
+        if len(self._done) > DONE_KEPT:
+            del self._done[next(iter(self._done))]
         try:
             last = (await self._js.get_last_msg(self._settings.tasks_stream, subject)).seq or 0
         except NotFoundError:
