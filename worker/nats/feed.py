@@ -114,8 +114,10 @@ class TaskFeed:
                 for sub, n in zip(subs, shares, strict=True)
             )
         )
-        for job, got in zip(jobs, fetched, strict=False):
-            job.dry = not got  # not asked again until the next listing
+        for job, got, asked in zip(jobs, fetched, shares, strict=False):
+            # Short: it has no more now (a fetch returns what is there at once). Not asked
+            # again until the next listing, or until a task of it is heard of.
+            job.dry = len(got) < asked
         return [msg for got in fetched for msg in got]
 
     async def _idle_fetch(self, batch: int) -> list[Msg]:

@@ -55,7 +55,7 @@ class JobSource:
     ack_pending: int
     pipeline: str = ""  # the subject's tasks.<pipeline>.<job>
     sub: Any = None  # bound while the job has tasks pending or awaiting an ack
-    dry: bool = False  # its last fetch found nothing: skipped until the next listing
+    dry: bool = False  # its last fetch came back short: skipped until listed or heard of
 
 
 class JobConsumers:
@@ -86,6 +86,7 @@ class JobConsumers:
         served yet makes the discovery due now; one on ``tasks.<pipeline>`` marks the durable
         consumer as having work. Wakes an idle fetch either way."""
         if subject in self._jobs:
+            self._jobs[subject].dry = False  # more of it to fetch
             return
         if subject in self._main_subjects:  # tasks.<pipeline>: the durable consumer's
             self.main_pending = True
