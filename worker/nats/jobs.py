@@ -137,7 +137,6 @@ class JobConsumers:
                 return await self._bind_or_unbind()
             self._life.listed(ours)
             await self._life.make_missing(scouted, ours)
-            self._life.waiting(listed.get(new_jobs_consumer(self._settings)))
             return await self._settle_listing(ours, scouted)
         except (nats.errors.Error, TimeoutError) as error:
             log.warning("job_discovery_failed", error=f"{type(error).__name__}: {error}")
@@ -248,6 +247,7 @@ class JobConsumers:
         )
 
     async def close(self) -> list[Msg]:
+        await self._life.close()
         late: list[Msg] = []
         for job in self._jobs.values():
             late += await self._unbind(job)

@@ -5,8 +5,9 @@ New jobs are found by one shared durable consumer, ``<WORKER_NATS__CONSUMER>-new
 the served pipelines' job subjects (``tasks.<pipeline>.*``), headers only: each task published
 reaches one worker process once, as a few hundred bytes of headers, and is acked there only
 once its job has a consumer (made now, or listed after the task was fetched). A worker that
-dies holding such a message gives it back after its ack wait; a job that finds no room (the
-bound, or the server refusing) has its messages given back for a discovery interval later.
+dies holding such a message gives it back after its ack wait; the messages of a job that finds
+no room (the bound, or the server refusing) are kept in hand, their ack wait renewed, and the
+job gets its consumer at a later discovery, in the order the jobs came.
 
 A job's consumer is deleted once it has had nothing pending and nothing awaiting an ack for
 ``WORKER_NATS__JOB_CONSUMER_LINGER_S`` (and no max-deliveries advisory waits, which must find
@@ -34,7 +35,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from config.settings import ConfigError, NatsSettings
 from worker.nats.job_names import job_consumer, job_consumer_config
-from worker.nats.provision import SCOUT_BATCH, new_jobs_consumer
+from worker.nats.provision import SCOUT_ACK_WAIT_S, SCOUT_BATCH, new_jobs_consumer
 from worker.nats.subjects import advisory_consumer
 
 log = structlog.get_logger(__name__)
@@ -73,7 +74,6 @@ class JobLifecycle:
     def __init__(self, js: JetStreamContext, settings: NatsSettings, pipelines: list[str]):
         self._js = js
         self._settings = settings
-        self._pipelines = pipelines
         self._scout: object | None = None
         self.stats = ConsumerStats(bound=settings.max_job_consumers)
         self.more = False  # the last scout read was full: discover again at once
@@ -82,9 +82,12 @@ class JobLifecycle:
         self._known: set[str] = set()  # job consumers as last listed, and made since
         self._counted = 0  # job consumers that exist besides those in hand
         self._done: dict[str, int] = {}  # subject -> what its consumer deleted here delivered
+        self._waiting: dict[str, list[Msg]] = {}  # new-jobs messages of jobs without room yet
+        self._renewed_at = 0.0
 
     async def open(self) -> None:
-        self.stats.bound = min(self._settings.max_job_consumers, await self._server_limit() // 2)
+        limit = await self._server_limit()
+        self.stats.bound = max(1, min(self._settings.max_job_consumers, limit // 2))
         self._scout = await self._js.pull_subscribe_bind(
             durable=new_jobs_consumer(self._settings), stream=self._settings.tasks_stream
         )
@@ -129,12 +132,20 @@ class JobLifecycle:
         return int(limit) if limit and limit > 0 else ASSUMED_SERVER_LIMIT
 
     async def scout(self, existing: int) -> list[Msg]:
-        """New-job messages waiting (none read while the bound is reached)."""
+        """New-job messages waiting (none read while the bound is reached, or while a page of
+        jobs waits in hand). Read only when the consumer says it has some: a read that finds
+        none waits out its whole timeout, which must cover a round trip to the server."""
         self.more = False
         if self._scout is None or existing >= self.stats.bound:
             return []
+        if len(self._waiting) >= SCOUT_BATCH:
+            return []
+        s = self._settings
+        info = await self._js.consumer_info(s.tasks_stream, new_jobs_consumer(s))
+        if not info.num_pending:
+            return []
         try:
-            msgs: list[Msg] = await self._scout.fetch(SCOUT_BATCH, timeout=0.01)  # type: ignore[attr-defined]
+            msgs: list[Msg] = await self._scout.fetch(SCOUT_BATCH, timeout=s.fetch_timeout_s)  # type: ignore[attr-defined]
         except (TimeoutError, nats.errors.TimeoutError):
             return []
         self.more = len(msgs) == SCOUT_BATCH
@@ -145,25 +156,46 @@ class JobLifecycle:
     ) -> None:
         """Each scouted job gets its consumer (``ours`` is listed after the scout read, or
         empty: then each is made or found by ``add_consumer``, and ``counted`` others exist);
-        its messages are acked once it has one, given back for later when it has no room."""
+        its messages are acked once it has one, and kept in hand (their ack wait renewed)
+        while it has no room, in the order they came."""
         self._counted = counted
         for subject, start in list(self._owed.items()):
             if await self._make(subject, ours, start=start):
                 del self._owed[subject]
-        by_subject: dict[str, list[Msg]] = {}
         for msg in scouted:
             if msg.metadata.sequence.stream <= self._done.get(msg.subject, 0):
                 await _settled(msg.ack())  # delivered by a consumer deleted here since
             else:
-                by_subject.setdefault(msg.subject, []).append(msg)
+                self._waiting.setdefault(msg.subject, []).append(msg)
         room = True
-        for subject, msgs in by_subject.items():
+        for subject, msgs in list(self._waiting.items()):
             name = job_consumer(self._settings, subject)
             if name not in ours and room:
                 room = await self._make(subject, ours)
+            if name in ours:
+                del self._waiting[subject]
+                for msg in msgs:
+                    await _settled(msg.ack())
+        if not self._waiting:
+            self.stats.refusal = None
+        await self._keep_in_hand()
+
+    async def close(self) -> None:
+        """Give back the messages in hand, for another worker at once."""
+        waiting, self._waiting = self._waiting, {}
+        for msgs in waiting.values():
             for msg in msgs:
-                delay_s = self._settings.job_discovery_s
-                await _settled(msg.ack() if name in ours else msg.nak(delay=delay_s))
+                await _settled(msg.nak())
+
+    async def _keep_in_hand(self) -> None:
+        """Renew the ack wait of the messages of jobs waiting for room (else another worker
+        would get them back after SCOUT_ACK_WAIT_S)."""
+        if time.monotonic() - self._renewed_at < SCOUT_ACK_WAIT_S / 3:
+            return
+        self._renewed_at = time.monotonic()
+        for msgs in self._waiting.values():
+            for msg in msgs:
+                await _settled(msg.in_progress())
 
     async def _make(self, subject: str, ours: dict[str, api.ConsumerInfo], start: int = 0) -> bool:
         """Make ``subject``'s consumer (from stream sequence ``start`` when given); False when
@@ -213,12 +245,6 @@ class JobLifecycle:
     def listed(self, ours: dict[str, api.ConsumerInfo]) -> None:
         self._known = set(ours)
         self.stats.existing = len(ours)
-
-    def waiting(self, scout: api.ConsumerInfo | None) -> None:
-        """The new-jobs consumer as listed: with nothing pending nor given back, no job waits
-        for room any more."""
-        if scout is not None and not scout.num_pending and not scout.num_ack_pending:
-            self.stats.refusal = None
 
     async def delete_finished(self, ours: dict[str, api.ConsumerInfo], bound: set[str]) -> None:
         """Delete the consumers quiet for the linger (nothing pending, nothing awaiting an
