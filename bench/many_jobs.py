@@ -44,11 +44,12 @@ async def wait_port_answers(port: int, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            metric(port, "inference_worker_job_consumers_made_total")
-            return
+            if metric(port, "inference_worker_job_consumers_made_total") == 0:
+                return  # started: the job consumers' metrics are there
         except OSError:
-            await asyncio.sleep(0.2)
-    raise TimeoutError("the worker's metrics never answered")
+            pass
+        await asyncio.sleep(0.2)
+    raise TimeoutError("the worker never started")
 
 
 async def stored_at_least(js: Any, stream: str, count: int, started: float) -> None:
