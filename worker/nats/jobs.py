@@ -44,7 +44,6 @@ from worker.ports import Runnable
 log = structlog.get_logger(__name__)
 _PAGE = 256
 _MAX_PAGES = 64
-_HEARD_KEPT = 4096  # job subjects heard of between two discoveries (the rest wait for one)
 __all__ = ["JobConsumers", "JobSource", "is_job_consumer", "job_consumer", "job_consumer_config"]
 
 
@@ -75,7 +74,6 @@ class JobConsumers:
         self._main_subjects = {tasks_subject(p) for p in pipelines}
         self._conflict_logged = False
         self._hinted = False  # a job not served yet was heard of since the last discovery
-        self._heard: dict[str, None] = {}  # those job subjects, in the order heard
 
     def due(self) -> bool:
         return self._hinted or self.due_by_time()
@@ -94,8 +92,6 @@ class JobConsumers:
             self.main_pending = True
         else:
             self._hinted = True
-            if len(self._heard) < _HEARD_KEPT:
-                self._heard[subject] = None
         self.news.set()
 
     async def news_within(self, timeout_s: float) -> bool:
@@ -129,7 +125,6 @@ class JobConsumers:
             if hinted and not self.due_by_time():  # (none while the shared one takes them)
                 return [] if self._conflict_logged else await self._new_jobs_only()
             self._refreshed_at = time.monotonic()
-            self._heard = {}
             scouted = await self._life.scout(self._life.stats.existing)
             listed = await self._listed()  # after the scout read: a job listed has its consumer
             main = listed.get(self._settings.consumer)
@@ -148,19 +143,19 @@ class JobConsumers:
             return []
 
     async def _new_jobs_only(self) -> list[Msg]:
-        """The consumers of the job subjects heard of, made (or found: ``add_consumer`` of an
-        existing one returns it) and bound, with no listing and no new-jobs read: a new job's
-        first fetch waits on nothing else. Their new-jobs messages are acked at the next
-        discovery, which also finds any job heard of here without room."""
-        heard, self._heard = list(self._heard), {}
-        if not heard:
+        """The new-jobs messages waiting, their consumers made (or found: made elsewhere) and
+        bound, with no listing: a new job's first fetch waits on nothing else."""
+        scouted = await self._life.scout(self._life.stats.existing)
+        if not scouted:
             return []
         ours: dict[str, api.ConsumerInfo] = {}
         made = self._life.stats.made
-        await self._life.make_heard(heard, ours, counted=self._life.stats.existing)
+        await self._life.make_missing(scouted, ours, counted=self._life.stats.existing)
         self._life.stats.existing += self._life.stats.made - made
         for info in ours.values():
             self._note(info)
+        if self._life.more:
+            self._hinted = True
         return await self._bind_or_unbind()
 
     async def _settle_listing(

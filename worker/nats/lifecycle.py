@@ -180,16 +180,6 @@ class JobLifecycle:
             self.stats.refusal = None
         await self._keep_in_hand()
 
-    async def make_heard(
-        self, subjects: list[str], ours: dict[str, api.ConsumerInfo], counted: int
-    ) -> None:
-        """The consumers of job subjects heard of, made or found, while there is room
-        (``counted`` others exist); their new-jobs messages are the next discovery's."""
-        self._counted = counted
-        for subject in subjects:
-            if not await self._make(subject, ours):
-                return
-
     async def close(self) -> None:
         """Give back the messages in hand, for another worker at once."""
         waiting, self._waiting = self._waiting, {}
