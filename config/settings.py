@@ -461,6 +461,12 @@ class FaultSettings(BaseModel):
         "sleep = block without it (/healthz reports the stall), raise = fail the batch with "
         "an unexpected error (a part of the worker failed: exit 1)",
     )
+    slow_load_s: float = Field(
+        0.0,
+        ge=0,
+        description="testing only: every model load takes this many seconds longer (a big "
+        "model from S3, a slow build): a start as slow as it makes it",
+    )
 
 
 class Settings(BaseSettings):

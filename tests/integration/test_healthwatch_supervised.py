@@ -159,6 +159,34 @@ def test_a_proxy_in_the_environment_does_not_answer_for_the_worker(supervised_wo
     probed_and_never_restarted(sup, pid, probes=3)
 
 
+SLOW_LOAD_S = 40  # the model build, against healthwatch's 15 s start-up grace here
+
+
+def test_a_start_slower_than_the_grace_is_served_not_restarted(supervised_worker):
+    # Given a worker whose model takes 40 s to build, under a start-up grace of 15 s
+    sup = supervised_worker(WORKER_FAULTS__SLOW_LOAD_S=str(SLOW_LOAD_S))
+    pid = sup.worker_pid()
+    # When healthwatch probes it while it says `503 starting`, then it serves
+    deadline = time.monotonic() + SLOW_LOAD_S + 90
+    while not _healthy(sup):
+        assert sup.worker_pid(timeout_s=30) == pid, f"restarted:\n{healthwatch_log(sup)}"
+        assert time.monotonic() < deadline, f"never served:\n{sup.logs()}"
+        time.sleep(0.5)
+    # Then the first process is the one that serves: probed while starting, never restarted
+    assert sup.worker_pid() == pid, f"restarted:\n{healthwatch_log(sup)}"
+    assert "fault_hook_slow_model_load" in sup.worker_log()
+    assert healthwatch_probes(sup) >= 2, sup.logs()  # probed past the grace, while starting
+    assert "unhealthy" not in healthwatch_log(sup), healthwatch_log(sup)
+    assert "restarting" not in healthwatch_log(sup), healthwatch_log(sup)
+
+
+def _healthy(sup: Supervisord) -> bool:
+    try:
+        return sup.get("/healthz")[0] == 200
+    except OSError:
+        return False
+
+
 def test_workers_frozen_together_are_restarted_together_within_one_stop(tmp_path, supervisors):
     processes = 4
     sup = Supervisord(

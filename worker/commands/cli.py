@@ -89,7 +89,19 @@ def _add_healthwatch(commands: Any) -> None:
     watch.add_argument("--group", default="inference-worker", help="supervisord program name")
     watch.add_argument("--port-base", type=int, default=9460, help="metrics port of process 0")
     watch.add_argument("--failures", type=int, default=2, help="bad ticks in a row to restart")
-    watch.add_argument("--startup-grace-s", type=float, default=120.0)
+    watch.add_argument(
+        "--startup-grace-s",
+        type=float,
+        default=120.0,
+        help="no probe of a process started less than this ago",
+    )
+    watch.add_argument(
+        "--max-start-s",
+        type=_positive,
+        default=1800.0,
+        help="a process answering `503 starting` is no strike until it has run this long "
+        "(a big model from S3, many pipelines loaded at start)",
+    )
     watch.add_argument(
         "--timeout-s", type=float, default=3.0, help="wait for /healthz (all probed at once)"
     )
@@ -121,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             args.startup_grace_s,
             args.timeout_s,
             args.healthz_port_base,
+            args.max_start_s,
         )
     if args.command == "demo":
         configure_logging("WARNING")
