@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -134,6 +135,31 @@ def test_idle_connections_to_metrics_do_not_make_healthwatch_restart_a_healthy_w
             assert sup.worker_pid(timeout_s=5) == pid, f"restarted:\n{healthwatch_log(sup)}"
     assert attack.opened >= IDLE_CONNECTIONS
     # Then healthwatch kept probing, found it healthy, and restarted nothing
+    assert healthwatch_probes(sup) >= before + 3
+    assert sup.worker_pid() == pid
+    assert "unhealthy" not in healthwatch_log(sup) and "restarting" not in healthwatch_log(sup)
+
+
+def test_idle_local_connections_to_the_healthwatch_listener_do_not_get_a_worker_restarted(
+    supervised_worker,
+):
+    sup = supervised_worker()
+    pid = sup.worker_pid()
+    sup.wait_healthy()
+    past_grace(sup)
+    before = healthwatch_probes(sup)
+    # When a local process holds 10 idle connections to the loopback /healthz listener (it had
+    # 8 slots), replacing each as soon as it is closed, for four ticks
+    loopback = sup.port_base + 1000
+    with IdleConnections(loopback, 10) as attack:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            assert sup.worker_pid(timeout_s=5) == pid, f"restarted:\n{healthwatch_log(sup)}"
+        # Then /healthz there still answers, and healthwatch found the worker healthy
+        with urllib.request.urlopen(f"http://127.0.0.1:{loopback}/healthz", timeout=5) as answer:
+            assert answer.status == 200
+    assert attack.opened >= 10
     assert healthwatch_probes(sup) >= before + 3
     assert sup.worker_pid() == pid
     assert "unhealthy" not in healthwatch_log(sup) and "restarting" not in healthwatch_log(sup)
