@@ -76,6 +76,9 @@ async def connect(
         await asyncio.wait(
             {attempt, refused}, timeout=give_up_after_s, return_when=asyncio.FIRST_COMPLETED
         )
+    except asyncio.CancelledError:  # stopped while connecting: no attempt left behind
+        attempt.cancel()
+        raise
     finally:
         refused.cancel()
     if attempt.done() and attempt.exception() is None:
