@@ -193,6 +193,35 @@ def one_decode_path(s: Settings) -> list[str]:
     return []
 
 
+_NATS_SECRETS = ("creds_file", "nkey_seed_file", "password_file", "token_file")
+_NATS_FILES = ("tls_ca_file", "tls_cert_file", "tls_key_file", *_NATS_SECRETS)
+
+
+def nats_credentials_usable(s: Settings) -> list[str]:
+    """One way to authenticate, each half of a pair with its other half, every file readable.
+    Names the settings, never what the files hold."""
+    nats, problems = s.nats, []
+    for a, b in (("tls_cert_file", "tls_key_file"), ("user", "password_file")):
+        if bool(getattr(nats, a)) != bool(getattr(nats, b)):
+            problems.append(f"{n('nats', a)} and {n('nats', b)} go together: set both or neither")
+    chosen = [n("nats", name) for name in _NATS_SECRETS if getattr(nats, name)]
+    if len(chosen) > 1:
+        problems.append(f"{' and '.join(chosen)} are set together; give the server one credential")
+    for name in _NATS_FILES:
+        path = getattr(nats, name)
+        if path and not _readable_file(path):
+            problems.append(f"{n('nats', name)}={path!r} is not a file this process can read")
+    return problems
+
+
+def _readable_file(path: str) -> bool:
+    try:
+        with open(path, "rb"):
+            return Path(path).is_file()
+    except OSError:
+        return False
+
+
 RULES: tuple[Rule, ...] = (
     antenna_source_usable,
     one_decode_path,
@@ -207,6 +236,7 @@ RULES: tuple[Rule, ...] = (
     drain_within_ack_wait,
     metrics_port_is_a_port,
     healthz_port_is_a_port,
+    nats_credentials_usable,
 )
 
 

@@ -30,6 +30,23 @@ from config.unknown import unknown_settings
 
 class NatsSettings(BaseModel):
     url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated")
+    # Credentials come from files (mounted secrets), never the environment or a log line.
+    tls_ca_file: str = Field(
+        "",
+        description="PEM CA bundle the server's certificate is checked against; empty = the "
+        "system's (SSL_CERT_FILE where set)",
+    )
+    tls_cert_file: str = Field(
+        "", description="PEM client certificate for mutual TLS (with WORKER_NATS__TLS_KEY_FILE)"
+    )
+    tls_key_file: str = Field("", description="PEM private key of WORKER_NATS__TLS_CERT_FILE")
+    creds_file: str = Field(
+        "", description="NATS credentials file (user JWT + nkey seed), as decentralised auth has"
+    )
+    nkey_seed_file: str = Field("", description="file holding the user's nkey seed (`SU...`)")
+    user: str = Field("", description="user name, with WORKER_NATS__PASSWORD_FILE")
+    password_file: str = Field("", description="file holding the password of WORKER_NATS__USER")
+    token_file: str = Field("", description="file holding the server's authorization token")
     tasks_stream: str = Field("INFERENCE_TASKS", description="stream holding tasks.>")
     results_stream: str = Field("INFERENCE_RESULTS", description="stream holding results.>")
     dead_letter_stream: str = Field(
@@ -471,6 +488,12 @@ class FaultSettings(BaseModel):
         description="testing only: gil = spin holding the GIL (only the watchdog can act), "
         "sleep = block without it (/healthz reports the stall), raise = fail the batch with "
         "an unexpected error (a part of the worker failed: exit 1)",
+    )
+    slow_load_s: float = Field(
+        0.0,
+        ge=0,
+        description="testing only: every model load takes this many seconds longer (a big "
+        "model from S3, a slow build): a start as slow as it makes it",
     )
 
 

@@ -346,8 +346,10 @@ class WorkerApp:
         device = self.device
         served = Served(
             chosen,
-            lambda c: load_runner(
-                c.pipeline, sources, device, c.limits, c.response_format, s.model.precision
+            self._with_slow_load(
+                lambda c: load_runner(
+                    c.pipeline, sources, device, c.limits, c.response_format, s.model.precision
+                )
             ),
             budget_bytes,
             unloaded=lambda _name: release_cached_memory(),
@@ -440,6 +442,14 @@ class WorkerApp:
 
         self._unhealthy = unhealthy
         return metrics
+
+    def _with_slow_load(self, load: Callable[[Chosen], Any]) -> Callable[[Chosen], Any]:
+        """The model load, or one made slower when a test asks (WORKER_FAULTS__SLOW_LOAD_S)."""
+        if not self.settings.faults.slow_load_s:
+            return load
+        from worker.faults import slow_loading
+
+        return slow_loading(load, self.settings.faults.slow_load_s)
 
     def _with_faults(self, engine: Engine) -> BatchEngine:
         """The engine, or the engine behind a fault a chaos test asked for."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import structlog
 
@@ -13,6 +13,19 @@ from datasets.faults import claim_once
 from worker.engine import BatchReport, Engine
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
+A = TypeVar("A")
+
+
+def slow_loading(load: Callable[[A], T], seconds: float) -> Callable[[A], T]:
+    """``load``, each call ``seconds`` longer first (on the loading thread, as a slow build)."""
+
+    def slowly(chosen: A) -> T:
+        log.warning("fault_hook_slow_model_load", seconds=seconds)
+        time.sleep(seconds)
+        return load(chosen)
+
+    return slowly
 
 
 class WedgingEngine:

@@ -196,7 +196,8 @@ async def test_a_job_larger_than_the_publish_window_is_stored_once_and_a_failure
         again = await publish_tasks(js, settings.nats, settings.model.pipeline, tasks)
         info = await js.stream_info(settings.nats.tasks_stream)
 
-    assert first == again == 150
+    assert (first.new, first.duplicates) == (150, 0)
+    assert (again.new, again.duplicates) == (0, 150), "the stream's PubAcks said duplicate"
     assert info.state.messages == 150, "a republished job is dropped by its task ids"
 
 

@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -139,6 +140,31 @@ def test_idle_connections_to_metrics_do_not_make_healthwatch_restart_a_healthy_w
     assert "unhealthy" not in healthwatch_log(sup) and "restarting" not in healthwatch_log(sup)
 
 
+def test_idle_local_connections_to_the_healthwatch_listener_do_not_get_a_worker_restarted(
+    supervised_worker,
+):
+    sup = supervised_worker()
+    pid = sup.worker_pid()
+    sup.wait_healthy()
+    past_grace(sup)
+    before = healthwatch_probes(sup)
+    # When a local process holds 10 idle connections to the loopback /healthz listener (it had
+    # 8 slots), replacing each as soon as it is closed, for four ticks
+    loopback = sup.port_base + 1000
+    with IdleConnections(loopback, 10) as attack:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            assert sup.worker_pid(timeout_s=5) == pid, f"restarted:\n{healthwatch_log(sup)}"
+        # Then /healthz there still answers, and healthwatch found the worker healthy
+        with urllib.request.urlopen(f"http://127.0.0.1:{loopback}/healthz", timeout=5) as answer:
+            assert answer.status == 200
+    assert attack.opened >= 10
+    assert healthwatch_probes(sup) >= before + 3
+    assert sup.worker_pid() == pid
+    assert "unhealthy" not in healthwatch_log(sup) and "restarting" not in healthwatch_log(sup)
+
+
 def test_a_worker_serving_metrics_on_one_address_is_not_restarted_by_healthwatch(
     supervised_worker,
 ):
@@ -157,6 +183,34 @@ def test_a_proxy_in_the_environment_does_not_answer_for_the_worker(supervised_wo
     sup.wait_healthy()
     past_grace(sup)
     probed_and_never_restarted(sup, pid, probes=3)
+
+
+SLOW_LOAD_S = 40  # the model build, against healthwatch's 15 s start-up grace here
+
+
+def test_a_start_slower_than_the_grace_is_served_not_restarted(supervised_worker):
+    # Given a worker whose model takes 40 s to build, under a start-up grace of 15 s
+    sup = supervised_worker(WORKER_FAULTS__SLOW_LOAD_S=str(SLOW_LOAD_S))
+    pid = sup.worker_pid()
+    # When healthwatch probes it while it says `503 starting`, then it serves
+    deadline = time.monotonic() + SLOW_LOAD_S + 90
+    while not _healthy(sup):
+        assert sup.worker_pid(timeout_s=30) == pid, f"restarted:\n{healthwatch_log(sup)}"
+        assert time.monotonic() < deadline, f"never served:\n{sup.logs()}"
+        time.sleep(0.5)
+    # Then the first process is the one that serves: probed while starting, never restarted
+    assert sup.worker_pid() == pid, f"restarted:\n{healthwatch_log(sup)}"
+    assert "fault_hook_slow_model_load" in sup.worker_log()
+    assert healthwatch_probes(sup) >= 2, sup.logs()  # probed past the grace, while starting
+    assert "unhealthy" not in healthwatch_log(sup), healthwatch_log(sup)
+    assert "restarting" not in healthwatch_log(sup), healthwatch_log(sup)
+
+
+def _healthy(sup: Supervisord) -> bool:
+    try:
+        return sup.get("/healthz")[0] == 200
+    except OSError:
+        return False
 
 
 def test_workers_frozen_together_are_restarted_together_within_one_stop(tmp_path, supervisors):

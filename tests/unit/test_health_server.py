@@ -81,3 +81,22 @@ def test_healthz_says_why_the_process_is_unhealthy():
             raise AssertionError("expected 503")
     finally:
         server.close()
+
+
+def test_idle_local_connections_to_the_healthwatch_listener_cannot_shut_its_probe_out():
+    server = HealthServer("127.0.0.1", 0, CollectorRegistry(), lambda: None, healthz_port=0)
+    server.start()
+    assert server.healthz_port is not None
+    for count in (10, 100):  # more than the listener had slots; more than it has
+        clients = [
+            socket.create_connection(("127.0.0.1", server.healthz_port), timeout=5)
+            for _ in range(count)
+        ]
+        try:
+            # Given ``count`` idle connections held open, when healthwatch probes, it is answered
+            assert healthz(server.healthz_port) == 200
+            assert healthz(server.healthz_port) == 200
+        finally:
+            for sock in clients:
+                sock.close()
+    server.close()

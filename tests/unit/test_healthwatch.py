@@ -168,3 +168,62 @@ def test_it_speaks_supervisors_event_listener_protocol():
     stdout = io.StringIO()
     serve(watch, stdin, stdout)
     assert stdout.getvalue() == "READY\nRESULT 2\nOKREADY\n"
+
+
+def test_a_process_that_says_starting_is_given_up_to_max_start_s_and_then_struck():
+    starting = Probe(False, "HTTP 503: starting: not serving tasks yet", starting=True)
+    url = "http://127.0.0.1:10460/healthz"
+    answers = {url: starting}
+    procs = [proc("inference-worker_00", start=0.0)]
+    watch, calls, _ = watch_with(procs, answers)
+    watch.max_start_s = 600
+    # A slow start, long past the grace (60 s): no strike, whatever the number of ticks
+    for now in range(100, 600, 5):
+        assert watch.tick(now=now) == []
+    assert calls == [] and watch.strikes == {}
+    # Still starting past max_start_s: struck, then restarted
+    assert watch.tick(now=605) == []
+    assert watch.tick(now=610) == ["inference-worker_00"]
+    assert "still starting 605s after it was started (--max-start-s 600)" in watch.log.getvalue()
+
+
+def test_a_process_that_answered_once_and_then_says_starting_is_struck():
+    url = "http://127.0.0.1:10460/healthz"
+    answers = {url: Probe(True, "HTTP 200")}
+    procs = [proc("inference-worker_00", start=0.0)]
+    watch, _calls, _ = watch_with(procs, answers)
+    assert watch.tick(now=100) == []
+    answers[url] = Probe(False, "HTTP 503: starting: not serving tasks yet", starting=True)
+    assert watch.tick(now=105) == []
+    assert watch.tick(now=110) == ["inference-worker_00"]
+    # Its next run (a new start time) is given its start again
+    procs[0]["start"] = 200.0
+    watch.stopping.clear()
+    assert [watch.tick(now=now) for now in (300, 305, 310)] == [[], [], []]
+
+
+def test_the_probe_tells_a_starting_answer_from_a_stall():
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from worker.commands.healthwatch import probe
+
+    class Answer(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = self.path.strip("/").encode()
+            self.send_response(503)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        assert probe(f"{base}/starting:%20loading", 5).starting
+        assert not probe(f"{base}/stalled:%20no%20batch", 5).starting
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -11,8 +11,13 @@ from config.errors import WorkerError
 from config.names import env_name
 from config.redact import redact_url, scrub
 from config.settings import Settings
+from worker.nats.auth import connect_options, refusal
 
 _CHECK_TIMEOUT_S = 10.0
+
+
+async def _quiet(_error: Exception) -> None:
+    return None
 
 
 async def _nats_problems(settings: Settings) -> list[str]:
@@ -24,10 +29,15 @@ async def _nats_problems(settings: Settings) -> list[str]:
                 allow_reconnect=False,
                 connect_timeout=5,
                 max_reconnect_attempts=0,
+                error_cb=_quiet,  # the answer is the exception; nats-py would log a traceback
+                **connect_options(settings.nats),
             ),
             _CHECK_TIMEOUT_S,
         )
     except Exception as error:  # noqa: BLE001 - any failure is the answer here
+        refused = refusal(settings.nats, error)
+        if refused:
+            return [f"{refused} at {shown}"]
         return [f"NATS at {shown} unreachable: {type(error).__name__} {scrub(str(error))}"]
     problems = []
     try:

@@ -89,7 +89,19 @@ def _add_healthwatch(commands: Any) -> None:
     watch.add_argument("--group", default="inference-worker", help="supervisord program name")
     watch.add_argument("--port-base", type=int, default=9460, help="metrics port of process 0")
     watch.add_argument("--failures", type=int, default=2, help="bad ticks in a row to restart")
-    watch.add_argument("--startup-grace-s", type=float, default=120.0)
+    watch.add_argument(
+        "--startup-grace-s",
+        type=float,
+        default=120.0,
+        help="no probe of a process started less than this ago",
+    )
+    watch.add_argument(
+        "--max-start-s",
+        type=_positive,
+        default=1800.0,
+        help="a process answering `503 starting` is no strike until it has run this long "
+        "(a big model from S3, many pipelines loaded at start)",
+    )
     watch.add_argument(
         "--timeout-s", type=float, default=3.0, help="wait for /healthz (all probed at once)"
     )
@@ -121,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             args.startup_grace_s,
             args.timeout_s,
             args.healthz_port_base,
+            args.max_start_s,
         )
     if args.command == "demo":
         configure_logging("WARNING")
@@ -199,7 +212,7 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
         js = nc.jetstream()
         tasks = make_tasks(args.job, uris)
         try:
-            count = await publish_tasks(js, settings.nats, pipeline, tasks)
+            published = await publish_tasks(js, settings.nats, pipeline, tasks)
         except APIError as refused:  # the stream is full (WORKER_NATS__TASKS_MAX_*), or absent
             print(
                 f"error: the tasks stream refused a task of job {args.job}: {refused.description}"
@@ -207,12 +220,18 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return CommandExit.FAILED
-        said = f"submitted {count} tasks for job {args.job} on tasks.{pipeline}.<job>"
+        said = f"submitted {published.new} tasks for job {args.job} on tasks.{pipeline}.<job>"
+        if published.duplicates:
+            said += (
+                f"; {published.duplicates} more dropped by the stream as already submitted "
+                "(their task ids were in its duplicate window)"
+            )
         if not args.wait:
             print(said)
             return CommandExit.OK
         print(said, file=sys.stderr, flush=True)  # stdout stays empty with --wait
-        return await _follow(js, settings, args.job, args.timeout_s, 1.0, len(tasks))
+        ids = {task.id for task in tasks}
+        return await _follow(js, settings, args.job, args.timeout_s, 1.0, ids)
     finally:
         await nc.close()
 
@@ -231,12 +250,12 @@ async def _follow(
     job: str,
     timeout_s: float,
     interval_s: float,
-    expected: int | None = None,
+    expected: set[str] | None = None,
 ) -> int:
     """Progress on stderr (a bar on a terminal, lines otherwise); the exit code says how the
     job ended: 0 every task ok, 10 some ended in error, 11 some have no result yet (missing
     wins over error), 1 the job has no tasks on its subjects."""
-    from nats.js.errors import NotFoundError
+    from nats.js.errors import APIError, NotFoundError
 
     from worker.commands.progress import watch_job
 
@@ -255,10 +274,15 @@ async def _follow(
             f"cannot follow job {job}: {error}; run `inference-worker provision`", file=sys.stderr
         )
         return JobEnd.NO_TASKS
+    except APIError as refused:  # a busy server may refuse the results' reader
+        print(f"error: NATS refused to let job {job} be followed: {refused}", file=sys.stderr)
+        return CommandExit.FAILED
     return progress.exit_code()
 
 
 async def _results(settings: Settings, args: argparse.Namespace) -> int:
+    from nats.js.errors import APIError
+
     from worker.commands.client import job_task_ids, read_job_results, summarize
 
     nc = await _connect_once(settings, "results")
@@ -266,11 +290,20 @@ async def _results(settings: Settings, args: argparse.Namespace) -> int:
         js = nc.jetstream()
         read = await read_job_results(js, settings.nats, args.job)
         results = read.results
-        expected = await job_task_ids(js, settings.nats, args.job) | {r["task_id"] for r in results}
+        expected = await job_task_ids(js, settings.nats, args.job)
+    except APIError as refused:  # the stream is missing, or a busy server refused a reader
+        print(f"error: cannot read job {args.job}: {refused}", file=sys.stderr)
+        return CommandExit.FAILED
     finally:
         await nc.close()
+    if not expected:  # its tasks are no longer kept (WORKER_NATS__TASKS_MAX_AGE_S)
+        expected = {r["task_id"] for r in results}
+        print(
+            f"job {args.job}: its tasks are no longer kept; every result counted", file=sys.stderr
+        )
     for result in sorted(results, key=lambda r: r["task_id"]):
-        print(json.dumps(result, sort_keys=True))
+        if result["task_id"] in expected:  # a result for another id is no result of the job
+            print(json.dumps(result, sort_keys=True))
     print(summarize(results, expected, read.unreadable).line(), file=sys.stderr)
     return CommandExit.OK
 

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 import nats
 from nats.js import JetStreamContext, api
+from nats.js.errors import NotFoundError
 
 from config.settings import NatsSettings
 from worker.nats.subjects import job_results_subject, job_tasks_subject
@@ -64,28 +65,36 @@ def list_s3_prefix(s3_client: Any, uri: str) -> list[str]:
     return sorted(uris)
 
 
+@dataclass(frozen=True)
+class Published:
+    new: int  # stored by the tasks stream
+    duplicates: int  # dropped by it: their (job, task) id was in its duplicate window
+
+
 async def publish_tasks(
     js: JetStreamContext, settings: NatsSettings, pipeline: str, tasks: Iterable[Task]
-) -> int:
+) -> Published:
     """One message per image on tasks.<pipeline>.<job>; (job, task) is the dedupe id.
 
     Up to ``_PUBLISH_WINDOW`` publishes wait for their acknowledgement at once, so a large job
     is not paced by one round trip per image. A failure raises; publishing the job again is
-    safe, the stream drops task ids it already has.
+    safe, the stream drops task ids it already has (each PubAck says so: ``duplicate``).
     """
-    count = 0
+    new = duplicates = 0
     window: list[Task] = []
     for task in tasks:
         window.append(task)
         if len(window) == _PUBLISH_WINDOW:
-            count += await _publish_window(js, settings, pipeline, window)
-            window = []
-    return count + await _publish_window(js, settings, pipeline, window)
+            added, dropped = await _publish_window(js, settings, pipeline, window)
+            new, duplicates, window = new + added, duplicates + dropped, []
+    added, dropped = await _publish_window(js, settings, pipeline, window)
+    return Published(new + added, duplicates + dropped)
 
 
 async def _publish_window(
     js: JetStreamContext, settings: NatsSettings, pipeline: str, tasks: list[Task]
-) -> int:
+) -> tuple[int, int]:
+    """(stored, dropped as duplicates) of one window of publishes."""
     outcomes = await asyncio.gather(
         *(
             js.publish(
@@ -99,10 +108,12 @@ async def _publish_window(
         ),
         return_exceptions=True,  # every publish of the window has ended before we raise
     )
+    duplicates = 0
     for outcome in outcomes:
         if isinstance(outcome, BaseException):
             raise outcome
-    return len(tasks)
+        duplicates += bool(outcome.duplicate)
+    return len(tasks) - duplicates, duplicates
 
 
 async def _read_all(js: JetStreamContext, stream: str, subject: str) -> list[bytes]:
@@ -173,23 +184,62 @@ async def job_results(
     return (await read_job_results(js, settings, job_id)).results
 
 
-async def job_task_ids(js: JetStreamContext, settings: NatsSettings, job_id: str) -> set[str]:
-    """Task ids of the job still kept in the tasks stream: only the job's own subject
-    (``tasks.*.<job>``) is read. Tasks published with the job in the payload only, on
+_NO_MESSAGE = 10037  # JetStream's "no message found"
+
+
+class JobTasks:
+    """A job's task ids as the tasks stream keeps them (``tasks.*.<job>``), read message by
+    message with the stream's get-next-by-subject: no consumer on the tasks stream, which a
+    busy server (its consumer limit reached by the job consumers) may refuse. ``refresh``
+    reads on from where the last one ended, so following a job being published costs one
+    request per new task. Tasks published with the job in the payload only, on
     ``tasks.<pipeline>``, are not counted (``submit`` never publishes so)."""
-    ids: set[str] = set()
-    for data in await _read_all(js, settings.tasks_stream, f"tasks.*.{subject_token(job_id)}"):
-        try:
-            payload = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-            continue
-        if isinstance(payload, dict):
-            task_id = payload.get("id")
-            if isinstance(task_id, int) and not isinstance(task_id, bool):
-                task_id = str(task_id)
-            if isinstance(task_id, str):
-                ids.add(task_id)
-    return ids
+
+    def __init__(self, js: JetStreamContext, settings: NatsSettings, job_id: str) -> None:
+        self._js, self._stream = js, settings.tasks_stream
+        self._subject = f"tasks.*.{subject_token(job_id)}"
+        self._next_seq = 1
+        self.ids: set[str] = set()
+
+    async def refresh(self) -> set[str]:
+        """Read the job's tasks published since the last refresh; returns every id known."""
+        last_seq = (await self._js.stream_info(self._stream)).state.last_seq
+        while self._next_seq <= last_seq:  # each read moves past one message: bounded
+            try:
+                msg = await self._js.get_msg(
+                    self._stream, seq=self._next_seq, subject=self._subject, next=True
+                )
+            except NotFoundError as error:
+                if error.err_code != _NO_MESSAGE:
+                    raise  # the stream itself is gone
+                break
+            self._next_seq = (msg.seq or self._next_seq) + 1
+            found = _task_id_of(msg.data or b"")
+            if found is not None:
+                self.ids.add(found)
+        return self.ids
+
+
+def _task_id_of(data: bytes) -> str | None:
+    try:
+        payload = json.loads(data)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError included
+        return None
+    task_id = payload.get("id") if isinstance(payload, dict) else None
+    if isinstance(task_id, int) and not isinstance(task_id, bool):
+        return str(task_id)
+    return task_id if isinstance(task_id, str) else None
+
+
+async def job_task_ids(js: JetStreamContext, settings: NatsSettings, job_id: str) -> set[str]:
+    """Task ids of the job still kept in the tasks stream (see ``JobTasks``)."""
+    return await JobTasks(js, settings, job_id).refresh()
+
+
+def unreadable_response(result: dict[str, Any]) -> bool:
+    """A result whose response was kept in the object store and cannot be read back
+    (``response_of`` says why in ``response_error``): it is no usable ``ok``."""
+    return bool(result.get("response_error"))
 
 
 @dataclass(frozen=True)
@@ -198,22 +248,34 @@ class Summary:
     error: int
     missing: int
     duplicates: int
-    unreadable: int = 0
+    unreadable: int = 0  # messages on the job's result subjects that are no result
+    foreign: int = 0  # results whose task id is no task of the job: not counted
+    response_unreadable: int = 0  # `ok` results whose stored response cannot be read
 
     def line(self) -> str:
         line = f"ok={self.ok} error={self.error} missing={self.missing}"
-        return line + (f" unreadable={self.unreadable}" if self.unreadable else "")
+        for name in ("response_unreadable", "foreign", "unreadable"):
+            if getattr(self, name):
+                line += f" {name}={getattr(self, name)}"
+        return line
 
 
 def summarize(
     results: list[dict[str, Any]], expected_ids: set[str], unreadable: int = 0
 ) -> Summary:
-    per_task = Counter(r["task_id"] for r in results)
-    statuses = Counter(r["status"] for r in results)
+    """Counts over the results of the job's own tasks (``expected_ids``); a result for any
+    other id is ``foreign``, an ``ok`` whose response cannot be read ``response_unreadable``."""
+    mine = [r for r in results if r["task_id"] in expected_ids]
+    per_task = Counter(r["task_id"] for r in mine)
+    statuses = Counter(
+        "response_unreadable" if unreadable_response(r) else r["status"] for r in mine
+    )
     return Summary(
         ok=statuses.get("ok", 0),
         error=statuses.get("error", 0),
         missing=len(expected_ids - set(per_task)),
         duplicates=sum(n - 1 for n in per_task.values() if n > 1),
         unreadable=unreadable,
+        foreign=len(results) - len(mine),
+        response_unreadable=statuses.get("response_unreadable", 0),
     )

@@ -5,7 +5,12 @@ worker's loopback health listener (``127.0.0.1``, the metrics port + 1000 + N: n
 /metrics listener, which any number of idle connections may fill; never through a proxy), all
 processes at once, each within ``timeout_s``. A process that answers 503 (stalled) or does not
 answer for ``failures`` ticks in a row, after its start-up grace, is restarted over
-supervisor's XML-RPC interface without waiting: ``stopProcess`` (SIGTERM to the group, SIGKILL
+supervisor's XML-RPC interface without waiting. A process that answers ``503 starting`` (its
+models still loading, NATS not reached yet) is given the time it needs, up to
+``max_start_s`` since it was started: a slow start is no strike, however much slower than the
+grace it is; past ``max_start_s`` each ``starting`` answer is one. Once a process has answered
+anything but ``starting`` (it started), a ``starting`` answer is a strike like any 503. The
+restart: ``stopProcess`` (SIGTERM to the group, SIGKILL
 after ``stopwaitsecs``) is asked at once for every such process, and ``startProcess`` at the
 first tick that finds it stopped. So one tick takes at most ``timeout_s`` and a few calls,
 whatever the number of processes, and frozen processes are restarted together: the last of
@@ -38,6 +43,10 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 class Probe:
     healthy: bool
     reason: str
+    starting: bool = False  # 503 ``starting: ...``: the process has not finished its start
+
+
+_STARTING = "starting"  # the body of the worker's 503 until it serves (worker.app)
 
 
 def probe(url: str, timeout_s: float) -> Probe:
@@ -46,7 +55,8 @@ def probe(url: str, timeout_s: float) -> Probe:
             return Probe(response.status == 200, f"HTTP {response.status}")
     except urllib.error.HTTPError as error:
         body = error.read(300).decode("utf-8", "replace").strip()
-        return Probe(False, f"HTTP {error.code}: {body}")
+        starting = error.code == 503 and body.startswith(_STARTING)
+        return Probe(False, f"HTTP {error.code}: {body}", starting)
     except (OSError, TimeoutError) as error:
         return Probe(False, f"no answer: {error}")
 
@@ -69,7 +79,10 @@ class HealthWatch:
     probe: Callable[[str, float], Probe] = probe
     log: TextIO = sys.stderr
     healthz_port_base: int = 0  # WORKER_METRICS__HEALTHZ_PORT when the workers set it
+    max_start_s: float = 1800.0  # a process may say `starting` this long after it was started
     strikes: dict[str, int] = field(default_factory=dict)
+    started: dict[str, float] = field(default_factory=dict)  # name -> start of the run that
+    # answered something other than `starting` (so its `starting` now is a strike)
     stopping: dict[str, str] = field(default_factory=dict)  # name -> why it is being restarted
 
     def tick(self, now: float | None = None) -> list[str]:
@@ -89,8 +102,12 @@ class HealthWatch:
             port = process_port(name, healthz_base(self.port_base, self.healthz_port_base))
             if port is not None:
                 due[name] = f"http://127.0.0.1:{port}/healthz"
+        starts = {info["name"]: float(info["start"]) for info in infos}
         restarting = []
         for name, result in self._probe_all(due).items():
+            if self._still_starting(name, result, starts[name], now):
+                self.strikes.pop(name, None)
+                continue
             if result.healthy:
                 self.strikes.pop(name, None)
                 continue
@@ -104,6 +121,23 @@ class HealthWatch:
                 self._stop(name, result.reason)
                 restarting.append(name)
         return restarting
+
+    def _still_starting(self, name: str, result: Probe, start: float, now: float) -> bool:
+        """True for a ``starting`` answer of a run that has not answered otherwise and has
+        not run past ``max_start_s``: no strike. Remembers the runs that have started."""
+        if self.started.get(name) == start:
+            return False
+        if not result.starting:
+            if result.reason.startswith("HTTP"):  # it answered: this run has started
+                self.started[name] = start
+            return False
+        if now - start <= self.max_start_s:
+            return True
+        self._say(
+            f"{self.group}:{name} still starting {now - start:.0f}s after it was started "
+            f"(--max-start-s {self.max_start_s:g})"
+        )
+        return False
 
     def _probe_all(self, urls: dict[str, str]) -> dict[str, Probe]:
         """Every process probed at once: a tick takes one timeout, not one per process."""
@@ -174,6 +208,7 @@ def main(
     startup_grace_s: float,
     timeout_s: float,
     healthz_port_base: int = 0,
+    max_start_s: float = 1800.0,
 ) -> int:
     from supervisor import childutils
 
@@ -186,8 +221,12 @@ def main(
         startup_grace_s,
         timeout_s,
         healthz_port_base=healthz_port_base,
+        max_start_s=max_start_s,
     )
     first = healthz_base(port_base, healthz_port_base)
-    watch._say(f"watching group {group}, /healthz on 127.0.0.1 from {first}, {failures} strikes")
+    watch._say(
+        f"watching group {group}, /healthz on 127.0.0.1 from {first}, {failures} strikes, "
+        f"starts of up to {max_start_s:g}s"
+    )
     serve(watch)
     return CommandExit.OK  # supervisord went away

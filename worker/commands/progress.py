@@ -1,9 +1,12 @@
 """Job progress for the person who submits it: ``submit --wait`` and ``watch --job J``.
 
 Counts come from the job's own subjects only: its distinct task ids (``tasks.*.<job>``, read
-at the start and again every ``_RECOUNT_EVERY`` refreshes) and its results
-(``results.<job>.>``, each read once through one ephemeral consumer, deleted at the end), so
-a large job costs one pass over its results, not one per refresh. On a terminal the line is a
+at the start with the stream's get-next-by-subject, no consumer on the tasks stream, and read
+on every ``_RECOUNT_EVERY`` refreshes) and its results (``results.<job>.>``, each read once
+through one ephemeral consumer, deleted at the end), so a large job costs one pass over its
+results, not one per refresh. A result whose id is no task of the job is not counted
+(``foreign``); an ``ok`` whose response kept in the object store cannot be read back is no
+``ok`` (``response_unreadable``, an error for the exit code). On a terminal the line is a
 redrawn bar; otherwise one plain line per interval. No torch here.
 """
 
@@ -19,9 +22,10 @@ import nats
 from nats.js import JetStreamContext, api
 
 from config.settings import NatsSettings
-from worker.commands.client import job_task_ids, read_result
+from worker.commands.client import JobTasks, read_result, unreadable_response
 from worker.exits import JobEnd
 from worker.nats.subjects import job_results_subject
+from worker.results import response_of
 from worker.schemas import subject_token
 
 _READ_BATCH = 512
@@ -37,10 +41,12 @@ class Progress:
     started_s: float = 0.0
     done_at_start: int = 0  # results already there when the watch began: not in the rate
     unreadable: int = 0  # messages on the job's result subjects that are no result
+    foreign: int = 0  # results whose task id is no task of the job (not counted)
+    response_unreadable: int = 0  # `ok` results whose stored response cannot be read
 
     @property
     def done(self) -> int:
-        return self.ok + self.error
+        return self.ok + self.error + self.response_unreadable
 
     @property
     def missing(self) -> int:
@@ -56,7 +62,10 @@ class Progress:
 
     def summary(self) -> str:
         line = f"ok={self.ok} error={self.error} missing={self.missing}"
-        return line + (f" unreadable={self.unreadable}" if self.unreadable else "")
+        for name in ("response_unreadable", "foreign", "unreadable"):
+            if getattr(self, name):
+                line += f" {name}={getattr(self, name)}"
+        return line
 
     def exit_code(self) -> int:
         """How the job stands (``exits.JobEnd``): missing wins over error."""
@@ -64,7 +73,7 @@ class Progress:
             return JobEnd.NO_TASKS
         if self.missing:
             return JobEnd.SOME_MISSING
-        return JobEnd.SOME_ERROR if self.error else JobEnd.ALL_OK
+        return JobEnd.SOME_ERROR if self.error or self.response_unreadable else JobEnd.ALL_OK
 
 
 def render(progress: Progress, now_s: float, tty: bool) -> str:
@@ -82,13 +91,9 @@ def render(progress: Progress, now_s: float, tty: bool) -> str:
     return f"[{'#' * filled}{'.' * (_BAR_CELLS - filled)}] {words}"
 
 
-async def job_task_count(js: JetStreamContext, settings: NatsSettings, job_id: str) -> int:
-    """Distinct task ids of the job in the tasks stream (its own subjects only)."""
-    return len(await job_task_ids(js, settings, job_id))
-
-
 class ResultCounter:
-    """Reads each of a job's results once, as they arrive, and counts them by status."""
+    """Reads each of a job's results once, as they arrive, and counts those of the job's
+    tasks (``known``) by status; a result for an id not known yet is held until it is."""
 
     def __init__(self, js: JetStreamContext, settings: NatsSettings, job_id: str) -> None:
         self._js = js
@@ -97,6 +102,7 @@ class ResultCounter:
         self._sub: Any = None
         self._name = ""
         self.seen: set[str] = set()
+        self.held: dict[str, dict[str, Any]] = {}  # task id -> its result, the id unknown
 
     async def open(self) -> None:
         self._sub = await self._js.pull_subscribe(
@@ -110,26 +116,33 @@ class ResultCounter:
         )
         self._name = (await self._sub.consumer_info()).name
 
-    async def read(self, progress: Progress, wait_s: float) -> None:
+    async def read(self, progress: Progress, wait_s: float, known: set[str]) -> None:
         """Count what arrived, waiting at most ``wait_s`` for something new."""
         assert self._sub is not None, "open() first"
         try:
             msgs = await self._sub.fetch(_READ_BATCH, timeout=wait_s)
         except (nats.errors.TimeoutError, TimeoutError):
-            return
+            msgs = []
         for msg in msgs:
             result = read_result(msg.data)
             if result is None:  # not a result (a client may publish there): counted, skipped
                 progress.unreadable += 1
                 continue
-            task_id = result["task_id"]
-            if task_id in self.seen:
-                continue
-            self.seen.add(task_id)
-            if result.get("status") == "ok":
-                progress.ok += 1
-            else:
-                progress.error += 1
+            self.held.setdefault(result["task_id"], result)
+        for task_id in [t for t in self.held if t in known]:
+            await self._count(progress, self.held.pop(task_id))
+        progress.foreign = len(self.held)
+
+    async def _count(self, progress: Progress, result: dict[str, Any]) -> None:
+        if result["task_id"] in self.seen:
+            return
+        self.seen.add(result["task_id"])
+        if result.get("status") != "ok":
+            progress.error += 1
+        elif unreadable_response(await response_of(self._js, result)):
+            progress.response_unreadable += 1
+        else:
+            progress.ok += 1
 
     async def close(self) -> None:
         if self._sub is None:
@@ -149,17 +162,19 @@ async def watch_job(
     *,
     timeout_s: float,
     interval_s: float = 1.0,
-    expected: int | None = None,
+    expected: set[str] | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> Progress:
     """Follow the job until every task has a result or ``timeout_s`` passes; draw progress on
-    ``out`` and end with the summary line. Returns the final counts (``total`` 0: the job has
-    no tasks on its own subjects). A NATS error while following is waited out to the
-    deadline; only a missing stream at the start raises."""
+    ``out`` and end with the summary line. ``expected``: the job's task ids when the caller
+    published them; else they are read from the tasks stream. Returns the final counts
+    (``total`` 0: the job has no tasks on its own subjects). A NATS error while following is
+    waited out to the deadline; only a missing stream at the start raises."""
     tty = out.isatty()
-    total = expected if expected is not None else await job_task_count(js, settings, job_id)
-    progress = Progress(total=total, started_s=clock())
-    if total == 0:
+    tasks = JobTasks(js, settings, job_id)
+    known = expected if expected is not None else await tasks.refresh()
+    progress = Progress(total=len(known), started_s=clock())
+    if not known:
         out.write(
             f"job {job_id}: no tasks on tasks.*.{subject_token(job_id)} (submit publishes "
             "there; tasks on tasks.<pipeline> alone cannot be followed)\n"
@@ -168,13 +183,14 @@ async def watch_job(
     counter = ResultCounter(js, settings, job_id)
     await counter.open()
 
-    async def recount() -> int:
-        return await job_task_count(js, settings, job_id)
+    async def recount() -> set[str]:
+        return await tasks.refresh()
 
     try:
         await _follow(
             counter,
             progress,
+            known,
             _Drawing(out, tty, interval_s),
             deadline=clock() + timeout_s,
             clock=clock,
@@ -212,11 +228,12 @@ class _Drawing:
 async def _follow(
     counter: ResultCounter,
     progress: Progress,
+    known: set[str],
     drawing: _Drawing,
     *,
     deadline: float,
     clock: Callable[[], float],
-    recount: Callable[[], Awaitable[int]] | None,
+    recount: Callable[[], Awaitable[set[str]]] | None,
 ) -> None:
     """Count results and draw until every task has one or ``deadline`` passes; the job's
     tasks are counted again now and then when ``recount`` is given."""
@@ -224,12 +241,14 @@ async def _follow(
     refreshes = 0
     while True:
         try:
-            await counter.read(progress, wait_s=min(interval_s, max(0.05, deadline - clock())))
+            wait_s = min(interval_s, max(0.05, deadline - clock()))
+            await counter.read(progress, wait_s, known)
             refreshes += 1
             if refreshes == 1:
                 progress.done_at_start = progress.done
-            if recount is not None and refreshes % _RECOUNT_EVERY == 0:
-                progress.total = max(progress.total, await recount())
+            if recount is not None and (refreshes % _RECOUNT_EVERY == 0 or counter.held):
+                known = await recount()  # new tasks, or a result for an id not seen yet
+                progress.total = max(progress.total, len(known))
         except (nats.errors.Error, TimeoutError) as error:
             drawing.out.write(
                 f"\nNATS: {type(error).__name__}; still following until the timeout\n"

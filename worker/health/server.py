@@ -2,7 +2,10 @@
 
 Two listeners: /metrics and /healthz on the configured address (for Prometheus), and /healthz
 alone on loopback, with connection slots of its own, for healthwatch: no number of idle
-connections to the first, from wherever they come, can make the second look dead.
+connections to the first, from wherever they come, can make the second look dead. The second
+makes room for a newcomer by closing its oldest connection when every slot is held, so idle
+local connections, however many, cannot shut healthwatch's probe (sent at once, answered in
+milliseconds) out: a newcomer is never refused there.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from config.names import env_name
 from worker.health.metrics import PREFIX
 
 MAX_CONNECTIONS = 16  # /metrics and /healthz served at once; more are refused
-HEALTHZ_CONNECTIONS = 8  # the loopback /healthz listener's own slots
+HEALTHZ_CONNECTIONS = 64  # the loopback /healthz listener's own slots (the oldest gives way)
 LOOPBACK = "127.0.0.1"
 READ_TIMEOUT_S = 5.0
 CONNECTION_DEADLINE_S = 10.0
@@ -46,20 +49,39 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
         handler: type,
         max_connections: int,
         connection_deadline_s: float,
+        oldest_gives_way: bool = False,
     ) -> None:
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self._max = max_connections
+        self._held: dict[int, socket.socket] = {}  # in the order they came
+        self._lock = threading.Lock()
         self._deadline_s = connection_deadline_s
+        self._oldest_gives_way = oldest_gives_way
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
+        if not self._hold(request):
             self.shutdown_request(request)  # over the bound: refused, nothing kept
             return
         try:
             super().process_request(request, client_address)
         except Exception:
-            self._slots.release()
+            self._let_go(request)
             raise
+
+    def _hold(self, request: socket.socket) -> bool:
+        """A slot for ``request``: a free one, or the oldest's when that one gives way."""
+        with self._lock:
+            if len(self._held) >= self._max:
+                if not self._oldest_gives_way:
+                    return False
+                _cut(self._held.pop(next(iter(self._held))))  # its thread ends at once
+            self._held[id(request)] = request
+            return True
+
+    def _let_go(self, request: socket.socket) -> None:
+        with self._lock:
+            if self._held.get(id(request)) is request:
+                del self._held[id(request)]
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         cutoff = threading.Timer(self._deadline_s, _cut, args=(request,))
@@ -69,7 +91,7 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             cutoff.cancel()
-            self._slots.release()
+            self._let_go(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.warning("metrics_request_failed", exc_info=True)
@@ -84,11 +106,15 @@ def _cut(sock: socket.socket) -> None:
 
 
 def _listen(
-    address: tuple[str, int], handler: type, slots: int, deadline_s: float
+    address: tuple[str, int],
+    handler: type,
+    slots: int,
+    deadline_s: float,
+    oldest_gives_way: bool = False,
 ) -> _BoundedHTTPServer:
     """A bound, listening server; OSError naming the address when it cannot be had."""
     try:
-        return _BoundedHTTPServer(address, handler, slots, deadline_s)
+        return _BoundedHTTPServer(address, handler, slots, deadline_s, oldest_gives_way)
     except OSError as error:
         why = f"cannot listen on {address[0]}:{address[1]}: {error.strerror or error}"
         raise OSError(error.errno, why) from None
@@ -174,6 +200,7 @@ class HealthServer:
                         _handler(registry, unhealthy, False, probes.labels("healthwatch").inc),
                         HEALTHZ_CONNECTIONS,
                         connection_deadline_s,
+                        oldest_gives_way=True,
                     )
                 )
             except OSError:

@@ -13,6 +13,7 @@ from nats.aio.client import Client as NATS
 from config.errors import TransientError
 from config.redact import redact_url
 from config.settings import NatsSettings
+from worker.nats.auth import connect_options, refusal
 
 log = structlog.get_logger(__name__)
 
@@ -32,6 +33,8 @@ class ConnectionState:
         self.lost = asyncio.Event()  # closed for good, and not by us
         self.closed_reason = ""
         self.closing = False  # our own close is not a failure
+        self.refused = asyncio.Event()  # the server refused our credentials (said why last)
+        self.refused_reason = ""
 
     def down_for_s(self) -> float:
         """Seconds since the connection was lost (0 while connected)."""
@@ -65,22 +68,43 @@ async def connect(
     runs once passes ``give_up_after_s``: no first connection by then is a TransientError
     naming the server(s), and the attempts stop."""
     client, state = NATS(), state or ConnectionState()
+    if give_up_after_s is None:
+        return await _connect(client, settings, name, state)
+    attempt = asyncio.ensure_future(_connect(client, settings, name, state))
+    refused = asyncio.ensure_future(state.refused.wait())
     try:
-        return await asyncio.wait_for(_connect(client, settings, name, state), give_up_after_s)
-    except TimeoutError:
-        if give_up_after_s is None:
-            raise  # nats-py's own, not ours
-        state.closing = True  # a close we asked for: not a lost connection
-        with contextlib.suppress(Exception):
-            await client.close()  # stops any attempt still scheduled
+        await asyncio.wait(
+            {attempt, refused}, timeout=give_up_after_s, return_when=asyncio.FIRST_COMPLETED
+        )
+    except asyncio.CancelledError:  # stopped while connecting: no attempt left behind
+        attempt.cancel()
+        raise
+    finally:
+        refused.cancel()
+    if attempt.done() and attempt.exception() is None:
+        return attempt.result()
+    attempt.cancel()
+    state.closing = True  # a close we asked for: not a lost connection
+    with contextlib.suppress(Exception):
+        await client.close()  # stops any attempt still scheduled
     servers = ", ".join(redact_url(url) for url in _servers(settings))
+    if state.refused_reason:  # the server answered, and said no: waiting longer won't help
+        raise TransientError(f"{state.refused_reason} at {servers}")
+    if attempt.done() and not attempt.cancelled() and attempt.exception() is not None:
+        raise attempt.exception()  # type: ignore[misc]
     raise TransientError(f"NATS at {servers} could not be reached within {give_up_after_s}s")
 
 
 async def _connect(client: NATS, settings: NatsSettings, name: str, state: ConnectionState) -> NATS:
 
     async def on_error(error: Exception) -> None:
-        log.warning("nats_error", error=str(error))
+        refused = refusal(settings, error)  # which setting's credential, never the credential
+        if refused:
+            log.error("nats_credentials_refused", error=refused)
+            state.refused_reason = refused
+            state.refused.set()
+        else:
+            log.warning("nats_error", error=str(error))
         state.closed_reason = str(error)
 
     async def on_disconnect() -> None:
@@ -118,6 +142,7 @@ async def _connect(client: NATS, settings: NatsSettings, name: str, state: Conne
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
         closed_cb=on_closed,
+        **connect_options(settings),
     )
     return client
 
