@@ -23,13 +23,18 @@ promtool:
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }
 
+# make test: lint, types, then every test under tests/ (unit, integration, supervisord,
+# Prometheus, Antenna, the bench smokes and the 12 chaos scenarios) in two processes, each with
+# its own nats-server, S3 endpoint and temp dirs; the longest tests start first, and the 25
+# slowest are listed at the end. About TEST_MINUTES minutes on a quiet 2-core machine.
 test: $(STAMP) promtool
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --durations=25
 
-# By hand, not in CI: the full chaos table, and the benchmarks behind BENCHMARKS.md.
+# By hand, not in CI: make chaos prints the chaos table (the same 12 scenarios make test runs,
+# one row each, about CHAOS_MINUTES minutes); make bench, the benchmarks behind BENCHMARKS.md.
 chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos
 

@@ -4,7 +4,9 @@ On every TICK event it asks each RUNNING worker process of the group for ``/heal
 worker's loopback health listener (``127.0.0.1``, the metrics port + 1000 + N: never the
 /metrics listener, which any number of idle connections may fill; never through a proxy), all
 processes at once, each within ``timeout_s``. A process that answers 503 (stalled) or does not
-answer for ``failures`` ticks in a row, after its start-up grace, is restarted over
+answer for ``failures`` ticks in a row, after its start-up grace (``startup_grace_s`` from its
+start, or its first healthy answer if that comes sooner: probed from its start, a process that
+has not answered yet gets no strike), is restarted over
 supervisor's XML-RPC interface without waiting: ``stopProcess`` (SIGTERM to the group, SIGKILL
 after ``stopwaitsecs``) is asked at once for every such process, and ``startProcess`` at the
 first tick that finds it stopped. So one tick takes at most ``timeout_s`` and a few calls,
@@ -71,6 +73,7 @@ class HealthWatch:
     healthz_port_base: int = 0  # WORKER_METRICS__HEALTHZ_PORT when the workers set it
     strikes: dict[str, int] = field(default_factory=dict)
     stopping: dict[str, str] = field(default_factory=dict)  # name -> why it is being restarted
+    answered: dict[str, float] = field(default_factory=dict)  # name -> start it answered since
 
     def tick(self, now: float | None = None) -> list[str]:
         """Check every worker once; returns the names whose restart began. Restarts asked at
@@ -78,14 +81,23 @@ class HealthWatch:
         now = time.time() if now is None else now
         infos = [i for i in self.rpc.supervisor.getAllProcessInfo() if i["group"] == self.group]
         self._start_stopped(infos)
-        due = {}
+        due: dict[str, str] = {}
+        starting: set[str] = set()
+        started_at: dict[str, float] = {}
         for info in infos:
             name = info["name"]
             if name in self.stopping:
                 continue
-            if info["state"] != RUNNING or now - info["start"] < self.startup_grace_s:
+            if info["state"] != RUNNING:
                 self.strikes.pop(name, None)
                 continue
+            started_at[name] = info["start"]
+            if (
+                now - info["start"] < self.startup_grace_s
+                and self.answered.get(name) != info["start"]
+            ):
+                starting.add(name)  # in its grace until it answers healthy once
+                self.strikes.pop(name, None)
             port = process_port(name, healthz_base(self.port_base, self.healthz_port_base))
             if port is not None:
                 due[name] = f"http://127.0.0.1:{port}/healthz"
@@ -93,6 +105,9 @@ class HealthWatch:
         for name, result in self._probe_all(due).items():
             if result.healthy:
                 self.strikes.pop(name, None)
+                self.answered[name] = started_at[name]  # its grace is over
+                continue
+            if name in starting:
                 continue
             self.strikes[name] = self.strikes.get(name, 0) + 1
             self._say(
