@@ -26,7 +26,7 @@ promtool:
 # make test: lint, types, then every test under tests/ (unit, integration, supervisord,
 # Prometheus, Antenna, the bench smokes and the 12 chaos scenarios) in two processes, each with
 # its own nats-server, S3 endpoint and temp dirs; the longest tests start first, and the 25
-# slowest are listed at the end. About TEST_MINUTES minutes on a quiet 2-core machine.
+# slowest are listed at the end. TEST_TIME_LINE
 test: $(STAMP) promtool
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -34,7 +34,7 @@ test: $(STAMP) promtool
 	$(BIN)/python -m pytest -q -n 2 --durations=25
 
 # By hand, not in CI: make chaos prints the chaos table (the same 12 scenarios make test runs,
-# one row each, about CHAOS_MINUTES minutes); make bench, the benchmarks behind BENCHMARKS.md.
+# one row each, 3 to 5 minutes on 2 cores); make bench, the benchmarks behind BENCHMARKS.md.
 chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos
 

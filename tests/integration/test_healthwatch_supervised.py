@@ -147,7 +147,7 @@ def test_a_worker_serving_metrics_on_one_address_is_not_restarted_by_healthwatch
     sup = supervised_worker(WORKER_METRICS__HOST="127.0.0.2")  # "one interface"
     pid = sup.worker_pid()
     sup.wait_healthy(host="127.0.0.2")
-    past_grace(sup)
+    past_grace(sup, host="127.0.0.2")
     probed_and_never_restarted(sup, pid, probes=3, host="127.0.0.2")
 
 

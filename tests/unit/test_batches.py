@@ -142,8 +142,9 @@ async def test_the_hold_lasts_while_tasks_of_both_pipelines_keep_arriving(monkey
     # (0.25 s in the product): how fast the fetches run on this machine changes nothing.
     monkeypatch.setattr(worker.batches, "SWITCH_WAIT_S", 5.0)
     runs = await runs_with(FakeSource)
-    # Every run lasts the hold, but the last two: one job runs out, the other is left alone
-    assert runs[:-2] and set(runs[:-2]) == {16}, runs
+    # Every run lasts the hold (16 batches; one more when a short batch left its job behind
+    # in the fair share), but the last two: one job runs out, the other is left alone
+    assert runs[:-2] and min(runs[:-2]) >= 16, runs
     monkeypatch.undo()  # here nothing the engine may run can come: it waits 0.25 s each time
     blind_runs = await runs_with(SourceThatCannotChoose)
     # without the choice, the held room fills with the other pipeline's tasks: short runs
