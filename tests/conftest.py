@@ -22,6 +22,39 @@ ARCHITECTURE = "mobilenet_v3_small"
 LABELS = ["cat", "dog", "bird", "fish", "horse"]
 
 
+# Run first, in this order: with two runners (make test's -n 2) the long tests start at once
+# and the short ones fill the gaps, so both runners end together. The sort is stable: a
+# file's tests keep their order.
+_FIRST = ("chaos", "slow", "supervisord", "integration")
+
+
+# Tests of 20 s or more in a quiet serial run (--durations, 2026-12-01) in files whose other
+# tests are short; whole files of such tests say so in their own pytestmark.
+_SLOW = (
+    "tests/integration/test_run_dir.py::test_group_kills_mid_job_leave_nothing_once_a_clean",
+    "tests/integration/test_antenna.py::test_a_503_storm_on_result_loses_nothing",
+    "tests/integration/test_antenna.py::test_sigterm_posts_what_is_finished",
+    "tests/integration/test_antenna.py::test_sigkill_mid_job_and_a_restart",
+    "tests/integration/test_antenna.py::test_register_is_idempotent",
+    "tests/unit/test_antenna.py::test_a_29176_class_result",
+    "tests/integration/test_alerts.py::",
+    "tests/integration/test_cli.py::test_check_says_ready_or_names_each_problem",
+    "tests/integration/test_nothing_lost.py::test_sigterm_mid_job_finishes_the_batch",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(_SLOW):
+            item.add_marker(pytest.mark.slow)
+
+    def rank(item: pytest.Item) -> int:
+        marked = [n for n, name in enumerate(_FIRST) if item.get_closest_marker(name)]
+        return min(marked, default=len(_FIRST))
+
+    items.sort(key=rank)
+
+
 def _unavailable(what: str, error: Exception) -> None:
     message = f"{what} unavailable: {error}"
     if IN_CI:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,9 +19,11 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).parents[2]
-SMOKE_TIMEOUT_S = 240
-# Longest first; two at a time: most of a smoke run is one core starting processes.
-MODULES = ("workload", "throughput", "network", "profile", "scale", "soak", "recovery")
+# Each smoke is its own test, one benchmark at a time per test process: 10-60 s each on a quiet
+# 2-core machine, so 300 s is five times the longest; pytest-timeout's bound is above it, so
+# the error that comes is this module's, naming the benchmark it waited for.
+SMOKE_TIMEOUT_S = 300
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SMOKE_TIMEOUT_S + 60)]
 
 
 @dataclass(frozen=True)
@@ -33,44 +35,45 @@ class Smoke:
     results: Path
 
 
-def run_smoke(module: str, results: Path) -> Smoke:
-    """``python -m bench.MODULE --smoke``, its results in ``results``."""
+def run_smoke(module: str, results: Path, *args: str) -> Smoke:
+    """``python -m bench.MODULE --smoke``, its results in ``results``; a run past
+    ``SMOKE_TIMEOUT_S`` is ended with everything it started (its process group) and fails
+    the test naming the benchmark and what it had written to stderr."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
     env["BENCH_RESULTS_DIR"] = str(results)
-    done = subprocess.run(
-        [sys.executable, "-m", f"bench.{module}", "--smoke"],
+    command = [sys.executable, "-m", f"bench.{module}", "--smoke", *args]
+    with subprocess.Popen(
+        command,
         cwd=ROOT,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=SMOKE_TIMEOUT_S,
-    )
-    return Smoke(module, done.returncode, done.stdout, done.stderr, results)
+        start_new_session=True,
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=SMOKE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate(timeout=30)
+            pytest.fail(
+                f"bench.{module} --smoke did not finish within {SMOKE_TIMEOUT_S} s "
+                f"(ended with its process group); its stderr ends:\n{stderr[-3000:]}"
+            )
+    return Smoke(module, proc.returncode, stdout, stderr, results)
 
 
-@pytest.fixture(scope="module")
-def smokes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Smoke]:
-    """Every benchmark's smoke run, two at a time."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {
-            module: pool.submit(run_smoke, module, tmp_path_factory.mktemp(module))
-            for module in MODULES
-        }
-        return {module: future.result() for module, future in futures.items()}
-
-
-def saved(smokes: dict[str, Smoke], module: str, name: str = "") -> dict[str, Any]:
+def saved(run: Smoke, name: str = "") -> dict[str, Any]:
     """The results a smoke run saved; the test fails with its output if it exited non-zero."""
-    run = smokes[module]
-    assert run.returncode == 0, f"bench.{module} exited {run.returncode}:\n{run.stderr[-3000:]}"
-    result: dict[str, Any] = json.loads((run.results / f"{name or module}.json").read_text())
+    assert run.returncode == 0, f"bench.{run.module} exited {run.returncode}:\n{run.stderr[-3000:]}"
+    result: dict[str, Any] = json.loads((run.results / f"{name or run.module}.json").read_text())
     return result
 
 
-def test_throughput_times_images_in_every_stage(smokes):
+def test_throughput_times_images_in_every_stage(tmp_path):
     """The loader stage by each path, the model and the worker made every image (the loader
     children's CPU was counted), and the pattern classified every image."""
-    result = saved(smokes, "throughput")
+    result = saved(run_smoke("throughput", tmp_path))
     for path in ("default", "fast", "exact"):
         assert result["loader_alone"][path]["children_cpu_ms_per_image"] > 0
     assert result["end_to_end"]["tree_cpu_ms_per_image"] > 0
@@ -78,41 +81,35 @@ def test_throughput_times_images_in_every_stage(smokes):
     assert set(result["patterns"]) == {"fork_rebuilt"}
 
 
-def test_scale_runs_two_workers_on_one_consumer(smokes):
-    assert saved(smokes, "scale")["two_processes_one_loader_worker_each"] > 0
+def test_scale_runs_two_workers_on_one_consumer(tmp_path):
+    assert saved(run_smoke("scale", tmp_path))["two_processes_one_loader_worker_each"] > 0
 
 
-def test_network_loader_ami_and_worker_cases_load_every_image(smokes):
-    cases = saved(smokes, "network")["sets"]["1080p"]
+def test_network_loader_ami_and_worker_cases_load_every_image(tmp_path):
+    cases = saved(run_smoke("network", tmp_path))["sets"]["1080p"]
     assert cases["loader_shaped_8_reads"]["failures"] == 0
     assert cases["ami_shaped_8_threads"]["images_per_s"] > 0
     assert cases["worker_shaped"]["images_per_s"] > 0
 
 
-def test_soak_checks_every_result(smokes):
-    result = saved(smokes, "soak")
+def test_soak_checks_every_result(tmp_path):
+    result = saved(run_smoke("soak", tmp_path))
     assert result["outcomes"] == {"ok": 40, "failed": {}}
     assert result["summary"]["loader_pids_constant"]
 
 
-def test_profile_samples_the_worker(smokes):
-    run = smokes["profile"]
+def test_profile_samples_the_worker(tmp_path):
+    run = run_smoke("profile", tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "samples" in (run.results / "profile.txt").read_text()
 
 
-def test_recovery_leaves_no_child_alive(smokes):
-    assert saved(smokes, "recovery")["ours"]["children_left_alive"] == [0]
+def test_recovery_leaves_no_child_alive(tmp_path):
+    assert saved(run_smoke("recovery", tmp_path))["ours"]["children_left_alive"] == [0]
 
 
-def test_preprocess_compares_each_path_with_the_reference():
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.preprocess", "--smoke"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=SMOKE_TIMEOUT_S,
-    )
+def test_preprocess_compares_each_path_with_the_reference(tmp_path):
+    done = run_smoke("preprocess", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout[done.stdout.index("{\n") :])
     (case,) = report["cases"]
@@ -120,27 +117,29 @@ def test_preprocess_compares_each_path_with_the_reference():
     assert {"default", "fast"} <= set(case)
 
 
-def test_workload_runs_detect_and_classify_every_way(smokes):
-    result = saved(smokes, "workload")
+def test_workload_runs_detect_and_classify_every_way(tmp_path):
+    result = saved(run_smoke("workload", tmp_path))
     assert result["end_to_end"]["peak_rss_bytes"] > 0
     assert result["ami_pattern"]["crops_classified"] > 0
     assert result["ratio_end_to_end_to_slower_stage"] > 0
 
 
-def test_bench_stages_runs_the_throughput_stages():
-    """bench.stages is bench.throughput's stages (which the smoke above runs), no copy."""
-    from bench import stages, throughput
-
-    assert stages.stages is throughput.stages
+def test_bench_stages_runs_the_throughput_stages(tmp_path):
+    """bench.stages runs the loader by each path, the model and the worker, each made every
+    image, and stops there (no patterns)."""
+    result = saved(run_smoke("stages", tmp_path))
+    for path in ("default", "fast", "exact"):
+        assert result["loader_alone"][path]["children_cpu_ms_per_image"] > 0
+    assert result["end_to_end"]["tree_cpu_ms_per_image"] > 0
+    assert result["model_alone_images_per_s"] > 0
+    assert "patterns" not in result
 
 
 def test_pipelines_runs_every_case_and_checks_every_answer(tmp_path):
-    """bench.pipelines alone (its own workers, not two at a time with the others): the model
-    switch, two pipelines interleaved, fair share off and on, models under a budget; each
-    result was its own pipeline's answer (a failed check exits 1 without figures)."""
-    run = run_smoke("pipelines", tmp_path)
-    assert run.returncode == 0, f"bench.pipelines exited {run.returncode}:\n{run.stderr[-3000:]}"
-    result = json.loads((tmp_path / "pipelines.json").read_text())
+    """bench.pipelines: the model switch, two pipelines interleaved, fair share off and on,
+    models under a budget; each result was its own pipeline's answer (a failed check exits 1
+    without figures)."""
+    result = saved(run_smoke("pipelines", tmp_path))
     switch = result["switch"]
     assert switch["same_sha256"] and switch["s3_equals_disk_logits"]
     assert result["interleaved"]["models_loaded_ample_budget"] == 2

@@ -9,7 +9,12 @@ import pytest
 
 from tests.chaos.suite import run_scenario, scenarios, table
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.chaos,
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+]
 NAMES = [scenario.name for scenario in scenarios(Path("unused"))]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import getpass
 import os
-import shutil
+import re
 import signal
 import socket
 import subprocess
@@ -21,7 +21,10 @@ from worker.health.procstats import living
 
 DEPLOY = Path(__file__).parents[2] / "deploy" / "supervisor"
 GROUP = "inference-worker"
-STARTUP_GRACE_S = 15  # healthwatch's, in these tests (120 in the deploy config)
+# healthwatch's, in these tests (120 in the deploy config); it ends at a worker's first healthy
+# answer, so it bounds only a start that never answers (a slow start on a busy machine is none)
+STARTUP_GRACE_S = 60
+LISTENER = "inference-worker-healthwatch"
 
 
 def free_port_base(processes: int = 3) -> int:
@@ -67,7 +70,11 @@ class Supervisord:
         self.port_base = free_port_base(numprocs)
         self.conf_dir = run_dir / "conf"
         self.conf_dir.mkdir(parents=True)
-        shutil.copy(DEPLOY / "supervisord.conf", self.conf_dir / "supervisord.conf")
+        main = (DEPLOY / "supervisord.conf").read_text()
+        assert "\n[supervisord]\n" in main, "deploy config changed: no [supervisord] section"
+        # debug: supervisord logs each event its listeners processed (healthwatch's ticks)
+        main = main.replace("\n[supervisord]\n", "\n[supervisord]\nloglevel=debug\n", 1)
+        (self.conf_dir / "supervisord.conf").write_text(main)
         program = (DEPLOY / "inference-worker.conf").read_text()
         for old, new in (
             ("--failures 2", f"--failures {healthwatch_failures} --timeout-s 2"),
@@ -136,8 +143,11 @@ class Supervisord:
     def health_url(self) -> str:
         return f"http://127.0.0.1:{self.port_base}/healthz"
 
-    def get(self, path: str, timeout_s: float = 2, host: str = "127.0.0.1") -> tuple[int, str]:
-        url = f"http://{host}:{self.port_base}{path}"
+    def get(
+        self, path: str, timeout_s: float = 2, host: str = "127.0.0.1", index: int = 0
+    ) -> tuple[int, str]:
+        """GET ``path`` from process ``index``'s /metrics listener."""
+        url = f"http://{host}:{self.port_base + index}{path}"
         try:
             with urllib.request.urlopen(url, timeout=timeout_s) as response:
                 return response.status, response.read().decode()
@@ -154,6 +164,12 @@ class Supervisord:
                 pass
             time.sleep(0.3)
         raise AssertionError(f"worker never healthy:\n{self.logs()}")
+
+    def healthwatch_ticks(self) -> int:
+        """TICK events healthwatch has processed (probed every worker and acted) so far."""
+        path = self.run_dir / "supervisord.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return len(re.findall(rf"{LISTENER}\S*: event was processed", text))
 
     def logs(self) -> str:
         out = []

@@ -5,6 +5,7 @@ storm on result, two jobs."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import time
@@ -73,6 +74,12 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str, log: Pa
             return
         time.sleep(0.1)
     raise AssertionError(f"{what} within {timeout_s}s; worker log:\n{log.read_text()[-4000:]}")
+
+
+def events(log: Path) -> list[dict[str, Any]]:
+    """The worker's JSON log lines."""
+    lines = log.read_text(errors="replace").splitlines()
+    return [json.loads(line) for line in lines if line.startswith("{")]
 
 
 def registered(fake: FakeAntenna, model_path: str) -> None:
@@ -225,13 +232,17 @@ def test_sigterm_posts_what_is_finished_reserves_nothing_more_and_metrics_show_a
                 metrics = answer.read().decode()
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as answer:
                 assert answer.status == 200
+            stopped_at = len(fake.requests)  # before the signal: a request racing it counts
             proc.send_signal(signal.SIGTERM)
-            stopped_at = len(fake.requests)
             assert proc.wait(timeout=30) == 0, log.read_text()[-4000:]
         finally:
             stop_process(proc)
         after = fake.requests[stopped_at:]
         assert sum(1 for m, path, _ in after if path.endswith("/tasks/")) <= 1  # one in flight
+        # Every result the worker finished was posted and saved by Antenna, the last ones too
+        finished = {e["image_id"] for e in events(log) if e.get("event") == "task_done"}
+        assert len(finished) >= 4 and finished <= fake.jobs[job].done, finished
+        assert all(status == 200 for m, path, status in after if path.endswith("/result/"))
         assert 'inference_worker_antenna_requests_total{endpoint="tasks",status="200"}' in metrics
         assert "inference_worker_antenna_oldest_reservation_seconds_left" in metrics
         held = {t.image_id for t in fake.jobs[job].tasks.values() if t.delivered and not t.acked}

@@ -19,11 +19,11 @@ import urllib.request
 
 import pytest
 
-from tests.integration.supervisord import GROUP, STARTUP_GRACE_S, Supervisord
+from tests.integration.supervisord import GROUP, Supervisord
 from tests.integration.test_supervisor import supervised_env
 from worker.commands.localservers import free_port
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.supervisord, pytest.mark.slow]
 IDLE_CONNECTIONS = 24  # over the /metrics listener's 16 slots
 STOPWAITSECS = 6
 
@@ -47,10 +47,10 @@ def supervised_worker(tmp_path, nats_server, settings_for, supervisors):
     return start
 
 
-def healthwatch_probes(sup: Supervisord, host: str = "127.0.0.1") -> int:
-    """How many /healthz requests the worker's loopback listener answered (its metric)."""
+def healthwatch_probes(sup: Supervisord, host: str = "127.0.0.1", index: int = 0) -> int:
+    """How many /healthz requests process ``index``'s loopback listener answered (its metric)."""
     try:
-        _, text = sup.get("/metrics", host=host)
+        _, text = sup.get("/metrics", host=host, index=index)
     except OSError:  # not listening (restarting): nothing counted
         return 0
     found = re.search(
@@ -59,12 +59,14 @@ def healthwatch_probes(sup: Supervisord, host: str = "127.0.0.1") -> int:
     return int(float(found.group(1))) if found else 0
 
 
-def past_grace(sup: Supervisord, index: int = 0, timeout_s: float = 60) -> None:
-    """Wait until process ``index`` has run past healthwatch's start-up grace: probed since."""
-    rpc, deadline = sup.rpc(), time.monotonic() + timeout_s
-    while not _past_grace(rpc, index):
-        assert time.monotonic() < deadline, sup.logs()
-        time.sleep(0.5)
+def past_grace(sup: Supervisord, index: int = 0, host: str = "127.0.0.1") -> int:
+    """Wait until healthwatch has had a healthy answer from process ``index`` (its start-up
+    grace ends there: it acts on every answer from now on); the probes counted so far."""
+    deadline = time.monotonic() + 90
+    while (probes := healthwatch_probes(sup, host, index)) < 1:
+        assert time.monotonic() < deadline, f"never probed by healthwatch:\n{sup.logs()}"
+        time.sleep(0.3)
+    return probes
 
 
 def probed_and_never_restarted(sup: Supervisord, pid: int, probes: int, host: str = "127.0.0.1"):
@@ -125,14 +127,14 @@ def test_idle_connections_to_metrics_do_not_make_healthwatch_restart_a_healthy_w
     sup = supervised_worker()
     pid = sup.worker_pid()
     sup.wait_healthy()
-    past_grace(sup)  # healthwatch probes it from now on
-    before = healthwatch_probes(sup)
+    before = past_grace(sup)  # healthwatch acts on its answers from now on
     # When a peer holds more idle connections than /metrics has slots, for four ticks
     with IdleConnections(sup.port_base, IDLE_CONNECTIONS) as attack:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            time.sleep(0.5)
+        ticks, deadline = sup.healthwatch_ticks(), time.monotonic() + 90
+        while sup.healthwatch_ticks() < ticks + 4:
+            assert time.monotonic() < deadline, f"healthwatch stopped ticking:\n{sup.logs()}"
             assert sup.worker_pid(timeout_s=5) == pid, f"restarted:\n{healthwatch_log(sup)}"
+            time.sleep(0.5)
     assert attack.opened >= IDLE_CONNECTIONS
     # Then healthwatch kept probing, found it healthy, and restarted nothing
     assert healthwatch_probes(sup) >= before + 3
@@ -171,7 +173,7 @@ def test_a_worker_serving_metrics_on_one_address_is_not_restarted_by_healthwatch
     sup = supervised_worker(WORKER_METRICS__HOST="127.0.0.2")  # "one interface"
     pid = sup.worker_pid()
     sup.wait_healthy(host="127.0.0.2")
-    past_grace(sup)
+    past_grace(sup, host="127.0.0.2")
     probed_and_never_restarted(sup, pid, probes=3, host="127.0.0.2")
 
 
@@ -225,11 +227,9 @@ def test_workers_frozen_together_are_restarted_together_within_one_stop(tmp_path
     supervisors.append(sup.start())
     pids = [sup.worker_pid(index=n) for n in range(processes)]
     rpc = sup.rpc()
-    # Past their start-up grace (healthwatch probes them from then on), all frozen at once
-    deadline = time.monotonic() + 60
-    while not all(_past_grace(rpc, n) for n in range(processes)):
-        assert time.monotonic() < deadline, sup.logs()
-        time.sleep(0.5)
+    # Past their start-up grace (healthwatch acts on their answers from then on), all frozen
+    for n in range(processes):
+        past_grace(sup, index=n)
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     frozen_at = time.monotonic()
@@ -249,8 +249,3 @@ def test_workers_frozen_together_are_restarted_together_within_one_stop(tmp_path
     log = healthwatch_log(sup)
     assert all(f"restarting {GROUP}:{GROUP}_{n:02d}" in log for n in range(processes))
     assert "overflowed" not in (sup.run_dir / "supervisord.log").read_text(errors="replace")
-
-
-def _past_grace(rpc, index: int) -> bool:
-    info = rpc.supervisor.getProcessInfo(f"{GROUP}:{GROUP}_{index:02d}")
-    return bool(info["statename"] == "RUNNING" and info["now"] - info["start"] > STARTUP_GRACE_S)

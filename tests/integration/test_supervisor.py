@@ -26,7 +26,7 @@ from tests.helpers import (
 from tests.integration.supervisord import Supervisord
 from worker.commands.client import job_results
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.supervisord, pytest.mark.slow]
 IMAGES = 24
 
 

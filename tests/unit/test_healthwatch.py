@@ -150,10 +150,36 @@ def test_starting_stopped_and_foreign_processes_are_left_alone():
         proc("inference-worker_01", state=0),
         proc("other_00", group="other"),
     ]
-    watch, calls, asked = watch_with(procs, {})
+    starting = "http://127.0.0.1:10460/healthz"
+    watch, calls, asked = watch_with(procs, {starting: Probe(False, "no answer")})
     for now in (1000, 1005, 1010):
         watch.tick(now=now)
-    assert asked == [] and calls == []
+    # the starting one is asked (its grace ends at its first healthy answer), never struck
+    assert asked == [starting] * 3 and calls == [] and watch.strikes == {}
+
+
+def test_a_process_that_answered_healthy_once_is_restarted_within_its_start_up_grace():
+    url = "http://127.0.0.1:10460/healthz"
+    answers = {url: Probe(True, "200")}
+    watch, calls, _ = watch_with([proc("inference-worker_00", start=990)], answers)
+    assert watch.tick(now=1000) == []  # 10 s into a 60 s grace: up, so probed from now on
+    answers[url] = Probe(False, "no answer")  # then frozen
+    assert watch.tick(now=1005) == []
+    assert watch.tick(now=1010) == ["inference-worker_00"]
+    assert calls == [("stop", "inference-worker:inference-worker_00", False)]
+
+
+def test_a_restarted_process_has_its_grace_again():
+    url = "http://127.0.0.1:10460/healthz"
+    answers = {url: Probe(True, "200")}
+    procs = [proc("inference-worker_00", start=990)]
+    watch, calls, _ = watch_with(procs, answers)
+    watch.tick(now=1000)
+    procs[0] = proc("inference-worker_00", start=1020)  # started anew: not answering yet
+    answers[url] = Probe(False, "no answer")
+    for now in (1025, 1030, 1035):
+        watch.tick(now=now)
+    assert calls == [] and watch.strikes == {}
 
 
 def test_ports_follow_the_process_name_convention():

@@ -24,7 +24,7 @@ def test_a_budget_lets_one_read_in_whatever_its_size_and_others_wait_for_room():
     waiter = threading.Thread(target=lambda: took.append(budget.take(50, 0, WAIT_S)))
     took: list[bool] = []
     waiter.start()
-    time.sleep(0.1)
+    _until_waiting(budget, 1)
     assert took == []  # waiting for room
     budget.give(60)  # a decoded image frees its bytes: the waiting read goes on
     waiter.join(WAIT_S)
@@ -41,6 +41,28 @@ def test_a_read_asking_again_for_more_never_waits_on_itself():
     assert budget.peak_bytes == 280
 
 
+class Slots(threading.BoundedSemaphore):
+    """The pool's read slots, counting each reader thread refused one (none was free)."""
+
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.refused: set[str] = set()
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        got = super().acquire(blocking, timeout)
+        if not got:
+            self.refused.add(threading.current_thread().name)
+        return got
+
+
+def _until_refused(slots: Slots, readers: int) -> None:
+    """Until ``readers`` reader threads have each asked for a slot and found none (bounded)."""
+    deadline = time.monotonic() + WAIT_S
+    while len(slots.refused) < readers:
+        assert time.monotonic() < deadline, f"only {sorted(slots.refused)} looked for a slot"
+        time.sleep(0.01)
+
+
 def test_the_pool_keeps_at_most_its_reads_in_flight_and_frees_a_slot_per_decoded_image():
     requests: queue.Queue = queue.Queue()
     gate = threading.Event()
@@ -54,17 +76,17 @@ def test_the_pool_keeps_at_most_its_reads_in_flight_and_frees_a_slot_per_decoded
         gate.wait(WAIT_S)
         return b"x" * 10
 
-    pool = ReadPool(requests, read, reads=3, budget_bytes=1000).start()
+    pool = ReadPool(requests, read, reads=3, budget_bytes=1000)
+    slots = pool._slots = Slots(3)
+    pool.start()
     try:
         for i in range(5):
             requests.put(LoadRequest(i, f"u{i}"))
-        deadline = time.monotonic() + WAIT_S
-        while len(running) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.2)  # a fourth read would have started by now
-        assert len(running) == 3
         gate.set()
         first = [pool.next_read() for _ in range(3)]
+        # Three reads done, none decoded: every reader looked for a slot and found none
+        _until_refused(slots, 3)
+        assert len(running) == 3
         assert requests.qsize() == 2  # no slot is free until an image is handed over
         stats = pool.finished(first[0])
         assert stats.in_flight == 2 and stats.held_bytes == 20

@@ -84,6 +84,7 @@ class HealthWatch:
     started: dict[str, float] = field(default_factory=dict)  # name -> start of the run that
     # answered something other than `starting` (so its `starting` now is a strike)
     stopping: dict[str, str] = field(default_factory=dict)  # name -> why it is being restarted
+    answered: dict[str, float] = field(default_factory=dict)  # name -> start it answered since
 
     def tick(self, now: float | None = None) -> list[str]:
         """Check every worker once; returns the names whose restart began. Restarts asked at
@@ -91,17 +92,7 @@ class HealthWatch:
         now = time.time() if now is None else now
         infos = [i for i in self.rpc.supervisor.getAllProcessInfo() if i["group"] == self.group]
         self._start_stopped(infos)
-        due = {}
-        for info in infos:
-            name = info["name"]
-            if name in self.stopping:
-                continue
-            if info["state"] != RUNNING or now - info["start"] < self.startup_grace_s:
-                self.strikes.pop(name, None)
-                continue
-            port = process_port(name, healthz_base(self.port_base, self.healthz_port_base))
-            if port is not None:
-                due[name] = f"http://127.0.0.1:{port}/healthz"
+        due, in_grace = self._due(infos, now)
         starts = {info["name"]: float(info["start"]) for info in infos}
         restarting = []
         for name, result in self._probe_all(due).items():
@@ -110,6 +101,9 @@ class HealthWatch:
                 continue
             if result.healthy:
                 self.strikes.pop(name, None)
+                self.answered[name] = starts[name]  # its grace is over
+                continue
+            if name in in_grace:
                 continue
             self.strikes[name] = self.strikes.get(name, 0) + 1
             self._say(
@@ -121,6 +115,29 @@ class HealthWatch:
                 self._stop(name, result.reason)
                 restarting.append(name)
         return restarting
+
+    def _due(self, infos: list[dict[str, Any]], now: float) -> tuple[dict[str, str], set[str]]:
+        """The running processes to probe (name -> URL), and those still in their start-up
+        grace: ``startup_grace_s`` from their start, or until their first healthy answer."""
+        due: dict[str, str] = {}
+        in_grace: set[str] = set()
+        for info in infos:
+            name = info["name"]
+            if name in self.stopping:
+                continue
+            if info["state"] != RUNNING:
+                self.strikes.pop(name, None)
+                continue
+            if (
+                now - info["start"] < self.startup_grace_s
+                and self.answered.get(name) != info["start"]
+            ):
+                in_grace.add(name)  # probed, but no strike until it answers healthy once
+                self.strikes.pop(name, None)
+            port = process_port(name, healthz_base(self.port_base, self.healthz_port_base))
+            if port is not None:
+                due[name] = f"http://127.0.0.1:{port}/healthz"
+        return due, in_grace
 
     def _still_starting(self, name: str, result: Probe, start: float, now: float) -> bool:
         """True for a ``starting`` answer of a run that has not answered otherwise and has
