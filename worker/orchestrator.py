@@ -58,6 +58,9 @@ class Services:
     guard: Callable[[], str | None] | None = None  # why the process must be replaced, or None
     helpers: tuple[tuple[str, Helper], ...] = ()  # run alongside; one that fails ends us
     closed: asyncio.Event | None = None  # set when the transport closed for good
+    # Why the source could not be asked for tasks (refused, never reached), None when it could:
+    # an idle burst run ends NOT_SERVED for it.
+    unserved: Callable[[], str | None] = lambda: None
     # A pipeline's models were loaded (the wiring publishes their algorithms).
     loaded: Callable[[str], Coroutine[Any, Any, None]] | None = None
     image_bytes: int = 3 * 224 * 224  # the most host bytes one loaded image can take
@@ -216,9 +219,17 @@ class Worker:
             await asyncio.sleep(self.settings.nats.fetch_timeout_s)
             idle = len(self.claims) == 0 and await self.s.source.idle() and len(self.claims) == 0
             if idle and idle_before:
-                log.info("idle_stopping", reason="--until-idle: nothing pending or held")
-                self._stop.set()
+                self._stop_idle()
             idle_before = idle
+
+    def _stop_idle(self) -> None:
+        why = self.s.unserved()
+        if why is None:
+            log.info("idle_stopping", reason="--until-idle: nothing pending or held")
+            self._stop.set()
+            return
+        log.error("idle_not_served", reason=why, exit_code=ExitReason.NOT_SERVED.code)
+        self._end(Exit(ExitReason.NOT_SERVED, why))
 
     # -- shutdown ---------------------------------------------------------------------------
     async def _drain(self, processor: asyncio.Task[None]) -> None:
