@@ -270,6 +270,7 @@ class WorkerApp:
                 metrics=metrics,
                 loaded=loaded,
                 unserved=parts.unserved,
+                finish_held_on_stop=True,  # a give-back costs the TTR and a delivery
             ),
             chosen,
             engine,

@@ -375,3 +375,38 @@ def test_150_active_jobs_the_one_with_tasks_listed_last_is_served(
     assert saved_once(antenna, last, images) == {image: 1 for image, _ in images}
     pages = [p for _m, p, _s in antenna.requests if p.rstrip("/").split("/")[-1].isdigit()]
     assert pages == []  # no job's own page was asked: the list says all the worker needs
+
+
+def test_sigterm_finishes_what_it_reserved_when_the_drain_time_allows(
+    antenna: FakeAntenna, tmp_path: Path
+) -> None:
+    """A task given back to Antenna costs its reservation time (300 s) and one of its two
+    deliveries: a stop with drain time to spare runs the held tasks' batches instead."""
+    registered(antenna)
+    images = []
+    for i in range(40):
+        name = f"big-{i}.jpg"
+        antenna.images[name] = rectangles_bytes(1280, 720, [(100, 100, 400, 500, "red")])
+        images.append((f"big{i}", antenna.media_url(name)))
+    job = antenna.add_job(PIPELINE, images)
+    env = env_for(
+        antenna,
+        WORKER_LOADER__BATCH_SIZE="2",
+        WORKER_LOADER__PREFETCH_BATCHES="8",
+        WORKER_HEALTH__DRAIN_TIMEOUT_S="60",
+    )
+    log = tmp_path / "worker.log"
+    proc = start_run(env, log)
+    try:
+        wait_for(lambda: len(antenna.jobs[job].done) >= 4, 120, "4 images saved", log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, log.read_text()[-4000:]
+    finally:
+        stop_process(proc)
+    text = log.read_text()
+    tasks = antenna.jobs[job].tasks.values()
+    reserved = {t.image_id for t in tasks if t.delivered}
+    assert "drain_finished_held" in text, text[-4000:]  # some were waiting at the signal
+    assert {t.image_id for t in tasks if t.delivered and not t.acked} == set(), text[-4000:]
+    assert reserved <= antenna.jobs[job].done and "task_left_to_redelivery" not in text
+    assert all(t.delivered <= 1 for t in tasks)
