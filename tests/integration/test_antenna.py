@@ -410,3 +410,12 @@ def test_sigterm_finishes_what_it_reserved_when_the_drain_time_allows(
     assert {t.image_id for t in tasks if t.delivered and not t.acked} == set(), text[-4000:]
     assert reserved <= antenna.jobs[job].done and "task_left_to_redelivery" not in text
     assert all(t.delivered <= 1 for t in tasks)
+
+
+def test_a_failed_register_prints_no_algorithm_lines(antenna: FakeAntenna) -> None:
+    done = cli("register", env=env_for(antenna, WORKER_ANTENNA__PROJECT_IDS="1,42"), timeout=120)
+    assert done.returncode == 1
+    assert "project 1: boxes-and-colours created" in done.stdout
+    (refused,) = [line for line in done.stderr.splitlines() if line.startswith("not registered")]
+    assert "project 42: HTTP 404" in refused and "<" not in refused
+    assert "algorithm " not in done.stdout  # keys that may be in no project: not listed
