@@ -266,8 +266,8 @@ class Worker:
         """Finish the batch in hand within the drain timeout; give back everything else now
         (with ``finish_held_on_stop``: run the held tasks' batches first, while the drain time
         allows one more, and give back only what is left)."""
-        deadline = time.monotonic() + self.settings.health.drain_timeout_s
         leftovers = await self.s.source.close()
+        deadline = time.monotonic() + self.settings.health.drain_timeout_s
         if self.s.finish_held_on_stop:
             await self._finish_held(processor, deadline)
         await self.claims.give_back(self.batches.stop(), "shutting down")
