@@ -406,8 +406,8 @@ def test_sigterm_finishes_what_it_reserved_when_the_drain_time_allows(
     text = log.read_text()
     tasks = antenna.jobs[job].tasks.values()
     reserved = {t.image_id for t in tasks if t.delivered}
-    assert "drain_finished_held" in text, text[-4000:]  # some were waiting at the signal
     assert {t.image_id for t in tasks if t.delivered and not t.acked} == set(), text[-4000:]
+    assert "drain_finished_held" in text, text[-4000:]  # some were waiting at the signal
     assert reserved <= antenna.jobs[job].done and "task_left_to_redelivery" not in text
     assert all(t.delivered <= 1 for t in tasks)
 

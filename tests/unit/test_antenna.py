@@ -277,7 +277,8 @@ async def test_results_of_a_pipeline_without_a_detection_algorithm_are_accepted_
     reply = await client.post(f"jobs/{job}/tasks/", "tasks", b'{"batch_size": 2}')
     a, b = reply.body["tasks"]
     whole_image = {**detection(a["image_id"], antenna_key(CLASSIFIER), [0.8, 0.1, 0.1])}
-    whole_image.update(bbox=None, algorithm={"name": "Classifier", "key": "clf"})
+    # What a classifier alone gives: the whole image, named by its (registered) classifier.
+    whole_image.update(bbox=None, algorithm={"name": "Classifier", "key": antenna_key(CLASSIFIER)})
     ok = {
         "pipeline": "whole-image",
         "total_time": 0.1,
