@@ -411,7 +411,9 @@ class AntennaSettings(BaseModel):
         description="processing service name given to `register`; alias AMI_ANTENNA_SERVICE_NAME",
     )
     poll_interval_s: float = Field(
-        5.0, description="how often the active jobs are listed, and an empty job asked again"
+        5.0,
+        description="how often the active jobs are listed; an empty job is asked again at the "
+        "next poll, then twice as late each time, up to 12 polls",
     )
     reservation_size: int = Field(
         0,
