@@ -439,7 +439,9 @@ class AntennaSettings(BaseModel):
         description="processing service name given to `register`; alias AMI_ANTENNA_SERVICE_NAME",
     )
     poll_interval_s: float = Field(
-        5.0, description="how often the active jobs are listed, and an empty job asked again"
+        5.0,
+        description="how often the active jobs are listed; an empty job is asked again at the "
+        "next poll, then twice as late each time, up to 12 polls",
     )
     reservation_size: int = Field(
         0,
@@ -465,7 +467,9 @@ class AntennaSettings(BaseModel):
         description="largest body of one POST .../result/ (results are split to stay under it; "
         "README, Antenna: results over the cap)",
     )
-    jobs_limit: int = Field(100, description="most active jobs listed per poll", ge=1)
+    jobs_limit: int = Field(
+        100, description="jobs per page of the active jobs' listing (every page is read)", ge=1
+    )
     request_timeout_s: float = Field(30.0, description="one jobs, tasks or register call")
     post_timeout_s: float = Field(120.0, description="one POST .../result/ call")
 

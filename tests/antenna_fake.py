@@ -4,16 +4,22 @@ Written from Antenna's documented and observed behaviour (issue #24; requests an
 on a running Antenna, /work/antenna-real/OBSERVED.md), not from its code:
 
 - ``GET jobs/?pipeline__slug__in=..&ids_only=1&incomplete_only=1&dispatch_mode=async_api``:
-  ``{count, next, previous, results: [{id, pipeline_slug}]}``; one random job per call unless
-  ``limit`` is given; ``incomplete_only`` still lists CREATED, PENDING and CANCELING jobs.
-  Anonymous calls may list; a wrong token gets 401 everywhere.
+  DRF's limit/offset page ``{count, next, previous, results: [{id, pipeline_slug}],
+  user_permissions}``; with ``ids_only`` one job per call unless ``limit`` is given, in a
+  random order unless ``ordering=created_at``; ``status=`` filters exactly;
+  ``incomplete_only`` still lists CREATED, PENDING and CANCELING jobs. A token that is not a
+  superuser's sees every job twice (``count`` too); a superuser's listing says ``create`` in
+  its ``user_permissions`` (no project named). Anonymous calls may list; a wrong token gets
+  401 everywhere.
 - ``GET jobs/{id}/``: the job with its ``status``; 404 for an unknown job.
 - ``POST jobs/{id}/tasks/`` ``{"batch_size": N}``: ``{"tasks": [...]}``, each reserved for
   ``ttr_s`` and delivered at most ``max_deliver`` (2) times; ``[]`` for a job that is not
   STARTED/RETRY or has nothing left to reserve; 503 while ``tasks_unavailable``.
 - ``POST jobs/{id}/result/``: 413 above ``max_body_bytes``; 400 for a body the schema refuses;
   503 while ``results_unavailable`` (or for the next ``fail_results`` posts); else 200
-  ``{"status": "accepted", ...}``, and then, as Antenna's background save does: a result
+  ``{"status": "accepted", ...}``, and then, as Antenna's background save does: every result
+  of a pipeline registered without a detection algorithm (task type detection, localization
+  or segmentation) is dropped ("Pipeline does not have a detection algorithm"); a result
   naming an unregistered detection algorithm key, another pipeline's slug, or scores that do
   not index the category map is dropped (not saved, not acked: its task comes back once); an
   unregistered classification key saves the detections only, and does not ack. Otherwise the
@@ -29,7 +35,9 @@ on a running Antenna, /work/antenna-real/OBSERVED.md), not from its code:
   no ``version``: 400. ``GET projects/{id}/pipelines/`` lists them.
 - Jobs not dispatched as ``async_api``: 400 on ``tasks/``. A bad ``tasks/`` body gets its 400
   before the job is looked up; ``result/`` looks the job up first.
-- No token or a wrong one: 401; a token without the job's project: 403.
+- No token or a wrong one: 401. ``tasks/`` and ``result/`` need ``tasks_ml_job`` and
+  ``result_ml_job``, which no role grants: any token but a superuser's gets 403 there.
+  Registering needs the project's manager (``tokens``) or a superuser: else 403.
 """
 
 from __future__ import annotations
@@ -49,6 +57,11 @@ import pydantic
 
 ACTIVE = {"STARTED", "RETRY"}
 FINAL = {"SUCCESS", "FAILURE", "REVOKED"}
+_NOT_FOUND_PAGE = (
+    '<!doctype html>\n<html lang="en">\n<head>\n  <title>Not Found</title>\n</head>\n<body>\n'
+    "  <h1>Not Found</h1><p>The requested resource was not found on this server.</p>\n</body>"
+)
+DETECTION_TYPES = {"detection", "localization", "segmentation"}  # Algorithm.detection_task_types
 
 
 # Antenna's request schema for results, as the fake checks it (field names from Antenna's docs).
@@ -101,6 +114,15 @@ class _Post(pydantic.BaseModel):
     results: list[_Item]
 
 
+@dataclass(frozen=True)
+class _User:
+    projects: frozenset[int]  # the projects it manages (may register pipelines in)
+    superuser: bool
+
+    def __contains__(self, project: object) -> bool:
+        return self.superuser or project in self.projects
+
+
 @dataclass
 class FakeTask:
     image_id: str
@@ -139,7 +161,8 @@ class FakeAntenna:
         self.max_deliver = max_deliver
         self.max_body_bytes = max_body_bytes
         self.lock = threading.RLock()
-        self.tokens: dict[str, set[int]] = {token: {1}}  # token -> projects it may use
+        self.tokens: dict[str, set[int]] = {token: {1}}  # token -> projects it manages
+        self.superusers = {token}  # only a superuser's token may reserve tasks and post results
         self.projects: dict[int, dict[str, dict[str, Any]]] = {1: {}}  # pipelines per project
         self.algorithms: dict[str, dict[str, Any]] = {}  # global, write-once
         self.jobs: dict[int, FakeJob] = {}
@@ -238,15 +261,15 @@ class FakeAntenna:
         self, method: str, path: str, query: dict[str, str], auth: str | None, body: bytes
     ) -> tuple[int, Any]:
         parts = [p for p in path.split("/") if p]
-        if parts[:2] != ["api", "v2"]:
-            return 404, {"detail": "Not found."}
+        if parts[:2] != ["api", "v2"]:  # outside the API: Django's HTML page
+            return 404, _NOT_FOUND_PAGE
         parts = parts[2:]
         user = self._user(auth)
-        if user == "invalid":
+        if isinstance(user, str):
             return 401, {"detail": "Invalid token."}
         with self.lock:
             if method == "GET" and parts == ["jobs"]:
-                return self._list(query)
+                return self._list(query, user)
             if method == "GET" and len(parts) == 2 and parts[0] == "jobs":
                 job = self._job(parts[1])
                 if job is None:
@@ -267,35 +290,49 @@ class FakeAntenna:
                 return self._post(parts, user, body)
         return 405 if method == "GET" else 404, {"detail": "Not found."}
 
-    def _user(self, auth: str | None) -> set[int] | str | None:
+    def _user(self, auth: str | None) -> _User | str | None:
         if not auth:
             return None
         scheme, _, key = auth.partition(" ")
         if scheme != "Token" or key not in self.tokens:
             return "invalid"
-        return self.tokens[key]
+        return _User(frozenset(self.tokens[key]), key in self.superusers)
 
     def _job(self, text: str) -> FakeJob | None:
         return self.jobs.get(int(text)) if text.isdigit() else None
 
-    def _list(self, query: dict[str, str]) -> tuple[int, Any]:
+    def _list(self, query: dict[str, str], user: _User | None = None) -> tuple[int, Any]:
         slugs = set(query.get("pipeline__slug__in", "").split(",")) - {""}
         jobs = [
             j
-            for j in sorted(self.jobs.values(), key=lambda j: j.id)
+            for j in sorted(self.jobs.values(), key=lambda j: j.id)  # created in id order
             if (not slugs or j.pipeline in slugs)
             and not (query.get("incomplete_only") in ("1", "true") and j.status in FINAL)
             and query.get("dispatch_mode", j.dispatch_mode) == j.dispatch_mode
+            and query.get("status", j.status) == j.status
         ]
-        listed = jobs[: int(query["limit"])] if "limit" in query else jobs[:0]
-        if "limit" not in query and jobs:
-            listed = [random.choice(jobs)]  # Antenna's default page: one job
+        if query.get("ids_only") in ("1", "true") and query.get("ordering") != "created_at":
+            random.shuffle(jobs)  # Antenna's ids-only listing: order_by("?")
+        superuser = user is not None and user.superuser
+        if not superuser:
+            jobs = [j for job in jobs for j in (job, job)]  # a join Antenna does not distinct
+        limit = int(query.get("limit", 10 if query.get("ids_only") not in ("1", "true") else 1))
+        offset = int(query.get("offset", 0))
+        listed = jobs[offset : offset + limit]
         results = [
             {"id": j.id, "pipeline_slug": j.pipeline, "user_permissions": []} for j in listed
         ]
-        return 200, {"count": len(jobs), "next": None, "previous": None, "results": results}
+        more = offset + limit < len(jobs)
+        return 200, {
+            "count": len(jobs),
+            "next": f"{self.url}/jobs/?limit={limit}&offset={offset + limit}" if more else None,
+            "previous": None if offset == 0 else f"{self.url}/jobs/?limit={limit}",
+            "results": results,
+            # add_collection_level_permissions: "create" for a superuser when no project is named
+            "user_permissions": ["create"] if superuser else [],
+        }
 
-    def _post(self, parts: list[str], user: set[int], body: bytes) -> tuple[int, Any]:
+    def _post(self, parts: list[str], user: _User, body: bytes) -> tuple[int, Any]:
         try:
             payload = json.loads(body or b"null")
         except ValueError:
@@ -313,7 +350,7 @@ class FakeAntenna:
         job = self._job(parts[1])
         if job is None:
             return 404, {"detail": "Not found."}
-        if job.project not in user:
+        if not user.superuser:  # tasks_ml_job / result_ml_job: no role grants them
             return 403, {"detail": "You do not have permission to perform this action."}
         if parts[2] == "tasks":
             if job.dispatch_mode != "async_api":
@@ -419,6 +456,8 @@ class FakeAntenna:
         if result.pipeline != job.pipeline or registered is None:
             return "drop"
         keys = registered["keys"]
+        if not any(self.algorithms[k].get("task_type") in DETECTION_TYPES for k in keys):
+            return "drop"  # "Pipeline does not have a detection algorithm", after the 200
         verdict = "save"
         for detection in result.detections:
             if detection.algorithm.key not in keys:
@@ -512,7 +551,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.antenna.headers_seen.append(auth)
         status, answer = self.antenna.handle(method, url.path, query, auth, body)
         self.antenna.requests.append((method, url.path, status))
-        if isinstance(answer, str):
+        if isinstance(answer, str) and answer.startswith("<!doctype"):
+            self._send(status, answer.encode(), "text/html")
+        elif isinstance(answer, str):
             self._send(status, f"<html>{answer}</html>".encode(), "text/html")
         else:
             self._send(status, json.dumps(answer).encode(), "application/json")

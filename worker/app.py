@@ -276,6 +276,8 @@ class WorkerApp:
                 liveness=liveness,
                 metrics=metrics,
                 loaded=loaded,
+                unserved=parts.unserved,
+                finish_held_on_stop=True,  # a give-back costs the TTR and a delivery
             ),
             chosen,
             engine,
@@ -302,6 +304,12 @@ class WorkerApp:
     def _choose(self) -> list[Chosen]:
         """Every served pipeline, checked; JPEGs left encoded only where CUDA decodes them."""
         chosen = choose_all(self.settings)
+        if self.settings.source == "antenna":
+            from worker.antenna.keepable import refusals
+
+            refused = refusals([c.pipeline for c in chosen])
+            if refused:
+                raise ConfigError("\n".join(refused))
         if any(c.plan.encoded for c in chosen) and _device_type(self.device) != "cuda":
             log.warning("device_decode_without_cuda", hint="JPEGs are decoded by the loader")
             chosen = [replace(c, plan=replace(c.plan, encoded=False)) for c in chosen]

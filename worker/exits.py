@@ -21,6 +21,7 @@ class ExitReason(enum.Enum):
     LOADER_FAILING = 3  # the DataLoader failed WORKER_LOADER__MAX_CONSECUTIVE_FAILURES in a row
     RESOURCE_LIMIT = 4  # a WORKER_GUARDS__* limit was crossed; drained, wants a fresh process
     NATS_CLOSED = 5  # the NATS client closed for good; a fresh process reconnects
+    NOT_SERVED = 6  # --until-idle found nothing to do because it could not ask (refused, down)
 
     @property
     def code(self) -> int:

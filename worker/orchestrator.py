@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from worker.threads import in_daemon_thread
 log = structlog.get_logger(__name__)
 Helper = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
 _LOAD_TICK_S = 5.0  # while a model loads: progress noted, held tasks kept alive
+_DRAIN_TICK_S = 0.05  # how often a drain that finishes the held tasks looks again
 
 
 @dataclass
@@ -58,6 +60,12 @@ class Services:
     guard: Callable[[], str | None] | None = None  # why the process must be replaced, or None
     helpers: tuple[tuple[str, Helper], ...] = ()  # run alongside; one that fails ends us
     closed: asyncio.Event | None = None  # set when the transport closed for good
+    # Why the source could not be asked for tasks (refused, never reached), None when it could:
+    # an idle burst run ends NOT_SERVED for it.
+    unserved: Callable[[], str | None] = lambda: None
+    # A stop runs the held tasks' batches while the drain time allows, and gives back only the
+    # rest: for a source whose give-back costs (Antenna: the TTR, and one of two deliveries).
+    finish_held_on_stop: bool = False
     # A pipeline's models were loaded (the wiring publishes their algorithms).
     loaded: Callable[[str], Coroutine[Any, Any, None]] | None = None
     image_bytes: int = 3 * 224 * 224  # the most host bytes one loaded image can take
@@ -89,6 +97,7 @@ class Worker:
             hold_per_load=settings.model.hold_per_load,
         )
         self._until_idle = until_idle
+        self._batch_s: deque[float] = deque(maxlen=5)  # the last batches' load + infer + store
         self._stop = asyncio.Event()
         self.exit: Exit = STOPPED  # how the process ends; the first reason to stop wins
 
@@ -165,7 +174,9 @@ class Worker:
     async def _settle_batch(self, batch: list[Claim], report: BatchReport) -> None:
         started = time.perf_counter()
         await asyncio.gather(*(self._settle_one(h, report.outcomes[h.key]) for h in batch))
-        self.s.metrics.batch_seconds.labels("store").observe(time.perf_counter() - started)
+        store_s = time.perf_counter() - started
+        self.s.metrics.batch_seconds.labels("store").observe(store_s)
+        self._batch_s.append(report.load_s + report.infer_s + store_s)
         await self.claims.keep_alive()
 
     async def _settle_one(self, held: Claim, outcome: Outcome) -> None:
@@ -216,14 +227,49 @@ class Worker:
             await asyncio.sleep(self.settings.nats.fetch_timeout_s)
             idle = len(self.claims) == 0 and await self.s.source.idle() and len(self.claims) == 0
             if idle and idle_before:
-                log.info("idle_stopping", reason="--until-idle: nothing pending or held")
-                self._stop.set()
+                self._stop_idle()
             idle_before = idle
 
+    def _stop_idle(self) -> None:
+        why = self.s.unserved()
+        if why is None:
+            log.info("idle_stopping", reason="--until-idle: nothing pending or held")
+            self._stop.set()
+            return
+        log.error("idle_not_served", reason=why, exit_code=ExitReason.NOT_SERVED.code)
+        self._end(Exit(ExitReason.NOT_SERVED, why))
+
     # -- shutdown ---------------------------------------------------------------------------
+    async def _finish_held(self, processor: asyncio.Task[None], deadline: float) -> None:
+        """Let the batches run while tasks wait and the time left holds the batch in hand and
+        one more (each as long as the longest of the last five, or, before any, as long as the
+        drain has run so far: the batch in hand has taken that at least)."""
+        started = time.monotonic()
+        held = len(self.batches.waiting())
+        while self.batches.waiting() and not processor.done():
+            now = time.monotonic()
+            batch_s = max(self._batch_s, default=now - started)
+            if deadline - now < 2 * batch_s:
+                log.info(
+                    "drain_giving_back",
+                    waiting=len(self.batches.waiting()),
+                    seconds_left=round(deadline - now, 2),
+                    batch_s=round(batch_s, 3),
+                )
+                return
+            await asyncio.sleep(min(_DRAIN_TICK_S, max(deadline - now, 0.0)))
+        if held and not self.batches.waiting():
+            left_s = round(deadline - time.monotonic(), 2)
+            log.info("drain_finished_held", tasks=held, seconds_left=left_s)
+
     async def _drain(self, processor: asyncio.Task[None]) -> None:
-        """Finish the batch in hand within the drain timeout; give back everything else now."""
+        """Finish the batch in hand within the drain timeout; give back everything else now
+        (with ``finish_held_on_stop``: run the held tasks' batches first, while the drain time
+        allows one more, and give back only what is left)."""
         leftovers = await self.s.source.close()
+        deadline = time.monotonic() + self.settings.health.drain_timeout_s
+        if self.s.finish_held_on_stop:
+            await self._finish_held(processor, deadline)
         await self.claims.give_back(self.batches.stop(), "shutting down")
         for msg in leftovers:
             await self.s.settler.give_back(msg)
@@ -232,7 +278,7 @@ class Worker:
                 "tasks_given_back", count=len(leftovers), reason="delivered after the last fetch"
             )
         try:
-            await asyncio.wait_for(processor, self.settings.health.drain_timeout_s)
+            await asyncio.wait_for(processor, max(deadline - time.monotonic(), 0.1))
         except TimeoutError:
             log.error("drain_timeout", held=len(self.claims))
         except Exception:  # noqa: BLE001 - reported by run() from the task itself

@@ -16,13 +16,17 @@ from typing import Any
 import pytest
 
 from tests.antenna_fake import FakeAntenna
-from tests.conftest import LABELS, PIPELINE
+from tests.antenna_pipelines import ANIMALS
 from tests.helpers import cli, start_run
-from worker.commands.demo_images import corrupt_bytes, image_bytes
+from worker.commands.demo_images import corrupt_bytes, rectangles_bytes
+from worker.commands.demo_models import COLOURS
 from worker.commands.localservers import stop_process
 
 pytestmark = pytest.mark.integration
 TOKEN = "s3cr3t-antenna-token-7f1c2a9e"
+# Antenna keeps results only of a pipeline with a detector: the demo's, no weights files.
+PIPELINE = "boxes-and-colours"
+DECLARED = "worker.commands.demo_models:boxes_and_colours"
 
 
 @pytest.fixture
@@ -32,7 +36,7 @@ def antenna() -> Iterator[FakeAntenna]:
         yield fake
 
 
-def env_for(fake: FakeAntenna, model_path: str, **extra: str) -> dict[str, str]:
+def env_for(fake: FakeAntenna, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKER_", "AMI_"))}
     host = fake.url.split("/")[2]
     env.update(
@@ -47,8 +51,7 @@ def env_for(fake: FakeAntenna, model_path: str, **extra: str) -> dict[str, str]:
             "WORKER_LOADER__NUM_WORKERS": "1",
             "WORKER_LOADER__BATCH_SIZE": "4",
             "WORKER_S3__HTTP_TIMEOUT_S": "3",
-            "WORKER_MODEL__PIPELINE": PIPELINE,
-            "WORKER_MODEL__WEIGHTS": model_path,
+            "WORKER_MODEL__PIPELINE": DECLARED,
             "WORKER_MODEL__DEVICE": "cpu",
             "WORKER_METRICS__PORT": "0",
             "WORKER_LOG_LEVEL": "INFO",
@@ -62,7 +65,8 @@ def add_images(fake: FakeAntenna, prefix: str, count: int) -> list[tuple[str, st
     images = []
     for i in range(count):
         name = f"{prefix}-{i}.jpg"
-        fake.images[name] = image_bytes(96 + 8 * (i % 3), 80, seed=i)
+        colour = COLOURS[i % len(COLOURS)]  # one bright box: one detection each
+        fake.images[name] = rectangles_bytes(96 + 8 * (i % 3), 80, [(20, 16, 60, 56, colour)])
         images.append((f"{prefix}{i}", fake.media_url(name)))
     return images
 
@@ -82,8 +86,8 @@ def events(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.startswith("{")]
 
 
-def registered(fake: FakeAntenna, model_path: str) -> None:
-    done = cli("register", env=env_for(fake, model_path), timeout=120)
+def registered(fake: FakeAntenna) -> None:
+    done = cli("register", env=env_for(fake), timeout=120)
     assert done.returncode == 0, done.stderr + done.stdout
 
 
@@ -93,23 +97,24 @@ def saved_once(fake: FakeAntenna, job: int, images: list[tuple[str, str]]) -> di
 
 
 def test_register_is_idempotent_and_a_mixed_job_completes_with_every_image_saved_once(
-    antenna: FakeAntenna, model_path: str, tmp_path: Path
+    antenna: FakeAntenna, tmp_path: Path
 ) -> None:
-    first = cli("register", env=env_for(antenna, model_path), timeout=120)
-    again = cli("register", env=env_for(antenna, model_path), timeout=120)
+    first = cli("register", env=env_for(antenna), timeout=120)
+    again = cli("register", env=env_for(antenna), timeout=120)
     assert first.returncode == 0 and "created" in first.stdout, first.stderr
     assert again.returncode == 0 and "already registered" in again.stdout, again.stderr
     (config,) = [p["config"] for p in antenna.projects[1].values()]
-    (classifier,) = config["algorithms"]
-    assert classifier["category_map"]["labels"] == LABELS
-    assert classifier["key"].startswith("classifier-") or len(classifier["key"]) > 12
+    detector, classifier = config["algorithms"]
+    assert detector["task_type"] == "localization" and "category_map" not in detector
+    assert classifier["category_map"]["labels"] == list(COLOURS)
+    assert classifier["key"].startswith("colour-classifier-")
 
     good = add_images(antenna, "good", 6)
     antenna.images["corrupt.jpg"] = corrupt_bytes()
     bad = [("corrupt", antenna.media_url("corrupt.jpg")), ("gone", antenna.media_url("no.jpg"))]
     job = antenna.add_job(PIPELINE, good + bad)
     log = tmp_path / "worker.log"
-    proc = start_run(env_for(antenna, model_path), log, "--until-idle")
+    proc = start_run(env_for(antenna), log, "--until-idle")
     try:
         assert proc.wait(timeout=180) == 0, log.read_text()[-4000:]
     finally:
@@ -126,16 +131,14 @@ def test_register_is_idempotent_and_a_mixed_job_completes_with_every_image_saved
 
 
 def test_sigkill_mid_job_and_a_restart_lose_nothing_antenna_would_not_redeliver(
-    model_path: str, tmp_path: Path
+    tmp_path: Path,
 ) -> None:
     fake = FakeAntenna(token=TOKEN, ttr_s=8.0)
     with fake.running():
-        registered(fake, model_path)
+        registered(fake)
         images = add_images(fake, "k", 24)
         job = fake.add_job(PIPELINE, images)
-        env = env_for(
-            fake, model_path, WORKER_ANTENNA__TTR_S="8", WORKER_HEALTH__DRAIN_TIMEOUT_S="5"
-        )
+        env = env_for(fake, WORKER_ANTENNA__TTR_S="8", WORKER_HEALTH__DRAIN_TIMEOUT_S="5")
         log = tmp_path / "worker.log"
         proc = start_run(env, log)
         try:
@@ -162,15 +165,13 @@ def test_sigkill_mid_job_and_a_restart_lose_nothing_antenna_would_not_redeliver(
         assert held <= redelivered  # what the killed process held came back, once
 
 
-def test_a_503_storm_on_result_loses_nothing(
-    antenna: FakeAntenna, model_path: str, tmp_path: Path
-) -> None:
-    registered(antenna, model_path)
+def test_a_503_storm_on_result_loses_nothing(antenna: FakeAntenna, tmp_path: Path) -> None:
+    registered(antenna)
     images = add_images(antenna, "s", 10)
     antenna.fail_results = 6  # the next six result posts answer 503
     job = antenna.add_job(PIPELINE, images)
     log = tmp_path / "worker.log"
-    proc = start_run(env_for(antenna, model_path), log, "--until-idle")
+    proc = start_run(env_for(antenna), log, "--until-idle")
     try:
         assert proc.wait(timeout=180) == 0, log.read_text()[-4000:]
     finally:
@@ -183,13 +184,13 @@ def test_a_503_storm_on_result_loses_nothing(
 
 
 def test_a_small_job_behind_a_large_one_finishes_long_before_it(
-    antenna: FakeAntenna, model_path: str, tmp_path: Path
+    antenna: FakeAntenna, tmp_path: Path
 ) -> None:
-    registered(antenna, model_path)
+    registered(antenna)
     large = antenna.add_job(PIPELINE, add_images(antenna, "L", 60))
     small = antenna.add_job(PIPELINE, add_images(antenna, "S", 5))
     log = tmp_path / "worker.log"
-    proc = start_run(env_for(antenna, model_path), log, "--until-idle")
+    proc = start_run(env_for(antenna), log, "--until-idle")
     try:
         wait_for(lambda: antenna.jobs[small].status == "SUCCESS", 180, "the small job done", log)
         left_in_large = len(antenna.pending(large))
@@ -204,7 +205,7 @@ def test_a_small_job_behind_a_large_one_finishes_long_before_it(
 
 
 def test_sigterm_posts_what_is_finished_reserves_nothing_more_and_metrics_show_antenna(
-    model_path: str, tmp_path: Path
+    tmp_path: Path,
 ) -> None:
     import urllib.request
 
@@ -212,13 +213,12 @@ def test_sigterm_posts_what_is_finished_reserves_nothing_more_and_metrics_show_a
 
     fake = FakeAntenna(token=TOKEN, ttr_s=6.0)
     with fake.running():
-        registered(fake, model_path)
+        registered(fake)
         images = add_images(fake, "t", 40)
         job = fake.add_job(PIPELINE, images)
         port = free_port()
         env = env_for(
             fake,
-            model_path,
             WORKER_ANTENNA__TTR_S="6",
             WORKER_HEALTH__DRAIN_TIMEOUT_S="4",
             WORKER_METRICS__PORT=str(port),
@@ -251,9 +251,7 @@ def test_sigterm_posts_what_is_finished_reserves_nothing_more_and_metrics_show_a
         assert TOKEN not in text
         # What was left comes back from Antenna: a second worker finishes the job.
         proc = start_run(
-            env_for(
-                fake, model_path, WORKER_ANTENNA__TTR_S="6", WORKER_HEALTH__DRAIN_TIMEOUT_S="4"
-            ),
+            env_for(fake, WORKER_ANTENNA__TTR_S="6", WORKER_HEALTH__DRAIN_TIMEOUT_S="4"),
             log,
         )
         try:
@@ -264,28 +262,11 @@ def test_sigterm_posts_what_is_finished_reserves_nothing_more_and_metrics_show_a
         assert saved_once(fake, job, images) == {image: 1 for image, _ in images}
 
 
-def _classifier_toml(directory: Path, name: str, labels: list[str], seed: int) -> str:
-    from pipelines.models import save_classifier
-
-    weights = save_classifier("mobilenet_v3_small", labels, str(directory / name), seed=seed)
-    toml = directory / f"{name}.toml"
-    toml.write_text(
-        f'name = "{name}"\n[classifier]\nkey = "{name}-classifier"\n'
-        f'architecture = "mobilenet_v3_small"\nweights = "{weights}"\n'
-    )
-    return str(toml)
-
-
 def test_one_process_serves_the_jobs_of_every_pipeline_it_serves_and_no_other(
-    antenna: FakeAntenna, model_path: str, tmp_path: Path
+    antenna: FakeAntenna, tmp_path: Path
 ) -> None:
-    animals = ["cat", "dog", "bird", "fish", "horse"]
-    colours = ["red", "green", "blue"]
-    tomls = [
-        _classifier_toml(tmp_path, "animals", animals, seed=1),
-        _classifier_toml(tmp_path, "colours", colours, seed=2),
-    ]
-    env = env_for(antenna, model_path, WORKER_MODEL__PIPELINES=",".join(tomls))
+    declared = "tests.antenna_pipelines:animals,tests.antenna_pipelines:colours"
+    env = env_for(antenna, WORKER_MODEL__PIPELINES=declared)
     done = cli("register", env=env, timeout=180)
     assert done.returncode == 0, done.stderr + done.stdout
     assert set(antenna.projects[1]) == {"animals", "colours"}
@@ -293,8 +274,8 @@ def test_one_process_serves_the_jobs_of_every_pipeline_it_serves_and_no_other(
     antenna.register_direct(1, {**antenna.projects[1]["animals"]["config"], "slug": "other"})
 
     jobs = {
-        "animals": (antenna.add_job("animals", add_images(antenna, "A", 5)), animals),
-        "colours": (antenna.add_job("colours", add_images(antenna, "C", 5)), colours),
+        "animals": (antenna.add_job("animals", add_images(antenna, "A", 5)), ANIMALS),
+        "colours": (antenna.add_job("colours", add_images(antenna, "C", 5)), COLOURS),
     }
     other = antenna.add_job("other", add_images(antenna, "O", 3))
     log = tmp_path / "worker.log"
@@ -317,3 +298,135 @@ def test_one_process_serves_the_jobs_of_every_pipeline_it_serves_and_no_other(
         assert {len(c["scores"]) for c in classifications} == {len(labels)}
     assert antenna.pending(other) == {"O0", "O1", "O2"}  # another pipeline's: never reserved
     assert not [p for _m, p, _s in antenna.requests if p.startswith(f"/api/v2/jobs/{other}/tasks")]
+
+
+def test_a_pipeline_without_a_detector_is_refused_by_register_check_and_run(
+    antenna: FakeAntenna, tmp_path: Path
+) -> None:
+    """Antenna answers 200 to its result posts and then drops every one ("Pipeline does not
+    have a detection algorithm"): it is refused before anything is registered or reserved."""
+    env = env_for(antenna, WORKER_MODEL__PIPELINE="worker.commands.demo_models:colour_classifier")
+    registering = cli("register", env=env, timeout=120)
+    checking = cli("check", env=env, timeout=120)
+    antenna.register_direct(1, {"slug": "colours", "name": "colours", "version": 1})
+    job = antenna.add_job("colours", add_images(antenna, "c", 3))
+    log = tmp_path / "worker.log"
+    proc = start_run(env, log, "--until-idle")
+    try:
+        code = proc.wait(timeout=120)
+    finally:
+        stop_process(proc)
+
+    assert registering.returncode == 1 and "algorithm" not in registering.stdout
+    assert antenna.projects[1].keys() == {"colours"}  # only what the test put there
+    (refused,) = [line for line in registering.stderr.splitlines() if "not registered" in line]
+    assert "'colours' has no detector" in refused and "detection algorithm" in refused
+    assert checking.returncode == 1
+    assert "not ready" in checking.stdout + checking.stderr
+    assert "'colours' has no detector" in checking.stdout + checking.stderr
+    assert code == 2, log.read_text()[-4000:]
+    assert "config error: pipeline 'colours' has no detector" in log.read_text()
+    assert not [p for _m, p, _s in antenna.requests if p.endswith("/tasks/")]
+    assert antenna.pending(job) == {"c0", "c1", "c2"}
+
+
+def test_until_idle_exits_6_when_antenna_refused_the_token_or_was_never_reached(
+    antenna: FakeAntenna, tmp_path: Path
+) -> None:
+    from worker.commands.localservers import free_port
+
+    registered(antenna)
+    job = antenna.add_job(PIPELINE, add_images(antenna, "r", 2))
+    codes = {}
+    for case, extra in {
+        "refused": {"WORKER_ANTENNA__TOKEN": "wrong-token-0000"},
+        "unreachable": {"WORKER_ANTENNA__BASE_URL": f"http://127.0.0.1:{free_port()}/api/v2"},
+    }.items():
+        log = tmp_path / f"{case}.log"
+        proc = start_run(env_for(antenna, **extra), log, "--until-idle")
+        try:
+            codes[case] = proc.wait(timeout=120)
+        finally:
+            stop_process(proc)
+        assert "idle_not_served" in log.read_text(), log.read_text()[-4000:]
+        assert "wrong-token-0000" not in log.read_text()
+    assert codes == {"refused": 6, "unreachable": 6}
+    assert antenna.pending(job) == {"r0", "r1"}
+
+
+def test_check_says_not_ready_for_a_token_that_may_not_reserve_before_any_job(
+    antenna: FakeAntenna,
+) -> None:
+    registered(antenna)
+    antenna.tokens["member-token-1234"] = {1}  # manages project 1; no superuser: 403 on tasks
+    ready = cli("check", env=env_for(antenna), timeout=120)
+    member = cli("check", env=env_for(antenna, WORKER_ANTENNA__TOKEN="member-token-1234"))
+    assert ready.returncode == 0, ready.stdout + ready.stderr
+    assert member.returncode == 1
+    said = member.stdout + member.stderr
+    assert "not ready" in said and "may not take tasks or post results" in said
+    assert "member-token-1234" not in said
+
+
+def test_150_active_jobs_the_one_with_tasks_listed_last_is_served(
+    antenna: FakeAntenna, tmp_path: Path
+) -> None:
+    registered(antenna)
+    for _ in range(149):
+        antenna.add_job(PIPELINE, [])  # active, with nothing left to reserve
+    images = add_images(antenna, "last", 3)
+    last = antenna.add_job(PIPELINE, images)
+    log = tmp_path / "worker.log"
+    proc = start_run(env_for(antenna), log, "--until-idle")
+    try:
+        assert proc.wait(timeout=180) == 0, log.read_text()[-4000:]
+    finally:
+        stop_process(proc)
+    assert antenna.jobs[last].status == "SUCCESS", log.read_text()[-4000:]
+    assert saved_once(antenna, last, images) == {image: 1 for image, _ in images}
+    pages = [p for _m, p, _s in antenna.requests if p.rstrip("/").split("/")[-1].isdigit()]
+    assert pages == []  # no job's own page was asked: the list says all the worker needs
+
+
+def test_sigterm_finishes_what_it_reserved_when_the_drain_time_allows(
+    antenna: FakeAntenna, tmp_path: Path
+) -> None:
+    """A task given back to Antenna costs its reservation time (300 s) and one of its two
+    deliveries: a stop with drain time to spare runs the held tasks' batches instead."""
+    registered(antenna)
+    images = []
+    for i in range(40):
+        name = f"big-{i}.jpg"
+        antenna.images[name] = rectangles_bytes(1280, 720, [(100, 100, 400, 500, "red")])
+        images.append((f"big{i}", antenna.media_url(name)))
+    job = antenna.add_job(PIPELINE, images)
+    env = env_for(
+        antenna,
+        WORKER_LOADER__BATCH_SIZE="2",
+        WORKER_LOADER__PREFETCH_BATCHES="8",
+        WORKER_HEALTH__DRAIN_TIMEOUT_S="60",
+    )
+    log = tmp_path / "worker.log"
+    proc = start_run(env, log)
+    try:
+        wait_for(lambda: len(antenna.jobs[job].done) >= 4, 120, "4 images saved", log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, log.read_text()[-4000:]
+    finally:
+        stop_process(proc)
+    text = log.read_text()
+    tasks = antenna.jobs[job].tasks.values()
+    reserved = {t.image_id for t in tasks if t.delivered}
+    assert {t.image_id for t in tasks if t.delivered and not t.acked} == set(), text[-4000:]
+    assert "drain_finished_held" in text, text[-4000:]  # some were waiting at the signal
+    assert reserved <= antenna.jobs[job].done and "task_left_to_redelivery" not in text
+    assert all(t.delivered <= 1 for t in tasks)
+
+
+def test_a_failed_register_prints_no_algorithm_lines(antenna: FakeAntenna) -> None:
+    done = cli("register", env=env_for(antenna, WORKER_ANTENNA__PROJECT_IDS="1,42"), timeout=120)
+    assert done.returncode == 1
+    assert "project 1: boxes-and-colours created" in done.stdout
+    (refused,) = [line for line in done.stderr.splitlines() if line.startswith("not registered")]
+    assert "project 42: HTTP 404" in refused and "<" not in refused
+    assert "algorithm " not in done.stdout  # keys that may be in no project: not listed

@@ -30,8 +30,10 @@ from worker.schemas import Task
 TOKEN = "unit-token-5b7d"
 SLUG = "moths"
 LABELS = ("a", "b", "c")
+DETECTOR = Algorithm("det", "Detector", "detection", "cd" * 32, ("object",))
 CLASSIFIER = Algorithm("clf", "Classifier", "classification", "ab" * 32, LABELS)
-SERVED = Served(SLUG, "", (CLASSIFIER,))
+SERVED = Served(SLUG, "", (DETECTOR, CLASSIFIER))
+DETECTOR_KEY = antenna_key(DETECTOR)
 
 
 @pytest.fixture
@@ -63,12 +65,15 @@ def images(n: int, prefix: str = "i") -> list[tuple[str, str]]:
     return [(f"{prefix}{i}", f"http://127.0.0.1:1/{prefix}{i}.jpg") for i in range(n)]
 
 
-def detection(image: str, key: str, scores: list[float], x1: float = 1.0) -> dict[str, Any]:
+def detection(
+    image: str, key: str, scores: list[float], x1: float = 1.0, by: str = DETECTOR_KEY
+) -> dict[str, Any]:
+    """A box found by the detector ``by``, classified by ``key``."""
     return {
         "source_image_id": image,
         "bbox": {"x1": x1, "y1": 1.0, "x2": 5.0, "y2": 5.0},
         "inference_time": 0.01,
-        "algorithm": {"name": "Classifier", "key": key},
+        "algorithm": {"name": "Detector", "key": by},
         "timestamp": "2026-12-01T00:00:00+00:00",
         "crop_image_url": None,
         "classifications": [
@@ -137,7 +142,7 @@ async def test_jobs_of_every_served_pipeline_are_rotated_and_no_other_pipelines(
 
     # An Antenna that ignored the filter would list another pipeline's job: it is not taken.
     listed = fake._list
-    fake._list = lambda query: listed({**query, "pipeline__slug__in": ""})  # type: ignore[method-assign]
+    fake._list = lambda query, user=None: listed({**query, "pipeline__slug__in": ""}, user)  # type: ignore[method-assign]
     rotation = JobRotation(client_of(fake), (SLUG, "orders"), 10.0, 100)
     assert other not in [j.id for j in await rotation.refresh()]
 
@@ -152,8 +157,8 @@ async def test_jobs_listed_without_their_pipeline_slug_are_still_served(
     orders = fake.add_job("orders", images(1, "o"))
     listed, answer = fake._list, fake.handle
 
-    def ids_alone(query: dict[str, str]) -> tuple[int, Any]:
-        status, body = listed(query)
+    def ids_alone(query: dict[str, str], user: Any = None) -> tuple[int, Any]:
+        status, body = listed(query, user)
         return status, {**body, "results": [{"id": j["id"]} for j in body["results"]]}
 
     fake._list = ids_alone  # type: ignore[method-assign]
@@ -235,7 +240,10 @@ async def test_accepted_results_antenna_drops_are_not_saved_and_come_back(
     unknown_classifier["classifications"][0]["algorithm"]["key"] = "unregistered"
     posts = [
         (d["i0"], results("i0", pipeline="other-pipeline")),
-        (d["i1"], results("i1", detections=[detection("i1", "unregistered", [0.8, 0.1, 0.1])])),
+        (
+            d["i1"],
+            results("i1", detections=[detection("i1", key, [0.8, 0.1, 0.1], by="unregistered")]),
+        ),
         (d["i2"], results("i2", source_images=[{"id": "i4", "url": "http://x/y.jpg"}])),
         (d["i3"], results("i3", detections=[detection("i3", key, [0.8, 0.2])])),
         (d["i4"], results("i4")),
@@ -251,6 +259,36 @@ async def test_accepted_results_antenna_drops_are_not_saved_and_come_back(
     again = await reserve_all(source, 6)
     assert {x.image_id for x in again} == {"i0", "i1", "i3", "i4", "i5"} - {"i4"}
     assert "i2" in fake.pending(job)
+
+
+async def test_results_of_a_pipeline_without_a_detection_algorithm_are_accepted_then_dropped(
+    fake: FakeAntenna,
+) -> None:
+    fake.register_direct(1, Served("whole-image", "", (CLASSIFIER,)).config())
+    job = fake.add_job("whole-image", images(2))
+    client = client_of(fake)
+    reply = await client.post(f"jobs/{job}/tasks/", "tasks", b'{"batch_size": 2}')
+    a, b = reply.body["tasks"]
+    whole_image = {**detection(a["image_id"], antenna_key(CLASSIFIER), [0.8, 0.1, 0.1])}
+    # What a classifier alone gives: the whole image, named by its (registered) classifier.
+    whole_image.update(bbox=None, algorithm={"name": "Classifier", "key": antenna_key(CLASSIFIER)})
+    ok = {
+        "pipeline": "whole-image",
+        "total_time": 0.1,
+        "source_images": [{"id": a["image_id"], "url": "u"}],
+        "detections": [whole_image],
+    }
+    error = {"error": "unreadable", "image_id": b["image_id"]}
+    body = {
+        "results": [
+            {"reply_subject": a["reply_subject"], "result": ok},
+            {"reply_subject": b["reply_subject"], "result": error},
+        ]
+    }
+    posted = await client.post(f"jobs/{job}/result/", "result", json.dumps(body).encode())
+    assert posted.status == 200 and posted.body["status"] == "accepted"
+    assert fake.jobs[job].saved == {} and fake.pending(job) == {a["image_id"]}
+    assert fake.jobs[job].failed == {b["image_id"]}  # an error result needs no detector
 
 
 async def test_identical_reposts_add_nothing_and_error_results_need_an_image_id(
@@ -297,7 +335,7 @@ def rules_of(fake: FakeAntenna, max_post_bytes: int) -> AntennaRules:
 def outcome(scores: tuple[float, ...] = (0.7, 0.2, 0.1), detections: int = 1) -> Outcome:
     found = []
     for i in range(detections):
-        entry = detection("ignored", "clf", list(scores), x1=float(i))
+        entry = detection("ignored", "clf", list(scores), x1=float(i), by="det")
         entry.pop("source_image_id", None)
         found.append(entry)
     return Outcome(detections=found, timings_s={"load_s": 0.01, "infer_s": 0.01})
@@ -399,9 +437,10 @@ def test_a_29176_class_result_with_500_detections_is_compacted_under_the_cap() -
 # -- register, check, settings --------------------------------------------------------------
 async def test_register_says_what_each_refusal_means(fake: FakeAntenna) -> None:
     fake.projects[3] = {}
-    ok = await register(client_of(fake), [SERVED], [1], "svc")
+    fake.tokens["manager"] = {1}  # manages project 1 only (and is no superuser)
+    ok = await register(client_of(fake, "manager"), [SERVED], [1], "svc")
     assert ok[0][0] and "already registered" in ok[0][1]  # the fixture registered it
-    denied = await register(client_of(fake), [SERVED], [3], "svc")
+    denied = await register(client_of(fake, "manager"), [SERVED], [3], "svc")
     missing = await register(client_of(fake), [SERVED], [42], "svc")
     bad_token = await register(client_of(fake, "nope"), [SERVED], [1], "svc")
     no_map = Served("x", "", (Algorithm("c2", "C2", "classification", "ef" * 32, ()),))
@@ -432,6 +471,53 @@ async def test_check_names_an_unreachable_server_a_wrong_token_and_an_unknown_sl
     fake.tokens["manager"] = {5}  # registers in project 5, may not post results in project 1
     (denied,) = await antenna_problems(client_of(fake, "manager"), [SLUG], [], True)
     assert "403" in denied and "may not take tasks or post results" in denied
+
+
+async def test_check_says_a_token_that_may_not_reserve_is_not_ready_with_no_job_listed(
+    fake: FakeAntenna,
+) -> None:
+    fake.tokens["member"] = {1}  # manages project 1, is no superuser: 403 on tasks and result
+    assert await antenna_problems(client_of(fake), [SLUG], [1], True) == []  # a superuser
+    (denied,) = await antenna_problems(client_of(fake, "member"), [SLUG], [1], True)
+    assert "no superuser" in denied and "may not take tasks or post results" in denied
+
+
+async def test_a_404_outside_the_api_is_one_line_without_its_html(fake: FakeAntenna) -> None:
+    wrong = AntennaClient(fake.url.replace("/api/v2", "/ami/api/v2"), SecretStr(TOKEN), 5.0)
+    ((ok, line),) = await register(wrong, [SERVED], [1], "svc")
+    (problem,) = await antenna_problems(wrong, [SLUG], [1], True)
+    for said in (line, problem):
+        assert "HTTP 404" in said and "base URL" in said
+        assert "<" not in said and "\n" not in said and "Not Found" not in said
+    assert not ok
+
+
+async def test_jobs_listed_twice_for_a_token_not_a_superusers_are_rotated_once(
+    fake: FakeAntenna,
+) -> None:
+    first, second = fake.add_job(SLUG, images(1, "a")), fake.add_job(SLUG, images(1, "b"))
+    fake.tokens["member"] = {1}
+    listed = await client_of(fake, "member").get(
+        "jobs/", "jobs", {"pipeline__slug__in": SLUG, "ids_only": 1, "limit": 10}
+    )
+    assert sorted(j["id"] for j in listed.body["results"]) == [first, first, second, second]
+    rotation = JobRotation(client_of(fake, "member"), (SLUG,), 10.0, 100)
+    assert [j.id for j in await rotation.refresh()] == [first, second]
+    assert [j.id for j in rotation.next_jobs()] == [first, second]
+
+
+async def test_every_page_of_active_jobs_is_listed_and_no_job_page_is_asked(
+    fake: FakeAntenna,
+) -> None:
+    ids = [fake.add_job(SLUG, images(1, f"j{n}-")) for n in range(25)]
+    fake.jobs[ids[3]].status = "PENDING"
+    fake.jobs[ids[7]].status = "RETRY"
+    rotation = JobRotation(client_of(fake), (SLUG,), 10.0, 10)
+    active = await rotation.refresh()
+    assert [j.id for j in active] == [i for i in ids if i != ids[3]]
+    assert not [p for _m, p, _s in fake.requests if p.rstrip("/").split("/")[-1].isdigit()]
+    lists = [p for _m, p, _s in fake.requests if p == "/api/v2/jobs/"]
+    assert len(lists) == 3 + 1  # STARTED: 24 jobs in pages of 10; RETRY: one page
 
 
 def test_amis_names_are_aliases_and_ours_win() -> None:

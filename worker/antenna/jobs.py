@@ -1,25 +1,36 @@
 """Which Antenna jobs to reserve from, in turn.
 
-Antenna lists one random job per call unless it is given ``limit``, and its
-``incomplete_only`` still lists jobs that serve no tasks (CREATED, PENDING, CANCELING): the
-jobs are listed with ``limit`` every ``poll_interval_s``, each one's status read, and only
-STARTED and RETRY jobs of the served pipelines kept (a task of a pipeline this process does
-not serve is never reserved). ``next_jobs`` hands them out in turn, starting after the job
-served last, so every active job gets a reservation before any gets a second one; a job that
-had nothing to give is skipped until the next poll.
+Antenna's jobs list is DRF's limit/offset pagination (``count``, ``next``, ``previous``,
+``results``); with ``ids_only`` it answers one random job unless given ``limit``, in a random
+order unless given ``ordering``, and it lists each job twice for a token that is not a
+superuser's. Its ``incomplete_only`` still lists jobs that serve no tasks (CREATED, PENDING,
+CANCELING), so the active ones are listed by ``status`` (STARTED, then RETRY), ordered by
+``created_at`` so the pages do not shift under us, every page read (at most ``_MAX_PAGES``),
+each job kept once. A job's own page is read only when the list does not name its pipeline
+and this process serves several (once per job), so an idle process asks Antenna for about
+``2 * pages / poll_interval_s`` listings a second, whatever the number of jobs.
+
+``next_jobs`` hands the jobs out in turn, starting after the job served last, so every active
+job gets a reservation before any gets a second one. A job that had nothing to give is skipped
+until the next poll, then for twice as long each time it gives nothing again, up to
+``_EMPTY_MAX_POLLS`` poll intervals (60 s at the default 5 s): a process beside N active jobs
+that are all empty asks for tasks about ``N / (12 * poll_interval_s)`` times a second.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
 from worker.antenna.client import AntennaClient, AntennaUnreachable
 
 log = structlog.get_logger(__name__)
-ACTIVE = frozenset({"STARTED", "RETRY"})
+ACTIVE = ("STARTED", "RETRY")
+_MAX_PAGES = 50  # per status: 5,000 jobs at the default page of 100
+_EMPTY_MAX_POLLS = 12
 
 
 @dataclass(frozen=True)
@@ -38,21 +49,26 @@ class JobRotation:
         self._limit = limit
         self._jobs: list[Job] = []
         self._empty_until: dict[int, float] = {}
+        self._empty_for_s: dict[int, float] = {}  # how long the job is skipped when empty again
+        self._slugs: dict[int, str] = {}  # a job's pipeline, read from its page once
         self._last: int | None = None
         self._listed_at = float("-inf")
         self.unreachable_since: float | None = None
         self.last_refusal: str | None = None  # a 401/403 on listing: the token
+        self.ever_listed = False  # a listing answered in full, once at least
 
     def due(self) -> bool:
         return time.monotonic() - self._listed_at >= self._poll_interval_s
 
     async def refresh(self) -> list[Job]:
-        """List the incomplete jobs of our pipelines and keep the active ones. On a failure
-        the jobs known stay as they were until the next poll."""
+        """List the active jobs of our pipelines. On a failure the jobs known stay as they
+        were until the next poll."""
         self._listed_at = time.monotonic()
         try:
             listed = await self._listed()
-            details = {job.id: await self._detail(job.id) for job in listed}
+            if listed is None:
+                return self._jobs
+            active = [ours for job in listed if (ours := await self._ours(job))]
         except AntennaUnreachable as error:
             if self.unreachable_since is None:
                 self.unreachable_since = time.monotonic()
@@ -61,24 +77,44 @@ class JobRotation:
             )
             return self._jobs
         self.unreachable_since = None
-        active = [
-            ours
-            for job in listed
-            if details[job.id][0] in ACTIVE and (ours := self._ours(job, details[job.id][1]))
-        ]
+        self.ever_listed = True
         if [j.id for j in active] != [j.id for j in self._jobs]:
             log.info("antenna_active_jobs", jobs=[j.id for j in active], listed=len(listed))
         self._jobs = active
-        self._empty_until = {}
+        ids = {j.id for j in active}
+        self._empty_for_s = {i: s for i, s in self._empty_for_s.items() if i in ids}
+        self._empty_until = {i: t for i, t in self._empty_until.items() if i in ids}
+        self._slugs = {i: s for i, s in self._slugs.items() if i in ids}
         return active
 
-    async def _listed(self) -> list[Job]:
+    async def _listed(self) -> list[Job] | None:
+        """Every active job Antenna lists for our pipelines, once each, by id; None when
+        Antenna refused the listing."""
+        found: dict[int, Job] = {}
+        for status in ACTIVE:
+            for offset in range(0, _MAX_PAGES * self._limit, self._limit):
+                page = await self._page(status, offset)
+                if page is None:
+                    return None
+                items, more = page
+                for job in items:
+                    found.setdefault(job.id, job)  # listed twice for a non-superuser
+                if not more:
+                    break
+            else:
+                log.warning("antenna_jobs_pages_cut", status=status, pages=_MAX_PAGES)
+        return sorted(found.values(), key=lambda j: j.id)
+
+    async def _page(self, status: str, offset: int) -> tuple[list[Job], bool] | None:
         params = {
             "pipeline__slug__in": ",".join(self._pipelines),
             "ids_only": 1,
             "incomplete_only": 1,
             "dispatch_mode": "async_api",
+            "status": status,
+            "ordering": "created_at",
             "limit": self._limit,
+            "offset": offset,
         }
         reply = await self._client.get("jobs/", "jobs", params)
         self.last_refusal = f"listing jobs: {reply.why()}" if reply.status in (401, 403) else None
@@ -86,39 +122,45 @@ class JobRotation:
             log.warning(
                 "antenna_jobs_refused", reason=reply.why(), retry_in_s=self._poll_interval_s
             )
-            return self._jobs
-        jobs = []
-        for item in reply.body.get("results") or []:
-            if isinstance(item, dict) and isinstance(item.get("id"), int):
-                slug = str(item.get("pipeline_slug") or "")  # "": said by the job itself
-                if not slug or slug in self._pipelines:
-                    jobs.append(Job(item["id"], slug))
-                else:  # Antenna filters by our slugs: a job of another is never reserved from
-                    log.warning("antenna_job_not_ours", job_id=item["id"], pipeline=slug)
-        count = reply.body.get("count")
-        if isinstance(count, int) and count > len(jobs):
-            log.warning("antenna_more_jobs_than_listed", count=count, listed=len(jobs))
-        return sorted(jobs, key=lambda j: j.id)
+            return None
+        results = reply.body.get("results")
+        items = [job for item in results or [] if (job := self._job_of(item))]
+        more = bool(results) and bool(reply.body.get("next"))
+        return items, more
 
-    async def _detail(self, job_id: int) -> tuple[str, str]:
-        """The job's status and its pipeline's slug ("" when the reply names none)."""
+    def _job_of(self, item: Any) -> Job | None:
+        if not (isinstance(item, dict) and isinstance(item.get("id"), int)):
+            return None
+        slug = item.get("pipeline_slug")
+        slug = slug if isinstance(slug, str) else ""  # "": said by the job itself
+        if slug and slug not in self._pipelines:  # Antenna filters by our slugs: never ours
+            log.warning("antenna_job_not_ours", job_id=item["id"], pipeline=slug)
+            return None
+        return Job(item["id"], slug)
+
+    async def _detail_slug(self, job_id: int) -> str:
+        """The pipeline's slug on the job's own page ("" when it names none)."""
         reply = await self._client.get(f"jobs/{job_id}/", "job")
         if not (reply.ok and isinstance(reply.body, dict)):
-            return "", ""
+            return ""
         pipeline = reply.body.get("pipeline")
         slug = reply.body.get("pipeline_slug") or (
             pipeline.get("slug") if isinstance(pipeline, dict) else None
         )
-        return str(reply.body.get("status") or ""), str(slug or "")
+        return slug if isinstance(slug, str) else ""
 
-    def _ours(self, job: Job, detail_slug: str) -> Job | None:
+    async def _ours(self, job: Job) -> Job | None:
         """``job`` with its pipeline, when it is one we serve. An Antenna whose jobs list
         leaves ``pipeline_slug`` out (its ids-only serializer gave ``id`` alone) names it in
-        the job itself; when neither does, a worker of one pipeline takes the job as its own
-        (Antenna listed it for that slug), one of several cannot tell and leaves it."""
-        slug = (
-            job.pipeline or detail_slug or (self._pipelines[0] if len(self._pipelines) == 1 else "")
-        )
+        the job itself; a worker of one pipeline takes the job as its own (Antenna listed it
+        for that slug) without asking, one of several asks once and, told nothing, leaves it."""
+        slug = job.pipeline
+        if not slug and len(self._pipelines) == 1:
+            slug = self._pipelines[0]
+        if not slug:
+            if job.id not in self._slugs:
+                self._slugs[job.id] = await self._detail_slug(job.id)
+            slug = self._slugs[job.id]
         if slug in self._pipelines:
             return Job(job.id, slug)
         log.warning("antenna_job_not_ours", job_id=job.id, pipeline=slug or None)
@@ -135,11 +177,18 @@ class JobRotation:
 
     def served(self, job: Job) -> None:
         self._last = job.id
+        self._empty_for_s.pop(job.id, None)
 
     def empty(self, job: Job) -> None:
         """``job`` gave nothing (done, paused, or reserved by others): skip it until the next
-        poll."""
-        self._empty_until[job.id] = self._listed_at + self._poll_interval_s
+        poll, and twice as long each time it gives nothing again (up to ``_EMPTY_MAX_POLLS``
+        polls)."""
+        now = time.monotonic()
+        until_poll = self._listed_at + self._poll_interval_s - now
+        skip_s = self._empty_for_s.get(job.id, 0.0)
+        self._empty_until[job.id] = now + max(until_poll, skip_s)
+        longest_s = _EMPTY_MAX_POLLS * self._poll_interval_s
+        self._empty_for_s[job.id] = min(max(2 * skip_s, self._poll_interval_s), longest_s)
 
     def any_ready(self) -> bool:
         return bool(self.next_jobs())

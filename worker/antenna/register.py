@@ -32,7 +32,10 @@ def project_ids(text: str) -> list[int]:
 
 
 def meaning(reply: Reply) -> str:
-    return f"{reply.why()}: {_MEANING.get(reply.status, 'unexpected answer')}"
+    """One line: the status, what Antenna said when it answered JSON (an HTML page, from a
+    proxy or Django's debug view, is not shown), and what that means here."""
+    said = reply.why() if reply.body is not None else f"HTTP {reply.status} (an HTML page)"
+    return f"{said}: {_MEANING.get(reply.status, 'unexpected answer')}"
 
 
 async def register(
@@ -61,20 +64,34 @@ async def register(
     return lines
 
 
+_MAY_NOT_RESERVE = (
+    "this token's user may not take tasks or post results (Antenna grants that to superusers, "
+    "or by the tasks_ml_job/result_ml_job permissions, which no project role gives)"
+)
+
+
+def _not_superuser(listed: object) -> list[str]:
+    """With no job to ask about: the jobs listing (no project named) says ``create`` in its
+    ``user_permissions`` for a superuser's token only (Antenna's collection permissions), and
+    only a superuser may take tasks and post results. An Antenna that says nothing is not
+    judged."""
+    said = listed.get("user_permissions") if isinstance(listed, dict) else None
+    if not isinstance(said, list) or "create" in said:
+        return []
+    return [f"listing jobs: no superuser permissions: {_MAY_NOT_RESERVE}"]
+
+
 async def _may_post_results(client: AntennaClient, listed: object) -> list[str]:
     """Whether the token may post results, asked of a listed job with an empty post (Antenna
-    answers 403 before it reads the body; an empty list queues nothing)."""
+    answers 403 before it reads the body; an empty list queues nothing), or, with no job
+    listed, read from the listing's permissions."""
     jobs = listed.get("results") if isinstance(listed, dict) else None
     if not jobs or not isinstance(jobs[0], dict) or not isinstance(jobs[0].get("id"), int):
-        return []  # no incomplete job to ask about
+        return _not_superuser(listed)  # no incomplete job to ask about
     job = jobs[0]["id"]
     reply = await client.post(f"jobs/{job}/result/", "result", b'{"results": []}')
     if reply.status == 403:
-        return [
-            f"job {job}: {reply.why()}: this token's user may not take tasks or post results "
-            "(Antenna grants that to superusers, or by the tasks_ml_job/result_ml_job "
-            "permissions)"
-        ]
+        return [f"job {job}: {reply.why()}: {_MAY_NOT_RESERVE}"]
     if reply.status == 401:
         return [f"job {job}: {meaning(reply)}"]
     return []

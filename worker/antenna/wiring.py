@@ -81,6 +81,18 @@ class AntennaParts:
         self.poster.on_split = metrics.posts_split.inc
         return metrics
 
+    def unserved(self) -> str | None:
+        """Why no task could be asked for: the token refused now, or no listing of the jobs
+        answered since the start (unreachable, or answering errors)."""
+        refusal = self.source.refusal()
+        if refusal:
+            return f"Antenna refused: {refusal}"
+        if not self.jobs.ever_listed:
+            return (
+                f"Antenna at {self.client.shown()} never listed its jobs (unreachable or failing)"
+            )
+        return None
+
     def problem(self, unreachable_for_s: float) -> str | None:
         """Why /healthz should answer 503: Antenna refusing our token, or unreachable for
         longer than ``unreachable_for_s``."""

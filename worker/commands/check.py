@@ -69,6 +69,10 @@ def _model_problems(settings: Settings) -> list[str]:
     except WorkerError as error:
         return [f"model: {line}" for line in str(error).splitlines()]
     problems: list[str] = []
+    if settings.source == "antenna":
+        from worker.antenna.keepable import refusals
+
+        problems += [f"model: {line}" for line in refusals([c.pipeline for c in everything])]
     for chosen in everything:
         try:
             runner = load_runner(

@@ -1,6 +1,7 @@
 """``inference-worker register``: every served pipeline's ``PipelineConfigResponse`` posted,
 in one call, to each project in ``WORKER_ANTENNA__PROJECT_IDS``; one line per project, then
-each algorithm's Antenna key; exit 1 if any project failed."""
+each algorithm's Antenna key once every project took them; exit 1 if any project failed, or
+if a pipeline is one Antenna cannot keep the results of (``worker/antenna/keepable.py``)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,14 @@ def _served(settings: Settings) -> list[Served]:
     return pipelines
 
 
+def _refused(settings: Settings) -> list[str]:
+    """The served pipelines Antenna could not keep the results of (no models loaded)."""
+    from pipelines.setup import choose_all
+    from worker.antenna.keepable import refusals
+
+    return refusals([c.pipeline for c in choose_all(settings)])
+
+
 async def register_command(settings: Settings) -> int:
     from worker.antenna.client import AntennaClient
     from worker.antenna.register import project_ids, register
@@ -53,12 +62,19 @@ async def register_command(settings: Settings) -> int:
             file=sys.stderr,
         )
         return CommandExit.CONFIG
+    refused = await asyncio.to_thread(_refused, settings)
+    if refused:
+        for line in refused:
+            print(f"not registered: {line}", file=sys.stderr)
+        return CommandExit.FAILED
     pipelines = await asyncio.to_thread(_served, settings)
     client = AntennaClient(a.base_url, a.token, a.request_timeout_s)
     lines = await register(client, pipelines, projects, a.service_name)
     for ok, line in lines:
         print(line if ok else f"not registered: {line}", file=sys.stdout if ok else sys.stderr)
+    if not all(ok for ok, _ in lines):
+        return CommandExit.FAILED  # no algorithm lines: nothing of them may be in Antenna
     for pipeline in pipelines:
         for algorithm in pipeline.config()["algorithms"]:
             print(f"algorithm {algorithm['key']} ({algorithm['task_type']}) of {pipeline.slug}")
-    return CommandExit.OK if all(ok for ok, _ in lines) else CommandExit.FAILED
+    return CommandExit.OK
