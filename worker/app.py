@@ -269,6 +269,7 @@ class WorkerApp:
                 liveness=liveness,
                 metrics=metrics,
                 loaded=loaded,
+                results_waiting=lambda: parts.poster.waiting() > 0,
             ),
             chosen,
             engine,
@@ -471,6 +472,7 @@ class WorkerApp:
             await self.feed.close()
         if self.antenna is not None:
             await self.antenna.poster.close()
+            self.antenna.client.close()
         self.connection.closing = True
         if self.nc is not None and not self.nc.is_closed:
             try:
