@@ -232,6 +232,9 @@ class AntennaClient:
                 f"Antenna unreachable ({where}): {type(error).__name__} "
                 f"{shorten(scrub(str(reason).strip()), _SHOWN_BODY_CHARS)}"
             ) from None
+        secret = self._token.get_secret_value()
+        if secret and secret.encode() in raw:  # a page echoing our headers: never shown
+            raw = raw.replace(secret.encode(), b"<redacted>")
         return _reply(where, endpoint, status, location, kind, raw, self.root)
 
     def _connection(self, timeout_s: float) -> tuple[http.client.HTTPConnection, bool]:
