@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -44,11 +45,23 @@ def add_images(fake: FakeAntenna, prefix: str, count: int) -> list[tuple[str, st
     return images
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str, log: Path) -> None:
+def wait_for(
+    condition: Callable[[], bool],
+    timeout_s: float,
+    what: str,
+    log: Path,
+    proc: subprocess.Popen[bytes] | None = None,
+) -> None:
+    """Until ``condition``; an AssertionError after ``timeout_s``, or as soon as ``proc``
+    has exited."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():
             return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(
+                f"the worker exited {proc.returncode} before {what}:\n{log.read_text()[-4000:]}"
+            )
         time.sleep(0.1)
     raise AssertionError(f"{what} within {timeout_s}s; worker log:\n{log.read_text()[-4000:]}")
 
@@ -87,13 +100,13 @@ def test_a_result_post_redirected_or_answered_with_a_page_is_not_counted_as_post
         log = tmp_path / "worker.log"
         proc = start_run(env_for(fake, model_path), log)
         try:
-            wait_for(lambda: fake.modes["result"].used >= 3, 120, "3 result posts tried", log)
+            wait_for(lambda: fake.modes["result"].used >= 3, 120, "3 result posts tried", log, proc)
             assert proc.poll() is None, log.read_text()[-4000:]
             assert other.requests == [] and other.headers_seen == []  # nothing left home
             assert fake.jobs[job].done == set()
             assert '"task_done"' not in log.read_text()  # not counted as posted
             fake.behave()
-            wait_for(lambda: fake.jobs[job].status == "SUCCESS", 120, _SANE, log)
+            wait_for(lambda: fake.jobs[job].status == "SUCCESS", 120, _SANE, log, proc)
         finally:
             stop_process(proc)
         assert saved_once(fake, job)
@@ -139,7 +152,7 @@ def test_a_malformed_answer_is_retried_and_the_job_finishes_once_answers_are_san
         log = tmp_path / "worker.log"
         proc = start_run(env_for(fake, model_path, WORKER_ANTENNA__TTR_S="6"), log)
         try:
-            wait_for(lambda: fake.jobs[job].status == "SUCCESS", 120, _SANE, log)
+            wait_for(lambda: fake.jobs[job].status == "SUCCESS", 120, _SANE, log, proc)
             assert proc.poll() is None, log.read_text()[-4000:]  # no exit, no restart
         finally:
             stop_process(proc)
@@ -150,7 +163,7 @@ def test_a_malformed_answer_is_retried_and_the_job_finishes_once_answers_are_san
 def test_a_slow_loris_answer_ends_at_the_deadline_and_sigterm_exits_within_the_drain(
     model_path: str, tmp_path: Path
 ) -> None:
-    fake = FakeAntenna(token=TOKEN)
+    fake = FakeAntenna(token=TOKEN, ttr_s=6.0)  # a reservation given up comes back soon
     with fake.running():
         ready(fake, model_path)
         job = fake.add_job(PIPELINE, add_images(fake, "s", 6))
@@ -159,17 +172,20 @@ def test_a_slow_loris_answer_ends_at_the_deadline_and_sigterm_exits_within_the_d
             fake,
             model_path,
             WORKER_ANTENNA__REQUEST_TIMEOUT_S="4",
+            WORKER_ANTENNA__TTR_S="6",
             WORKER_HEALTH__DRAIN_TIMEOUT_S="8",
         )
         log = tmp_path / "worker.log"
         proc = start_run(env, log)
         try:
-            wait_for(lambda: "no complete answer within 4s" in log.read_text(), 60, "the end", log)
-            wait_for(lambda: fake.jobs[job].status == "SUCCESS", 120, _SANE, log)
+            wait_for(
+                lambda: "no complete answer within 4s" in log.read_text(), 30, "the end", log, proc
+            )
+            wait_for(lambda: fake.jobs[job].status == "SUCCESS", 120, _SANE, log, proc)
             # Slow again, and a stop while the reservation is dripping in.
             fake.add_job(PIPELINE, add_images(fake, "t", 2))
             fake.misbehave("tasks", "slow", interval_s=3.0)
-            wait_for(lambda: fake.modes["tasks"].used >= 1, 60, "a slow reservation", log)
+            wait_for(lambda: fake.modes["tasks"].used >= 1, 60, "a slow reservation", log, proc)
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 0, log.read_text()[-4000:]
         finally:
@@ -184,8 +200,14 @@ def test_a_result_answer_cut_mid_body_does_not_stop_the_poster(
         ready(fake, model_path)
         job = fake.add_job(PIPELINE, add_images(fake, "c", 8))
         fake.misbehave("result", "cut", times=2)  # served, then the answer cut
+        env = env_for(
+            fake,
+            model_path,
+            WORKER_HEALTH__STALL_TIMEOUT_S="10",
+            WORKER_HEALTH__WATCHDOG_TIMEOUT_S="20",
+        )
         log = tmp_path / "worker.log"
-        proc = start_run(env_for(fake, model_path), log, "--until-idle")
+        proc = start_run(env, log, "--until-idle")
         try:
             assert proc.wait(timeout=180) == 0, log.read_text()[-4000:]
         finally:
@@ -215,7 +237,7 @@ def test_an_outage_while_full_is_blocked_not_wedged_and_results_are_posted_after
         log = tmp_path / "worker.log"
         proc = start_run(env, log)
         try:
-            wait_for(lambda: fake.modes["result"].used >= 1, 120, "a post tried", log)
+            wait_for(lambda: fake.modes["result"].used >= 1, 120, "a post tried", log, proc)
             for endpoint in ("jobs", "job", "tasks"):
                 fake.misbehave(endpoint, "down")
             seen: list[tuple[int, str]] = []
@@ -228,7 +250,9 @@ def test_an_outage_while_full_is_blocked_not_wedged_and_results_are_posted_after
             assert not any("stalled" in why for _, why in seen), seen
             assert fake.jobs[job].done == set()
             fake.behave()
-            wait_for(lambda: fake.jobs[job].status == "SUCCESS", 120, "the job done after", log)
+            wait_for(
+                lambda: fake.jobs[job].status == "SUCCESS", 120, "the job done after", log, proc
+            )
             assert proc.poll() is None  # never restarted
             assert healthz(port)[0] == 200
         finally:
