@@ -187,7 +187,7 @@ class AntennaClient:
             self._unavailable(endpoint, message, started)
             raise AntennaUnreachable(message) from None
         except AntennaUnreachable as error:
-            self._unavailable(endpoint, str(error), started)
+            self._unavailable(endpoint, str(error), started, isinstance(error, BadAnswer))
             raise
         except BaseException:  # cancelled (a stop): the thread must not go on
             exchange.abort()
@@ -199,8 +199,8 @@ class AntennaClient:
             self.unreachable_since = None
         return reply
 
-    def _unavailable(self, endpoint: str, message: str, since: float) -> None:
-        self.count(endpoint, "unreachable")
+    def _unavailable(self, endpoint: str, message: str, since: float, bad: bool = False) -> None:
+        self.count(endpoint, "bad_answer" if bad else "unreachable")
         self._mark_unavailable(message, since)
 
     def _mark_unavailable(self, message: str, since: float) -> None:
