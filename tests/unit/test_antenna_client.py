@@ -11,7 +11,7 @@ import pytest
 from pydantic import SecretStr
 
 from tests.antenna_fake import FakeAntenna
-from worker.antenna.client import AntennaClient, AntennaUnreachable, json_depth
+from worker.antenna.client import AntennaClient, AntennaUnreachable
 
 TOKEN = "client-token-9d3e1f"
 
@@ -116,5 +116,7 @@ async def test_connections_are_kept_alive_between_calls(fake: FakeAntenna) -> No
 
 
 def test_json_depth_is_counted_without_parsing() -> None:
+    from worker.antenna.client import json_depth
+
     assert json_depth(b"[" * 200_000) > 64
     assert json_depth(b'{"a": [1, {"b": "[[[[["}]}') == 3
