@@ -48,6 +48,7 @@ import contextlib
 import json
 import random
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -191,16 +192,21 @@ class FakeAntenna:
         self._next_job = 1
         self._seq = 0
         self._server: ThreadingHTTPServer | None = None
+        self.tls: ssl.SSLContext | None = None  # set before ``running``: HTTPS (benchmarks)
 
     # -- set-up ------------------------------------------------------------------------
     @property
     def url(self) -> str:
         assert self._server is not None
-        return f"http://127.0.0.1:{self._server.server_address[1]}/api/v2"
+        return f"{self._scheme}://127.0.0.1:{self._server.server_address[1]}/api/v2"
 
     def media_url(self, name: str) -> str:
         assert self._server is not None
-        return f"http://127.0.0.1:{self._server.server_address[1]}/media/{name}"
+        return f"{self._scheme}://127.0.0.1:{self._server.server_address[1]}/media/{name}"
+
+    @property
+    def _scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
 
     def register_direct(self, project: int, config: dict[str, Any]) -> None:
         """As ``POST projects/{id}/pipelines/`` would (for tests that do not register)."""
@@ -568,6 +574,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._api("POST", self.rfile.read(length))
 
     def setup(self) -> None:
+        if self.antenna.tls is not None:  # the handshake on this connection's own thread
+            self.request = self.antenna.tls.wrap_socket(self.request, server_side=True)
         super().setup()
         with self.antenna.lock:
             self.antenna.connections += 1
