@@ -120,3 +120,26 @@ def test_json_depth_is_counted_without_parsing() -> None:
 
     assert json_depth(b"[" * 200_000) > 64
     assert json_depth(b'{"a": [1, {"b": "[[[[["}]}') == 3
+
+
+async def test_the_poster_resolves_every_result_whatever_the_client_raises() -> None:
+    import asyncio
+    import time
+
+    from worker.antenna.post import Poster, PostFailed
+    from worker.schemas import Task
+
+    class Broken:
+        async def post(self, *_args: object, **_kwargs: object) -> None:
+            raise RuntimeError("a bug below the poster")
+
+    poster = Poster(Broken(), 10**6, 5.0)  # type: ignore[arg-type]
+    task = Task("t1", "1", "i1", "http://x/1.jpg", reply_subject="s")
+    entry = {"reply_subject": "s", "result": {"error": "e", "image_id": "i1"}}
+    posting = poster.post(1, task, entry, time.monotonic() + 5)
+    with pytest.raises(PostFailed):
+        await asyncio.wait_for(posting, 10)
+    assert poster.waiting() == 0
+    # The next result is posted by a poster still working.
+    with pytest.raises(PostFailed):
+        await asyncio.wait_for(poster.post(1, task, entry, time.monotonic() + 5), 10)
