@@ -49,6 +49,7 @@ import json
 import random
 import socket
 import ssl
+import sys
 import threading
 import time
 import urllib.parse
@@ -238,7 +239,7 @@ class FakeAntenna:
         class Handler(_Handler):
             antenna = fake
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         thread.start()
@@ -548,6 +549,13 @@ class FakeAntenna:
             "pipelines_created": created,
             "algorithms_created": [],
         }
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client gone mid-handshake or mid-answer (a probe, a call given up) is not news."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
