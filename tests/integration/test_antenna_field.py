@@ -66,6 +66,19 @@ def wait_for(
     raise AssertionError(f"{what} within {timeout_s}s; worker log:\n{log.read_text()[-4000:]}")
 
 
+# Short health timings, kept in the order the settings require (reads < loader < stall <
+# watchdog): a stall or a watchdog would show within seconds.
+QUICK_HEALTH = {
+    "WORKER_S3__CONNECT_TIMEOUT_S": "1",
+    "WORKER_S3__READ_TIMEOUT_S": "1",
+    "WORKER_S3__MAX_ATTEMPTS": "2",
+    "WORKER_SOURCES__OBJECT_DEADLINE_S": "4",
+    "WORKER_LOADER__TIMEOUT_S": "5",
+    "WORKER_HEALTH__STALL_TIMEOUT_S": "8",
+    "WORKER_HEALTH__WATCHDOG_TIMEOUT_S": "12",
+}
+
+
 def ready(fake: FakeAntenna, model_path: str) -> None:
     done = cli("register", env=env_for(fake, model_path), timeout=120)
     assert done.returncode == 0, done.stderr + done.stdout
@@ -150,7 +163,10 @@ def test_a_malformed_answer_is_retried_and_the_job_finishes_once_answers_are_san
         job = fake.add_job(PIPELINE, add_images(fake, "m", 6))
         fake.misbehave(endpoint, kind, times=3, body=body)
         log = tmp_path / "worker.log"
-        proc = start_run(env_for(fake, model_path, WORKER_ANTENNA__TTR_S="6"), log)
+        env = env_for(
+            fake, model_path, WORKER_ANTENNA__TTR_S="6", WORKER_HEALTH__DRAIN_TIMEOUT_S="4"
+        )
+        proc = start_run(env, log)
         try:
             wait_for(lambda: fake.jobs[job].status == "SUCCESS", 120, _SANE, log, proc)
             assert proc.poll() is None, log.read_text()[-4000:]  # no exit, no restart
@@ -163,7 +179,7 @@ def test_a_malformed_answer_is_retried_and_the_job_finishes_once_answers_are_san
 def test_a_slow_loris_answer_ends_at_the_deadline_and_sigterm_exits_within_the_drain(
     model_path: str, tmp_path: Path
 ) -> None:
-    fake = FakeAntenna(token=TOKEN, ttr_s=6.0)  # a reservation given up comes back soon
+    fake = FakeAntenna(token=TOKEN, ttr_s=12.0)  # a reservation given up comes back soon
     with fake.running():
         ready(fake, model_path)
         job = fake.add_job(PIPELINE, add_images(fake, "s", 6))
@@ -172,7 +188,7 @@ def test_a_slow_loris_answer_ends_at_the_deadline_and_sigterm_exits_within_the_d
             fake,
             model_path,
             WORKER_ANTENNA__REQUEST_TIMEOUT_S="4",
-            WORKER_ANTENNA__TTR_S="6",
+            WORKER_ANTENNA__TTR_S="12",
             WORKER_HEALTH__DRAIN_TIMEOUT_S="8",
         )
         log = tmp_path / "worker.log"
@@ -200,12 +216,7 @@ def test_a_result_answer_cut_mid_body_does_not_stop_the_poster(
         ready(fake, model_path)
         job = fake.add_job(PIPELINE, add_images(fake, "c", 8))
         fake.misbehave("result", "cut", times=2)  # served, then the answer cut
-        env = env_for(
-            fake,
-            model_path,
-            WORKER_HEALTH__STALL_TIMEOUT_S="10",
-            WORKER_HEALTH__WATCHDOG_TIMEOUT_S="20",
-        )
+        env = env_for(fake, model_path, **QUICK_HEALTH)
         log = tmp_path / "worker.log"
         proc = start_run(env, log, "--until-idle")
         try:
@@ -230,8 +241,7 @@ def test_an_outage_while_full_is_blocked_not_wedged_and_results_are_posted_after
             WORKER_ANTENNA__TTR_S="120",
             WORKER_METRICS__PORT=str(port),
             WORKER_HEALTH__DISCONNECTED_TIMEOUT_S="3",
-            WORKER_HEALTH__STALL_TIMEOUT_S="6",
-            WORKER_HEALTH__WATCHDOG_TIMEOUT_S="10",
+            **QUICK_HEALTH,
         )
         fake.misbehave("result", "down")  # runserver stopped with results to post
         log = tmp_path / "worker.log"
