@@ -17,6 +17,8 @@ _SECRET_PARAM = re.compile(
     r"(?i)(x-amz-[a-z-]+|signature|awsaccesskeyid|token|password|secret|sig)=[^&\s\"']*"
 )
 
+_CREDENTIAL = re.compile(r"\b(Token|Bearer|Basic)\s+[A-Za-z0-9._~+/=-]{8,}")
+
 
 def redact_url(url: str) -> str:
     """``scheme://host[:port]/path`` of ``url``: no user, password, query or fragment."""
@@ -40,6 +42,9 @@ def shorten(text: str, limit: int = MAX_SHOWN_CHARS) -> str:
 
 
 def scrub(text: str) -> str:
-    """``text`` with every URL in it redacted and any ``secret=value`` pair masked."""
+    """``text`` with every URL in it redacted, any ``secret=value`` pair masked, and any
+    ``Authorization`` credential (``Token <key>``, ``Bearer <key>``: a page that echoes the
+    request's headers) masked."""
     text = _SCHEME_URL.sub(lambda match: redact_url(match.group(0)), text)
-    return _SECRET_PARAM.sub(lambda match: f"{match.group(1)}=<redacted>", text)
+    text = _SECRET_PARAM.sub(lambda match: f"{match.group(1)}=<redacted>", text)
+    return _CREDENTIAL.sub(lambda match: f"{match.group(1)} <redacted>", text)

@@ -38,12 +38,26 @@ on a running Antenna, /work/antenna-real/OBSERVED.md), not from its code:
 - No token or a wrong one: 401. ``tasks/`` and ``result/`` need ``tasks_ml_job`` and
   ``result_ml_job``, which no role grants: any token but a superuser's gets 403 there.
   Registering needs the project's manager (``tokens``) or a superuser: else 403.
+
+What the field plays besides Antenna (a proxy in front, a half-broken deployment, a slow link)
+is asked for by endpoint with ``misbehave`` (``jobs``, ``job``, ``tasks``, ``result``,
+``register``, ``pipelines``), for the next ``times`` calls or until ``behave``: ``redirect``
+(302 to ``location``, as a login page or another origin would), ``html`` (200 text/html, a
+maintenance page), ``json`` (200 with ``body``), ``deep`` (200,000 nested ``[``), ``cut`` (the
+call is served, then its answer is cut mid-body), ``badstatus`` (a line that is not HTTP),
+``slow`` (the call is served and its whole answer dripped one byte every ``interval_s``),
+``down`` (the connection closed unanswered: the server behind a proxy stopped). Everything else
+stays as the real server does it. ``connections`` counts the TCP connections accepted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import socket
+import ssl
+import sys
 import threading
 import time
 import urllib.parse
@@ -124,6 +138,30 @@ class _User:
 
 
 @dataclass
+class Misbehaviour:
+    kind: str  # redirect, html, json, deep, cut, badstatus, slow, down
+    times: int | None = None
+    body: bytes = b""
+    location: str = ""
+    interval_s: float = 3.0
+    used: int = 0
+
+
+def endpoint_of(method: str, path: str) -> str:
+    """The client's name for the endpoint ``path`` is (``jobs``, ``job``, ``tasks``, ...)."""
+    parts = [p for p in path.split("/") if p][2:]
+    if parts == ["jobs"]:
+        return "jobs"
+    if len(parts) == 2 and parts[0] == "jobs":
+        return "job"
+    if len(parts) == 3 and parts[0] == "jobs":
+        return parts[2]
+    if len(parts) == 3 and parts[0] == "projects":
+        return "register" if method == "POST" else "pipelines"
+    return ""
+
+
+@dataclass
 class FakeTask:
     image_id: str
     url: str
@@ -173,19 +211,26 @@ class FakeAntenna:
         self.requests: list[tuple[str, str, int]] = []  # method, path, status
         self.bodies: list[bytes] = []  # every result body received
         self.headers_seen: list[str] = []
+        self.connections = 0
+        self.modes: dict[str, Misbehaviour] = {}
         self._next_job = 1
         self._seq = 0
         self._server: ThreadingHTTPServer | None = None
+        self.tls: ssl.SSLContext | None = None  # set before ``running``: HTTPS (benchmarks)
 
     # -- set-up ------------------------------------------------------------------------
     @property
     def url(self) -> str:
         assert self._server is not None
-        return f"http://127.0.0.1:{self._server.server_address[1]}/api/v2"
+        return f"{self._scheme}://127.0.0.1:{self._server.server_address[1]}/api/v2"
 
     def media_url(self, name: str) -> str:
         assert self._server is not None
-        return f"http://127.0.0.1:{self._server.server_address[1]}/media/{name}"
+        return f"{self._scheme}://127.0.0.1:{self._server.server_address[1]}/media/{name}"
+
+    @property
+    def _scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
 
     def register_direct(self, project: int, config: dict[str, Any]) -> None:
         """As ``POST projects/{id}/pipelines/`` would (for tests that do not register)."""
@@ -217,7 +262,7 @@ class FakeAntenna:
         class Handler(_Handler):
             antenna = fake
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         thread.start()
@@ -227,6 +272,31 @@ class FakeAntenna:
             self._server.shutdown()
             self._server.server_close()
             thread.join(10)
+
+    def misbehave(self, endpoint: str, kind: str, times: int | None = None, **how: Any) -> None:
+        """Answer ``endpoint``'s next ``times`` calls (all, when None) the ``kind`` way."""
+        with self.lock:
+            self.modes[endpoint] = Misbehaviour(kind, times, **how)
+
+    def behave(self, endpoint: str | None = None) -> None:
+        """Answer ``endpoint`` (every endpoint, when None) as Antenna does again."""
+        with self.lock:
+            if endpoint is None:
+                self.modes.clear()
+            else:
+                self.modes.pop(endpoint, None)
+
+    def _mode_for(self, endpoint: str) -> Misbehaviour | None:
+        with self.lock:
+            mode = self.modes.get(endpoint)
+            if mode is None:
+                return None
+            if mode.times is not None:
+                mode.times -= 1
+                if mode.times <= 0:
+                    del self.modes[endpoint]
+            mode.used += 1
+            return mode
 
     # -- what a test reads ---------------------------------------------------------------
     def pending(self, job_id: int) -> set[str]:
@@ -520,6 +590,13 @@ class FakeAntenna:
         }
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client gone mid-handshake or mid-answer (a probe, a call given up) is not news."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
+
+
 class _Handler(BaseHTTPRequestHandler):
     antenna: FakeAntenna
     protocol_version = "HTTP/1.1"
@@ -543,20 +620,85 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._api("POST", self.rfile.read(length))
 
+    def setup(self) -> None:
+        if self.antenna.tls is not None:  # the handshake on this connection's own thread
+            self.request = self.antenna.tls.wrap_socket(self.request, server_side=True)
+        super().setup()
+        with self.antenna.lock:
+            self.antenna.connections += 1
+
     def _api(self, method: str, body: bytes) -> None:
         url = urllib.parse.urlsplit(self.path)
         query = dict(urllib.parse.parse_qsl(url.query))
         auth = self.headers.get("Authorization")
         if auth:
             self.antenna.headers_seen.append(auth)
+        mode = self.antenna._mode_for(endpoint_of(method, url.path))
+        if mode is not None and self._misbehave(mode, method, url.path):
+            return
         status, answer = self.antenna.handle(method, url.path, query, auth, body)
         self.antenna.requests.append((method, url.path, status))
         if isinstance(answer, str) and answer.startswith("<!doctype"):
-            self._send(status, answer.encode(), "text/html")
+            data, kind = answer.encode(), "text/html"
         elif isinstance(answer, str):
-            self._send(status, f"<html>{answer}</html>".encode(), "text/html")
+            data, kind = f"<html>{answer}</html>".encode(), "text/html"
         else:
-            self._send(status, json.dumps(answer).encode(), "application/json")
+            data, kind = json.dumps(answer).encode(), "application/json"
+        if mode is not None and mode.kind == "cut":
+            self._raw(self._head(status, kind, len(data)) + data[: len(data) // 2])
+        elif mode is not None and mode.kind == "slow":
+            self._drip(self._head(status, kind, len(data)) + data, mode.interval_s)
+        else:
+            self._send(status, data, kind)
+
+    def _misbehave(self, mode: Misbehaviour, method: str, path: str) -> bool:
+        """Answer as ``mode`` says, before the call is served; False for the kinds that serve
+        it first (cut, slow)."""
+        if mode.kind in ("cut", "slow"):
+            return False
+        self.antenna.requests.append((method, path, -1))
+        if mode.kind == "redirect":
+            self.send_response(302)
+            self.send_header("Location", mode.location)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif mode.kind == "html":
+            self._send(200, b"<html><body>Down for maintenance</body></html>", "text/html")
+        elif mode.kind == "json":
+            self._send(200, mode.body, "application/json")
+        elif mode.kind == "deep":
+            self._send(200, b"[" * 200_000, "application/json")
+        elif mode.kind == "badstatus":
+            self._raw(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+        elif mode.kind == "down":
+            self._raw(b"")
+        else:
+            raise AssertionError(f"unknown misbehaviour {mode.kind!r}")
+        return True
+
+    def _head(self, status: int, kind: str, length: int) -> bytes:
+        return (
+            f"HTTP/1.1 {status} {self.responses.get(status, ('',))[0]}\r\n"
+            f"Content-Type: {kind}\r\nContent-Length: {length}\r\n\r\n"
+        ).encode()
+
+    def _raw(self, data: bytes) -> None:
+        """``data`` as it is, then the connection closed."""
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.wfile.write(data)
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def _drip(self, data: bytes, interval_s: float) -> None:
+        """``data`` one byte every ``interval_s`` (bounded: 600 bytes at most, then closed)."""
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            for byte in data[:600]:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(interval_s)
 
     def _send(self, status: int, data: bytes, kind: str) -> None:
         self.send_response(status)

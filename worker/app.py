@@ -278,6 +278,7 @@ class WorkerApp:
                 loaded=loaded,
                 unserved=parts.unserved,
                 finish_held_on_stop=True,  # a give-back costs the TTR and a delivery
+                results_waiting=lambda: parts.poster.waiting() > 0,
             ),
             chosen,
             engine,
@@ -497,6 +498,7 @@ class WorkerApp:
             await self.feed.close()
         if self.antenna is not None:
             await self.antenna.poster.close()
+            self.antenna.client.close()
         self.connection.closing = True
         if self.nc is not None and not self.nc.is_closed:
             try:

@@ -73,6 +73,7 @@ class Batches:
         self._hold_per_load = hold_per_load
         self._clock = clock
         self._hold: _Hold | None = None
+        self._in_engine: asyncio.Future[BatchReport] | None = None
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -101,6 +102,10 @@ class Batches:
         self._arrived.set()
         return left
 
+    def engine_busy(self) -> bool:
+        """A batch is on the engine thread and has not returned."""
+        return self._in_engine is not None and not self._in_engine.done()
+
     def forget(self, held: list[Claim]) -> None:
         self._engine.forget([h.key for h in held])
 
@@ -124,6 +129,7 @@ class Batches:
                 running = loop.run_in_executor(
                     self._engine_thread, self._engine.run_batch, keys, pipeline
                 )
+                self._in_engine = running
                 if settling is not None:
                     await settling
                 report = await running

@@ -17,6 +17,7 @@ How the process ends is a value (``Exit``), decided here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -42,6 +43,9 @@ from worker.threads import in_daemon_thread
 
 log = structlog.get_logger(__name__)
 Helper = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
+_FIRST_FETCH_BACKOFF_S = 1.0  # a fetch that raised: tried again after this, doubling
+_MAX_FETCH_BACKOFF_S = 30.0
+_BLOCKED_TICK_S = 1.0
 _LOAD_TICK_S = 5.0  # while a model loads: progress noted, held tasks kept alive
 _DRAIN_TICK_S = 0.05  # how often a drain that finishes the held tasks looks again
 
@@ -69,6 +73,8 @@ class Services:
     # A pipeline's models were loaded (the wiring publishes their algorithms).
     loaded: Callable[[str], Coroutine[Any, Any, None]] | None = None
     image_bytes: int = 3 * 224 * 224  # the most host bytes one loaded image can take
+    # Finished results are waiting for the source's server to take them (Antenna's posts).
+    results_waiting: Callable[[], bool] | None = None
 
 
 class Worker:
@@ -100,6 +106,7 @@ class Worker:
         self._batch_s: deque[float] = deque(maxlen=5)  # the last batches' load + infer + store
         self._stop = asyncio.Event()
         self.exit: Exit = STOPPED  # how the process ends; the first reason to stop wins
+        self._drain_by = float("inf")  # time.monotonic() by which a stop must be drained
 
     async def run(self, stop: asyncio.Event) -> Exit:
         """Work until ``stop`` is set or a part fails, then drain: finish the batch in hand,
@@ -110,6 +117,8 @@ class Worker:
         stopped = asyncio.create_task(stop.wait(), name="stop-wait")
         halted = asyncio.create_task(self._stop.wait(), name="halt-wait")
         helpers = [asyncio.create_task(self._watch_closed(), name="nats-watch")]
+        if self.s.results_waiting is not None:
+            helpers.append(asyncio.create_task(self._note_blocked(), name="blocked-watch"))
         helpers += [asyncio.create_task(run(self._stop), name=name) for name, run in self.s.helpers]
         if self._until_idle:
             helpers.append(asyncio.create_task(self._stop_when_idle(), name="until-idle"))
@@ -120,6 +129,7 @@ class Worker:
             )
         finally:
             self._stop.set()  # the caller's event stays theirs (a second signal means "now")
+            self._drain_by = time.monotonic() + self.settings.health.drain_timeout_s
             await self._let_fetch_finish(fetcher)
             for helper in [stopped, halted, *helpers]:
                 helper.cancel()
@@ -133,14 +143,28 @@ class Worker:
     # -- the loops ----------------------------------------------------------------------
     async def _fetch_loop(self) -> None:
         timeout_s = self.settings.nats.fetch_timeout_s
+        backoff_s = _FIRST_FETCH_BACKOFF_S
         while not self._stop.is_set():
             room = self.claims.room()
             if room <= 0:
                 await self.claims.wait_for_room(timeout_s)
                 continue
-            msgs = await self.s.source.fetch(
-                min(self.settings.loader.batch_size, room), self.batches.runnable
-            )
+            try:
+                msgs = await self.s.source.fetch(
+                    min(self.settings.loader.batch_size, room), self.batches.runnable
+                )
+            except Exception as error:  # the source's boundary: never the process
+                log.error(
+                    "fetch_failed",
+                    error=f"{type(error).__name__}: {error}",
+                    retry_in_s=backoff_s,
+                    exc_info=error,
+                )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), backoff_s)
+                backoff_s = min(backoff_s * 2, _MAX_FETCH_BACKOFF_S)
+                continue
+            backoff_s = _FIRST_FETCH_BACKOFF_S
             # Concurrently: each asks the results stream whether its task is done already.
             admitted = [h for h in await asyncio.gather(*map(self.admission.admit, msgs)) if h]
             self.batches.add(admitted)
@@ -148,11 +172,17 @@ class Worker:
     async def _let_fetch_finish(self, fetcher: asyncio.Task[None]) -> None:
         """Cancelling a fetch in flight would strand the messages the server already
         delivered to us until their ack wait runs out."""
+        wait_s = min(self.settings.nats.fetch_timeout_s + 5, self._drain_left_s())
         try:
-            await asyncio.wait_for(asyncio.shield(fetcher), self.settings.nats.fetch_timeout_s + 5)
+            await asyncio.wait_for(asyncio.shield(fetcher), wait_s)
         except Exception:  # noqa: BLE001 - a timeout, or a failure reported by run()
             fetcher.cancel()
             await asyncio.gather(fetcher, return_exceptions=True)
+
+    def _drain_left_s(self) -> float:
+        """What is left of the drain timeout since the stop (the fetch in flight, then the
+        batch in hand, share it)."""
+        return max(0.0, self._drain_by - time.monotonic())
 
     async def _prepare(self, pipeline: str) -> Failure | None:
         """``pipeline``'s models ready for its next batch: loaded on a thread of their own
@@ -219,6 +249,19 @@ class Worker:
         await self.s.closed.wait()
         self._end(Exit(ExitReason.NATS_CLOSED, "the NATS connection closed for good"))
 
+    async def _note_blocked(self) -> None:
+        """While the engine is idle and finished results wait for the source's server, the
+        worker is blocked on it, not wedged: the stall clock and the watchdog start over
+        every ``_BLOCKED_TICK_S`` (README, timing budget). A frozen event loop ticks no more
+        and a batch stuck in the engine keeps it busy, so either is still replaced."""
+        waiting = self.s.results_waiting
+        assert waiting is not None
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), _BLOCKED_TICK_S)
+            if len(self.claims) and waiting() and not self.batches.engine_busy():
+                self.s.liveness.waiting_on_source()
+
     async def _stop_when_idle(self) -> None:
         """Burst mode: stop once nothing is held and the consumers have nothing pending, seen
         twice in a row (an advisory is stored a moment after its task leaves the consumer)."""
@@ -267,7 +310,7 @@ class Worker:
         (with ``finish_held_on_stop``: run the held tasks' batches first, while the drain time
         allows one more, and give back only what is left)."""
         leftovers = await self.s.source.close()
-        deadline = time.monotonic() + self.settings.health.drain_timeout_s
+        deadline = self._drain_by  # the drain timeout counts from the stop
         if self.s.finish_held_on_stop:
             await self._finish_held(processor, deadline)
         await self.claims.give_back(self.batches.stop(), "shutting down")
@@ -278,7 +321,7 @@ class Worker:
                 "tasks_given_back", count=len(leftovers), reason="delivered after the last fetch"
             )
         try:
-            await asyncio.wait_for(processor, max(deadline - time.monotonic(), 0.1))
+            await asyncio.wait_for(processor, max(self._drain_left_s(), 0.1))
         except TimeoutError:
             log.error("drain_timeout", held=len(self.claims))
         except Exception:  # noqa: BLE001 - reported by run() from the task itself

@@ -30,3 +30,10 @@ def test_urls_inside_any_text_are_scrubbed():
 def test_stored_error_messages_are_scrubbed_and_capped():
     error = Failure("http_error", f"HTTP 403 for {PRESIGNED} " + "x" * 5000).as_dict()
     assert "deadbeefcafe" not in error["message"] and len(error["message"]) <= 1000
+
+
+def test_an_authorization_credential_echoed_in_a_page_is_masked() -> None:
+    page = "<pre>Authorization: Token s3cr3t-antenna-token-7f1c2a9e\nX: Bearer abc.def-123</pre>"
+    shown = scrub(page)
+    assert "s3cr3t-antenna-token-7f1c2a9e" not in shown and "abc.def-123" not in shown
+    assert "Token <redacted>" in shown

@@ -1,41 +1,75 @@
 """Antenna's worker-facing HTTP API, one call at a time: the only module that speaks HTTP to it.
 
 Every call carries ``Authorization: Token <key>``; the key lives in a ``SecretStr`` and is
-read only where the header is made, so no log line, error or result can carry it. Calls run
-on a thread of their own (``urllib``), each with its timeout; each one is counted by endpoint
-and status (``count``).
+read only where the header is made, so no log line, error or result can carry it. A call is
+believed only when its answer is one Antenna gives:
+
+- no redirect is followed: a 3xx is ``BadAnswer`` naming where it pointed (the token goes to
+  the configured origin only);
+- a 2xx counts only with the JSON body its endpoint answers (``answers.BY_ENDPOINT``); an HTML
+  page, a body cut short, one over ``_MAX_BODY_BYTES`` or nested deeper than ``_MAX_DEPTH``, a
+  field of the wrong type: ``BadAnswer`` naming what was wrong;
+- one deadline for the whole exchange (connect, TLS, request, headers, body): a call that has
+  no complete answer by then is given up and its connection closed under it
+  (``AntennaUnreachable``), however slowly the bytes come. The exchange runs on a daemon
+  thread of its own, so a call given up holds neither the event loop nor the process's exit.
+
+Connections are kept alive (``http.client``, a small pool for the one origin): one TCP and TLS
+handshake per connection, not per call (README, Antenna: connections). Each call is counted by
+endpoint and status (``count``); the time since calls first found Antenna unavailable (no
+answer, a bad one, or 502/503/504) is ``unreachable_since``, cleared by any other answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
-import urllib.error
+import re
+import select
+import ssl
+import threading
+import time
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import pydantic
 from pydantic import SecretStr
 
 from config.errors import TransientError
+from config.names import env_name
 from config.redact import redact_url, scrub, shorten
+from worker.antenna.answers import BY_ENDPOINT
+from worker.threads import in_daemon_thread
 
 _SHOWN_BODY_CHARS = 300
+_MAX_BODY_BYTES = 64 * 1024 * 1024  # a register answer echoes every category map
+_MAX_DEPTH = 64
+_READ_BYTES = 64 * 1024
+_MAX_IDLE_CONNECTIONS = 8
+_UNAVAILABLE_STATUSES = frozenset({502, 503, 504})  # a proxy with no Antenna behind it, or
+# Antenna without its queue: blocked on Antenna all the same
 
 
 class AntennaUnreachable(TransientError):
-    """No HTTP answer: refused, reset, timed out, or a name that does not resolve."""
+    """No usable HTTP answer: refused, reset, timed out, a name that does not resolve, or an
+    answer that is not Antenna's (``BadAnswer``)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, kind="http_unavailable")
 
 
+class BadAnswer(AntennaUnreachable):
+    """An HTTP answer that cannot be believed: a redirect, a 2xx that is not the endpoint's
+    JSON, a body cut short or too large."""
+
+
 @dataclass(frozen=True)
 class Reply:
     status: int
-    body: Any  # the parsed JSON, or None when the answer was not JSON
+    body: Any  # the parsed JSON (checked against its endpoint's schema when 2xx), or None
     text: str  # the start of the answer, scrubbed: for messages
 
     @property
@@ -60,6 +94,39 @@ def api_root(base_url: str) -> str:
     return root + "/"
 
 
+class _Exchange:
+    """One call's connection, so that the event loop can close it under the thread at the
+    deadline (a blocked read then ends at once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._conn: http.client.HTTPConnection | None = None
+        self.aborted = False
+
+    def hold(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._conn = conn
+            if self.aborted:
+                _close(conn)
+                raise AntennaUnreachable("the call was given up")
+
+    def abort(self) -> None:
+        with self._lock:
+            self.aborted = True
+            if self._conn is not None:
+                _close(self._conn)
+
+
+def _close(conn: http.client.HTTPConnection) -> None:
+    sock = conn.sock
+    try:
+        if sock is not None:
+            sock.shutdown(2)  # SHUT_RDWR: a read blocked on it returns now
+        conn.close()
+    except Exception:  # noqa: BLE001 - closed already, by the thread itself
+        pass
+
+
 class AntennaClient:
     def __init__(
         self,
@@ -72,6 +139,13 @@ class AntennaClient:
         self._token = token
         self._timeout_s = timeout_s
         self.count = count  # set by the wiring once the metrics exist
+        self._url = urllib.parse.urlsplit(self.root)
+        self._idle: list[http.client.HTTPConnection] = []
+        self._idle_lock = threading.Lock()
+        self._tls: ssl.SSLContext | None = None
+        self.connections_made = 0
+        self.unreachable_since: float | None = None  # time.monotonic()
+        self.last_problem = ""
 
     def shown(self) -> str:
         """The API root as it may be written in a log line."""
@@ -95,43 +169,270 @@ class AntennaClient:
         endpoint: str,
         timeout_s: float | None = None,
     ) -> Reply:
-        """One call; AntennaUnreachable when no HTTP answer came."""
+        """One call, ended at its deadline; AntennaUnreachable when no usable answer came."""
+        timeout_s = timeout_s or self._timeout_s
+        where = f"{method} {redact_url(self.root + path)}"
+        exchange = _Exchange()
+        started = time.monotonic()
+        deadline = started + timeout_s
+        running = in_daemon_thread(
+            self._call_blocking, exchange, method, path, body, endpoint, deadline
+        )
+        running.add_done_callback(_retrieved)
         try:
-            reply = await asyncio.to_thread(
-                self._call_blocking, method, path, body, timeout_s or self._timeout_s
-            )
-        except AntennaUnreachable:
-            self.count(endpoint, "unreachable")
+            reply = await asyncio.wait_for(asyncio.shield(running), timeout_s)
+        except TimeoutError:
+            exchange.abort()
+            message = f"Antenna unreachable ({where}): no complete answer within {timeout_s:g}s"
+            self._unavailable(endpoint, message, started)
+            raise AntennaUnreachable(message) from None
+        except AntennaUnreachable as error:
+            self._unavailable(endpoint, str(error), started, isinstance(error, BadAnswer))
+            raise
+        except BaseException:  # cancelled (a stop): the thread must not go on
+            exchange.abort()
             raise
         self.count(endpoint, str(reply.status))
+        if reply.status in _UNAVAILABLE_STATUSES:
+            self._mark_unavailable(f"Antenna unavailable ({where}): {reply.why()}", started)
+        else:
+            self.unreachable_since = None
         return reply
 
-    def _call_blocking(self, method: str, path: str, body: bytes | None, timeout_s: float) -> Reply:
+    def _unavailable(self, endpoint: str, message: str, since: float, bad: bool = False) -> None:
+        self.count(endpoint, "bad_answer" if bad else "unreachable")
+        self._mark_unavailable(message, since)
+
+    def _mark_unavailable(self, message: str, since: float) -> None:
+        """Antenna gave no usable answer to a call made at ``since``: unavailable from then
+        (a call that ran to its deadline counts from its start)."""
+        self.last_problem = message
+        if self.unreachable_since is None:
+            self.unreachable_since = since
+
+    def _call_blocking(
+        self,
+        exchange: _Exchange,
+        method: str,
+        path: str,
+        body: bytes | None,
+        endpoint: str,
+        deadline: float,
+    ) -> Reply:
+        where = f"{method} {redact_url(self.root + path)}"
+        try:
+            status, location, kind, raw = self._exchange(exchange, method, path, body, deadline)
+        except AntennaUnreachable:
+            raise
+        except Exception as error:  # noqa: BLE001 - OSError, HTTPException, TLS: no answer
+            if exchange.aborted:
+                raise AntennaUnreachable(f"Antenna unreachable ({where}): given up") from None
+            reason = getattr(error, "reason", None) or error
+            raise AntennaUnreachable(
+                f"Antenna unreachable ({where}): {type(error).__name__} "
+                f"{shorten(scrub(str(reason).strip()), _SHOWN_BODY_CHARS)}"
+            ) from None
+        secret = self._token.get_secret_value()
+        if secret and secret.encode() in raw:  # a page echoing our headers: never shown
+            raw = raw.replace(secret.encode(), b"<redacted>")
+        return _reply(where, endpoint, status, location, kind, raw, self.root)
+
+    def _connection(self, timeout_s: float) -> tuple[http.client.HTTPConnection, bool]:
+        """An idle connection still open (and so reused), or a new one."""
+        with self._idle_lock:
+            while self._idle:
+                conn = self._idle.pop()
+                if not _dropped(conn):
+                    conn.timeout = timeout_s
+                    if conn.sock is not None:
+                        conn.sock.settimeout(timeout_s)
+                    return conn, True
+                conn.close()
+        host = self._url.hostname or ""
+        port = self._url.port
+        scheme = self._url.scheme
+        self.connections_made += 1
+        if scheme == "https":
+            if self._tls is None:
+                self._tls = ssl.create_default_context()  # SSL_CERT_FILE is honoured
+            return http.client.HTTPSConnection(
+                host, port, timeout=timeout_s, context=self._tls
+            ), False
+        if scheme != "http":
+            raise AntennaUnreachable(
+                f"{env_name('antenna', 'base_url')} {self.shown()} is not an http(s) URL"
+            )
+        return http.client.HTTPConnection(host, port, timeout=timeout_s), False
+
+    def _give_back(self, conn: http.client.HTTPConnection) -> None:
+        with self._idle_lock:
+            if len(self._idle) < _MAX_IDLE_CONNECTIONS:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._idle_lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def _exchange(
+        self, exchange: _Exchange, method: str, path: str, body: bytes | None, deadline: float
+    ) -> tuple[int, str, str, bytes]:
+        """Status, Location, Content-Type and body of one exchange."""
         headers = {"Accept": "application/json", "User-Agent": "inference-worker"}
         secret = self._token.get_secret_value()
         if secret:
             headers["Authorization"] = f"Token {secret}"
         if body is not None:
             headers["Content-Type"] = "application/json"
-        request = urllib.request.Request(self.root + path, body, headers, method=method)
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                return _reply(response.status, response.read())
-        except urllib.error.HTTPError as error:
-            with error:
-                return _reply(error.code, error.read())
-        except (OSError, ValueError) as error:  # URLError, timeouts, resets, a bad URL
-            where = f"{method} {redact_url(self.root + path)}"
-            reason = getattr(error, "reason", error)
-            raise AntennaUnreachable(
-                f"Antenna unreachable ({where}): {type(error).__name__} {scrub(str(reason))}"
-            ) from None
+        target = self._url.path + path
+        for attempt in range(2):
+            conn, reused = self._connection(_left(deadline))
+            exchange.hold(conn)
+            try:
+                conn.request(method, target, body, headers)
+                response = conn.getresponse()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                conn.close()
+                if reused and attempt == 0 and not exchange.aborted:
+                    continue  # the server closed the idle connection: once on a fresh one
+                raise
+            except BaseException:
+                conn.close()
+                raise
+            try:
+                raw = _body(conn, response, deadline)
+            except BaseException:
+                conn.close()
+                raise
+            if response.will_close:
+                conn.close()
+            else:
+                self._give_back(conn)
+            return (
+                response.status,
+                response.getheader("Location") or "",
+                response.getheader("Content-Type") or "",
+                raw,
+            )
+        raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _reply(status: int, raw: bytes) -> Reply:
+def _retrieved(future: asyncio.Future[Reply]) -> None:
+    """A call given up still ends on its thread: its error is nobody's to report."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the call's deadline passed")
+    return left
+
+
+def _dropped(conn: http.client.HTTPConnection) -> bool:
+    """The server closed this idle connection (readable now: EOF, or bytes nobody asked for)."""
+    sock = conn.sock
+    if sock is None:
+        return True
     try:
-        body = json.loads(raw) if raw else None
-    except ValueError:
-        body = None
-    text = raw[:_SHOWN_BODY_CHARS].decode("utf-8", "replace")
-    return Reply(status, body, scrub(text))
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
+
+
+def _body(
+    conn: http.client.HTTPConnection, response: http.client.HTTPResponse, deadline: float
+) -> bytes:
+    length = response.getheader("Content-Length")
+    if length and length.isdigit() and int(length) > _MAX_BODY_BYTES:
+        raise BadAnswer(f"an answer of {int(length)} bytes, over {_MAX_BODY_BYTES}")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        if conn.sock is not None:
+            conn.sock.settimeout(_left(deadline))
+        chunk = response.read(_READ_BYTES)
+        if not chunk:
+            raw = b"".join(chunks)
+            if length and length.isdigit() and len(raw) < int(length):  # read(n) does not say
+                raise http.client.IncompleteRead(raw, int(length) - len(raw))
+            return raw
+        size += len(chunk)
+        if size > _MAX_BODY_BYTES:
+            raise BadAnswer(f"an answer over {_MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+
+
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKET = re.compile(rb"[\[\]{}]")
+
+
+def json_depth(raw: bytes) -> int:
+    """How deeply ``raw``'s arrays and objects nest (strings skipped), without parsing it."""
+    depth = deepest = 0
+    for match in _BRACKET.finditer(_STRING.sub(b'""', raw)):
+        if match.group(0) in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > _MAX_DEPTH:
+                return deepest
+        else:
+            depth -= 1
+    return deepest
+
+
+def _parsed(raw: bytes) -> tuple[Any, str]:
+    """The JSON in ``raw`` and "", or None and why it is not JSON the worker reads."""
+    if not raw:
+        return None, "an empty body"
+    if json_depth(raw) > _MAX_DEPTH:
+        return None, f"JSON nested deeper than {_MAX_DEPTH}"
+    try:
+        return json.loads(raw), ""
+    except (ValueError, RecursionError):
+        return None, "not JSON"
+
+
+def _reply(
+    where: str, endpoint: str, status: int, location: str, kind: str, raw: bytes, root: str
+) -> Reply:
+    text = scrub(raw[:_SHOWN_BODY_CHARS].decode("utf-8", "replace"))
+    if 300 <= status < 400:
+        pointed = redact_url(urllib.parse.urljoin(root, location)) if location else "nowhere"
+        raise BadAnswer(
+            f"Antenna answered {where} with HTTP {status}, a redirect to {pointed}: redirects "
+            f"are not followed (is {env_name('antenna', 'base_url')} Antenna's own address?)"
+        )
+    body, why = _parsed(raw)
+    if not 200 <= status < 300:
+        return Reply(status, body, text)
+    if body is None:
+        raise BadAnswer(
+            f"Antenna answered {where} with HTTP {status} and {why} "
+            f"({kind or 'no Content-Type'}): {shorten(text, 120)}"
+        )
+    schema = BY_ENDPOINT.get(endpoint)
+    if schema is not None:
+        try:
+            schema.model_validate(body)
+        except pydantic.ValidationError as error:
+            raise BadAnswer(
+                f"Antenna answered {where} with HTTP {status} and a body that is not its "
+                f"{endpoint} answer: {_fields(error)}"
+            ) from None
+    return Reply(status, body, text)
+
+
+def _fields(error: pydantic.ValidationError) -> str:
+    """The fields that are wrong, by path, with what was wrong (no values: they may be long)."""
+    parts = []
+    for problem in error.errors()[:3]:
+        path = ".".join(str(p) for p in problem["loc"]) or "the body"
+        parts.append(f"{path}: {problem['msg']}")
+    more = error.error_count() - len(parts)
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")

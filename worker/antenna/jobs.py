@@ -53,7 +53,6 @@ class JobRotation:
         self._slugs: dict[int, str] = {}  # a job's pipeline, read from its page once
         self._last: int | None = None
         self._listed_at = float("-inf")
-        self.unreachable_since: float | None = None
         self.last_refusal: str | None = None  # a 401/403 on listing: the token
         self.ever_listed = False  # a listing answered in full, once at least
 
@@ -69,14 +68,11 @@ class JobRotation:
             if listed is None:
                 return self._jobs
             active = [ours for job in listed if (ours := await self._ours(job))]
-        except AntennaUnreachable as error:
-            if self.unreachable_since is None:
-                self.unreachable_since = time.monotonic()
+        except AntennaUnreachable as error:  # the client keeps the unreachable clock
             log.warning(
                 "antenna_jobs_unreachable", error=str(error), retry_in_s=self._poll_interval_s
             )
             return self._jobs
-        self.unreachable_since = None
         self.ever_listed = True
         if [j.id for j in active] != [j.id for j in self._jobs]:
             log.info("antenna_active_jobs", jobs=[j.id for j in active], listed=len(listed))

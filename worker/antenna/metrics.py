@@ -21,7 +21,8 @@ class AntennaMetrics:
         self.calls = Counter(
             f"{PREFIX}_antenna_requests",
             "Calls to Antenna's API by endpoint (jobs, job, tasks, result, register) and HTTP "
-            "status (or 'unreachable').",
+            "status, or 'unreachable' (no answer within the call's deadline) or 'bad_answer' (a "
+            "redirect, or a 2xx that is not the endpoint's JSON).",
             ["endpoint", "status"],
             registry=registry,
         )

@@ -68,20 +68,30 @@ class Poster:
         self.on_split = split
         self._pending: dict[int, list[_Pending]] = {}
         self._flushes: dict[int, asyncio.Task[None]] = {}
+        self._waiting = 0
+        self._closed = False
 
     async def post(
         self, job_id: int, task: Task, entry: dict[str, Any], deadline: float
     ) -> dict[str, Any]:
         """Post ``entry`` for ``task`` with the others gathered; what was posted for it (an
         error result in its place after a 400 or 413); PostFailed if nothing was."""
+        if self._closed:
+            raise PostFailed("the worker stopped before posting it")
         pending = _Pending(task, entry, deadline, asyncio.get_running_loop().create_future())
+        self._waiting += 1
+        pending.done.add_done_callback(self._resolved)
         self._pending.setdefault(job_id, []).append(pending)
         if job_id not in self._flushes:
             self._flushes[job_id] = asyncio.create_task(self._flush(job_id), name=f"post-{job_id}")
         return await asyncio.shield(pending.done)
 
+    def _resolved(self, _done: asyncio.Future[dict[str, Any]]) -> None:
+        self._waiting -= 1
+
     async def close(self) -> None:
         """Stop posting: what is not posted fails (its tasks are redelivered by Antenna)."""
+        self._closed = True
         for flush in list(self._flushes.values()):
             flush.cancel()
         await asyncio.gather(*self._flushes.values(), return_exceptions=True)
@@ -90,6 +100,10 @@ class Poster:
         self._pending.clear()
 
     async def _flush(self, job_id: int) -> None:
+        """Post what is gathered for ``job_id`` until nothing is. Every result taken here
+        ends resolved: posted, replaced, or failed (``PostFailed``), whatever happens to the
+        post, a cancel included."""
+        group: list[_Pending] = []
         try:
             await asyncio.sleep(_GATHER_S)
             while self._pending.get(job_id):
@@ -99,9 +113,23 @@ class Poster:
                     for _ in bodies[1:]:
                         self.on_split()
                 for body in bodies:
-                    await self._send(job_id, body)
+                    try:
+                        await self._send(job_id, body)
+                    except Exception as error:  # the poster's boundary: every result resolves
+                        log.exception("result_post_failed", job_id=job_id, count=len(body))
+                        _fail(body, f"posting failed: {type(error).__name__}")
+                group = []
         finally:
+            _fail(group, "the worker stopped before posting it")
             self._flushes.pop(job_id, None)
+            if self._pending.get(job_id) and not self._closed:
+                self._flushes[job_id] = asyncio.create_task(
+                    self._flush(job_id), name=f"post-{job_id}"
+                )
+
+    def waiting(self) -> int:
+        """Results handed to the poster and not yet posted or failed."""
+        return self._waiting
 
     def _bodies(self, group: list[_Pending]) -> list[list[_Pending]]:
         """``group`` in bodies of at most the cap (a result over it alone: ``fit`` made it
@@ -180,9 +208,14 @@ class Poster:
                 reply = await self._client.post(
                     f"jobs/{job_id}/result/", "result", body, self._timeout_s
                 )
-                if reply.ok or reply.status in _FINAL:
+                queued = reply.body.get("results_queued") if reply.ok else None
+                if reply.ok and queued != count:
+                    why = f"Antenna queued {queued} of the {count} results posted"
+                    reply = None  # not an answer that says they are kept
+                elif reply.ok or reply.status in _FINAL:
                     return reply
-                why = reply.why()
+                else:
+                    why = reply.why()
             except AntennaUnreachable as error:
                 why = str(error)
             if time.monotonic() + delay_s > deadline:

@@ -42,7 +42,7 @@ def delivered_of(reply_subject: str, unknown: int) -> int:
     if tokens[:2] != ["$JS", "ACK"]:
         return unknown
     index = 4 if len(tokens) == 9 else 6 if len(tokens) >= 11 else -1
-    if index < 0 or not tokens[index].isdigit():
+    if index < 0 or not _digits(tokens[index]):
         return unknown
     return max(1, int(tokens[index]))
 
@@ -50,7 +50,12 @@ def delivered_of(reply_subject: str, unknown: int) -> int:
 def stream_seq_of(reply_subject: str) -> int:
     tokens = reply_subject.split(".")
     index = 5 if len(tokens) == 9 else 7 if len(tokens) >= 11 else -1
-    return int(tokens[index]) if index >= 0 and tokens[index].isdigit() else 0
+    return int(tokens[index]) if index >= 0 and _digits(tokens[index]) else 0
+
+
+def _digits(token: str) -> bool:
+    """ASCII digits only: ``'²'.isdigit()`` is true and ``int('²')`` fails."""
+    return token.isascii() and token.isdigit()
 
 
 @dataclass(eq=False)

@@ -99,9 +99,10 @@ class AntennaParts:
         refusal = self.source.refusal()
         if refusal:
             return f"Antenna refused: {refusal}"
-        since = self.jobs.unreachable_since
+        since = self.client.unreachable_since
         if since is not None and time.monotonic() - since > unreachable_for_s:
             return (
-                f"Antenna unreachable for {time.monotonic() - since:.0f}s at {self.client.shown()}"
+                f"Antenna unreachable for {time.monotonic() - since:.0f}s at "
+                f"{self.client.shown()}: {self.client.last_problem}"
             )
         return None

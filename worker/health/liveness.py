@@ -53,6 +53,11 @@ class Liveness:
         the watchdog start over)."""
         self.batch_completed()
 
+    def waiting_on_source(self) -> None:
+        """The engine is idle and finished results wait for the task source's server (its
+        answers bounded by their deadlines): blocked, not wedged; as ``loading``."""
+        self.batch_completed()
+
     def still_working(self) -> None:
         """The worker is acting (e.g. rebuilding its loader) without completing a batch: give
         the watchdog a fresh window, but leave the stall clock alone."""

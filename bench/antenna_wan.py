@@ -1,0 +1,253 @@
+"""The Antenna source across a WAN: a fake Antenna and an image host behind a delayed link.
+
+    .venv/bin/python -m bench.antenna_wan [--tasks 300] [--rtt-ms 60] [--runs 1] [--http]
+
+Antenna at a public site and GPU hosts on a university cluster, 30-80 ms apart, HTTPS
+(issue 33, "The WAN between"). Here: the fake Antenna (``tests/antenna_fake.py``) and an image
+host (a second one serving ``/media/``), each over HTTPS with a CA of its own (``SSL_CERT_FILE``)
+and each behind a TCP relay that delays every chunk by half the RTT each way (``relay``, a
+child process), against the same with no relay. One job of ``--tasks`` tasks of 1280x720
+JPEGs (20 distinct, cycled: the loader keeps no cache), the demo colour classifier, one
+``worker run --until-idle``.
+
+Reported per case: end-to-end tasks/s (from the first result saved to the last), Antenna
+requests per task, Antenna connections (TCP and TLS handshakes) per task, image connections
+per task; and the shaped/direct ratio. Writes bench/results/antenna_wan.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import machine, save
+from tests.antenna_fake import FakeAntenna
+from worker.commands.demo_images import image_bytes
+
+PIPELINE = "worker.commands.demo_models:colour_classifier"
+SLUG = "colours"
+TOKEN = "bench-wan-token-0f3a9c"
+_DISTINCT = 20
+
+
+def make_ca(where: Path) -> tuple[Path, Path, Path]:
+    """A CA and a certificate for 127.0.0.1 signed by it (openssl): (ca, cert, key)."""
+    ca_key, ca, key, csr, cert = (
+        where / n for n in ("ca.key", "ca.pem", "s.key", "s.csr", "s.pem")
+    )
+    ext = where / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+        "-keyout", str(ca_key), "-out", str(ca), "-days", "2", "-subj", "/CN=bench CA")  # fmt: skip
+    run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout",
+        str(key), "-out", str(csr), "-subj", "/CN=127.0.0.1")  # fmt: skip
+    run("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+        "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext))  # fmt: skip
+    return ca, cert, key
+
+
+# -- the delayed link ---------------------------------------------------------------------
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float) -> None:
+    """Every chunk from ``reader`` written to ``writer`` ``delay_s`` after it came, in order."""
+    queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+    async def later() -> None:
+        while True:
+            due, data = await queue.get()
+            wait = due - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if not data:
+                writer.close()
+                return
+            writer.write(data)
+            await writer.drain()
+
+    sending = asyncio.create_task(later())
+    try:
+        while True:
+            data = await reader.read(256 * 1024)
+            await queue.put((time.monotonic() + delay_s, data))
+            if not data:
+                break
+        await sending
+    except (ConnectionError, OSError):
+        sending.cancel()
+        writer.close()
+
+
+async def _relay(listen: int, upstream: int, delay_s: float) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", upstream)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(
+            _pipe(reader, up_writer, delay_s), _pipe(up_reader, writer, delay_s),
+            return_exceptions=True,
+        )  # fmt: skip
+
+    server = await asyncio.start_server(serve, "127.0.0.1", listen)
+    parent = os.getppid()
+    async with server:
+        while os.getppid() == parent:  # noqa: ASYNC110 - no event tells a parent is gone
+            await asyncio.sleep(0.5)
+
+
+def start_relay(upstream: int, rtt_s: float) -> tuple[subprocess.Popen[bytes], int]:
+    from worker.commands.localservers import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bench.antenna_wan",
+            "relay",
+            str(port),
+            str(upstream),
+            str(rtt_s / 2),
+        ]
+    )
+    deadline = time.monotonic() + 20
+    import socket
+
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.5).close()
+            return proc, port
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("the relay did not start")
+
+
+# -- one case -----------------------------------------------------------------------------
+def run_case(
+    tasks: int, rtt_s: float, tls: ssl.SSLContext | None, ca: Path | None
+) -> dict[str, Any]:
+    antenna = FakeAntenna(token=TOKEN)
+    images = FakeAntenna(token="unused")
+    antenna.tls = images.tls = tls
+    relays: list[subprocess.Popen[bytes]] = []
+    with antenna.running(), images.running():
+        base = antenna.url
+        media = images.media_url("x").rsplit("/", 1)[0]
+        if rtt_s > 0:
+            a_relay, a_port = start_relay(int(base.split(":")[2].split("/")[0]), rtt_s)
+            i_relay, i_port = start_relay(int(media.split(":")[2].split("/")[0]), rtt_s)
+            relays += [a_relay, i_relay]
+            base = base.replace(base.split("/")[2], f"127.0.0.1:{a_port}")
+            media = media.replace(media.split("/")[2], f"127.0.0.1:{i_port}")
+        try:
+            for i in range(_DISTINCT):
+                images.images[f"{i}.jpg"] = image_bytes(1280, 720, seed=i)
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKER_", "AMI_"))}
+            env.update(
+                {
+                    "WORKER_SOURCE": "antenna",
+                    "WORKER_ANTENNA__BASE_URL": base,
+                    "WORKER_ANTENNA__TOKEN": TOKEN,
+                    "WORKER_ANTENNA__PROJECT_IDS": "1",
+                    "WORKER_ANTENNA__POLL_INTERVAL_S": "1",
+                    "WORKER_SOURCES__ALLOWED_HOSTS": "127.0.0.1",
+                    "WORKER_MODEL__PIPELINE": PIPELINE,
+                    "WORKER_MODEL__DEVICE": "cpu",
+                    "WORKER_METRICS__PORT": "0",
+                    "WORKER_LOG_LEVEL": "WARNING",
+                }
+            )
+            if ca is not None:
+                env["SSL_CERT_FILE"] = str(ca)
+            done = subprocess.run(
+                [sys.executable, "-m", "worker", "register"], env=env, capture_output=True,
+                text=True, timeout=300,
+            )  # fmt: skip
+            if done.returncode != 0:
+                raise RuntimeError(f"register failed: {done.stdout}{done.stderr}")
+            job = antenna.add_job(
+                SLUG, [(f"t{n}", f"{media}/{n % _DISTINCT}.jpg") for n in range(tasks)]
+            )
+            calls_before, conns_before = len(antenna.requests), antenna.connections
+            image_conns_before = images.connections
+            run = subprocess.run(
+                [sys.executable, "-m", "worker", "run", "--until-idle"], env=env,
+                capture_output=True, text=True, timeout=1800,
+            )  # fmt: skip
+            found = antenna.jobs[job]
+            if run.returncode != 0 or found.status != "SUCCESS":
+                raise RuntimeError(
+                    f"run {run.returncode}, job {found.status}: {run.stdout[-2000:]}"
+                )
+            times = sorted(found.result_times)
+            span_s = times[-1] - times[0]
+            return {
+                "tasks": tasks,
+                "rtt_ms": round(rtt_s * 1000),
+                "tls": tls is not None,
+                "tasks_per_s": round((len(times) - 1) / span_s, 2) if span_s > 0 else None,
+                "antenna_requests_per_task": round(
+                    (len(antenna.requests) - calls_before) / tasks, 3
+                ),
+                "antenna_connections_per_task": round(
+                    (antenna.connections - conns_before) / tasks, 4
+                ),
+                "image_connections_per_task": round(
+                    (images.connections - image_conns_before) / tasks, 3
+                ),
+            }
+        finally:
+            for relay in relays:
+                relay.kill()
+                relay.wait(10)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["relay"]:
+        asyncio.run(_relay(int(argv[1]), int(argv[2]), float(argv[3])))
+        return
+    parser = argparse.ArgumentParser(prog="python -m bench.antenna_wan")
+    parser.add_argument("--tasks", type=int, default=300)
+    parser.add_argument("--rtt-ms", type=float, default=60.0)
+    parser.add_argument("--http", action="store_true", help="plain HTTP instead of HTTPS")
+    args = parser.parse_args(argv)
+    tls: ssl.SSLContext | None = None
+    ca: Path | None = None
+    with tempfile.TemporaryDirectory(prefix="iw-wan-") as tmp:
+        if not args.http:
+            ca, cert, key = make_ca(Path(tmp))
+            tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            tls.load_cert_chain(str(cert), str(key))
+        cases = []
+        for rtt_s in (0.0, args.rtt_ms / 1000):
+            case = run_case(args.tasks, rtt_s, tls, ca)
+            print(json.dumps(case), flush=True)
+            cases.append(case)
+    direct, shaped = cases
+    ratio = (
+        round(shaped["tasks_per_s"] / direct["tasks_per_s"], 3)
+        if direct["tasks_per_s"] and shaped["tasks_per_s"]
+        else None
+    )
+    payload = {"machine": machine(), "cases": cases, "shaped_over_direct": ratio}
+    print(json.dumps({"shaped_over_direct": ratio}))
+    save("antenna_wan", payload)
+
+
+if __name__ == "__main__":
+    main()

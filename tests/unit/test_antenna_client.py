@@ -1,0 +1,145 @@
+"""The Antenna client against the fake Antenna answering as the field does (a proxy in front,
+a half-broken deployment, a slow link): no answer but Antenna's own is believed, no redirect
+followed, every call ends by its deadline, connections are kept alive."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from pydantic import SecretStr
+
+from tests.antenna_fake import FakeAntenna
+from worker.antenna.client import AntennaClient, AntennaUnreachable
+
+TOKEN = "client-token-9d3e1f"
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeAntenna]:
+    antenna = FakeAntenna(token=TOKEN)
+    with antenna.running():
+        yield antenna
+
+
+def client_of(fake: FakeAntenna, timeout_s: float = 5.0) -> AntennaClient:
+    return AntennaClient(fake.url, SecretStr(TOKEN), timeout_s)
+
+
+async def test_a_redirect_is_an_error_naming_where_and_the_token_goes_nowhere_else(
+    fake: FakeAntenna,
+) -> None:
+    other = FakeAntenna(token="other")
+    with other.running():
+        elsewhere = other.url.replace("/api/v2", "") + "/accounts/login/?next=/result/&token=x"
+        elsewhere = elsewhere.replace("http://", "http://user:pw@")
+        fake.misbehave("result", "redirect", location=elsewhere)
+        client = client_of(fake)
+        with pytest.raises(AntennaUnreachable) as raised:
+            await client.post("jobs/1/result/", "result", b'{"results": []}')
+        message = str(raised.value)
+        assert "302" in message and "/accounts/login/" in message
+        assert "pw" not in message and "token=x" not in message and TOKEN not in message
+        assert other.requests == [] and other.headers_seen == []
+        assert client.unreachable_since is not None  # no answer from Antenna itself
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "kind", "body", "named"),
+    [
+        ("result", "html", b"", "not JSON"),
+        ("result", "json", b'{"detail": "ok"}', "status"),
+        ("tasks", "json", b'{"tasks": 5}', "tasks"),
+        ("jobs", "json", b'{"results": 7}', "results"),
+        (
+            "tasks",
+            "json",
+            json.dumps(
+                {
+                    "tasks": [
+                        {
+                            "id": "1",
+                            "image_id": "1",
+                            "image_url": "http://x/1.jpg",
+                            "reply_subject": "$JS.ACK.job_1.c.1.2\u00b2.3.4.0",
+                        }
+                    ]
+                }
+            ).encode(),
+            "reply_subject",
+        ),
+        ("tasks", "deep", b"", "nested deeper"),
+        ("tasks", "cut", b"", "IncompleteRead"),
+        ("jobs", "badstatus", b"", "BadStatusLine"),
+        ("jobs", "down", b"", "RemoteDisconnected"),
+    ],
+)
+async def test_an_answer_that_is_not_antennas_is_an_error_naming_what_is_wrong(
+    fake: FakeAntenna, endpoint: str, kind: str, body: bytes, named: str
+) -> None:
+    job = fake.add_job("p", [("a", "http://x/a.jpg")])
+    fake.misbehave(endpoint, kind, times=1, body=body)
+    client = client_of(fake)
+    path = {"jobs": "jobs/", "tasks": f"jobs/{job}/tasks/", "result": f"jobs/{job}/result/"}
+    payload = b'{"batch_size": 1}' if endpoint == "tasks" else b'{"results": []}'
+    with pytest.raises(AntennaUnreachable) as raised:
+        if endpoint == "jobs":
+            await client.get(path[endpoint], endpoint, {"limit": 10})
+        else:
+            await client.post(path[endpoint], endpoint, payload)
+    assert named in str(raised.value)
+    assert TOKEN not in str(raised.value)
+    # The next answer is Antenna's own again, and it is taken.
+    if endpoint == "jobs":
+        assert (await client.get("jobs/", "jobs", {"limit": 10})).ok
+    else:
+        assert (await client.post(path[endpoint], endpoint, payload)).ok
+    assert client.unreachable_since is None
+
+
+async def test_a_slow_answer_ends_at_the_calls_deadline(fake: FakeAntenna) -> None:
+    fake.misbehave("jobs", "slow", interval_s=0.5)  # ~150 bytes: over a minute in all
+    client = client_of(fake, timeout_s=2.0)
+    with pytest.raises(AntennaUnreachable, match="no complete answer within 2s"):
+        await client.get("jobs/", "jobs", {"limit": 10})
+    assert client.unreachable_since is not None
+
+
+async def test_connections_are_kept_alive_between_calls(fake: FakeAntenna) -> None:
+    job = fake.add_job("p", [(f"i{n}", f"http://x/{n}.jpg") for n in range(5)])
+    client = client_of(fake)
+    for _ in range(5):
+        assert (await client.get("jobs/", "jobs", {"limit": 10})).ok
+        assert (await client.post(f"jobs/{job}/tasks/", "tasks", b'{"batch_size": 1}')).ok
+    assert fake.connections == 1
+
+
+def test_json_depth_is_counted_without_parsing() -> None:
+    from worker.antenna.client import json_depth
+
+    assert json_depth(b"[" * 200_000) > 64
+    assert json_depth(b'{"a": [1, {"b": "[[[[["}]}') == 3
+
+
+async def test_the_poster_resolves_every_result_whatever_the_client_raises() -> None:
+    import asyncio
+    import time
+
+    from worker.antenna.post import Poster, PostFailed
+    from worker.schemas import Task
+
+    class Broken:
+        async def post(self, *_args: object, **_kwargs: object) -> None:
+            raise RuntimeError("a bug below the poster")
+
+    poster = Poster(Broken(), 10**6, 5.0)  # type: ignore[arg-type]
+    task = Task("t1", "1", "i1", "http://x/1.jpg", reply_subject="s")
+    entry = {"reply_subject": "s", "result": {"error": "e", "image_id": "i1"}}
+    posting = poster.post(1, task, entry, time.monotonic() + 5)
+    with pytest.raises(PostFailed):
+        await asyncio.wait_for(posting, 10)
+    assert poster.waiting() == 0
+    # The next result is posted by a poster still working.
+    with pytest.raises(PostFailed):
+        await asyncio.wait_for(poster.post(1, task, entry, time.monotonic() + 5), 10)
