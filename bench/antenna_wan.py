@@ -7,7 +7,7 @@ Antenna at a public site and GPU hosts on a university cluster, 30-80 ms apart, 
 host (a second one serving ``/media/``), each over HTTPS with a CA of its own (``SSL_CERT_FILE``)
 and each behind a TCP relay that delays every chunk by half the RTT each way (``relay``, a
 child process), against the same with no relay. One job of ``--tasks`` tasks of 1280x720
-JPEGs (20 distinct, cycled: the loader keeps no cache), the demo colour classifier, one
+JPEGs (20 distinct, cycled: the loader keeps no cache), the demo detector and colour classifier, one
 ``worker run --until-idle``.
 
 Reported per case: end-to-end tasks/s (from the first result saved to the last), Antenna
@@ -33,8 +33,8 @@ from bench.common import machine, save
 from tests.antenna_fake import FakeAntenna
 from worker.commands.demo_images import image_bytes
 
-PIPELINE = "worker.commands.demo_models:colour_classifier"
-SLUG = "colours"
+PIPELINE = "worker.commands.demo_models:boxes_and_colours"  # Antenna keeps a detector's
+SLUG = "boxes-and-colours"
 TOKEN = "bench-wan-token-0f3a9c"
 _DISTINCT = 20
 

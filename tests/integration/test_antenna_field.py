@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.antenna_fake import FakeAntenna
-from tests.conftest import PIPELINE
 from tests.helpers import cli, start_run
+from tests.integration.test_antenna import PIPELINE
 from worker.commands.demo_images import image_bytes
 from worker.commands.localservers import free_port, stop_process
 
@@ -27,10 +27,10 @@ TOKEN = "f13ld-antenna-token-4c2b9e"
 _SANE = "the job done once answers are sane"
 
 
-def env_for(fake: FakeAntenna, model_path: str, **extra: str) -> dict[str, str]:
+def env_for(fake: FakeAntenna, **extra: str) -> dict[str, str]:
     from tests.integration.test_antenna import env_for as base_env
 
-    env = base_env(fake, model_path)
+    env = base_env(fake)
     env["WORKER_ANTENNA__TOKEN"] = TOKEN
     env.update(extra)
     return env
@@ -79,8 +79,8 @@ QUICK_HEALTH = {
 }
 
 
-def ready(fake: FakeAntenna, model_path: str) -> None:
-    done = cli("register", env=env_for(fake, model_path), timeout=120)
+def ready(fake: FakeAntenna) -> None:
+    done = cli("register", env=env_for(fake), timeout=120)
     assert done.returncode == 0, done.stderr + done.stdout
 
 
@@ -100,18 +100,18 @@ def healthz(port: int) -> tuple[int, str]:
 
 @pytest.mark.parametrize("kind", ["redirect", "html"])
 def test_a_result_post_redirected_or_answered_with_a_page_is_not_counted_as_posted(
-    model_path: str, tmp_path: Path, kind: str
+    tmp_path: Path, kind: str
 ) -> None:
     fake = FakeAntenna(token=TOKEN)
     other = FakeAntenna(token="another-origin")  # a login page on another origin: 200 HTML
     with fake.running(), other.running():
-        ready(fake, model_path)
+        ready(fake)
         job = fake.add_job(PIPELINE, add_images(fake, "r", 6))
         other.misbehave("", "html")
         login = other.url.replace("/api/v2", "/accounts/login/?next=/result/")
         fake.misbehave("result", kind, location=login)
         log = tmp_path / "worker.log"
-        proc = start_run(env_for(fake, model_path), log)
+        proc = start_run(env_for(fake), log)
         try:
             wait_for(
                 lambda: fake.modes["result"].used >= 3 or '"task_done"' in log.read_text(),
@@ -161,17 +161,15 @@ _SUBJECT_2 = json.dumps(
     ids=["tasks-5", "results-7", "nested", "cut", "bad-status-line", "superscript-digit"],
 )
 def test_a_malformed_answer_is_retried_and_the_job_finishes_once_answers_are_sane(
-    model_path: str, tmp_path: Path, endpoint: str, kind: str, body: bytes
+    tmp_path: Path, endpoint: str, kind: str, body: bytes
 ) -> None:
     fake = FakeAntenna(token=TOKEN, ttr_s=6.0)
     with fake.running():
-        ready(fake, model_path)
+        ready(fake)
         job = fake.add_job(PIPELINE, add_images(fake, "m", 6))
         fake.misbehave(endpoint, kind, times=3, body=body)
         log = tmp_path / "worker.log"
-        env = env_for(
-            fake, model_path, WORKER_ANTENNA__TTR_S="6", WORKER_HEALTH__DRAIN_TIMEOUT_S="4"
-        )
+        env = env_for(fake, WORKER_ANTENNA__TTR_S="6", WORKER_HEALTH__DRAIN_TIMEOUT_S="4")
         proc = start_run(env, log)
         try:
             wait_for(lambda: fake.jobs[job].status == "SUCCESS", 120, _SANE, log, proc)
@@ -183,16 +181,15 @@ def test_a_malformed_answer_is_retried_and_the_job_finishes_once_answers_are_san
 
 
 def test_a_slow_loris_answer_ends_at_the_deadline_and_sigterm_exits_within_the_drain(
-    model_path: str, tmp_path: Path
+    tmp_path: Path,
 ) -> None:
     fake = FakeAntenna(token=TOKEN, ttr_s=12.0)  # a reservation given up comes back soon
     with fake.running():
-        ready(fake, model_path)
+        ready(fake)
         job = fake.add_job(PIPELINE, add_images(fake, "s", 6))
         fake.misbehave("tasks", "slow", times=1, interval_s=3.0)
         env = env_for(
             fake,
-            model_path,
             WORKER_ANTENNA__REQUEST_TIMEOUT_S="4",
             WORKER_ANTENNA__TTR_S="12",
             WORKER_HEALTH__DRAIN_TIMEOUT_S="8",
@@ -214,15 +211,13 @@ def test_a_slow_loris_answer_ends_at_the_deadline_and_sigterm_exits_within_the_d
             stop_process(proc)
 
 
-def test_a_result_answer_cut_mid_body_does_not_stop_the_poster(
-    model_path: str, tmp_path: Path
-) -> None:
+def test_a_result_answer_cut_mid_body_does_not_stop_the_poster(tmp_path: Path) -> None:
     fake = FakeAntenna(token=TOKEN)
     with fake.running():
-        ready(fake, model_path)
+        ready(fake)
         job = fake.add_job(PIPELINE, add_images(fake, "c", 8))
         fake.misbehave("result", "cut", times=2)  # served, then the answer cut
-        env = env_for(fake, model_path, **QUICK_HEALTH)
+        env = env_for(fake, **QUICK_HEALTH)
         log = tmp_path / "worker.log"
         proc = start_run(env, log, "--until-idle")
         try:
@@ -234,16 +229,15 @@ def test_a_result_answer_cut_mid_body_does_not_stop_the_poster(
 
 
 def test_an_outage_while_full_is_blocked_not_wedged_and_results_are_posted_after(
-    model_path: str, tmp_path: Path
+    tmp_path: Path,
 ) -> None:
     fake = FakeAntenna(token=TOKEN, ttr_s=120.0)
     with fake.running():
-        ready(fake, model_path)
+        ready(fake)
         job = fake.add_job(PIPELINE, add_images(fake, "o", 12))
         port = free_port()
         env = env_for(
             fake,
-            model_path,
             WORKER_ANTENNA__TTR_S="120",
             WORKER_METRICS__PORT=str(port),
             WORKER_HEALTH__DISCONNECTED_TIMEOUT_S="3",
