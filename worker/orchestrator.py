@@ -45,6 +45,7 @@ log = structlog.get_logger(__name__)
 Helper = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
 _FIRST_FETCH_BACKOFF_S = 1.0  # a fetch that raised: tried again after this, doubling
 _MAX_FETCH_BACKOFF_S = 30.0
+_BURST_FAILED_FETCHES = 5  # in a row, with --until-idle: the run ends NOT_SERVED (exit 6)
 _BLOCKED_TICK_S = 1.0
 _LOAD_TICK_S = 5.0  # while a model loads: progress noted, held tasks kept alive
 _DRAIN_TICK_S = 0.05  # how often a drain that finishes the held tasks looks again
@@ -144,6 +145,7 @@ class Worker:
     async def _fetch_loop(self) -> None:
         timeout_s = self.settings.nats.fetch_timeout_s
         backoff_s = _FIRST_FETCH_BACKOFF_S
+        failed = 0  # fetches in a row that raised
         while not self._stop.is_set():
             room = self.claims.room()
             if room <= 0:
@@ -154,20 +156,32 @@ class Worker:
                     min(self.settings.loader.batch_size, room), self.batches.runnable
                 )
             except Exception as error:  # the source's boundary: never the process
+                failed += 1
                 log.error(
                     "fetch_failed",
                     error=f"{type(error).__name__}: {error}",
+                    failed_in_a_row=failed,
                     retry_in_s=backoff_s,
                     exc_info=error,
                 )
+                if self._until_idle and failed >= _BURST_FAILED_FETCHES:
+                    self._fetch_keeps_failing(failed, error)
+                    return
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), backoff_s)
                 backoff_s = min(backoff_s * 2, _MAX_FETCH_BACKOFF_S)
                 continue
-            backoff_s = _FIRST_FETCH_BACKOFF_S
+            backoff_s, failed = _FIRST_FETCH_BACKOFF_S, 0
             # Concurrently: each asks the results stream whether its task is done already.
             admitted = [h for h in await asyncio.gather(*map(self.admission.admit, msgs)) if h]
             self.batches.add(admitted)
+
+    def _fetch_keeps_failing(self, failed: int, error: Exception) -> None:
+        """Burst mode: a source that raises on every fetch never becomes idle, so the run
+        would never end; after ``_BURST_FAILED_FETCHES`` in a row it ends NOT_SERVED."""
+        why = f"the task source failed {failed} fetches in a row: {type(error).__name__}: {error}"
+        log.error("idle_not_served", reason=why, exit_code=ExitReason.NOT_SERVED.code)
+        self._end(Exit(ExitReason.NOT_SERVED, why))
 
     async def _let_fetch_finish(self, fetcher: asyncio.Task[None]) -> None:
         """Cancelling a fetch in flight would strand the messages the server already

@@ -120,6 +120,21 @@ def test_json_depth_is_counted_without_parsing() -> None:
 
     assert json_depth(b"[" * 200_000) > 64
     assert json_depth(b'{"a": [1, {"b": "[[[[["}]}') == 3
+    assert json_depth(rb'["a\"[[[", [1]]') == 2 and json_depth(rb'["a\\", [[1]]]') == 3
+
+
+async def test_an_unterminated_string_of_escaped_quotes_is_judged_not_json(
+    fake: FakeAntenna,
+) -> None:
+    # 2 MB: a depth check whose pattern backtracks takes hours here, holding the GIL.
+    unterminated = b"[" + b'"\\' * 1_000_000
+    from worker.antenna.client import json_depth
+
+    assert json_depth(unterminated) == 1
+    job = fake.add_job("p", [("a", "http://x/a.jpg")])
+    fake.misbehave("tasks", "json", times=1, body=unterminated)
+    with pytest.raises(AntennaUnreachable, match="not JSON"):
+        await client_of(fake).post(f"jobs/{job}/tasks/", "tasks", b'{"batch_size": 1}')
 
 
 async def test_the_poster_resolves_every_result_whatever_the_client_raises() -> None:

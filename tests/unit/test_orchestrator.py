@@ -132,6 +132,29 @@ async def test_a_transport_closed_for_good_ends_the_process_with_5():
     assert exit.reason is ExitReason.NATS_CLOSED and exit.code == 5
 
 
+class RaisingSource(FakeSource):
+    """A source with a bug: every fetch raises, so it is never idle."""
+
+    async def fetch(self, batch: int, runnable: object = None) -> list[object]:
+        self.fetches += 1
+        raise RuntimeError("a bug in the source")
+
+    async def idle(self) -> bool:
+        return False
+
+
+async def test_a_burst_run_whose_source_keeps_raising_ends_not_served_with_6(monkeypatch):
+    monkeypatch.setattr("worker.orchestrator._FIRST_FETCH_BACKOFF_S", 0.01)
+    source = RaisingSource([])
+    worker, store, _js, _m = a_worker(source, FakeEngine())
+
+    exit = await run(worker)
+
+    assert exit.reason is ExitReason.NOT_SERVED and exit.code == 6
+    assert "5 fetches in a row" in exit.detail and "a bug in the source" in exit.detail
+    assert source.fetches == 5 and store.stored == []
+
+
 async def test_two_pipelines_never_share_a_batch_and_a_failed_load_fails_only_its_own_tasks():
     msgs = [task_msg(f"c{i}", job_id="jc", subject="tasks.classify") for i in range(6)]
     msgs += [task_msg(f"b{i}", job_id="jb", subject="tasks.broken") for i in range(3)]

@@ -368,19 +368,34 @@ def _body(
         chunks.append(chunk)
 
 
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_BRACKET = re.compile(rb"[\[\]{}]")
+_STRUCTURE = re.compile(rb'["\[\]{}]')
+# The rest of a string after its opening quote. Possessive: matched once, from a known start,
+# in linear time or not at all (a pattern that may backtrack, tried at every offset, went
+# quadratic on an unterminated string of escaped quotes, holding the GIL: the process froze).
+_STRING_REST = re.compile(rb'(?:[^"\\]++|\\.)*+"', re.DOTALL)
+_QUOTE = ord('"')
+_OPENS = frozenset(b"[{")
 
 
 def json_depth(raw: bytes) -> int:
-    """How deeply ``raw``'s arrays and objects nest (strings skipped), without parsing it."""
+    """How deeply ``raw``'s arrays and objects nest (strings skipped), without parsing it: one
+    pass, linear whatever ``raw`` holds, stopping once past ``_MAX_DEPTH`` or at a string that
+    never ends (then it is not JSON, as ``json.loads`` says next)."""
     depth = deepest = 0
-    for match in _BRACKET.finditer(_STRING.sub(b'""', raw)):
-        if match.group(0) in (b"[", b"{"):
-            depth += 1
-            deepest = max(deepest, depth)
-            if deepest > _MAX_DEPTH:
+    at = 0
+    while (found := _STRUCTURE.search(raw, at)) is not None:
+        byte, at = raw[found.start()], found.end()
+        if byte == _QUOTE:
+            rest = _STRING_REST.match(raw, at)
+            if rest is None:
                 return deepest
+            at = rest.end()
+        elif byte in _OPENS:
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > _MAX_DEPTH:
+                    return deepest
         else:
             depth -= 1
     return deepest
