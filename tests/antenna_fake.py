@@ -47,7 +47,9 @@ maintenance page), ``json`` (200 with ``body``), ``deep`` (200,000 nested ``[``)
 call is served, then its answer is cut mid-body), ``badstatus`` (a line that is not HTTP),
 ``slow`` (the call is served and its whole answer dripped one byte every ``interval_s``),
 ``down`` (the connection closed unanswered: the server behind a proxy stopped). Everything else
-stays as the real server does it. ``connections`` counts the TCP connections accepted.
+stays as the real server does it. ``spoil`` changes the fields of one image's task in the
+reservations that hold it (a proxy or a broken deployment garbling one task of several: the
+others are reserved as Antenna does). ``connections`` counts the TCP connections accepted.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -213,6 +215,7 @@ class FakeAntenna:
         self.headers_seen: list[str] = []
         self.connections = 0
         self.modes: dict[str, Misbehaviour] = {}
+        self.spoiled: dict[str, tuple[Callable[[dict[str, Any]], Any], int | None]] = {}
         self._next_job = 1
         self._seq = 0
         self._server: ThreadingHTTPServer | None = None
@@ -277,6 +280,26 @@ class FakeAntenna:
         """Answer ``endpoint``'s next ``times`` calls (all, when None) the ``kind`` way."""
         with self.lock:
             self.modes[endpoint] = Misbehaviour(kind, times, **how)
+
+    def spoil(
+        self, image_id: str, change: Callable[[dict[str, Any]], Any], times: int | None = None
+    ) -> None:
+        """In the next ``times`` reservations of ``image_id``'s task (all, when None), answer
+        ``change(task)`` in its place; the task is reserved (and counted delivered) all the
+        same."""
+        with self.lock:
+            self.spoiled[image_id] = (change, times)
+
+    def _spoiled(self, image_id: str, task: dict[str, Any]) -> Any:
+        change, times = self.spoiled.get(image_id, (None, None))
+        if change is None:
+            return task
+        if times is not None:
+            if times <= 1:
+                del self.spoiled[image_id]
+            else:
+                self.spoiled[image_id] = (change, times - 1)
+        return change(dict(task))
 
     def behave(self, endpoint: str | None = None) -> None:
         """Answer ``endpoint`` (every endpoint, when None) as Antenna does again."""
@@ -449,14 +472,13 @@ class FakeAntenna:
                 f"$JS.ACK.job_{job.id}.job-{job.id}-consumer.{task.delivered}.{task.seq}."
                 f"{task.seq + i}.{time.time_ns()}.{len(ready) - i - 1}"
             )
-            tasks.append(
-                {
-                    "id": task.image_id,
-                    "image_id": task.image_id,
-                    "image_url": task.url,
-                    "reply_subject": subject,
-                }
-            )
+            answer = {
+                "id": task.image_id,
+                "image_id": task.image_id,
+                "image_url": task.url,
+                "reply_subject": subject,
+            }
+            tasks.append(self._spoiled(task.image_id, answer))
         return 200, {"tasks": tasks}
 
     def _result(self, job: FakeJob, payload: Any, body: bytes) -> tuple[int, Any]:

@@ -134,20 +134,6 @@ def test_a_result_post_redirected_or_answered_with_a_page_is_not_counted_as_post
         assert TOKEN not in text
 
 
-_SUBJECT_2 = json.dumps(
-    {
-        "tasks": [
-            {
-                "id": "m0",
-                "image_id": "m0",
-                "image_url": "http://127.0.0.1:9/m.jpg",
-                "reply_subject": "$JS.ACK.job_1.job-1-consumer.1.1\u00b2.1.1.0",
-            }
-        ]
-    }
-).encode()
-
-
 @pytest.mark.parametrize(
     ("endpoint", "kind", "body"),
     [
@@ -156,9 +142,8 @@ _SUBJECT_2 = json.dumps(
         ("tasks", "deep", b""),
         ("tasks", "cut", b""),
         ("jobs", "badstatus", b""),
-        ("tasks", "json", _SUBJECT_2),
     ],
-    ids=["tasks-5", "results-7", "nested", "cut", "bad-status-line", "superscript-digit"],
+    ids=["tasks-5", "results-7", "nested", "cut", "bad-status-line"],
 )
 def test_a_malformed_answer_is_retried_and_the_job_finishes_once_answers_are_sane(
     tmp_path: Path, endpoint: str, kind: str, body: bytes
@@ -178,6 +163,31 @@ def test_a_malformed_answer_is_retried_and_the_job_finishes_once_answers_are_san
             stop_process(proc)
         assert saved_once(fake, job)
         assert TOKEN not in log.read_text()
+
+
+def test_one_bad_task_in_a_reservation_gets_an_error_result_and_the_rest_are_saved(
+    tmp_path: Path,
+) -> None:
+    fake = FakeAntenna(token=TOKEN, ttr_s=6.0)
+    with fake.running():
+        ready(fake)
+        job = fake.add_job(PIPELINE, add_images(fake, "b", 6))
+        fake.spoil("b1", lambda t: {**t, "image_url": None})  # every time: it cannot be run
+        superscript = {"reply_subject": "$JS.ACK.job_1.job-1-consumer.1.1\u00b2.1.1.0"}
+        fake.spoil("b2", lambda t: {**t, **superscript}, times=1)  # no result could be acked
+        log = tmp_path / "worker.log"
+        env = env_for(fake, WORKER_ANTENNA__TTR_S="6", WORKER_HEALTH__DRAIN_TIMEOUT_S="4")
+        proc = start_run(env, log)
+        try:
+            wait_for(lambda: fake.jobs[job].status == "SUCCESS", 120, "the job done", log, proc)
+        finally:
+            stop_process(proc)
+        assert fake.jobs[job].failed == {"b1"}  # its error result
+        saved = fake.jobs[job].saved
+        assert all(len(saved.get(f"b{i}", [])) == 1 for i in (0, 2, 3, 4, 5))
+        lines = log.read_text().splitlines()
+        skipped = [json.loads(line) for line in lines if '"antenna_task_skipped"' in line]
+        assert [(e["job_id"], e["image_id"]) for e in skipped] == [(job, "b2")]
 
 
 def test_a_slow_loris_answer_ends_at_the_deadline_and_sigterm_exits_within_the_drain(

@@ -10,11 +10,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import structlog
 from pydantic import SecretStr
 
 from config.aliases import alias_overrides
 from pipelines.models import Algorithm
 from tests.antenna_fake import FakeAntenna
+from worker.admission import Admission
 from worker.antenna.catalog import Catalog
 from worker.antenna.client import AntennaClient
 from worker.antenna.jobs import JobRotation
@@ -24,6 +26,9 @@ from worker.antenna.reservations import Reservations, delivered_of
 from worker.antenna.results import Served, antenna_key, encoded, fit, item
 from worker.antenna.settle import AntennaRules
 from worker.antenna.source import AntennaSource
+from worker.antenna.wiring import NoResultsLookup
+from worker.claims import Claims
+from worker.health.liveness import Liveness
 from worker.outcome import Outcome
 from worker.schemas import Task
 
@@ -198,6 +203,36 @@ async def test_a_reservation_runs_out_after_its_ttr_and_a_task_comes_back_once(
     fake.expire_reservations()
     assert await source.fetch(3) == []
     assert fake.lost(job) == {"i0", "i1", "i2"}
+
+
+async def test_one_bad_task_in_a_reservation_gets_an_error_result_and_the_rest_are_served(
+    fake: FakeAntenna,
+) -> None:
+    job = fake.add_job(SLUG, images(6))
+    fake.spoil("i1", lambda t: {**t, "image_url": None})
+    fake.spoil("i2", lambda t: {**t, "id": None})  # no id; its image and subject still usable
+    fake.spoil("i3", lambda t: {**t, "reply_subject": t["reply_subject"] + "\u00b2"}, times=1)
+    fake.spoil("i4", lambda t: ["not", "a", "task"], times=1)
+    source = source_of(fake)
+    rules = rules_of(fake, 10**6)
+    admission = Admission(rules, NoResultsLookup(), Claims(100, Liveness(60.0), rules.give_back))
+
+    with structlog.testing.capture_logs() as logs:
+        got = await source.fetch(6)
+        held = [c for c in await asyncio.gather(*map(admission.admit, got)) if c is not None]
+    verdicts = await asyncio.gather(*(rules.settle(c.task, c.msg, 1, outcome()) for c in held))
+
+    assert sorted(d.image_id for d in got) == ["i0", "i1", "i2", "i5"]
+    assert sorted(c.task.image_id for c in held) == ["i0", "i5"] and verdicts == ["ok", "ok"]
+    assert fake.jobs[job].done == {"i0", "i5"} and fake.jobs[job].failed == {"i1", "i2"}
+    skipped = [e for e in logs if e["event"] == "antenna_task_skipped"]
+    assert [(e["job_id"], e["image_id"]) for e in skipped] == [(job, "i3"), (job, None)]
+    # The two skipped come back once their reservations run out, and are served then.
+    fake.expire_reservations()
+    again = await reserve_all(source, 2)
+    assert sorted(d.image_id for d in again) == ["i3", "i4"]
+    await asyncio.gather(*(rules.settle(task_of(d), d, 2, outcome()) for d in again))
+    assert fake.pending(job) == set() and fake.jobs[job].status == "SUCCESS"
 
 
 async def test_reserving_nothing_when_antenna_is_down_refuses_or_the_job_is_unknown(

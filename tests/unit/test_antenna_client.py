@@ -4,7 +4,6 @@ followed, every call ends by its deadline, connections are kept alive."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import pytest
@@ -52,23 +51,6 @@ async def test_a_redirect_is_an_error_naming_where_and_the_token_goes_nowhere_el
         ("result", "json", b'{"detail": "ok"}', "status"),
         ("tasks", "json", b'{"tasks": 5}', "tasks"),
         ("jobs", "json", b'{"results": 7}', "results"),
-        (
-            "tasks",
-            "json",
-            json.dumps(
-                {
-                    "tasks": [
-                        {
-                            "id": "1",
-                            "image_id": "1",
-                            "image_url": "http://x/1.jpg",
-                            "reply_subject": "$JS.ACK.job_1.c.1.2\u00b2.3.4.0",
-                        }
-                    ]
-                }
-            ).encode(),
-            "reply_subject",
-        ),
         ("tasks", "deep", b"", "nested deeper"),
         ("tasks", "cut", b"", "IncompleteRead"),
         ("jobs", "badstatus", b"", "BadStatusLine"),

@@ -41,7 +41,7 @@ from pydantic import SecretStr
 from config.errors import TransientError
 from config.names import env_name
 from config.redact import redact_url, scrub, shorten
-from worker.antenna.answers import BY_ENDPOINT
+from worker.antenna.answers import BY_ENDPOINT, wrong_fields
 from worker.threads import in_daemon_thread
 
 _SHOWN_BODY_CHARS = 300
@@ -438,16 +438,6 @@ def _reply(
         except pydantic.ValidationError as error:
             raise BadAnswer(
                 f"Antenna answered {where} with HTTP {status} and a body that is not its "
-                f"{endpoint} answer: {_fields(error)}"
+                f"{endpoint} answer: {wrong_fields(error)}"
             ) from None
     return Reply(status, body, text)
-
-
-def _fields(error: pydantic.ValidationError) -> str:
-    """The fields that are wrong, by path, with what was wrong (no values: they may be long)."""
-    parts = []
-    for problem in error.errors()[:3]:
-        path = ".".join(str(p) for p in problem["loc"]) or "the body"
-        parts.append(f"{path}: {problem['msg']}")
-    more = error.error_count() - len(parts)
-    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")

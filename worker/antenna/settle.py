@@ -24,6 +24,8 @@ from typing import Any
 
 import structlog
 
+from config.errors import Failure
+from worker.antenna.answers import usable_reply_subject
 from worker.antenna.catalog import Catalog
 from worker.antenna.post import Poster, PostFailed
 from worker.antenna.reservations import AntennaDelivery
@@ -137,13 +139,18 @@ class AntennaRules:
         await msg.nak()
 
     async def dead_letter(self, msg: Delivery, reason: str) -> str:
-        """A task too broken to name its image: nothing can be posted for it. Logged; Antenna
-        delivers it again once and then drops it."""
+        """A task too broken to name itself (no usable ``id``). With a usable reply subject it
+        still gets its error result (with its image, when it names one); without one nothing
+        can be posted: logged, and Antenna delivers it again once and then drops it."""
+        if isinstance(msg, AntennaDelivery) and usable_reply_subject(msg.reply_subject):
+            task = Task("", str(msg.job_id), msg.image_id, "", reply_subject=msg.reply_subject)
+            invalid = Outcome(failure=Failure("invalid_task", reason))
+            return await self.settle(task, msg, self.max_deliver, invalid)
         log.error(
             "antenna_task_unusable",
             reason=reason,
             subject=msg.subject,
-            action="left to Antenna's redelivery; nothing can be posted without an image id",
+            action="left to Antenna's redelivery; no reply subject to post a result to",
         )
         await msg.term()
         self.count("dead_lettered")

@@ -16,6 +16,8 @@ from typing import Any
 import structlog
 
 from config.names import env_name
+from config.redact import shorten
+from worker.antenna.answers import task_problem, usable_reply_subject
 from worker.antenna.client import AntennaClient, AntennaUnreachable
 from worker.antenna.jobs import Job, JobRotation
 from worker.antenna.reservations import (
@@ -107,10 +109,38 @@ class AntennaSource:
             return []
         self.last_refusal = None
         tasks = reply.body.get("tasks") or []
-        got = [self._delivery(job, t, reserved_at) for t in tasks if isinstance(t, dict)]
+        got = [d for t in tasks if (d := self._checked(job, t, reserved_at)) is not None]
         if len(tasks) > wanted:
             log.warning("antenna_reserved_more_than_asked", asked=wanted, got=len(tasks))
         return got
+
+    def _checked(self, job: Job, task: object, reserved_at: float) -> AntennaDelivery | None:
+        """One reserved task as a delivery, checked on its own. One that does not fit
+        (``answers.ReservedTask``) is still a delivery when its reply subject is usable:
+        admission reads it as any task and gives it its error result. One without a usable
+        reply subject is logged and skipped: no result posted for it could be acked."""
+        fields: dict[str, Any] = task if isinstance(task, dict) else {}
+        problem = task_problem(task)
+        if problem is None:
+            return self._delivery(job, fields, reserved_at)
+        image_id = _shown_id(fields.get("image_id"))
+        if usable_reply_subject(fields.get("reply_subject")) is not None:
+            log.warning(
+                "antenna_task_malformed",
+                job_id=job.id,
+                image_id=image_id,
+                reason=problem,
+                action="read as any task: an error result when it cannot be run",
+            )
+            return self._delivery(job, fields, reserved_at)
+        log.warning(
+            "antenna_task_skipped",
+            job_id=job.id,
+            image_id=image_id,
+            reason=problem,
+            action="no reply subject to post a result to: left to Antenna's redelivery",
+        )
+        return None
 
     def _delivery(self, job: Job, task: dict[str, Any], reserved_at: float) -> AntennaDelivery:
         reply_subject = str(task.get("reply_subject") or "")
@@ -140,3 +170,10 @@ class AntennaSource:
     async def idle(self) -> bool:
         """Nothing held, and the last round of the active jobs gave nothing."""
         return self._dry and len(self.reservations) == 0
+
+
+def _shown_id(value: object) -> str | None:
+    """An id from a task as a log line may show it: a string or an integer, capped."""
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        return None
+    return shorten(str(value), 100)
