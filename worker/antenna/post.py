@@ -208,6 +208,11 @@ class Poster:
                 reply = await self._client.post(
                     f"jobs/{job_id}/result/", "result", body, self._timeout_s
                 )
+                # Every Antenna that answers results_queued (its ``result`` action, since it
+                # counts at all) queues each result of a body it accepts and counts them all;
+                # a body it refuses is a 400 as a whole. An older one filtered the count by
+                # status "queued", but queued nothing else. So fewer is not a partial success
+                # to build on: the answer is not understood, and the body is posted again.
                 queued = reply.body.get("results_queued") if reply.ok else None
                 if reply.ok and queued != count:
                     why = f"Antenna queued {queued} of the {count} results posted"
