@@ -237,3 +237,76 @@ async def test_a_consumer_limit_filled_by_others_is_a_health_problem_until_there
     assert "maximum consumers limit reached" in body, body
     assert refused is not None and refused >= 1
     assert result["status"] == "ok"
+
+
+# -- a task published as its job's consumer is deleted, the remake refused ------------------
+class _PublishesBeforeTheDelete:
+    """The deleting process's JetStream, with a task published on ``subject`` and another
+    process's discovery (``meanwhile``) run just before the delete reaches the server: the
+    race of a task published after the deleter's last look at the consumer."""
+
+    def __init__(self, js: Any, subject: str, meanwhile: Any) -> None:
+        self._js, self._subject, self._meanwhile = js, subject, meanwhile
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._js, name)
+
+    async def delete_consumer(self, stream: str, name: str) -> Any:
+        await self._js.publish(self._subject, b"{}", stream=stream)
+        await self._meanwhile()
+        return await self._js.delete_consumer(stream, name)
+
+
+async def _job_consumers(js: Any, n: Any) -> dict[str, Any]:
+    from worker.nats.jobs import is_job_consumer
+
+    infos = await js.consumers_info(n.tasks_stream)
+    return {i.name: i for i in infos if is_job_consumer(n, i.name)}
+
+
+async def test_a_task_published_as_its_consumer_is_deleted_is_served_after_both_processes_stop(
+    nats_server, settings_for
+):
+    from worker.nats.jobs import job_consumer, job_consumer_config
+    from worker.nats.lifecycle import JobLifecycle
+    from worker.nats.provision import provision
+    from worker.nats.subjects import job_tasks_subject
+    from worker.schemas import subject_token
+
+    settings = settings_for(nats_server.url, nats={"max_job_consumers": 1})
+    n, pipeline = settings.nats, settings.model.pipeline
+    quiet, busy = (job_tasks_subject(pipeline, subject_token(j)) for j in ("quiet", "busy"))
+    async with client(settings) as js:
+        # Given two job consumers at the bound of 1: a quiet job's and a busy one's
+        await provision(js, n, pipeline)
+        for subject in (quiet, busy):
+            await js.add_consumer(n.tasks_stream, job_consumer_config(n, subject))
+        await js.publish(busy, b"{}", stream=n.tasks_stream)
+        other = JobLifecycle(js, n, [pipeline])
+        await other.open()
+
+        async def other_discovers() -> None:  # reads the task's new-jobs message, lists
+            scouted = await other.scout(0)
+            ours = await _job_consumers(js, n)
+            other.listed(ours)
+            await other.make_missing(scouted, ours)
+
+        # When the quiet one is deleted by a process, a task of its job published meanwhile
+        # and heard of by another process, its remake refused (the bound)
+        deleter = JobLifecycle(_PublishesBeforeTheDelete(js, quiet, other_discovers), n, [pipeline])
+        await deleter.open()
+        for _ in range(2):  # quiet at one discovery, deleted at the next (the bound: no linger)
+            await deleter.delete_finished(await _job_consumers(js, n), set())
+        assert job_consumer(n, quiet) not in await _job_consumers(js, n)
+        # And both processes stop (the deleter before its next discovery)
+        await other.close()
+        # Then the next process to start makes the job's consumer, which delivers the task
+        following = JobLifecycle(js, n.model_copy(update={"max_job_consumers": 4}), [pipeline])
+        await following.open()
+        scouted = await following.scout(0)
+        ours = await _job_consumers(js, n)
+        following.listed(ours)
+        await following.make_missing(scouted, ours)
+        await following.close()
+        info = await js.consumer_info(n.tasks_stream, job_consumer(n, quiet))
+    assert info.num_pending == 1

@@ -136,6 +136,7 @@ class JobConsumers:
                     job.pending = job.ack_pending = 0
                 return await self._bind_or_unbind()
             self._life.listed(ours)
+            await self._life.align(ours)
             await self._life.make_missing(scouted, ours)
             return await self._settle_listing(ours, scouted)
         except (nats.errors.Error, TimeoutError) as error:
@@ -150,7 +151,9 @@ class JobConsumers:
             return []
         ours: dict[str, api.ConsumerInfo] = {}
         made = self._life.stats.made
-        await self._life.make_missing(scouted, ours, counted=self._life.stats.existing)
+        await self._life.make_missing(
+            scouted, ours, counted=self._life.stats.existing, listed=False
+        )
         self._life.stats.existing += self._life.stats.made - made
         for info in ours.values():
             self._note(info)
@@ -216,6 +219,10 @@ class JobConsumers:
             {n: i for n, i in listed.items() if is_job_consumer(self._settings, n)}
         )
         return await self.refresh()
+
+    async def delivered(self, msgs: list[Msg]) -> None:
+        """Tasks fetched from job consumers: the new-jobs messages they are past are done."""
+        await self._life.delivered(msgs)
 
     @property
     def stats(self) -> ConsumerStats:
