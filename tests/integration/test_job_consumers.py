@@ -310,3 +310,79 @@ async def test_a_task_published_as_its_consumer_is_deleted_is_served_after_both_
         await following.close()
         info = await js.consumer_info(n.tasks_stream, job_consumer(n, quiet))
     assert info.num_pending == 1
+
+
+async def _two_quiet_jobs(js: Any, settings: Any) -> tuple[str, str]:
+    """Two job consumers with no work, the bound 1 (so a quiet one is due at the next look)."""
+    from worker.nats.jobs import job_consumer, job_consumer_config
+    from worker.nats.provision import provision
+    from worker.nats.subjects import job_tasks_subject
+    from worker.schemas import subject_token
+
+    n, pipeline = settings.nats, settings.model.pipeline
+    await provision(js, n, pipeline)
+    names = []
+    for job in ("first", "second"):
+        subject = job_tasks_subject(pipeline, subject_token(job))
+        await js.add_consumer(n.tasks_stream, job_consumer_config(n, subject))
+        names.append(job_consumer(n, subject))
+    return names[0], names[1]
+
+
+async def test_an_advisory_waiting_holds_back_only_the_delete_of_the_consumer_it_names(
+    nats_server, settings_for
+):
+    import json
+
+    from worker.nats.advisories import MAX_DELIVER_TYPE
+    from worker.nats.lifecycle import JobLifecycle
+    from worker.nats.subjects import consumer_advisory_subject
+
+    settings = settings_for(nats_server.url, nats={"max_job_consumers": 1})
+    n = settings.nats
+    async with client(settings) as js:
+        named, other = await _two_quiet_jobs(js, settings)
+        # Given a max-deliveries advisory naming one of two finished jobs' consumers, not
+        # yet handled
+        advisory = {"type": MAX_DELIVER_TYPE, "stream": n.tasks_stream, "consumer": named}
+        advisory |= {"stream_seq": 1, "deliveries": n.max_deliver}
+        await js.publish(consumer_advisory_subject(n, named), json.dumps(advisory).encode())
+        # When the lifecycle looks at them twice (quiet, then due)
+        life = JobLifecycle(js, n, [settings.model.pipeline])
+        await life.open()
+        for _ in range(2):
+            await life.delete_finished(await _job_consumers(js, n), set())
+        left = await _job_consumers(js, n)
+    # Then the other finished job's consumer is deleted, the named one kept for its advisory
+    assert other not in left
+    assert named in left
+
+
+async def test_a_consumer_that_delivered_since_its_listing_is_not_deleted(
+    nats_server, settings_for
+):
+    from worker.nats.lifecycle import JobLifecycle
+
+    settings = settings_for(nats_server.url, nats={"max_job_consumers": 1})
+    n = settings.nats
+    async with client(settings) as js:
+        busy, _ = await _two_quiet_jobs(js, settings)
+        life = JobLifecycle(js, n, [settings.model.pipeline])
+        await life.open()
+        # Given a listing of a quiet job consumer
+        listed = await _job_consumers(js, n)
+        await life.delete_finished(dict(listed), set())
+        # When a task of it is published and fetched by a process with it bound
+        subject = listed[busy].config.filter_subject
+        await js.publish(subject, b"{}", stream=n.tasks_stream)
+        sub = await js.pull_subscribe_bind(durable=busy, stream=n.tasks_stream)
+        (task,) = await sub.fetch(1, timeout=5)
+        # And the lifecycle acts on the earlier listing
+        await life.delete_finished(dict(listed), set())
+        left = await _job_consumers(js, n)
+        # Then the consumer is kept, and the task's ack reaches it
+        await task.ack_sync()
+        info = await js.consumer_info(n.tasks_stream, busy)
+        await sub.unsubscribe()
+    assert busy in left
+    assert info.num_ack_pending == 0 and info.num_redelivered == 0

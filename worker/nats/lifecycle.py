@@ -50,6 +50,7 @@ from worker.nats.subjects import advisory_consumer, consumer_advisory_subject
 log = structlog.get_logger(__name__)
 DONE_KEPT = 10_000  # deleted consumers remembered, so a late new-jobs message makes none again
 ASSUMED_SERVER_LIMIT = 1000  # nats-server 2.15's per-stream default, where nothing says more
+GIVEN_BACK_READ_S = 0.25  # a read for new-jobs messages given back, with none pending
 _DELIVERY = ("ack_wait", "max_deliver", "backoff", "max_ack_pending", "max_waiting")
 
 
@@ -210,10 +211,12 @@ class JobLifecycle:
         )
         if not info.num_pending and not given_back:
             return []
-        if given_back:
+        timeout_s = s.fetch_timeout_s
+        if given_back:  # ready at once if any: a short read (others may hold them all)
             self._given_back_read_at = time.monotonic()
+            timeout_s = timeout_s if info.num_pending else min(timeout_s, GIVEN_BACK_READ_S)
         try:
-            msgs: list[Msg] = await self._scout.fetch(SCOUT_BATCH, timeout=s.fetch_timeout_s)  # type: ignore[attr-defined]
+            msgs: list[Msg] = await self._scout.fetch(SCOUT_BATCH, timeout=timeout_s)  # type: ignore[attr-defined]
         except (TimeoutError, nats.errors.TimeoutError):
             return []
         self.more = len(msgs) == SCOUT_BATCH
