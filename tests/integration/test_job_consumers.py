@@ -386,3 +386,47 @@ async def test_a_consumer_that_delivered_since_its_listing_is_not_deleted(
         await sub.unsubscribe()
     assert busy in left
     assert info.num_ack_pending == 0 and info.num_redelivered == 0
+
+
+class _ListingFailsOnce:
+    """A JetStream whose first consumer listing times out."""
+
+    def __init__(self, js: Any) -> None:
+        self._js, self.failed = js, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._js, name)
+
+    async def consumers_info(self, stream: str, offset: int = 0) -> Any:
+        if not self.failed:
+            self.failed = True
+            raise TimeoutError("listing timed out")
+        return await self._js.consumers_info(stream, offset=offset)
+
+
+async def test_a_new_job_read_by_a_failed_discovery_gets_its_consumer_at_the_next(
+    nats_server, settings_for
+):
+    from worker.nats.jobs import JobConsumers, job_consumer
+    from worker.nats.provision import provision
+    from worker.nats.subjects import job_tasks_subject
+    from worker.schemas import subject_token
+
+    settings = settings_for(nats_server.url)
+    n, pipeline = settings.nats, settings.model.pipeline
+    subject = job_tasks_subject(pipeline, subject_token("job-after-a-failure"))
+    async with client(settings) as js:
+        await provision(js, n, pipeline)
+        flaky = _ListingFailsOnce(js)
+        jobs = JobConsumers(flaky, n, [pipeline])
+        await jobs._life.open()
+        # Given a new job's task, read by a discovery whose listing then fails
+        await js.publish(subject, b"{}", stream=n.tasks_stream)
+        await jobs.refresh()
+        assert flaky.failed
+        # When the next discovery runs
+        await jobs.refresh()
+        made = job_consumer(n, subject) in await _job_consumers(js, n)
+        await jobs.close()
+    # Then the job has its consumer (not only after the new-jobs ack wait of 30 s)
+    assert made

@@ -121,6 +121,7 @@ class JobConsumers:
         after their last fetch (to be admitted like any fetched message). A NATS error
         changes nothing. Woken by a hint between two discoveries, only the new jobs."""
         hinted, self._hinted = self._hinted, False
+        scouted: list[Msg] = []
         try:
             if hinted and not self.due_by_time():  # (none while the shared one takes them)
                 return [] if self._conflict_logged else await self._new_jobs_only()
@@ -141,6 +142,7 @@ class JobConsumers:
             return await self._settle_listing(ours, scouted)
         except (nats.errors.Error, TimeoutError) as error:
             log.warning("job_discovery_failed", error=f"{type(error).__name__}: {error}")
+            await self._life.give_back(scouted)  # for the next discovery, not after 30 s
             return []
 
     async def _new_jobs_only(self) -> list[Msg]:

@@ -283,6 +283,13 @@ class JobLifecycle:
         if old is not None and _seq(old) < _seq(msg):
             await _settled(old.ack())
 
+    async def give_back(self, scouted: list[Msg]) -> None:
+        """Scouted messages a failed discovery did not take in hand, given back at once."""
+        in_hand = {id(msg) for msg in [*self._waiting.values(), *self._held.values()]}
+        for msg in scouted:
+            if id(msg) not in in_hand:
+                await _settled(msg.nak())
+
     async def close(self) -> None:
         """Give back the messages in hand, for another worker at once."""
         hands, self._waiting, self._held = [self._waiting, self._held], {}, {}
