@@ -79,3 +79,31 @@ async def test_a_process_with_the_other_fair_jobs_is_refused_and_no_task_runs_tw
 
 def n_consumer(settings) -> str:
     return str(settings.nats.consumer)
+
+
+async def test_a_job_consumer_made_later_with_other_settings_is_given_ours_at_discovery(
+    nats_server, settings_for, capsys
+):
+    from worker.nats.jobs import JobConsumers
+
+    settings = settings_for(nats_server.url, nats={"ack_wait_s": 900.0, "max_deliver": 2})
+    n, pipeline = settings.nats, settings.model.pipeline
+    subject = job_tasks_subject(pipeline, subject_token("job-later"))
+    async with client(settings) as js:
+        await provision(js, n, pipeline)
+        jobs = JobConsumers(js, n, [pipeline])
+        await jobs.open()
+        # Given a job consumer made after this process started, by one with the defaults
+        older = settings_for(nats_server.url).nats.model_copy(
+            update={"consumer": n.consumer, "tasks_stream": n.tasks_stream}
+        )
+        await js.add_consumer(n.tasks_stream, job_consumer_config(older, subject))
+        # When this process discovers jobs, twice
+        for _ in range(2):
+            await jobs.refresh()
+        info = await js.consumer_info(n.tasks_stream, job_consumer(n, subject))
+        await jobs.close()
+    # Then the consumer delivers by this process's settings, said once and counted
+    assert (info.config.ack_wait, info.config.max_deliver) == (900.0, 2)
+    assert capsys.readouterr().out.count("job_consumer_settings_differ") == 1
+    assert jobs.stats.updated == 1

@@ -237,3 +237,196 @@ async def test_a_consumer_limit_filled_by_others_is_a_health_problem_until_there
     assert "maximum consumers limit reached" in body, body
     assert refused is not None and refused >= 1
     assert result["status"] == "ok"
+
+
+# -- a task published as its job's consumer is deleted, the remake refused ------------------
+class _PublishesBeforeTheDelete:
+    """The deleting process's JetStream, with a task published on ``subject`` and another
+    process's discovery (``meanwhile``) run just before the delete reaches the server: the
+    race of a task published after the deleter's last look at the consumer."""
+
+    def __init__(self, js: Any, subject: str, meanwhile: Any) -> None:
+        self._js, self._subject, self._meanwhile = js, subject, meanwhile
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._js, name)
+
+    async def delete_consumer(self, stream: str, name: str) -> Any:
+        await self._js.publish(self._subject, b"{}", stream=stream)
+        await self._meanwhile()
+        return await self._js.delete_consumer(stream, name)
+
+
+async def _job_consumers(js: Any, n: Any) -> dict[str, Any]:
+    from worker.nats.jobs import is_job_consumer
+
+    infos = await js.consumers_info(n.tasks_stream)
+    return {i.name: i for i in infos if is_job_consumer(n, i.name)}
+
+
+async def test_a_task_published_as_its_consumer_is_deleted_is_served_after_both_processes_stop(
+    nats_server, settings_for
+):
+    from worker.nats.jobs import job_consumer, job_consumer_config
+    from worker.nats.lifecycle import JobLifecycle
+    from worker.nats.provision import provision
+    from worker.nats.subjects import job_tasks_subject
+    from worker.schemas import subject_token
+
+    settings = settings_for(nats_server.url, nats={"max_job_consumers": 1})
+    n, pipeline = settings.nats, settings.model.pipeline
+    quiet, busy = (job_tasks_subject(pipeline, subject_token(j)) for j in ("quiet", "busy"))
+    async with client(settings) as js:
+        # Given two job consumers at the bound of 1: a quiet job's and a busy one's
+        await provision(js, n, pipeline)
+        for subject in (quiet, busy):
+            await js.add_consumer(n.tasks_stream, job_consumer_config(n, subject))
+        await js.publish(busy, b"{}", stream=n.tasks_stream)
+        other = JobLifecycle(js, n, [pipeline])
+        await other.open()
+
+        async def other_discovers() -> None:  # reads the task's new-jobs message, lists
+            scouted = await other.scout(0)
+            ours = await _job_consumers(js, n)
+            other.listed(ours)
+            await other.make_missing(scouted, ours)
+
+        # When the quiet one is deleted by a process, a task of its job published meanwhile
+        # and heard of by another process, its remake refused (the bound)
+        deleter = JobLifecycle(_PublishesBeforeTheDelete(js, quiet, other_discovers), n, [pipeline])
+        await deleter.open()
+        for _ in range(2):  # quiet at one discovery, deleted at the next (the bound: no linger)
+            await deleter.delete_finished(await _job_consumers(js, n), set())
+        assert job_consumer(n, quiet) not in await _job_consumers(js, n)
+        # And both processes stop (the deleter before its next discovery)
+        await other.close()
+        # Then the next process to start makes the job's consumer, which delivers the task
+        following = JobLifecycle(js, n.model_copy(update={"max_job_consumers": 4}), [pipeline])
+        await following.open()
+        scouted = await following.scout(0)
+        ours = await _job_consumers(js, n)
+        following.listed(ours)
+        await following.make_missing(scouted, ours)
+        await following.close()
+        info = await js.consumer_info(n.tasks_stream, job_consumer(n, quiet))
+    assert info.num_pending == 1
+
+
+async def _two_quiet_jobs(js: Any, settings: Any) -> tuple[str, str]:
+    """Two job consumers with no work, the bound 1 (so a quiet one is due at the next look)."""
+    from worker.nats.jobs import job_consumer, job_consumer_config
+    from worker.nats.provision import provision
+    from worker.nats.subjects import job_tasks_subject
+    from worker.schemas import subject_token
+
+    n, pipeline = settings.nats, settings.model.pipeline
+    await provision(js, n, pipeline)
+    names = []
+    for job in ("first", "second"):
+        subject = job_tasks_subject(pipeline, subject_token(job))
+        await js.add_consumer(n.tasks_stream, job_consumer_config(n, subject))
+        names.append(job_consumer(n, subject))
+    return names[0], names[1]
+
+
+async def test_an_advisory_waiting_holds_back_only_the_delete_of_the_consumer_it_names(
+    nats_server, settings_for
+):
+    import json
+
+    from worker.nats.advisories import MAX_DELIVER_TYPE
+    from worker.nats.lifecycle import JobLifecycle
+    from worker.nats.subjects import consumer_advisory_subject
+
+    settings = settings_for(nats_server.url, nats={"max_job_consumers": 1})
+    n = settings.nats
+    async with client(settings) as js:
+        named, other = await _two_quiet_jobs(js, settings)
+        # Given a max-deliveries advisory naming one of two finished jobs' consumers, not
+        # yet handled
+        advisory = {"type": MAX_DELIVER_TYPE, "stream": n.tasks_stream, "consumer": named}
+        advisory |= {"stream_seq": 1, "deliveries": n.max_deliver}
+        await js.publish(consumer_advisory_subject(n, named), json.dumps(advisory).encode())
+        # When the lifecycle looks at them twice (quiet, then due)
+        life = JobLifecycle(js, n, [settings.model.pipeline])
+        await life.open()
+        for _ in range(2):
+            await life.delete_finished(await _job_consumers(js, n), set())
+        left = await _job_consumers(js, n)
+    # Then the other finished job's consumer is deleted, the named one kept for its advisory
+    assert other not in left
+    assert named in left
+
+
+async def test_a_consumer_that_delivered_since_its_listing_is_not_deleted(
+    nats_server, settings_for
+):
+    from worker.nats.lifecycle import JobLifecycle
+
+    settings = settings_for(nats_server.url, nats={"max_job_consumers": 1})
+    n = settings.nats
+    async with client(settings) as js:
+        busy, _ = await _two_quiet_jobs(js, settings)
+        life = JobLifecycle(js, n, [settings.model.pipeline])
+        await life.open()
+        # Given a listing of a quiet job consumer
+        listed = await _job_consumers(js, n)
+        await life.delete_finished(dict(listed), set())
+        # When a task of it is published and fetched by a process with it bound
+        subject = listed[busy].config.filter_subject
+        await js.publish(subject, b"{}", stream=n.tasks_stream)
+        sub = await js.pull_subscribe_bind(durable=busy, stream=n.tasks_stream)
+        (task,) = await sub.fetch(1, timeout=5)
+        # And the lifecycle acts on the earlier listing
+        await life.delete_finished(dict(listed), set())
+        left = await _job_consumers(js, n)
+        # Then the consumer is kept, and the task's ack reaches it
+        await task.ack_sync()
+        info = await js.consumer_info(n.tasks_stream, busy)
+        await sub.unsubscribe()
+    assert busy in left
+    assert info.num_ack_pending == 0 and info.num_redelivered == 0
+
+
+class _ListingFailsOnce:
+    """A JetStream whose first consumer listing times out."""
+
+    def __init__(self, js: Any) -> None:
+        self._js, self.failed = js, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._js, name)
+
+    async def consumers_info(self, stream: str, offset: int = 0) -> Any:
+        if not self.failed:
+            self.failed = True
+            raise TimeoutError("listing timed out")
+        return await self._js.consumers_info(stream, offset=offset)
+
+
+async def test_a_new_job_read_by_a_failed_discovery_gets_its_consumer_at_the_next(
+    nats_server, settings_for
+):
+    from worker.nats.jobs import JobConsumers, job_consumer
+    from worker.nats.provision import provision
+    from worker.nats.subjects import job_tasks_subject
+    from worker.schemas import subject_token
+
+    settings = settings_for(nats_server.url)
+    n, pipeline = settings.nats, settings.model.pipeline
+    subject = job_tasks_subject(pipeline, subject_token("job-after-a-failure"))
+    async with client(settings) as js:
+        await provision(js, n, pipeline)
+        flaky = _ListingFailsOnce(js)
+        jobs = JobConsumers(flaky, n, [pipeline])
+        await jobs._life.open()
+        # Given a new job's task, read by a discovery whose listing then fails
+        await js.publish(subject, b"{}", stream=n.tasks_stream)
+        await jobs.refresh()
+        assert flaky.failed
+        # When the next discovery runs
+        await jobs.refresh()
+        made = job_consumer(n, subject) in await _job_consumers(js, n)
+        await jobs.close()
+    # Then the job has its consumer (not only after the new-jobs ack wait of 30 s)
+    assert made

@@ -213,7 +213,7 @@ class ModelsCollector:
 class JobConsumersCollector:
     """Fair share's job consumers (``worker.nats.lifecycle``): how many exist, the bound,
     and those made, deleted and refused by the server. ``stats`` returns an object with
-    ``existing``, ``bound``, ``made``, ``deleted`` and ``refused``."""
+    ``existing``, ``bound``, ``made``, ``deleted``, ``refused`` and ``updated``."""
 
     def __init__(self, stats: Callable[[], Any]) -> None:
         self._stats = stats
@@ -242,6 +242,11 @@ class JobConsumersCollector:
                 "refused",
                 stats.refused,
                 "Job consumers the server refused to make (its consumer limit reached).",
+            ),
+            (
+                "updated",
+                stats.updated,
+                "Job consumers listed with other delivery settings and given this process's.",
             ),
         ):
             yield CounterMetricFamily(f"{PREFIX}_job_consumers_{what}", text, value=float(value))

@@ -121,6 +121,7 @@ class JobConsumers:
         after their last fetch (to be admitted like any fetched message). A NATS error
         changes nothing. Woken by a hint between two discoveries, only the new jobs."""
         hinted, self._hinted = self._hinted, False
+        scouted: list[Msg] = []
         try:
             if hinted and not self.due_by_time():  # (none while the shared one takes them)
                 return [] if self._conflict_logged else await self._new_jobs_only()
@@ -136,10 +137,12 @@ class JobConsumers:
                     job.pending = job.ack_pending = 0
                 return await self._bind_or_unbind()
             self._life.listed(ours)
+            await self._life.align(ours)
             await self._life.make_missing(scouted, ours)
             return await self._settle_listing(ours, scouted)
         except (nats.errors.Error, TimeoutError) as error:
             log.warning("job_discovery_failed", error=f"{type(error).__name__}: {error}")
+            await self._life.give_back(scouted)  # for the next discovery, not after 30 s
             return []
 
     async def _new_jobs_only(self) -> list[Msg]:
@@ -150,7 +153,9 @@ class JobConsumers:
             return []
         ours: dict[str, api.ConsumerInfo] = {}
         made = self._life.stats.made
-        await self._life.make_missing(scouted, ours, counted=self._life.stats.existing)
+        await self._life.make_missing(
+            scouted, ours, counted=self._life.stats.existing, listed=False
+        )
         self._life.stats.existing += self._life.stats.made - made
         for info in ours.values():
             self._note(info)
@@ -216,6 +221,10 @@ class JobConsumers:
             {n: i for n, i in listed.items() if is_job_consumer(self._settings, n)}
         )
         return await self.refresh()
+
+    async def delivered(self, msgs: list[Msg]) -> None:
+        """Tasks fetched from job consumers: the new-jobs messages they are past are done."""
+        await self._life.delivered(msgs)
 
     @property
     def stats(self) -> ConsumerStats:

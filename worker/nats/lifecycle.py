@@ -3,17 +3,26 @@ well under the server's per-stream consumer limit.
 
 New jobs are found by one shared durable consumer, ``<WORKER_NATS__CONSUMER>-new-jobs``, on
 the served pipelines' job subjects (``tasks.<pipeline>.*``), headers only: each task published
-reaches one worker process once, as a few hundred bytes of headers, and is acked there only
-once its job has a consumer (made now, or listed after the task was fetched). A worker that
-dies holding such a message gives it back after its ack wait; the messages of a job that finds
-no room (the bound, or the server refusing) are kept in hand, their ack wait renewed, and the
-job gets its consumer at a later discovery, in the order the jobs came.
+reaches one worker process once, as a few hundred bytes of headers. Of a job's messages in
+hand only the latest is kept (the others are acked: a consumer that delivers it has delivered
+them), its ack wait renewed, until the job's consumer, listed after the message was read, has
+delivered past it or has nothing left to deliver; only then is it acked. So a task is never
+left without a trace: should its consumer be deleted before delivering it and the remake fail
+(below), the message in hand makes the consumer again at a later discovery, and a worker that
+dies holding it gives it back after its ack wait. A job that finds no room (the bound, or the
+server refusing) waits in hand likewise and gets its consumer at a later discovery, in the
+order the jobs came.
 
 A job's consumer is deleted once it has had nothing pending and nothing awaiting an ack for
-``WORKER_NATS__JOB_CONSUMER_LINGER_S`` (and no max-deliveries advisory waits, which must find
-the consumer that named it). Right after the delete, the job subject's last message is read:
-one published between the consumer's last listing and its delete gets a consumer again,
-starting after what the deleted one had delivered, so no task falls between the two.
+``WORKER_NATS__JOB_CONSUMER_LINGER_S`` (and no max-deliveries advisory that names it waits:
+it must find the consumer). Its own consumer_info, read just before the delete, must show it
+still quiet, with nothing delivered since the listing. Right after the delete, the job
+subject's last message is read: one published since gets a consumer again, starting after
+what the deleted one had delivered, so no task falls between the two.
+
+Delivery settings: a job consumer listed with an ack wait, delivery cap, backoff or ack and
+pull limits other than this process's (made by a process started with others) is logged
+``job_consumer_settings_differ`` (once per consumer), counted, and updated to ours.
 
 The bound: ``WORKER_NATS__MAX_JOB_CONSUMERS``, and at most half of the server's per-stream
 limit (the stream's ``max_consumers``, else the account's, else 1,000 as nats-server 2.15's
@@ -36,11 +45,13 @@ from nats.js.errors import APIError, NotFoundError
 from config.settings import ConfigError, NatsSettings
 from worker.nats.job_names import job_consumer, job_consumer_config
 from worker.nats.provision import SCOUT_ACK_WAIT_S, SCOUT_BATCH, new_jobs_consumer
-from worker.nats.subjects import advisory_consumer
+from worker.nats.subjects import advisory_consumer, consumer_advisory_subject
 
 log = structlog.get_logger(__name__)
 DONE_KEPT = 10_000  # deleted consumers remembered, so a late new-jobs message makes none again
 ASSUMED_SERVER_LIMIT = 1000  # nats-server 2.15's per-stream default, where nothing says more
+GIVEN_BACK_READ_S = 0.25  # a read for new-jobs messages given back, with none pending
+_DELIVERY = ("ack_wait", "max_deliver", "backoff", "max_ack_pending", "max_waiting")
 
 
 async def _settled(action: Awaitable[None]) -> None:
@@ -48,6 +59,20 @@ async def _settled(action: Awaitable[None]) -> None:
         await action
     except nats.errors.Error:
         pass  # the ack wait gives it back
+
+
+def _seq(msg: Msg) -> int:
+    return int(msg.metadata.sequence.stream)
+
+
+def _delivered(info: api.ConsumerInfo) -> int:
+    return int(info.delivered.stream_seq or 0) if info.delivered else 0
+
+
+def _past(info: api.ConsumerInfo, seq: int) -> bool:
+    """Whether the consumer ``info`` (read after task ``seq`` was stored) has delivered it,
+    or has nothing left to deliver (the task gone from the stream, past its max_age)."""
+    return _delivered(info) >= seq or not (info.num_pending or info.num_ack_pending)
 
 
 def _same(a: object, b: object) -> bool:
@@ -66,6 +91,7 @@ class ConsumerStats:
     existing: int = 0  # job consumers of ours, as last listed
     bound: int = 0  # the most that may exist at once
     refusal: str | None = None  # the server's last refusal, while jobs still wait for room
+    updated: int = 0  # listed with other delivery settings, and given ours
 
 
 class JobLifecycle:
@@ -82,8 +108,11 @@ class JobLifecycle:
         self._known: set[str] = set()  # job consumers as last listed, and made since
         self._counted = 0  # job consumers that exist besides those in hand
         self._done: dict[str, int] = {}  # subject -> what its consumer deleted here delivered
-        self._waiting: dict[str, list[Msg]] = {}  # new-jobs messages of jobs without room yet
+        self._waiting: dict[str, Msg] = {}  # subject -> latest new-jobs message, no consumer yet
+        self._held: dict[str, Msg] = {}  # subject -> the same, its consumer not yet past it
+        self._differed: set[str] = set()  # consumers logged with other delivery settings
         self._renewed_at = 0.0
+        self._given_back_read_at = float("-inf")
 
     async def open(self) -> None:
         limit = await self._server_limit()
@@ -98,11 +127,10 @@ class JobLifecycle:
         delivery cap, backoff, ack and pull limits); ConfigError (exit 2) naming the consumer
         the server will not update."""
         wanted = job_consumer_config(self._settings, "tasks.x.x")
-        fields = ("ack_wait", "max_deliver", "backoff", "max_ack_pending", "max_waiting")
         for name, info in ours.items():
-            if all(_same(getattr(info.config, f), getattr(wanted, f)) for f in fields):
+            if self._alike(info, wanted):
                 continue
-            config = replace(info.config, **{f: getattr(wanted, f) for f in fields})
+            config = replace(info.config, **{f: getattr(wanted, f) for f in _DELIVERY})
             try:
                 ours[name] = await self._js.add_consumer(self._settings.tasks_stream, config)
             except APIError as error:
@@ -118,6 +146,39 @@ class JobLifecycle:
                 ack_wait_s=wanted.ack_wait,
                 max_deliver=wanted.max_deliver,
             )
+
+    @staticmethod
+    def _alike(info: api.ConsumerInfo, wanted: api.ConsumerConfig) -> bool:
+        return all(_same(getattr(info.config, f), getattr(wanted, f)) for f in _DELIVERY)
+
+    async def align(self, ours: dict[str, api.ConsumerInfo]) -> None:
+        """At each discovery: a job consumer listed with other delivery settings (made since
+        the start by a process with others) is given ours, logged once per consumer and
+        counted; one the server will not update is logged and left as it is."""
+        wanted = job_consumer_config(self._settings, "tasks.x.x")
+        for name, info in list(ours.items()):
+            if self._alike(info, wanted):
+                continue
+            if name not in self._differed:
+                self._differed.add(name)
+                if len(self._differed) > DONE_KEPT:
+                    self._differed.pop()
+                log.warning(
+                    "job_consumer_settings_differ",
+                    consumer=name,
+                    ack_wait_s=info.config.ack_wait,
+                    max_deliver=info.config.max_deliver,
+                    ours_ack_wait_s=wanted.ack_wait,
+                    ours_max_deliver=wanted.max_deliver,
+                    effect="updated to this process's settings",
+                )
+            config = replace(info.config, **{f: getattr(wanted, f) for f in _DELIVERY})
+            try:
+                ours[name] = await self._js.add_consumer(self._settings.tasks_stream, config)
+            except APIError as error:
+                log.warning("job_consumer_not_updated", consumer=name, error=str(error))
+                continue
+            self.stats.updated += 1
 
     async def _server_limit(self) -> int:
         """The stream's max_consumers, else the account's, else the assumed default."""
@@ -142,60 +203,108 @@ class JobLifecycle:
             return []
         s = self._settings
         info = await self._js.consumer_info(s.tasks_stream, new_jobs_consumer(s))
-        if not info.num_pending:
+        # Messages given back (a worker stopped, or died and its ack wait ran out) are awaiting
+        # an ack, not pending: looked for now and then, when more await one than are in hand.
+        in_hand = len(self._waiting) + len(self._held)
+        given_back = (info.num_ack_pending or 0) > in_hand and (
+            time.monotonic() - self._given_back_read_at >= SCOUT_ACK_WAIT_S / 3
+        )
+        if not info.num_pending and not given_back:
             return []
+        timeout_s = s.fetch_timeout_s
+        if given_back:  # ready at once if any: a short read (others may hold them all)
+            self._given_back_read_at = time.monotonic()
+            timeout_s = timeout_s if info.num_pending else min(timeout_s, GIVEN_BACK_READ_S)
         try:
-            msgs: list[Msg] = await self._scout.fetch(SCOUT_BATCH, timeout=s.fetch_timeout_s)  # type: ignore[attr-defined]
+            msgs: list[Msg] = await self._scout.fetch(SCOUT_BATCH, timeout=timeout_s)  # type: ignore[attr-defined]
         except (TimeoutError, nats.errors.TimeoutError):
             return []
         self.more = len(msgs) == SCOUT_BATCH
         return msgs
 
     async def make_missing(
-        self, scouted: list[Msg], ours: dict[str, api.ConsumerInfo], counted: int = 0
+        self,
+        scouted: list[Msg],
+        ours: dict[str, api.ConsumerInfo],
+        counted: int = 0,
+        listed: bool = True,
     ) -> None:
-        """Each scouted job gets its consumer (``ours`` is listed after the scout read, or
-        empty: then each is made or found by ``add_consumer``, and ``counted`` others exist);
-        its messages are acked once it has one, and kept in hand (their ack wait renewed)
-        while it has no room, in the order they came."""
+        """Each scouted job gets its consumer (``ours`` is listed after the scout read, or,
+        not ``listed``, empty: then each is made or found by ``add_consumer``, and
+        ``counted`` others exist). A job's latest message is kept in hand (its ack wait
+        renewed) while it has no room, in the order they came, and then until its consumer
+        is seen past it; the others are acked."""
         self._counted = counted
         for subject, start in list(self._owed.items()):
             if await self._make(subject, ours, start=start):
                 del self._owed[subject]
         for msg in scouted:
-            if msg.metadata.sequence.stream <= self._done.get(msg.subject, 0):
+            if _seq(msg) <= self._done.get(msg.subject, 0):
                 await _settled(msg.ack())  # delivered by a consumer deleted here since
             else:
-                self._waiting.setdefault(msg.subject, []).append(msg)
+                await self._keep(msg)
+        if listed:  # a held job whose consumer is gone (deleted elsewhere) needs one again
+            for subject in [s for s in self._held if job_consumer(self._settings, s) not in ours]:
+                self._waiting[subject] = self._held.pop(subject)
         room = True
-        for subject, msgs in list(self._waiting.items()):
+        for subject in list(self._waiting):
             name = job_consumer(self._settings, subject)
             if name not in ours and room:
                 room = await self._make(subject, ours)
             if name in ours:
-                del self._waiting[subject]
-                for msg in msgs:
-                    await _settled(msg.ack())
+                self._held[subject] = self._waiting.pop(subject)
+        for subject, msg in list(self._held.items()):
+            info = ours.get(job_consumer(self._settings, subject))
+            if info is not None and _past(info, _seq(msg)):
+                del self._held[subject]
+                await _settled(msg.ack())
         if not self._waiting:
             self.stats.refusal = None
         await self._keep_in_hand()
 
+    async def delivered(self, tasks: list[Msg]) -> None:
+        """Tasks fetched here from job consumers: a held new-jobs message they are past is
+        acked now, not at the next listing."""
+        for task in tasks:
+            held = self._held.get(task.subject)
+            if held is not None and _seq(held) <= _seq(task):
+                del self._held[task.subject]
+                await _settled(held.ack())
+
+    async def _keep(self, msg: Msg) -> None:
+        """Hold ``msg``, the latest of its job's in hand; the older one is acked (a consumer
+        past the latest is past it too)."""
+        hand = self._held if msg.subject in self._held else self._waiting
+        old = hand.get(msg.subject)
+        if old is not None and _seq(old) > _seq(msg):
+            await _settled(msg.ack())
+            return
+        hand[msg.subject] = msg
+        if old is not None and _seq(old) < _seq(msg):
+            await _settled(old.ack())
+
+    async def give_back(self, scouted: list[Msg]) -> None:
+        """Scouted messages a failed discovery did not take in hand, given back at once."""
+        in_hand = {id(msg) for msg in [*self._waiting.values(), *self._held.values()]}
+        for msg in scouted:
+            if id(msg) not in in_hand:
+                await _settled(msg.nak())
+
     async def close(self) -> None:
         """Give back the messages in hand, for another worker at once."""
-        waiting, self._waiting = self._waiting, {}
-        for msgs in waiting.values():
-            for msg in msgs:
+        hands, self._waiting, self._held = [self._waiting, self._held], {}, {}
+        for hand in hands:
+            for msg in hand.values():
                 await _settled(msg.nak())
 
     async def _keep_in_hand(self) -> None:
-        """Renew the ack wait of the messages of jobs waiting for room (else another worker
-        would get them back after SCOUT_ACK_WAIT_S)."""
+        """Renew the ack wait of the messages in hand (else another worker would get them
+        back after SCOUT_ACK_WAIT_S)."""
         if time.monotonic() - self._renewed_at < SCOUT_ACK_WAIT_S / 3:
             return
         self._renewed_at = time.monotonic()
-        for msgs in self._waiting.values():
-            for msg in msgs:
-                await _settled(msg.in_progress())
+        for msg in [*self._waiting.values(), *self._held.values()]:
+            await _settled(msg.in_progress())
 
     async def _make(self, subject: str, ours: dict[str, api.ConsumerInfo], start: int = 0) -> bool:
         """Make ``subject``'s consumer (from stream sequence ``start`` when given); False when
@@ -263,30 +372,62 @@ class JobLifecycle:
                 due.append(info)
             else:
                 quiet.setdefault(name, now)
-        if due and not await self._advisories_waiting():
-            for info in due:
+        if not due:
+            return
+        named = await self._named_by_advisories(due)
+        for info in due:
+            if info.name not in named:
                 await self._delete(info, ours)
 
-    async def _advisories_waiting(self) -> bool:
+    async def _named_by_advisories(self, due: list[api.ConsumerInfo]) -> set[str]:
+        """The consumers of ``due`` that a max-deliveries advisory not yet settled names (its
+        subject ends with the consumer's name, and it is above the advisory consumer's ack
+        floor); all of them when the advisory stream cannot be read."""
         s = self._settings
+        every = {info.name for info in due}
         try:
             info = await self._js.consumer_info(s.advisory_stream, advisory_consumer(s))
         except (nats.errors.Error, TimeoutError):
-            return True
-        return bool(info.num_pending or info.num_ack_pending)
+            return every
+        if not (info.num_pending or info.num_ack_pending):
+            return set()
+        floor = int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0
+        named = set()
+        for name in every:
+            subject = consumer_advisory_subject(s, name)
+            try:
+                last = await self._js.get_last_msg(s.advisory_stream, subject)
+            except NotFoundError:
+                continue
+            except (nats.errors.Error, TimeoutError):
+                named.add(name)
+                continue
+            if (last.seq or 0) > floor:
+                named.add(name)
+        return named
 
-    async def _delete(self, info: api.ConsumerInfo, ours: dict[str, api.ConsumerInfo]) -> None:
-        name, subject = info.name, info.config.filter_subject or ""
+    async def _delete(self, listed: api.ConsumerInfo, ours: dict[str, api.ConsumerInfo]) -> None:
+        """Delete a consumer found quiet, unless its own consumer_info says it has delivered,
+        or has work, since the listing (a process with it bound took a task meanwhile)."""
+        name, subject = listed.name, listed.config.filter_subject or ""
         try:
-            await self._js.delete_consumer(self._settings.tasks_stream, name)
+            info = await self._js.consumer_info(self._settings.tasks_stream, name)
         except NotFoundError:
-            pass  # another worker deleted it
+            info = listed  # another worker deleted it (and remakes what was published since)
+        else:
+            if info.num_pending or info.num_ack_pending or _delivered(info) != _delivered(listed):
+                self._quiet_since.pop(name, None)
+                return
+            try:
+                await self._js.delete_consumer(self._settings.tasks_stream, name)
+            except NotFoundError:
+                pass  # another worker deleted it
         ours.pop(name, None)
         self._known.discard(name)
         self._quiet_since.pop(name, None)
         self.stats.deleted += 1
         log.info("job_consumer_deleted", consumer=name, subject=subject)
-        delivered = int(info.delivered.stream_seq or 0) if info.delivered else 0
+        delivered = _delivered(info)
         self._done[subject] = delivered
         if len(self._done) > DONE_KEPT:
             del self._done[next(iter(self._done))]

@@ -33,3 +33,8 @@ def advisory_subject(settings: NatsSettings) -> str:
 
 def advisory_consumer(settings: NatsSettings) -> str:
     return f"{settings.consumer}-max-deliveries"
+
+
+def consumer_advisory_subject(settings: NatsSettings, consumer: str) -> str:
+    """The max-deliveries advisories of one consumer on the tasks stream."""
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{settings.tasks_stream}.{consumer}"
