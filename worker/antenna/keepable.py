@@ -12,6 +12,7 @@ by its whole frame, which an AMI trap image is not). Imports no torch.
 
 from __future__ import annotations
 
+from config.names import env_name
 from pipelines.declare import Pipeline
 
 
@@ -22,8 +23,9 @@ def refusal(pipeline: Pipeline) -> str | None:
     return (
         f"pipeline {pipeline.name!r} has no detector: Antenna keeps results only of a "
         "pipeline with a detection algorithm (it answers 200 to each result post, then drops "
-        "it: 'Pipeline does not have a detection algorithm'); serve it with WORKER_SOURCE=nats, "
-        "or serve Antenna a pipeline with a detector (README, 'Antenna')"
+        "it: 'Pipeline does not have a detection algorithm'); serve it with "
+        f"{env_name('source')}=nats, or serve Antenna a pipeline with a detector "
+        "(README, 'Antenna')"
     )
 
 

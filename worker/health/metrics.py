@@ -231,8 +231,9 @@ class JobConsumersCollector:
         )
         yield GaugeMetricFamily(
             f"{PREFIX}_job_consumers_bound",
-            "The most job consumers that may exist at once (WORKER_NATS__MAX_JOB_CONSUMERS, "
-            "at most half the server's per-stream limit).",
+            "The most job consumers that may exist at once "
+            f"({env_name('nats', 'max_job_consumers')}, at most half the server's "
+            "per-stream limit).",
             value=float(stats.bound),
         )
         for what, value, text in (

@@ -34,6 +34,7 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
+from config.names import env_name
 from config.settings import NatsSettings
 from worker.nats.job_names import is_job_consumer, job_consumer, job_consumer_config
 from worker.nats.lifecycle import ConsumerStats, JobLifecycle, new_jobs_consumer
@@ -191,8 +192,8 @@ class JobConsumers:
                 "fair_jobs_suspended",
                 consumer=self._settings.consumer,
                 filter=main.config.filter_subjects,
-                hint="a process with WORKER_NATS__FAIR_JOBS=false shares this consumer; job "
-                "consumers are not read while its filter takes the job subjects",
+                hint=f"a process with {env_name('nats', 'fair_jobs')}=false shares this "
+                "consumer; job consumers are not read while its filter takes the job subjects",
             )
         self._conflict_logged = conflict
         return conflict

@@ -42,6 +42,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, NotFoundError
 
+from config.names import env_name
 from config.settings import ConfigError, NatsSettings
 from worker.nats.job_names import job_consumer, job_consumer_config
 from worker.nats.provision import SCOUT_ACK_WAIT_S, SCOUT_BATCH, new_jobs_consumer
@@ -135,7 +136,8 @@ class JobLifecycle:
                 ours[name] = await self._js.add_consumer(self._settings.tasks_stream, config)
             except APIError as error:
                 raise ConfigError(
-                    f"WORKER_NATS__ACK_WAIT_S, WORKER_NATS__MAX_DELIVER: job consumer {name} on "
+                    f"{env_name('nats', 'ack_wait_s')}, {env_name('nats', 'max_deliver')}: "
+                    f"job consumer {name} on "
                     f"stream {self._settings.tasks_stream} keeps ack_wait "
                     f"{info.config.ack_wait} s and max_deliver {info.config.max_deliver}: the "
                     f"server refused the update ({error.description or error})"

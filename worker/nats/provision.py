@@ -10,6 +10,7 @@ import structlog
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
+from config.names import env_name
 from config.settings import ConfigError, NatsSettings
 from worker.nats.subjects import (
     advisory_consumer,
@@ -174,8 +175,8 @@ async def refuse_other_fair_jobs(js: JetStreamContext, settings: NatsSettings) -
     if theirs != settings.fair_jobs:
         ours, other = str(settings.fair_jobs).lower(), str(theirs).lower()
         raise ConfigError(
-            f"WORKER_NATS__FAIR_JOBS={ours}: consumer {settings.consumer} on stream "
-            f"{settings.tasks_stream} serves WORKER_NATS__FAIR_JOBS={other} (its filter: "
+            f"{env_name('nats', 'fair_jobs')}={ours}: consumer {settings.consumer} on stream "
+            f"{settings.tasks_stream} serves {env_name('nats', 'fair_jobs')}={other} (its filter: "
             f"{', '.join(info.config.filter_subjects or [info.config.filter_subject or ''])}); "
             "every process sharing it needs the same setting (to change it, stop them all "
             "and run `provision` with the new one)"
