@@ -27,8 +27,8 @@ def claimed(base: Path, index: int) -> rundir.RunDir:
     return run
 
 
-def test_a_dead_processs_leftovers_are_removed_by_the_next_claim_of_its_index(tmp_path):
-    dead = run_dir_holder(tmp_path, 3)
+def test_a_dead_processs_leftovers_are_removed_by_the_next_claim_of_its_index(short):
+    dead = run_dir_holder(short, 3)
     path = claimed_path(dead)
     dead.kill()
     dead.wait(10)
@@ -38,9 +38,9 @@ def test_a_dead_processs_leftovers_are_removed_by_the_next_claim_of_its_index(tm
     semaphore.touch()
     torch_segment.touch()
 
-    run = claimed(tmp_path, 3)
+    run = claimed(short, 3)
     try:
-        assert run.path == path == tmp_path / "process-3"
+        assert run.path == path == short / "process-3"
         assert sorted(os.listdir(path)) == sorted(["owner.lock", f"pid-{os.getpid()}-" + _start()])
         assert not semaphore.exists() and not torch_segment.exists()
     finally:
@@ -72,14 +72,14 @@ def test_a_claim_alone_removes_nothing_until_its_process_clears_the_leftovers(sh
         run.release()
 
 
-def test_a_live_process_keeps_its_slot_and_its_files(tmp_path):
-    live = run_dir_holder(tmp_path, 0)
+def test_a_live_process_keeps_its_slot_and_its_files(short):
+    live = run_dir_holder(short, 0)
     try:
         path = claimed_path(live)
         before = sorted(os.listdir(path))
-        run = claimed(tmp_path, 0)
+        run = claimed(short, 0)
         try:
-            assert run.path == tmp_path / "process-0.1"
+            assert run.path == short / "process-0.1"
             assert sorted(os.listdir(path)) == before
             assert any(name.startswith("pymp-") for name in before)
             assert run.semprefix != rundir.semprefix_for(path)
@@ -90,12 +90,12 @@ def test_a_live_process_keeps_its_slot_and_its_files(tmp_path):
         live.wait(10)
 
 
-def test_a_slot_is_not_emptied_while_a_marked_process_of_it_still_lives(tmp_path):
-    path = tmp_path / "process-5"
+def test_a_slot_is_not_emptied_while_a_marked_process_of_it_still_lives(short):
+    path = short / "process-5"
     path.mkdir()
     (path / "pymp-in-use").mkdir()
     rundir.mark_self(path)  # this test process: alive, like a loader child outliving its parent
-    run = claimed(tmp_path, 5)
+    run = claimed(short, 5)
     try:
         assert run.path == path and (path / "pymp-in-use").is_dir()
     finally:
