@@ -171,10 +171,13 @@ class Supervisord:
         text = path.read_text(errors="replace") if path.exists() else ""
         return len(re.findall(rf"{LISTENER}\S*: event was processed", text))
 
-    def logs(self) -> str:
+    def logs(self, tail_chars: int | None = 4000) -> str:
+        """Every log of the run, each cut to its last ``tail_chars`` (for a message; None: all
+        of it, for an assertion: supervisord logs at debug level, so a line soon scrolls out)."""
         out = []
         for path in sorted(self.run_dir.glob("*.log")):
-            out.append(f"--- {path.name}\n{path.read_text(errors='replace')[-4000:]}")
+            text = path.read_text(errors="replace")
+            out.append(f"--- {path.name}\n{text if tail_chars is None else text[-tail_chars:]}")
         return "\n".join(out)
 
     def worker_log(self) -> str:

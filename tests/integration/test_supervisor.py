@@ -118,7 +118,7 @@ async def test_a_worker_stopped_from_outside_is_restarted_by_the_eventlistener(
         sup, settings, s3_server.client(), bucket, "job-sigstop", wedge
     )
     assert_nothing_lost(outcome)
-    assert "restarting inference-worker:inference-worker_00" in sup.logs()
+    assert "restarting inference-worker:inference-worker_00" in sup.logs(tail_chars=None)
 
 
 async def test_a_stall_is_reported_on_healthz_and_metrics_and_the_worker_is_restarted(
@@ -168,6 +168,6 @@ async def test_a_worker_wedged_holding_the_gil_is_ended_by_its_watchdog_and_rest
     log = sup.worker_log()
     assert "Timeout (0:00:08)!" in log, "faulthandler dumped the stacks"
     assert "faults.py" in log  # the wedged engine thread's stack: in the fault wrapper
-    logs = sup.logs()
+    logs = sup.logs(tail_chars=None)
     assert "exit status 1" in logs, "supervisord saw the watchdog's exit"
     assert "restarting inference-worker:inference-worker_00" not in logs, "not healthwatch"
