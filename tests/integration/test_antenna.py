@@ -86,6 +86,11 @@ def events(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.startswith("{")]
 
 
+def held(fake: FakeAntenna, job: int) -> int:
+    """How many of ``job``'s tasks are reserved and not yet answered."""
+    return sum(1 for t in fake.jobs[job].tasks.values() if t.delivered and not t.acked)
+
+
 def registered(fake: FakeAntenna) -> None:
     done = cli("register", env=env_for(fake), timeout=120)
     assert done.returncode == 0, done.stderr + done.stdout
@@ -409,7 +414,13 @@ def test_sigterm_finishes_what_it_reserved_when_the_drain_time_allows(
     log = tmp_path / "worker.log"
     proc = start_run(env, log)
     try:
-        wait_for(lambda: len(antenna.jobs[job].done) >= 4, 120, "4 images saved", log)
+        # The signal comes while tasks wait beyond the batch in hand (batches of 2).
+        wait_for(
+            lambda: len(antenna.jobs[job].done) >= 4 and held(antenna, job) >= 6,
+            120,
+            "4 images saved and 6 more reserved",
+            log,
+        )
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0, log.read_text()[-4000:]
     finally:
