@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -71,11 +72,23 @@ def add_images(fake: FakeAntenna, prefix: str, count: int) -> list[tuple[str, st
     return images
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str, log: Path) -> None:
+def wait_for(
+    condition: Callable[[], bool],
+    timeout_s: float,
+    what: str,
+    log: Path,
+    proc: subprocess.Popen[bytes] | None = None,
+) -> None:
+    """Until ``condition``; an AssertionError after ``timeout_s``, or as soon as ``proc``
+    has exited."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():
             return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(
+                f"the worker exited {proc.returncode} before {what}:\n{log.read_text()[-4000:]}"
+            )
         time.sleep(0.1)
     raise AssertionError(f"{what} within {timeout_s}s; worker log:\n{log.read_text()[-4000:]}")
 

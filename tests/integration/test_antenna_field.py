@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.antenna_fake import FakeAntenna
 from tests.helpers import cli, start_run
-from tests.integration.test_antenna import PIPELINE
+from tests.integration.test_antenna import PIPELINE, wait_for
 from worker.commands.demo_images import image_bytes
 from worker.commands.localservers import free_port, stop_process
 
@@ -43,27 +41,6 @@ def add_images(fake: FakeAntenna, prefix: str, count: int) -> list[tuple[str, st
         fake.images[name] = image_bytes(96 + 8 * (i % 3), 80, seed=i)
         images.append((f"{prefix}{i}", fake.media_url(name)))
     return images
-
-
-def wait_for(
-    condition: Callable[[], bool],
-    timeout_s: float,
-    what: str,
-    log: Path,
-    proc: subprocess.Popen[bytes] | None = None,
-) -> None:
-    """Until ``condition``; an AssertionError after ``timeout_s``, or as soon as ``proc``
-    has exited."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(
-                f"the worker exited {proc.returncode} before {what}:\n{log.read_text()[-4000:]}"
-            )
-        time.sleep(0.1)
-    raise AssertionError(f"{what} within {timeout_s}s; worker log:\n{log.read_text()[-4000:]}")
 
 
 # Short health timings, kept in the order the settings require (reads < loader < stall <
