@@ -122,7 +122,7 @@ async def take_back(
 
     from worker.nats.jobs import job_consumer, job_consumer_config
     from worker.nats.subjects import job_tasks_subject
-    from worker.schemas import subject_token
+    from worker.nats.subjects import subject_token
 
     durable = settings.nats.consumer
     if settings.nats.fair_jobs:

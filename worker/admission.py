@@ -1,8 +1,8 @@
-"""Admission: a fetched message's way in. What becomes of it is the delivery rules' decision
-(``settle.py``: ``read_task`` says what its bytes make; the ``DeliveryRules`` act): a message
-that cannot name its job and task is dead-lettered; one that names them but cannot be run
-gets an ``error`` result; one whose result is already stored is only acked;
-the rest are entered in the claims (held tasks), to be loaded.
+"""Admission: a delivery's way in. What becomes of it is the delivery rules' decision
+(``worker.rules.read_task`` says what its bytes make; the source's ``DeliveryRules`` act): a
+delivery that cannot name its job and task is dead-lettered; one that names them but cannot
+be run gets an ``error`` result; one whose result is already stored is only acked; the rest
+are entered in the claims (held tasks), to be loaded.
 """
 
 from __future__ import annotations
@@ -13,50 +13,52 @@ from config.errors import ResultsUnavailable
 from worker.claims import Claim, Claims
 from worker.outcome import Outcome
 from worker.ports import Delivery, DeliveryRules, Results
+from worker.rules import read_task
 from worker.schemas import Task
-from worker.settle import read_task
 
 log = structlog.get_logger(__name__)
 
 
 class Admission:
-    def __init__(self, settler: DeliveryRules, store: Results, claims: Claims) -> None:
-        self._settler = settler
-        self._store = store
+    def __init__(
+        self, rules: DeliveryRules, results: Results, claims: Claims, default_pipeline: str
+    ) -> None:
+        self._rules = rules
+        self._results = results
         self._claims = claims
+        self._default_pipeline = default_pipeline
 
-    async def admit(self, msg: Delivery) -> Claim | None:
-        """The per-message boundary: whatever a message holds, a failure to admit it is
-        logged and the message given back, never the end of the fetch loop."""
+    async def admit(self, delivery: Delivery) -> Claim | None:
+        """The per-delivery boundary: whatever a delivery holds, a failure to admit it is
+        logged and the delivery given back, never the end of the fetch loop."""
         try:
-            return await self._admit(msg)
+            return await self._admit(delivery)
         except Exception:
-            log.exception("admission_failed", subject=msg.subject)
-            await self._settler.give_back(msg)
+            log.exception("admission_failed", **delivery.log_fields())
+            await self._rules.give_back(delivery)
             return None
 
-    async def _admit(self, msg: Delivery) -> Claim | None:
-        delivered = msg.metadata.num_delivered
-        read = read_task(msg.data, msg.subject)
+    async def _admit(self, delivery: Delivery) -> Claim | None:
+        read = read_task(delivery.data, delivery.pipeline, delivery.job_id, self._default_pipeline)
         if read.task is None:
-            await self._settler.dead_letter(msg, read.dead_letter_reason)
+            await self._rules.dead_letter(delivery, read.dead_letter_reason)
             return None
         if read.failure is not None:
-            await self._settler.settle(read.task, msg, delivered, Outcome(failure=read.failure))
+            await self._rules.settle(read.task, delivery, Outcome(failure=read.failure))
             return None
         # Any delivery, not only a redelivery: a job's consumer made again (worker.nats.jobs)
         # walks its job from the start, and a task done already must not run twice.
-        if await self._already_stored(msg, read.task):
+        if await self._already_stored(delivery, read.task):
             return None
-        return self._claims.add(msg, read.task, delivered)
+        return self._claims.add(delivery, read.task)
 
-    async def _already_stored(self, msg: Delivery, task: Task) -> bool:
-        """A task whose result is stored (its ack was lost, or its job's consumer was made
+    async def _already_stored(self, delivery: Delivery, task: Task) -> bool:
+        """A task whose result is saved (its ack was lost, or its job's consumer was made
         again) is only acked."""
         try:
-            stored = await self._store.exists(task.job_id, task.id)
+            stored = await self._results.exists(task.job_id, task.id)
         except ResultsUnavailable:
             return False  # the store refuses duplicates anyway
         if stored:
-            await self._settler.already_stored(msg, task)
+            await self._rules.already_stored(delivery, task)
         return stored

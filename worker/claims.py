@@ -1,5 +1,6 @@
 """Claims: the tasks this process took from its source and has not yet settled (acked,
-naked, terminated or given an error result): "held tasks" in the settings and the logs.
+naked, terminated or given an error result): "held tasks" in the settings, the logs and the
+metrics; a ``Claim`` is one held task.
 
 It owns the held map, the room left under the cap (``max_held_tasks``, which bounds host
 memory for loaded images), the liveness count, and the ack-wait keep-alive.
@@ -26,10 +27,9 @@ log = structlog.get_logger(__name__)
 class Claim:
     """A task fetched and not yet acked, naked or terminated."""
 
-    msg: Delivery
+    delivery: Delivery
     task: Task
     key: int
-    delivered: int
     fetched_at: float
 
 
@@ -42,7 +42,7 @@ class Claims:
     ) -> None:
         self.max_held = max_held
         self._liveness = liveness
-        self._give_back = give_back  # the delivery rules' (``Settler.give_back``)
+        self._give_back = give_back  # the source's delivery rules' ``give_back``
         self._held: dict[int, Claim] = {}
         self._keys = itertools.count()
         self._space = asyncio.Event()
@@ -63,8 +63,8 @@ class Claims:
         except TimeoutError:
             pass
 
-    def add(self, msg: Delivery, task: Task, delivered: int) -> Claim:
-        held = Claim(msg, task, next(self._keys), delivered, time.monotonic())
+    def add(self, delivery: Delivery, task: Task) -> Claim:
+        held = Claim(delivery, task, next(self._keys), time.monotonic())
         self._held[held.key] = held
         self._liveness.set_held(len(self._held))
         return held
@@ -81,7 +81,7 @@ class Claims:
     async def keep_alive(self) -> None:
         """A batch completed: extend the ack wait of everything still held, and only then."""
         for held in self.all():
-            await best_effort(held.msg.in_progress())
+            await best_effort(held.delivery.in_progress())
 
     async def give_back(self, held: list[Claim], reason: str) -> None:
         """Given back now (the delivery rules nak them), so the tasks are redelivered at once
@@ -89,7 +89,7 @@ class Claims:
         if not held:
             return
         for h in held:
-            await self._give_back(h.msg)
+            await self._give_back(h.delivery)
         self.release(held)
         log.info("tasks_given_back", count=len(held), reason=reason)
 

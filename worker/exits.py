@@ -20,7 +20,7 @@ class ExitReason(enum.Enum):
     CONFIG = 2  # settings that cannot work: one `config error:` line per problem
     LOADER_FAILING = 3  # the DataLoader failed WORKER_LOADER__MAX_CONSECUTIVE_FAILURES in a row
     RESOURCE_LIMIT = 4  # a WORKER_GUARDS__* limit was crossed; drained, wants a fresh process
-    NATS_CLOSED = 5  # the NATS client closed for good; a fresh process reconnects
+    SOURCE_GONE = 5  # the task source is gone for good (NATS: the client closed); restart
     NOT_SERVED = 6  # --until-idle found nothing to do because it could not ask (refused, down)
 
     @property

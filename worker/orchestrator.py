@@ -3,13 +3,13 @@
 The event loop only orchestrates; loads and forward passes run on the engine's thread.
 Its parts, each in a module of its own:
 
-- ``TaskSource`` (``nats/feed.py``): bounded fetches from the durable consumer;
-- ``Admission`` (``admission.py``): what a message becomes (dead letter, error result,
+- the source (``sources.SourceLink``: a ``TaskSource``, its ``DeliveryRules`` and results
+  lookup, its fetch wait and keep-alive tick; NATS's or Antenna's, it is told which);
+- ``Admission`` (``admission.py``): what a delivery becomes (dead letter, error result,
   duplicate, or a held task);
-- ``Claims`` (``claims.py``): what is held, the room left, the ack-wait keep-alive;
+- ``Claims`` (``claims.py``): what is held, the room left, the keep-alive;
 - ``Batches`` (``batches.py``): batch formation and dispatch to the engine thread;
-- ``Settler`` (``settle.py``): store-then-ack, or nak; ``BatchObserver``
-  (``health/observer.py``): liveness, metrics and guards after each batch.
+- ``BatchObserver`` (``health/observer.py``): liveness, metrics and guards after each batch.
 
 How the process ends is a value (``Exit``), decided here.
 """
@@ -38,11 +38,11 @@ from worker.health.liveness import Liveness
 from worker.health.metrics import Metrics
 from worker.health.observer import BatchObserver
 from worker.outcome import Outcome
-from worker.ports import BatchEngine, BatchReport, DeliveryRules, Results, TaskSource
+from worker.ports import BatchEngine, BatchReport
+from worker.sources import Helper, SourceLink
 from worker.threads import in_daemon_thread
 
 log = structlog.get_logger(__name__)
-Helper = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
 _FIRST_FETCH_BACKOFF_S = 1.0  # a fetch that raised: tried again after this, doubling
 _MAX_FETCH_BACKOFF_S = 30.0
 _BURST_FAILED_FETCHES = 5  # in a row, with --until-idle: the run ends NOT_SERVED (exit 6)
@@ -53,41 +53,34 @@ _DRAIN_TICK_S = 0.05  # how often a drain that finishes the held tasks looks aga
 
 @dataclass
 class Services:
-    """What the orchestrator talks to; built by the wiring module."""
+    """What the orchestrator talks to; built by the app from the source's parts."""
 
-    source: TaskSource
-    store: Results
-    settler: DeliveryRules
+    link: SourceLink  # the task source and what it tells
     engine: BatchEngine
     engine_thread: Executor
     liveness: Liveness
     metrics: Metrics
+    default_pipeline: str = ""  # the pipeline of a task whose source names none
     guard: Callable[[], str | None] | None = None  # why the process must be replaced, or None
     helpers: tuple[tuple[str, Helper], ...] = ()  # run alongside; one that fails ends us
-    closed: asyncio.Event | None = None  # set when the transport closed for good
-    # Why the source could not be asked for tasks (refused, never reached), None when it could:
-    # an idle burst run ends NOT_SERVED for it.
-    unserved: Callable[[], str | None] = lambda: None
-    # A stop runs the held tasks' batches while the drain time allows, and gives back only the
-    # rest: for a source whose give-back costs (Antenna: the TTR, and one of two deliveries).
-    finish_held_on_stop: bool = False
-    # A pipeline's models were loaded (the wiring publishes their algorithms).
+    # A pipeline's models were loaded (the source publishes or records their algorithms).
     loaded: Callable[[str], Coroutine[Any, Any, None]] | None = None
     image_bytes: int = 3 * 224 * 224  # the most host bytes one loaded image can take
-    # Finished results are waiting for the source's server to take them (Antenna's posts).
-    results_waiting: Callable[[], bool] | None = None
 
 
 class Worker:
     def __init__(self, settings: Settings, services: Services, *, until_idle: bool = False):
         self.settings = settings
-        self.s = services
+        self.services = services
         self.claims = Claims(
             max_held_tasks(settings, services.image_bytes),
             services.liveness,
-            services.settler.give_back,
+            services.link.rules.give_back,
         )
-        self.admission = Admission(services.settler, services.store, self.claims)
+        self.link = services.link
+        self.admission = Admission(
+            services.link.rules, services.link.results, self.claims, services.default_pipeline
+        )
         observer = BatchObserver(
             services.metrics,
             services.liveness,
@@ -117,10 +110,13 @@ class Worker:
         processor = asyncio.create_task(self.batches.run(), name="process-loop")
         stopped = asyncio.create_task(stop.wait(), name="stop-wait")
         halted = asyncio.create_task(self._stop.wait(), name="halt-wait")
-        helpers = [asyncio.create_task(self._watch_closed(), name="nats-watch")]
-        if self.s.results_waiting is not None:
+        helpers = [asyncio.create_task(self._watch_gone(), name="source-watch")]
+        if self.link.results_waiting is not None:
             helpers.append(asyncio.create_task(self._note_blocked(), name="blocked-watch"))
-        helpers += [asyncio.create_task(run(self._stop), name=name) for name, run in self.s.helpers]
+        helpers += [
+            asyncio.create_task(run(self._stop), name=name)
+            for name, run in (*self.link.helpers, *self.services.helpers)
+        ]
         if self._until_idle:
             helpers.append(asyncio.create_task(self._stop_when_idle(), name="until-idle"))
         try:
@@ -143,7 +139,7 @@ class Worker:
 
     # -- the loops ----------------------------------------------------------------------
     async def _fetch_loop(self) -> None:
-        timeout_s = self.settings.nats.fetch_timeout_s
+        timeout_s = self.link.fetch_wait_s
         backoff_s = _FIRST_FETCH_BACKOFF_S
         failed = 0  # fetches in a row that raised
         while not self._stop.is_set():
@@ -152,7 +148,7 @@ class Worker:
                 await self.claims.wait_for_room(timeout_s)
                 continue
             try:
-                msgs = await self.s.source.fetch(
+                deliveries = await self.link.source.fetch(
                     min(self.settings.loader.batch_size, room), self.batches.runnable
                 )
             except Exception as error:  # the source's boundary: never the process
@@ -173,8 +169,8 @@ class Worker:
                 continue
             backoff_s, failed = _FIRST_FETCH_BACKOFF_S, 0
             # Concurrently: each asks the results stream whether its task is done already.
-            admitted = [h for h in await asyncio.gather(*map(self.admission.admit, msgs)) if h]
-            self.batches.add(admitted)
+            admitted = await asyncio.gather(*map(self.admission.admit, deliveries))
+            self.batches.add([claim for claim in admitted if claim])
 
     def _fetch_keeps_failing(self, failed: int, error: Exception) -> None:
         """Burst mode: a source that raises on every fetch never becomes idle, so the run
@@ -186,7 +182,7 @@ class Worker:
     async def _let_fetch_finish(self, fetcher: asyncio.Task[None]) -> None:
         """Cancelling a fetch in flight would strand the messages the server already
         delivered to us until their ack wait runs out."""
-        wait_s = min(self.settings.nats.fetch_timeout_s + 5, self._drain_left_s())
+        wait_s = min(self.link.fetch_wait_s + 5, self._drain_left_s())
         try:
             await asyncio.wait_for(asyncio.shield(fetcher), wait_s)
         except Exception:  # noqa: BLE001 - a timeout, or a failure reported by run()
@@ -203,23 +199,23 @@ class Worker:
         when they are not. Meanwhile the worker counts as progressing (a load is not a stall)
         and the held tasks' ack waits are extended, so none is redelivered while it waits.
         The failure its tasks get when the models cannot be had."""
-        if self.s.engine.ready(pipeline):
+        if self.services.engine.ready(pipeline):
             return None
-        loading = in_daemon_thread(self.s.engine.load, pipeline)
-        tick_s = min(_LOAD_TICK_S, self.settings.nats.ack_wait_s / 4)
+        loading = in_daemon_thread(self.services.engine.load, pipeline)
+        tick_s = min(_LOAD_TICK_S, self.link.keepalive_tick_s)
         while not (await asyncio.wait({loading}, timeout=tick_s))[0]:
-            self.s.liveness.loading()
+            self.services.liveness.loading()
             await self.claims.keep_alive()
         failure = loading.result()
-        if failure is None and self.s.loaded is not None:
-            await self.s.loaded(pipeline)
+        if failure is None and self.services.loaded is not None:
+            await self.services.loaded(pipeline)
         return failure
 
     async def _settle_batch(self, batch: list[Claim], report: BatchReport) -> None:
         started = time.perf_counter()
         await asyncio.gather(*(self._settle_one(h, report.outcomes[h.key]) for h in batch))
         store_s = time.perf_counter() - started
-        self.s.metrics.batch_seconds.labels("store").observe(store_s)
+        self.services.metrics.batch_seconds.labels("store").observe(store_s)
         self._batch_s.append(report.load_s + report.infer_s + store_s)
         await self.claims.keep_alive()
 
@@ -228,7 +224,7 @@ class Worker:
         timings_s = {**outcome.timings_s, "total_s": total_s}
         timed = Outcome(outcome.detections, outcome.failure, timings_s)
         try:
-            await self.s.settler.settle(held.task, held.msg, held.delivered, timed)
+            await self.link.rules.settle(held.task, held.delivery, timed)
         except Exception:  # the per-task boundary: logged; its ack wait brings it back
             log.exception("settle_failed", task_id=held.task.id, job_id=held.task.job_id)
         finally:
@@ -255,40 +251,40 @@ class Worker:
         log.error("worker_part_failed", part=part, exc_info=error, exit_code=1)
         self._end(Exit(ExitReason.FAILED, f"{part} failed: {type(error).__name__}: {error}"))
 
-    async def _watch_closed(self) -> None:
-        """A transport closed for good fetches nothing ever again: end the process."""
-        if self.s.closed is None:
+    async def _watch_gone(self) -> None:
+        """A source gone for good gives nothing ever again: end the process (exit 5)."""
+        if self.link.gone is None:
             await asyncio.Event().wait()
             return
-        await self.s.closed.wait()
-        self._end(Exit(ExitReason.NATS_CLOSED, "the NATS connection closed for good"))
+        await self.link.gone.wait()
+        self._end(Exit(ExitReason.SOURCE_GONE, self.link.gone_reason))
 
     async def _note_blocked(self) -> None:
         """While the engine is idle and finished results wait for the source's server, the
         worker is blocked on it, not wedged: the stall clock and the watchdog start over
         every ``_BLOCKED_TICK_S`` (README, timing budget). A frozen event loop ticks no more
         and a batch stuck in the engine keeps it busy, so either is still replaced."""
-        waiting = self.s.results_waiting
+        waiting = self.link.results_waiting
         assert waiting is not None
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), _BLOCKED_TICK_S)
             if len(self.claims) and waiting() and not self.batches.engine_busy():
-                self.s.liveness.waiting_on_source()
+                self.services.liveness.waiting_on_source()
 
     async def _stop_when_idle(self) -> None:
         """Burst mode: stop once nothing is held and the consumers have nothing pending, seen
         twice in a row (an advisory is stored a moment after its task leaves the consumer)."""
         idle_before = False
         while not self._stop.is_set():
-            await asyncio.sleep(self.settings.nats.fetch_timeout_s)
-            idle = len(self.claims) == 0 and await self.s.source.idle() and len(self.claims) == 0
+            await asyncio.sleep(self.link.fetch_wait_s)
+            idle = len(self.claims) == 0 and await self.link.source.idle() and len(self.claims) == 0
             if idle and idle_before:
                 self._stop_idle()
             idle_before = idle
 
     def _stop_idle(self) -> None:
-        why = self.s.unserved()
+        why = self.link.unserved()
         if why is None:
             log.info("idle_stopping", reason="--until-idle: nothing pending or held")
             self._stop.set()
@@ -323,13 +319,13 @@ class Worker:
         """Finish the batch in hand within the drain timeout; give back everything else now
         (with ``finish_held_on_stop``: run the held tasks' batches first, while the drain time
         allows one more, and give back only what is left)."""
-        leftovers = await self.s.source.close()
+        leftovers = await self.link.source.close()
         deadline = self._drain_by  # the drain timeout counts from the stop
-        if self.s.finish_held_on_stop:
+        if self.link.finish_held_on_stop:
             await self._finish_held(processor, deadline)
         await self.claims.give_back(self.batches.stop(), "shutting down")
-        for msg in leftovers:
-            await self.s.settler.give_back(msg)
+        for delivery in leftovers:
+            await self.link.rules.give_back(delivery)
         if leftovers:
             log.info(
                 "tasks_given_back", count=len(leftovers), reason="delivered after the last fetch"

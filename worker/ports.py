@@ -1,8 +1,11 @@
-"""The small interfaces the orchestrator talks to. Imports nothing of ours but the schemas.
+"""The small interfaces the core talks to. Imports nothing of ours but the schemas.
 
-A NATS message is a ``Delivery``; the transport is a ``TaskSource``; the results stream is
-``Results``; the delivery rules are ``DeliveryRules``; the engine (loader and model on their
-thread) is a ``BatchEngine``. Tests give the orchestrator in-memory fakes of each.
+A task as a source delivered it is a ``Delivery``; the transport is a ``TaskSource``; "is
+this task's result saved" is ``Results``; what becomes of a delivery is the source's
+``DeliveryRules``; the engine (loader and model on their thread) is a ``BatchEngine``. Each
+source adapts its own messages to these inside its own room (``worker/nats/``,
+``worker/antenna/``); nothing here names a subject or a server. Tests give the orchestrator
+in-memory fakes of each.
 """
 
 from __future__ import annotations
@@ -17,17 +20,35 @@ from worker.schemas import Task
 
 
 class Delivery(Protocol):
-    """A task message as fetched: its bytes, and the four ways to settle it."""
+    """A task as delivered: its bytes, the pipeline and job its source names for it, how many
+    times it was delivered and how many more its source will make, and the verbs to settle it.
 
-    data: bytes
-    subject: str
+    ``pipeline`` "" is the source naming none (the default pipeline serves it); ``job_id``
+    None is the task's own ``job_id`` field naming its job.
+    """
 
     @property
-    def metadata(self) -> Any: ...  # .num_delivered, .sequence.stream
+    def data(self) -> bytes: ...
+
+    @property
+    def pipeline(self) -> str: ...
+
+    @property
+    def job_id(self) -> str | None: ...
+
+    @property
+    def delivered(self) -> int: ...  # this delivery included; the source's count, not ours
+
+    @property
+    def deliveries_left(self) -> int: ...  # 0: this is the last
+
+    def log_fields(self) -> dict[str, Any]:
+        """How a log line names this delivery at its source (never a secret)."""
+        ...
 
     async def ack(self) -> None: ...
 
-    async def nak(self, delay: float | None = None) -> None: ...
+    async def nak(self, delay_s: float | None = None) -> None: ...
 
     async def term(self) -> None: ...
 
@@ -36,21 +57,21 @@ class Delivery(Protocol):
 
 class Results(Protocol):
     async def exists(self, job_id: str, task_id: str) -> bool:
-        """Whether the task's result is stored (ResultsUnavailable when it cannot tell)."""
+        """Whether the task's result is saved (ResultsUnavailable when it cannot tell)."""
         ...
 
 
 class DeliveryRules(Protocol):
-    """The delivery rules (``settle.Settler``): every decision about what becomes of a
-    delivery: store-then-ack, nak, dead-letter, ack a duplicate, give back."""
+    """A source's delivery rules: every decision about what becomes of its deliveries (NATS:
+    store-then-ack, nak, dead-letter; Antenna: post, or leave to redelivery)."""
 
-    async def settle(self, task: Task, msg: Delivery, delivered: int, outcome: Outcome) -> str: ...
+    async def settle(self, task: Task, delivery: Delivery, outcome: Outcome) -> str: ...
 
-    async def dead_letter(self, msg: Delivery, reason: str) -> str: ...
+    async def dead_letter(self, delivery: Delivery, reason: str) -> str: ...
 
-    async def already_stored(self, msg: Delivery, task: Task) -> None: ...
+    async def already_stored(self, delivery: Delivery, task: Task) -> None: ...
 
-    async def give_back(self, msg: Delivery) -> None: ...
+    async def give_back(self, delivery: Delivery) -> None: ...
 
 
 Runnable = Callable[[str], bool]  # whether a pipeline's batches may run now (the hold)
@@ -58,7 +79,7 @@ Runnable = Callable[[str], bool]  # whether a pipeline's batches may run now (th
 
 class TaskSource(Protocol):
     async def fetch(self, batch: int, runnable: Runnable | None = None) -> Sequence[Delivery]:
-        """Up to ``batch`` deliveries; [] after the fetch timeout or while disconnected. A
+        """Up to ``batch`` deliveries; [] after the fetch wait or while disconnected. A
         source that can choose takes from jobs of ``runnable`` pipelines first, and from the
         others only when those have none."""
         ...
@@ -68,8 +89,17 @@ class TaskSource(Protocol):
         ...
 
     async def idle(self) -> bool:
-        """Nothing pending for the consumer and nothing awaiting an ack (burst mode)."""
+        """Nothing pending for this process and nothing awaiting its settling (burst mode)."""
         ...
+
+
+@dataclass(frozen=True)
+class SourceHealth:
+    """Whether a task source's server answers: NATS, the connection is up; Antenna, its
+    calls answer. ``down_s``: seconds since it last did (0 while it does)."""
+
+    connected: bool
+    down_s: float
 
 
 @dataclass(frozen=True)

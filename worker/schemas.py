@@ -1,5 +1,5 @@
-"""Task and result messages (the SPEC's schemas) and subject tokens. Imports nothing of ours
-but the redaction helper.
+"""Task and result messages (the SPEC's schemas). Imports nothing of ours but the errors and
+the redaction helper; nothing here knows a source (a subject's tokens are ``worker.nats``'s).
 
 Everything in a task is untrusted until it passes ``parse_task``: ids are capped and checked
 here, once, before they reach a subject, a header, a file system, a socket or a log line.
@@ -10,7 +10,6 @@ in decimal (``17`` and ``"17"`` are one task; ``" 17"`` is another).
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 from dataclasses import dataclass, field
@@ -19,57 +18,12 @@ from typing import Any
 from config.errors import InvalidTask, Undeliverable
 from config.redact import redact_url, shorten
 
-_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
-_ENCODED_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,400}")  # b64 of up to 256 bytes, and the prefix
-_ENCODED_PREFIX = "b64-"
 URI_SCHEMES = ("s3://", "http://", "https://", "file://")
 MAX_ID_BYTES = 256  # task id and job id, UTF-8; longer ids are dead-lettered
 MAX_IMAGE_ID_BYTES = 1024
 MAX_URL_CHARS = 8192
 MAX_REPLY_SUBJECT_CHARS = 1024
 _REPLY_SUBJECT = re.compile(r"[!-~]{1,1024}")  # printable ASCII, no spaces: one NATS subject
-
-
-def subject_token(value: str) -> str:
-    """``value`` as one NATS subject token; injective, readable when already safe.
-
-    Tokens never contain ``.``, so subjects joined from tokens are injective too. ``value``
-    must be valid Unicode (``parse_task`` guarantees it for task and job ids).
-    """
-    if _TOKEN.fullmatch(value) and not value.startswith(_ENCODED_PREFIX):
-        return value
-    encoded = base64.urlsafe_b64encode(value.encode("utf-8")).decode("ascii").rstrip("=")
-    return _ENCODED_PREFIX + encoded
-
-
-def token_value(token: str) -> str | None:
-    """The value ``subject_token`` made ``token`` from; None when no value makes it."""
-    if not token.startswith(_ENCODED_PREFIX):
-        return token if _TOKEN.fullmatch(token) else None
-    if not _ENCODED_TOKEN.fullmatch(token):
-        return None
-    body = token[len(_ENCODED_PREFIX) :]
-    try:
-        value = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode("utf-8")
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return value if subject_token(value) == token else None
-
-
-def subject_pipeline(subject: str) -> str:
-    """The pipeline a task's subject names (``tasks.<pipeline>[.<job token>]``); "" if none."""
-    parts = subject.split(".")
-    if len(parts) in (2, 3) and parts[0] == "tasks":
-        return parts[1]
-    return ""
-
-
-def subject_job(subject: str) -> str | None:
-    """The job a task's subject names (``tasks.<pipeline>.<job token>``), if it names one."""
-    parts = subject.split(".")
-    if len(parts) != 3 or parts[0] != "tasks":
-        return None
-    return token_value(parts[2])
 
 
 @dataclass(frozen=True)
@@ -80,8 +34,8 @@ class Task:
     image_url: str
     config: dict[str, Any] = field(default_factory=dict)
     reply_subject: str | None = None
-    # The pipeline that answers it: the subject's (tasks.<pipeline>[.<job>]), or the source's
-    # (an Antenna job's pipeline). Not part of the task's JSON.
+    # The pipeline that answers it: the one its source names (a NATS subject's, an Antenna
+    # job's), else the default. Not part of the task's JSON.
     pipeline: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -136,19 +90,20 @@ def _decode_json(data: bytes) -> Any:
         raise Undeliverable(f"not JSON: {shorten(str(error), 200)}") from None
 
 
-def parse_task(data: bytes, subject: str = "") -> Task:
-    """The task in ``data``, published on ``subject``; Undeliverable when it cannot name its job
-    and task, InvalidTask when it can but cannot be run. Never raises anything else, whatever
+def parse_task(data: bytes, *, pipeline: str = "", job_id: str | None = None) -> Task:
+    """The task in ``data``, for ``pipeline``; Undeliverable when it cannot name its job and
+    task, InvalidTask when it can but cannot be run. Never raises anything else, whatever
     ``data`` holds.
 
-    The job is the subject's (``tasks.<pipeline>.<job>``, Antenna's tasks carry no ``job_id``)
-    or, on ``tasks.<pipeline>``, the task's ``job_id``. A task whose ``job_id`` differs from its
-    subject's job gets an error result under the subject's job, where ``results --job`` looks.
+    The job is the one its source names (``job_id``: a NATS job subject's, an Antenna job's;
+    Antenna's tasks carry no ``job_id``), else the task's ``job_id``. A task whose ``job_id``
+    differs from its source's job gets an error result under the source's job, where
+    ``results --job`` looks.
     """
     payload = _decode_json(data)
     if not isinstance(payload, dict):
         raise Undeliverable(f"expected a JSON object, got {type(payload).__name__}")
-    task_id, job_id = _named(payload, subject)
+    task_id, job_id = _named(payload, job_id)
     image_id, why_image = _id_text(payload.get("image_id"), MAX_IMAGE_ID_BYTES)
     reply = payload.get("reply_subject")
     reply_ok = reply is None or (isinstance(reply, str) and bool(_REPLY_SUBJECT.fullmatch(reply)))
@@ -163,7 +118,7 @@ def parse_task(data: bytes, subject: str = "") -> Task:
         )
 
     if "job_id" in payload and _id_text(payload["job_id"], MAX_ID_BYTES)[0] != job_id:
-        raise invalid("'job_id' differs from the job named by the task's subject")
+        raise invalid("'job_id' differs from the job its source names")
     if image_id is None:
         raise invalid(f"'image_id' is unusable: {why_image}")
     url = payload.get("image_url")
@@ -182,21 +137,20 @@ def parse_task(data: bytes, subject: str = "") -> Task:
             f"'reply_subject' must be one NATS subject of at most {MAX_REPLY_SUBJECT_CHARS} "
             "printable characters when given"
         )
-    return Task(task_id, job_id, image_id, url, config, reply, subject_pipeline(subject))
+    return Task(task_id, job_id, image_id, url, config, reply, pipeline)
 
 
-def _named(payload: dict[str, Any], subject: str) -> tuple[str, str]:
-    """The task's id and its job's (the subject's, else the task's ``job_id``); Undeliverable
+def _named(payload: dict[str, Any], source_job: str | None) -> tuple[str, str]:
+    """The task's id and its job's (the source's, else the task's ``job_id``); Undeliverable
     when either is unusable."""
     task_id, why_task = _id_text(payload.get("id"), MAX_ID_BYTES)
     if task_id is None:
         raise Undeliverable(f"'id' is unusable: {why_task}")
-    in_subject = subject_job(subject)
-    if in_subject is not None and _id_text(in_subject, MAX_ID_BYTES)[0] is not None:
-        return task_id, in_subject
+    if source_job is not None and _id_text(source_job, MAX_ID_BYTES)[0] is not None:
+        return task_id, source_job
     job_id, why_job = _id_text(payload.get("job_id"), MAX_ID_BYTES)
     if job_id is None:
-        raise Undeliverable(f"'job_id' is unusable and the subject names no job: {why_job}")
+        raise Undeliverable(f"'job_id' is unusable and its source names no job: {why_job}")
     return task_id, job_id
 
 

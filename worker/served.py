@@ -17,7 +17,7 @@ from pipelines.runner import Runner
 from pipelines.setup import Chosen, estimated_bytes, model_info
 
 
-class Served:
+class ServedPipelines:
     def __init__(
         self,
         chosen: list[Chosen],

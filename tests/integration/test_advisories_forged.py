@@ -24,8 +24,8 @@ from worker.nats.subjects import (
     job_tasks_subject,
     result_subject,
 )
-from worker.results import ResultStore
-from worker.schemas import subject_token
+from worker.nats.results import ResultStore
+from worker.nats.subjects import subject_token
 from worker.settle import Settler
 
 pytestmark = pytest.mark.integration

@@ -113,8 +113,8 @@ async def test_a_forged_max_deliveries_advisory_fails_no_task(nats_server, setti
         job_tasks_subject,
         result_subject,
     )
-    from worker.results import ResultStore
-    from worker.schemas import subject_token
+    from worker.nats.results import ResultStore
+    from worker.nats.subjects import subject_token
     from worker.settle import Settler
 
     settings = settings_for(nats_server.url)

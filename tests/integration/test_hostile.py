@@ -143,7 +143,7 @@ async def test_a_connection_the_server_closes_for_good_ends_the_worker_with_code
         while app.worker.exit.reason is ExitReason.STOPPED:
             assert time.monotonic() < deadline, "the worker did not notice its closed client"
             await asyncio.sleep(0.1)
-    assert app.worker.exit.reason is ExitReason.NATS_CLOSED and app.worker.exit.code == 5
+    assert app.worker.exit.reason is ExitReason.SOURCE_GONE and app.worker.exit.code == 5
 
 
 async def test_a_long_disconnect_is_reported_until_the_server_is_back(

@@ -154,7 +154,7 @@ async def test_a_redelivery_whose_result_is_already_stored_is_acked_without_new_
     from worker.nats.connection import connect
     from worker.nats.feed import TaskFeed
     from worker.nats.provision import provision
-    from worker.results import ResultStore
+    from worker.nats.results import ResultStore
 
     settings = settings_for(nats_server.url)
     uris = upload_images(s3_server.client(), bucket, 1)

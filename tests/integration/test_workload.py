@@ -16,8 +16,8 @@ import pytest
 from tests.antenna import PipelineResults
 from tests.helpers import cli, client, worker_env
 from worker.commands.demo_images import rectangles_bytes
-from worker.results import algorithm_config
-from worker.schemas import subject_token
+from worker.nats.algorithms import algorithm_config
+from worker.nats.subjects import subject_token
 
 pytestmark = pytest.mark.integration
 
@@ -193,7 +193,7 @@ async def test_a_second_run_of_a_task_leaves_its_stored_large_response_readable(
 ):
     from worker.commands.client import job_results
     from worker.nats.provision import provision
-    from worker.results import ResultStore
+    from worker.nats.results import ResultStore
 
     settings = settings_for(nats_server.url)
 

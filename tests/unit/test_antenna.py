@@ -23,7 +23,7 @@ from worker.antenna.jobs import JobRotation
 from worker.antenna.post import Poster
 from worker.antenna.register import antenna_problems, register
 from worker.antenna.reservations import Reservations, delivered_of
-from worker.antenna.results import Served, antenna_key, encoded, fit, item
+from worker.antenna.results import AntennaPipeline, antenna_key, encoded, fit, item
 from worker.antenna.settle import AntennaRules
 from worker.antenna.source import AntennaSource
 from worker.antenna.wiring import NoResultsLookup
@@ -37,7 +37,7 @@ SLUG = "moths"
 LABELS = ("a", "b", "c")
 DETECTOR = Algorithm("det", "Detector", "detection", "cd" * 32, ("object",))
 CLASSIFIER = Algorithm("clf", "Classifier", "classification", "ab" * 32, LABELS)
-SERVED = Served(SLUG, "", (DETECTOR, CLASSIFIER))
+SERVED = AntennaPipeline(SLUG, "", (DETECTOR, CLASSIFIER))
 DETECTOR_KEY = antenna_key(DETECTOR)
 
 
@@ -299,7 +299,7 @@ async def test_accepted_results_antenna_drops_are_not_saved_and_come_back(
 async def test_results_of_a_pipeline_without_a_detection_algorithm_are_accepted_then_dropped(
     fake: FakeAntenna,
 ) -> None:
-    fake.register_direct(1, Served("whole-image", "", (CLASSIFIER,)).config())
+    fake.register_direct(1, AntennaPipeline("whole-image", "", (CLASSIFIER,)).config())
     job = fake.add_job("whole-image", images(2))
     client = client_of(fake)
     reply = await client.post(f"jobs/{job}/tasks/", "tasks", b'{"batch_size": 2}')
@@ -441,7 +441,7 @@ def test_a_29176_class_result_with_500_detections_is_compacted_under_the_cap() -
     scores = [round(v / total, 6) for v in raw]
     labels = tuple(f"taxon-{i}" for i in range(classes))
     big = Algorithm("species", "Species", "classification", "cd" * 32, labels)
-    served = Served(SLUG, "", (big,))
+    served = AntennaPipeline(SLUG, "", (big,))
     task = Task("1", "1", "1", "http://x/1.jpg", reply_subject="$JS.ACK.a.b.1.1.1.1.0")
     detections = []
     for i in range(500):
@@ -478,8 +478,8 @@ async def test_register_says_what_each_refusal_means(fake: FakeAntenna) -> None:
     denied = await register(client_of(fake, "manager"), [SERVED], [3], "svc")
     missing = await register(client_of(fake), [SERVED], [42], "svc")
     bad_token = await register(client_of(fake, "nope"), [SERVED], [1], "svc")
-    no_map = Served("x", "", (Algorithm("c2", "C2", "classification", "ef" * 32, ()),))
-    unconfigured = Served("x", "", no_map.algorithms)
+    no_map = AntennaPipeline("x", "", (Algorithm("c2", "C2", "classification", "ef" * 32, ()),))
+    unconfigured = AntennaPipeline("x", "", no_map.algorithms)
     config = unconfigured.config()
     del config["algorithms"][0]["category_map"]
     fake_reply = await client_of(fake).post(

@@ -129,7 +129,7 @@ async def test_a_transport_closed_for_good_ends_the_process_with_5():
 
     exit = await run(worker)
 
-    assert exit.reason is ExitReason.NATS_CLOSED and exit.code == 5
+    assert exit.reason is ExitReason.SOURCE_GONE and exit.code == 5
 
 
 class RaisingSource(FakeSource):

@@ -7,7 +7,8 @@ import pytest
 
 from config.errors import InvalidTask, Undeliverable
 from worker.nats.subjects import result_subject
-from worker.schemas import Task, make_result, parse_task, subject_token, token_value
+from worker.nats.subjects import subject_token, token_value
+from worker.schemas import Task, make_result, parse_task
 
 TASK = {"id": "t1", "job_id": "j1", "image_id": "i1", "image_url": "s3://b/k.jpg"}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from worker.antenna.results import Served
+from worker.antenna.results import AntennaPipeline
 
 
 class Catalog:
@@ -18,19 +18,19 @@ class Catalog:
         self.slugs = tuple(slugs)
         if not self.slugs:
             raise ValueError("a catalog of no pipelines")
-        self._served: dict[str, Served] = {}
+        self._served: dict[str, AntennaPipeline] = {}
 
     @property
     def default(self) -> str:
         """The pipeline of a task that names none."""
         return self.slugs[0]
 
-    def add(self, served: Served) -> None:
+    def add(self, served: AntennaPipeline) -> None:
         if served.slug not in self.slugs:
             raise ValueError(f"pipeline {served.slug!r} is not one of {', '.join(self.slugs)}")
         self._served[served.slug] = served
 
-    def get(self, slug: str) -> Served | None:
+    def get(self, slug: str) -> AntennaPipeline | None:
         return self._served.get(slug)
 
     def __contains__(self, slug: object) -> bool:

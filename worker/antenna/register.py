@@ -7,7 +7,7 @@ import json
 
 from config.names import env_name
 from worker.antenna.client import AntennaClient, AntennaUnreachable, Reply
-from worker.antenna.results import Served
+from worker.antenna.results import AntennaPipeline
 
 _MEANING = {
     401: f"Antenna refuses the token: check {env_name('antenna', 'token')} "
@@ -39,7 +39,7 @@ def meaning(reply: Reply) -> str:
 
 
 async def register(
-    client: AntennaClient, pipelines: list[Served], projects: list[int], service_name: str
+    client: AntennaClient, pipelines: list[AntennaPipeline], projects: list[int], service_name: str
 ) -> list[tuple[bool, str]]:
     """Post the pipelines' ``PipelineConfigResponse`` to each project; one (ok, line) each.
     Posting the same again changes nothing in Antenna (keys are write-once)."""

@@ -1,9 +1,11 @@
 """Antenna's reservations as deliveries, and how many more this process can keep.
 
-A task reserved from Antenna is a ``Delivery`` whose reservation runs out ``ttr_s`` after it
-was made: Antenna then delivers it again (once). There is no call to extend, release or nak a
-reservation, so ``in_progress`` does nothing and ``nak``/``term`` mean "left to Antenna's
-redelivery", said in the log. ``ack`` is called once its result is posted.
+A task reserved from Antenna is a ``Delivery`` (the core's port) whose reservation runs out
+``ttr_s`` after it was made: Antenna then delivers it again (once). Its job and pipeline are
+the job's it was reserved from; its delivery count is the one in its reply subject, against
+Antenna's ``max_deliver``. There is no call to extend, release or nak a reservation, so
+``in_progress`` does nothing and ``nak``/``term`` mean "left to Antenna's redelivery", said in
+the log. ``ack`` is called once its result is posted.
 
 ``Reservations`` keeps what is reserved and not settled, and the rate at which this process
 settles tasks while it holds some (its busy rate): ``allowed`` is how many more it may reserve
@@ -23,17 +25,6 @@ log = structlog.get_logger(__name__)
 _DECAY_AFTER_BUSY_S = 120.0  # the rate follows the last two minutes or so of work
 
 
-@dataclass(frozen=True)
-class _Sequence:
-    stream: int
-
-
-@dataclass(frozen=True)
-class Metadata:
-    num_delivered: int
-    sequence: _Sequence
-
-
 def delivered_of(reply_subject: str, unknown: int) -> int:
     """The delivery count in a JetStream ack subject (``$JS.ACK.<stream>.<consumer>.<delivered>.
     <stream seq>...``, or with a domain and account hash before the stream); ``unknown``
@@ -47,12 +38,6 @@ def delivered_of(reply_subject: str, unknown: int) -> int:
     return max(1, int(tokens[index]))
 
 
-def stream_seq_of(reply_subject: str) -> int:
-    tokens = reply_subject.split(".")
-    index = 5 if len(tokens) == 9 else 7 if len(tokens) >= 11 else -1
-    return int(tokens[index]) if index >= 0 and _digits(tokens[index]) else 0
-
-
 def _digits(token: str) -> bool:
     """ASCII digits only: ``'²'.isdigit()`` is true and ``int('²')`` fails."""
     return token.isascii() and token.isdigit()
@@ -62,16 +47,28 @@ def _digits(token: str) -> bool:
 class AntennaDelivery:
     """One reserved task (the orchestrator's ``Delivery``)."""
 
-    data: bytes
-    subject: str
-    job_id: int
+    data: bytes  # the task as Antenna answered it
+    job: int  # the job it was reserved from
+    pipeline: str  # that job's pipeline slug
     image_id: str
     reply_subject: str
     reserved_at: float  # time.monotonic()
     expires_at: float
-    metadata: Metadata
+    delivered: int  # Antenna's count, from the reply subject
+    max_deliver: int
     on_settled: Callable[[AntennaDelivery, bool], None] = field(repr=False)
     settled: bool = False
+
+    @property
+    def job_id(self) -> str:
+        return str(self.job)
+
+    @property
+    def deliveries_left(self) -> int:
+        return max(0, self.max_deliver - self.delivered)
+
+    def log_fields(self) -> dict[str, Any]:
+        return {"job_id": self.job, "image_id": self.image_id}
 
     def seconds_left(self, now: float | None = None) -> float:
         return self.expires_at - (time.monotonic() if now is None else now)
@@ -82,11 +79,11 @@ class AntennaDelivery:
     async def term(self) -> None:
         self._settle(posted=True)  # its end was recorded (an unusable task, logged)
 
-    async def nak(self, delay: float | None = None) -> None:
+    async def nak(self, delay_s: float | None = None) -> None:
         if not self.settled:
             log.info(
                 "task_left_to_redelivery",
-                job_id=self.job_id,
+                job_id=self.job,
                 image_id=self.image_id,
                 redelivered_in_s=round(max(0.0, self.seconds_left()), 1),
                 hint="Antenna delivers a task again once its reservation runs out",

@@ -46,7 +46,7 @@ def _task_type(algorithm: Algorithm) -> str:
 
 
 @dataclass(frozen=True)
-class Served:
+class AntennaPipeline:
     """One pipeline this worker serves, as Antenna knows it."""
 
     slug: str
@@ -99,7 +99,9 @@ def error_result(task: Task, message: str) -> dict[str, Any]:
     return {"error": shorten(scrub(message), _ERROR_CHARS), "image_id": task.image_id}
 
 
-def ok_result(task: Task, response: dict[str, Any], served: Served, slug: str) -> dict[str, Any]:
+def ok_result(
+    task: Task, response: dict[str, Any], served: AntennaPipeline, slug: str
+) -> dict[str, Any]:
     keys = served.keys()
     classes = served.classes()
     detections = []
@@ -129,7 +131,7 @@ def ok_result(task: Task, response: dict[str, Any], served: Served, slug: str) -
     }
 
 
-def problems(result: dict[str, Any], task: Task, served: Served, slug: str) -> list[str]:
+def problems(result: dict[str, Any], task: Task, served: AntennaPipeline, slug: str) -> list[str]:
     """Why Antenna would accept ``result`` and then not save it; empty when it would save it."""
     try:
         parsed = PipelineResults.model_validate(result)

@@ -20,16 +20,8 @@ from config.redact import shorten
 from worker.antenna.answers import task_problem, usable_reply_subject
 from worker.antenna.client import AntennaClient, AntennaUnreachable
 from worker.antenna.jobs import Job, JobRotation
-from worker.antenna.reservations import (
-    AntennaDelivery,
-    Metadata,
-    Reservations,
-    _Sequence,
-    delivered_of,
-    stream_seq_of,
-)
+from worker.antenna.reservations import AntennaDelivery, Reservations, delivered_of
 from worker.ports import Runnable
-from worker.schemas import subject_token
 
 log = structlog.get_logger(__name__)
 _UNAVAILABLE_BACKOFF_S = 2.0
@@ -144,19 +136,18 @@ class AntennaSource:
 
     def _delivery(self, job: Job, task: dict[str, Any], reserved_at: float) -> AntennaDelivery:
         reply_subject = str(task.get("reply_subject") or "")
-        payload = {**task, "job_id": str(job.id), "pipeline": job.pipeline}
+        # Antenna's tasks name no job: the job they were reserved from is theirs.
+        payload = {**task, "job_id": str(job.id)}
         delivery = AntennaDelivery(
             data=json.dumps(payload).encode(),
-            subject=f"tasks.{subject_token(job.pipeline)}.{subject_token(str(job.id))}",
-            job_id=job.id,
+            job=job.id,
+            pipeline=job.pipeline,
             image_id=str(task.get("image_id") or ""),
             reply_subject=reply_subject,
             reserved_at=reserved_at,
             expires_at=reserved_at + self.reservations.ttr_s,
-            metadata=Metadata(
-                delivered_of(reply_subject, unknown=self._max_deliver),
-                _Sequence(stream_seq_of(reply_subject)),
-            ),
+            delivered=delivered_of(reply_subject, unknown=self._max_deliver),
+            max_deliver=self._max_deliver,
             on_settled=self.reservations.settled,
         )
         self.reservations.add(delivery)

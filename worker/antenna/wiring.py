@@ -1,12 +1,11 @@
-"""The Antenna source's parts, built once from the settings: client, job rotation,
-reservations, the source, the poster and the delivery rules."""
+"""The Antenna source's parts, built once from the settings (the counterpart of
+``worker/nats/wiring.py``): client, job rotation, reservations, the source, the poster, the
+delivery rules, their health and their shutdown. No NATS connection."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-
-from prometheus_client import CollectorRegistry
+from typing import Any
 
 from config.settings import Settings
 from pipelines.declare import Pipeline
@@ -17,9 +16,13 @@ from worker.antenna.jobs import JobRotation
 from worker.antenna.metrics import AntennaMetrics
 from worker.antenna.post import Poster
 from worker.antenna.reservations import Reservations
-from worker.antenna.results import Served
-from worker.antenna.settle import AntennaRules
+from worker.antenna.results import AntennaPipeline
+from worker.antenna.rules import AntennaRules
 from worker.antenna.source import AntennaSource
+from worker.health.metrics import Metrics
+from worker.ports import SourceHealth
+from worker.served import ServedPipelines
+from worker.sources import SourceLink
 
 
 class NoResultsLookup:
@@ -38,48 +41,69 @@ def finish_within_s(s: Settings) -> float:
     return s.antenna.finish_within_s or s.antenna.ttr_s / 2
 
 
-def served(pipeline: Pipeline, algorithms: list[Algorithm]) -> Served:
-    return Served(pipeline.name, pipeline.description, tuple(algorithms))
+def pipeline_entry(pipeline: Pipeline, algorithms: list[Algorithm]) -> AntennaPipeline:
+    return AntennaPipeline(pipeline.name, pipeline.description, tuple(algorithms))
 
 
-@dataclass
 class AntennaParts:
-    client: AntennaClient
-    jobs: JobRotation
-    source: AntennaSource
-    poster: Poster
-    rules: AntennaRules
-    lookup: NoResultsLookup
+    """The parts for the served pipelines: their jobs are listed and reserved from, and
+    results are checked against each one's entry (``Catalog``) as its models load."""
 
-    @classmethod
-    def build(cls, s: Settings, catalog: Catalog) -> AntennaParts:
-        """The parts for the pipelines of ``catalog``: their jobs are listed and reserved
-        from, and results are checked against each one's entry as its models load."""
+    def __init__(
+        self, s: Settings, served: ServedPipelines, pipelines: dict[str, Pipeline]
+    ) -> None:
         a = s.antenna
-        client = AntennaClient(a.base_url, a.token, a.request_timeout_s)
-        jobs = JobRotation(client, catalog.slugs, a.poll_interval_s, a.jobs_limit)
+        self._settings = s
+        self._served = served
+        self._pipelines = pipelines
+        self.catalog = Catalog(served.names)
+        self.client = AntennaClient(a.base_url, a.token, a.request_timeout_s)
+        self.jobs = JobRotation(self.client, self.catalog.slugs, a.poll_interval_s, a.jobs_limit)
         reservations = Reservations(a.ttr_s, finish_within_s(s), reservation_size(s))
-        source = AntennaSource(
-            client,
-            jobs,
+        # Antenna's source waits as long as a NATS fetch would (WORKER_NATS__FETCH_TIMEOUT_S).
+        self.source = AntennaSource(
+            self.client,
+            self.jobs,
             reservations,
             reservation_size=reservation_size(s),
             wait_s=s.nats.fetch_timeout_s,
             max_deliver=a.max_deliver,
         )
-        poster = Poster(client, a.max_post_bytes, a.post_timeout_s)
-        rules = AntennaRules(poster, catalog, a.max_deliver, a.max_post_bytes)
-        return cls(client, jobs, source, poster, rules, NoResultsLookup())
-
-    def attach(self, registry: CollectorRegistry) -> AntennaMetrics:
-        reservations = self.source.reservations
-        metrics = AntennaMetrics(
-            registry, lambda: len(reservations), reservations.oldest_seconds_left
+        self.poster = Poster(self.client, a.max_post_bytes, a.post_timeout_s)
+        self.rules = AntennaRules(self.poster, self.catalog, a.max_post_bytes)
+        self.link = SourceLink(
+            kind="antenna",
+            source=self.source,
+            results=NoResultsLookup(),
+            rules=self.rules,
+            fetch_wait_s=s.nats.fetch_timeout_s,
+            keepalive_tick_s=a.ttr_s / 4,
+            unserved=self.unserved,
+            finish_held_on_stop=True,  # a give-back costs the TTR and a delivery
+            results_waiting=lambda: self.poster.waiting() > 0,
         )
-        self.client.count = metrics.count_call
-        self.poster.on_retry = metrics.posts_retried.inc
-        self.poster.on_split = metrics.posts_split.inc
-        return metrics
+
+    async def open(self) -> None:
+        """Nothing to connect: every call is its own (kept-alive) exchange."""
+
+    def attach(self, metrics: Metrics) -> None:
+        reservations = self.source.reservations
+        antenna = AntennaMetrics(
+            metrics.registry, lambda: len(reservations), reservations.oldest_seconds_left
+        )
+        self.client.count = antenna.count_call
+        self.poster.on_retry = antenna.posts_retried.inc
+        self.poster.on_split = antenna.posts_split.inc
+        self.rules.count = lambda outcome: metrics.tasks.labels(outcome).inc()
+
+    def started(self) -> dict[str, Any]:
+        return {"max_deliver": self._settings.antenna.max_deliver}
+
+    async def loaded(self, pipeline: str) -> None:
+        """Record the loaded pipeline's algorithm keys and category maps in the catalog."""
+        runner = self._served.loaded(pipeline)
+        if runner is not None:
+            self.catalog.add(pipeline_entry(self._pipelines[pipeline], runner.algorithms()))
 
     def unserved(self) -> str | None:
         """Why no task could be asked for: the token refused now, or no listing of the jobs
@@ -93,12 +117,18 @@ class AntennaParts:
             )
         return None
 
-    def problem(self, unreachable_for_s: float) -> str | None:
+    def health(self) -> SourceHealth:
+        since = self.client.unreachable_since
+        down_s = 0.0 if since is None else time.monotonic() - since
+        return SourceHealth(since is None, down_s)
+
+    def problem(self) -> str | None:
         """Why /healthz should answer 503: Antenna refusing our token, or unreachable for
-        longer than ``unreachable_for_s``."""
+        longer than ``WORKER_HEALTH__DISCONNECTED_TIMEOUT_S``."""
         refusal = self.source.refusal()
         if refusal:
             return f"Antenna refused: {refusal}"
+        unreachable_for_s = self._settings.health.disconnected_timeout_s
         since = self.client.unreachable_since
         if since is not None and time.monotonic() - since > unreachable_for_s:
             return (
@@ -106,3 +136,8 @@ class AntennaParts:
                 f"{self.client.shown()}: {self.client.last_problem}"
             )
         return None
+
+    async def close(self) -> None:
+        """The poster (what is finished gets its last chance), then the client."""
+        await self.poster.close()
+        self.client.close()

@@ -24,9 +24,8 @@ from nats.js import JetStreamContext, api
 from config.settings import NatsSettings
 from worker.commands.client import JobTasks, read_result, unreadable_response
 from worker.exits import JobEnd
-from worker.nats.subjects import job_results_subject
-from worker.results import response_of
-from worker.schemas import subject_token
+from worker.nats.results import response_of
+from worker.nats.subjects import job_results_subject, subject_token
 
 _READ_BATCH = 512
 _BAR_CELLS = 30

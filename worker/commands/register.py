@@ -10,19 +10,19 @@ import sys
 
 from config.names import env_name
 from config.settings import Settings
-from worker.antenna.results import Served
+from worker.antenna.results import AntennaPipeline
 from worker.exits import CommandExit
 
 
-def _served(settings: Settings) -> list[Served]:
+def _served(settings: Settings) -> list[AntennaPipeline]:
     """Each pipeline with its stages loaded (keys need the weights' sha256, maps their
     labels), one at a time: only one pipeline's models are in memory at once."""
     from config.derived import chosen_device
     from pipelines.device import release_cached_memory, visibility
     from pipelines.runner import load_runner
     from pipelines.setup import choose_all
-    from worker.antenna.wiring import served
-    from worker.app import source_config
+    from worker.antenna.wiring import pipeline_entry
+    from worker.engine_build import source_config
 
     _visible, device = visibility(chosen_device(settings))
     sources = source_config(settings)
@@ -31,7 +31,7 @@ def _served(settings: Settings) -> list[Served]:
         runner = load_runner(
             chosen.pipeline, sources, device, chosen.limits, chosen.response_format
         )
-        pipelines.append(served(chosen.pipeline, runner.algorithms()))
+        pipelines.append(pipeline_entry(chosen.pipeline, runner.algorithms()))
         del runner
         release_cached_memory()
     return pipelines

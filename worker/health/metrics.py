@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from config.names import env_name
 from datasets.reads import ReadStats
 from worker.health.liveness import Liveness
+from worker.ports import SourceHealth
 
 PREFIX = "inference_worker"
 
@@ -21,10 +22,12 @@ class Metrics:
         self,
         registry: CollectorRegistry,
         liveness: Liveness,
-        nats_connected: Callable[[], bool] = lambda: True,
+        source: str = "nats",
+        source_health: Callable[[], SourceHealth] = lambda: SourceHealth(True, 0.0),
     ) -> None:
         self.registry = registry
-        _state_gauges(registry, liveness, nats_connected)
+        _source_gauges(registry, source, source_health)
+        _state_gauges(registry, liveness)
         self.tasks = Counter(
             f"{PREFIX}_tasks",
             "Tasks settled, by outcome (ok, error, retried, dead_lettered).",
@@ -59,15 +62,27 @@ class Metrics:
         )
 
 
-def _state_gauges(
-    registry: CollectorRegistry, liveness: Liveness, nats_connected: Callable[[], bool]
+def _source_gauges(
+    registry: CollectorRegistry, source: str, health: Callable[[], SourceHealth]
 ) -> None:
-    """The gauges read at each scrape: the connection, progress, tasks held, stalled."""
+    """Whether the task source answers, for either source (``source``: WORKER_SOURCE)."""
     Gauge(
-        f"{PREFIX}_nats_connected",
-        "1 while the NATS connection is up; 0 while reconnecting or closed.",
+        f"{PREFIX}_source_connected",
+        "1 while the task source answers (NATS: the connection is up; Antenna: its calls "
+        "answer); 0 while it does not.",
+        ["source"],
         registry=registry,
-    ).set_function(lambda: 1.0 if nats_connected() else 0.0)
+    ).labels(source).set_function(lambda: 1.0 if health().connected else 0.0)
+    Gauge(
+        f"{PREFIX}_source_down_seconds",
+        "Seconds since the task source last answered; 0 while it does.",
+        ["source"],
+        registry=registry,
+    ).labels(source).set_function(lambda: health().down_s)
+
+
+def _state_gauges(registry: CollectorRegistry, liveness: Liveness) -> None:
+    """The gauges read at each scrape: progress, tasks held, stalled."""
     Gauge(
         f"{PREFIX}_last_progress_timestamp_seconds",
         "Unix time of the last completed batch, or of the last moment no work was held.",
@@ -208,46 +223,3 @@ class ModelsCollector:
             for pipeline in self._pipelines:
                 family.add_metric([pipeline], float(counts.get(pipeline, 0)))
             yield family
-
-
-class JobConsumersCollector:
-    """Fair share's job consumers (``worker.nats.lifecycle``): how many exist, the bound,
-    and those made, deleted and refused by the server. ``stats`` returns an object with
-    ``existing``, ``bound``, ``made``, ``deleted``, ``refused`` and ``updated``."""
-
-    def __init__(self, stats: Callable[[], Any]) -> None:
-        self._stats = stats
-
-    def collect(self) -> Any:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        stats = self._stats()
-        if stats is None:
-            return
-        yield GaugeMetricFamily(
-            f"{PREFIX}_job_consumers",
-            "Job consumers of this fleet on the tasks stream, as last listed.",
-            value=float(stats.existing),
-        )
-        yield GaugeMetricFamily(
-            f"{PREFIX}_job_consumers_bound",
-            "The most job consumers that may exist at once "
-            f"({env_name('nats', 'max_job_consumers')}, at most half the server's "
-            "per-stream limit).",
-            value=float(stats.bound),
-        )
-        for what, value, text in (
-            ("made", stats.made, "Job consumers made by this process."),
-            ("deleted", stats.deleted, "Finished jobs' consumers deleted by this process."),
-            (
-                "refused",
-                stats.refused,
-                "Job consumers the server refused to make (its consumer limit reached).",
-            ),
-            (
-                "updated",
-                stats.updated,
-                "Job consumers listed with other delivery settings and given this process's.",
-            ),
-        ):
-            yield CounterMetricFamily(f"{PREFIX}_job_consumers_{what}", text, value=float(value))

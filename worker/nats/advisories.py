@@ -5,7 +5,7 @@ worker sees the task again. JetStream then publishes a max-deliveries advisory; 
 keeps those advisories in a stream, and every worker pulls them from one shared durable
 consumer and reads the original task by its stream sequence; what becomes of it (an
 ``error`` result, create-if-absent, or a dead letter) is the delivery rules' decision
-(``worker.settle.Settler.exhausted``). This module only pulls, reads and paces advisories.
+(``worker.nats.rules.NatsRules.exhausted``). This module only pulls, reads and paces advisories.
 
 An advisory is checked before it is acted on: its type, stream and consumer must be the
 server's, its deliveries at least the consumer's max_deliver, and its task one the consumer has
@@ -28,8 +28,8 @@ from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from config.settings import NatsSettings
 from worker.nats.jobs import is_job_consumer
+from worker.nats.rules import NatsRules, backoff_s
 from worker.nats.subjects import advisory_consumer
-from worker.settle import Settler, backoff_s
 
 log = structlog.get_logger(__name__)
 MAX_DELIVER_TYPE = "io.nats.jetstream.advisory.v1.max_deliver"
@@ -48,10 +48,10 @@ async def _settle_advisory(action: Awaitable[None]) -> None:
 class ExhaustedTasks:
     """Pulls max-deliveries advisories and stores the results nobody else will."""
 
-    def __init__(self, js: JetStreamContext, settings: NatsSettings, settler: Settler) -> None:
+    def __init__(self, js: JetStreamContext, settings: NatsSettings, rules: NatsRules) -> None:
         self._js = js
         self._settings = settings
-        self._settler = settler
+        self._rules = rules
         self._sub: object | None = None
         self._failures: dict[int, int] = {}  # advisory sequence -> unexpected failures
 
@@ -106,7 +106,7 @@ class ExhaustedTasks:
         await _settle_advisory(msg.nak(delay=delay_s))
 
     async def handle(self, msg: Msg) -> None:
-        """One advisory: the delivery rules settle the original task (``Settler.exhausted``);
+        """One advisory: the delivery rules settle the original task (``NatsRules.exhausted``);
         the advisory is acked once they have, and comes back later when the store did not
         confirm."""
         read = _read_advisory(msg.data)
@@ -126,7 +126,7 @@ class ExhaustedTasks:
             await msg.term()
             return
         data, subject = original.data or b"", original.subject or ""
-        if await self._settler.exhausted(data, subject, seq, deliveries):
+        if await self._rules.exhausted(data, subject, seq, deliveries):
             await msg.ack()
         else:
             await self._later(msg)

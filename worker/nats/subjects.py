@@ -1,11 +1,59 @@
-"""NATS subject and consumer names, in one place. Imports nothing of ours but the
-schemas' subject tokens.
+"""NATS subject and consumer names, and a subject's tokens, in one place. Imports nothing of
+ours but the settings.
 """
 
 from __future__ import annotations
 
+import base64
+import re
+
 from config.settings import NatsSettings
-from worker.schemas import subject_token
+
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_ENCODED_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,400}")  # b64 of up to 256 bytes, and the prefix
+_ENCODED_PREFIX = "b64-"
+
+
+def subject_token(value: str) -> str:
+    """``value`` as one NATS subject token; injective, readable when already safe.
+
+    Tokens never contain ``.``, so subjects joined from tokens are injective too. ``value``
+    must be valid Unicode (``parse_task`` guarantees it for task and job ids).
+    """
+    if _TOKEN.fullmatch(value) and not value.startswith(_ENCODED_PREFIX):
+        return value
+    encoded = base64.urlsafe_b64encode(value.encode("utf-8")).decode("ascii").rstrip("=")
+    return _ENCODED_PREFIX + encoded
+
+
+def token_value(token: str) -> str | None:
+    """The value ``subject_token`` made ``token`` from; None when no value makes it."""
+    if not token.startswith(_ENCODED_PREFIX):
+        return token if _TOKEN.fullmatch(token) else None
+    if not _ENCODED_TOKEN.fullmatch(token):
+        return None
+    body = token[len(_ENCODED_PREFIX) :]
+    try:
+        value = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return value if subject_token(value) == token else None
+
+
+def subject_pipeline(subject: str) -> str:
+    """The pipeline a task's subject names (``tasks.<pipeline>[.<job token>]``); "" if none."""
+    parts = subject.split(".")
+    if len(parts) in (2, 3) and parts[0] == "tasks":
+        return parts[1]
+    return ""
+
+
+def subject_job(subject: str) -> str | None:
+    """The job a task's subject names (``tasks.<pipeline>.<job token>``), if it names one."""
+    parts = subject.split(".")
+    if len(parts) != 3 or parts[0] != "tasks":
+        return None
+    return token_value(parts[2])
 
 
 def result_subject(job_id: str, task_id: str) -> str:

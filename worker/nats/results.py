@@ -159,34 +159,3 @@ async def response_of(js: JetStreamContext, result: dict[str, Any]) -> dict[str,
     except (TimeoutError, nats.errors.Error, ValueError, KeyError) as error:
         why = f"response {pointer.get('name')} unreadable: {type(error).__name__} {error}"
         return {**rest, "response": None, "response_error": why, "response_object": pointer}
-
-
-def algorithm_objects(key: str, weights_sha256: str) -> tuple[str, str]:
-    """Where an algorithm's config is published: under its key (the latest), and under its
-    key and weights (exact, for results made with older weights under the same key)."""
-    return f"algorithms/{key}", f"algorithms/{key}/{weights_sha256}"
-
-
-async def publish_algorithms(
-    js: JetStreamContext, settings: NatsSettings, configs: list[dict[str, Any]]
-) -> None:
-    """Each algorithm's Antenna ``AlgorithmConfigResponse`` (its full class list), written at
-    every start to the object store ``WORKER_NATS__ALGORITHMS`` (kept without expiry):
-    classifications with a long class list omit ``labels`` and point here by their key."""
-    objects = await js.object_store(settings.algorithms)
-    for config in configs:
-        body = _encoded(config)
-        for name in algorithm_objects(str(config["key"]), str(config["weights_sha256"])):
-            await asyncio.wait_for(objects.put(name, body), _OBJECT_TIMEOUT_S)
-
-
-async def algorithm_config(
-    js: JetStreamContext, settings: NatsSettings, key: str, weights_sha256: str = ""
-) -> dict[str, Any]:
-    """An algorithm's published config (its class list in ``category_map.labels``): for these
-    weights when given, else the latest under ``key``."""
-    latest, exact = algorithm_objects(key, weights_sha256)
-    objects = await js.object_store(settings.algorithms)
-    found = await objects.get(exact if weights_sha256 else latest)
-    config: dict[str, Any] = json.loads(found.data or b"{}")
-    return config

@@ -15,12 +15,8 @@ Antenna's result post is the result store and the ack in one; it has no nak. So:
 
 from __future__ import annotations
 
-import os
-import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import structlog
 
@@ -32,7 +28,8 @@ from worker.antenna.reservations import AntennaDelivery
 from worker.antenna.results import error_result, fit, item, ok_result, problems
 from worker.outcome import Outcome
 from worker.ports import Delivery
-from worker.schemas import Task, make_result
+from worker.rules import ResultMaker, final, log_task_done, retries
+from worker.schemas import Task
 
 log = structlog.get_logger(__name__)
 
@@ -41,73 +38,55 @@ log = structlog.get_logger(__name__)
 class AntennaRules:
     poster: Poster
     catalog: Catalog
-    max_deliver: int
     max_post_bytes: int
     count: Callable[[str], None] = lambda _outcome: None
-    worker_id: dict[str, Any] = field(
-        default_factory=lambda: {"host": socket.gethostname(), "pid": os.getpid()}
-    )
+    documents: ResultMaker = field(default_factory=ResultMaker)  # model: Antenna's own
 
-    async def settle(self, task: Task, msg: Delivery, delivered: int, verdict: Outcome) -> str:
+    async def settle(self, task: Task, delivery: Delivery, outcome: Outcome) -> str:
+        reserved = _own(delivery)
         bound = log.bind(
-            task_id=task.id, job_id=task.job_id, image_id=task.image_id, attempt=delivered
+            task_id=task.id, job_id=task.job_id, image_id=task.image_id, attempt=reserved.delivered
         )
-        if verdict.retryable and delivered < self.max_deliver:
-            await msg.nak()
+        if retries(outcome, reserved):
+            await reserved.nak()
             bound.info(
                 "task_retried",
-                reason=verdict.failure.message if verdict.failure else None,
+                reason=outcome.failure.message if outcome.failure else None,
                 how="left to Antenna's redelivery",
             )
             self.count("retried")
             return "retried"
-        slug = self._slug(task, msg)
-        result, status, why = self._result(task, delivered, verdict, slug)
+        result, status, why = self._result(task, reserved.delivered, outcome)
         entry, steps = fit(task, item(task, result), self.max_post_bytes)
         if steps:
             bound.warning("result_made_smaller", steps=steps)
             if "error_result" in steps:
                 status, why = "error", entry["result"]["error"]
         try:
-            posted = await self.poster.post(_job_id(msg, task), task, entry, _deadline(msg))
+            posted = await self.poster.post(reserved.job, task, entry, reserved.expires_at)
         except PostFailed as failed:
-            await msg.nak()
+            await reserved.nak()
             bound.warning(
                 "result_not_posted", reason=str(failed), how="left to Antenna's redelivery"
             )
             self.count("retried")
             return "retried"
-        await msg.ack()
+        await reserved.ack()
         if posted is not entry:  # replaced by an error result after Antenna refused it
             status, why = "error", str(posted["result"].get("error"))
         self.count(status)
-        if status == "ok":
-            detections = len(posted["result"].get("detections") or [])
-            bound.info("task_done", status=status, detections=detections, **verdict.timings_s)
-        else:
-            bound.warning("task_done", status=status, error=why, **verdict.timings_s)
+        detections = len(posted["result"].get("detections") or []) if status == "ok" else 0
+        log_task_done(bound, status, outcome.timings_s, detections=detections, error=why or None)
         return status
 
-    def _result(
-        self, task: Task, delivered: int, verdict: Outcome, slug: str
-    ) -> tuple[dict[str, Any], str, str]:
+    def _result(self, task: Task, delivered: int, outcome: Outcome) -> tuple[dict, str, str]:
         """The result to post, its status, and why when it is an error."""
-        if verdict.failure is not None:
-            failure = verdict.failure
-            message = f"{failure.kind}: {failure.message}"
-            if failure.retryable:
-                message = f"deliveries ran out after {delivered} attempts; last error: {message}"
+        outcome = final(outcome, delivered)
+        if outcome.failure is not None:
+            message = f"{outcome.failure.kind}: {outcome.failure.message}"
             return error_result(task, message), "error", message
-        shaped = make_result(
-            task=task,
-            pipeline=slug,
-            detections=verdict.detections,
-            error=None,
-            model={},
-            timings_s=verdict.timings_s,
-            worker=self.worker_id,
-            attempt=delivered,
-        )
+        slug = task.pipeline
+        shaped = self.documents.make(task, delivered, outcome)
         served = self.catalog.get(slug)
         if served is None:  # not made by loaded models: cannot be (see Catalog)
             message = f"pipeline {slug!r} has no loaded models to name in the result"
@@ -119,51 +98,44 @@ class AntennaRules:
             return error_result(task, message), "error", message
         return result, "ok", ""
 
-    def _slug(self, task: Task, msg: Delivery) -> str:
-        pipeline = getattr(task, "pipeline", "") or ""
-        if not pipeline:
-            import json
-
-            try:
-                pipeline = str(json.loads(msg.data).get("pipeline") or "")
-            except (ValueError, AttributeError):
-                pipeline = ""
-        return pipeline or self.catalog.default
-
-    async def already_stored(self, msg: Delivery, task: Task) -> None:
+    async def already_stored(self, delivery: Delivery, task: Task) -> None:
         """Never asked: Antenna cannot say whether a task's result is saved."""
-        await msg.ack()
+        await delivery.ack()
 
-    async def give_back(self, msg: Delivery) -> None:
+    async def give_back(self, delivery: Delivery) -> None:
         """Antenna has no nak: the reservation runs out and the task is delivered again."""
-        await msg.nak()
+        await delivery.nak()
 
-    async def dead_letter(self, msg: Delivery, reason: str) -> str:
+    async def dead_letter(self, delivery: Delivery, reason: str) -> str:
         """A task too broken to name itself (no usable ``id``). With a usable reply subject it
         still gets its error result (with its image, when it names one); without one nothing
         can be posted: logged, and Antenna delivers it again once and then drops it."""
-        if isinstance(msg, AntennaDelivery) and usable_reply_subject(msg.reply_subject):
-            task = Task("", str(msg.job_id), msg.image_id, "", reply_subject=msg.reply_subject)
-            invalid = Outcome(failure=Failure("invalid_task", reason))
-            return await self.settle(task, msg, self.max_deliver, invalid)
+        reserved = _own(delivery)
+        if usable_reply_subject(reserved.reply_subject):
+            task = Task(
+                "",
+                reserved.job_id,
+                reserved.image_id,
+                "",
+                reply_subject=reserved.reply_subject,
+                pipeline=reserved.pipeline or self.catalog.default,
+            )
+            return await self.settle(
+                task, reserved, Outcome(failure=Failure("invalid_task", reason))
+            )
         log.error(
             "antenna_task_unusable",
             reason=reason,
-            subject=msg.subject,
+            **reserved.log_fields(),
             action="left to Antenna's redelivery; no reply subject to post a result to",
         )
-        await msg.term()
+        await reserved.term()
         self.count("dead_lettered")
         return "dead_lettered"
 
 
-def _job_id(msg: Delivery, task: Task) -> int:
-    if isinstance(msg, AntennaDelivery):
-        return msg.job_id
-    return int(task.job_id)
-
-
-def _deadline(msg: Delivery) -> float:
-    if isinstance(msg, AntennaDelivery):
-        return msg.expires_at
-    return time.monotonic() + 60.0
+def _own(delivery: Delivery) -> AntennaDelivery:
+    """``delivery`` as this room's: the Antenna rules settle only Antenna's reservations."""
+    if not isinstance(delivery, AntennaDelivery):
+        raise TypeError(f"not an Antenna reservation: {type(delivery).__name__}")
+    return delivery

@@ -1,0 +1,144 @@
+"""The engine from the settings: the served pipelines' models (loaded on demand, or at start
+as many as fit), the loader with its children, and the faults a test may ask for."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any
+
+from config.derived import max_held_tasks, object_deadline_s, torch_threads
+from config.errors import ConfigError, ModelLoadFailed
+from config.settings import Settings
+from datasets.loader import LoaderConfig, StreamingLoader
+from datasets.sources import SourceConfig
+from pipelines.device import release_cached_memory
+from pipelines.runner import load_runner
+from pipelines.setup import Chosen
+from worker.engine import Engine
+from worker.health.liveness import Liveness
+from worker.ports import BatchEngine
+from worker.served import ServedPipelines
+from worker.threads import in_daemon_thread
+
+
+def source_config(s: Settings) -> SourceConfig:
+    return SourceConfig(
+        s3_endpoint_url=s.s3.endpoint_url,
+        s3_region=s.s3.region,
+        connect_timeout_s=s.s3.connect_timeout_s,
+        read_timeout_s=s.s3.read_timeout_s,
+        max_attempts=s.s3.max_attempts,
+        http_timeout_s=s.s3.http_timeout_s,
+        file_roots=s.sources.roots(),
+        allowed_hosts=s.sources.hosts(),
+        max_bytes=s.sources.max_bytes,
+        object_deadline_s=object_deadline_s(s),
+        max_redirects=s.sources.max_redirects,
+        reads_in_flight=s.loader.reads_per_worker,
+        read_bytes_in_flight=s.loader.read_bytes_per_worker,
+    )
+
+
+def served_pipelines(
+    s: Settings, chosen: list[Chosen], device: str, budget_bytes: int
+) -> ServedPipelines:
+    """The served pipelines' models, none loaded yet, under ``budget_bytes``."""
+    sources = source_config(s)
+
+    def load(c: Chosen) -> Any:
+        return load_runner(
+            c.pipeline, sources, device, c.limits, c.response_format, s.model.precision
+        )
+
+    return ServedPipelines(
+        chosen,
+        _with_slow_load(s, load),
+        budget_bytes,
+        unloaded=lambda _name: release_cached_memory(),
+    )
+
+
+def loader(s: Settings, chosen: list[Chosen]) -> StreamingLoader:
+    """The loader (not started), sized to the tasks held: as many as the largest image any
+    served pipeline can load allows. Each task's own decode plan travels with it."""
+    held = max_held_tasks(s, max(c.plan.max_image_bytes() for c in chosen))
+    config = LoaderConfig(
+        num_workers=s.loader.num_workers,
+        timeout_s=s.loader.timeout_s,
+        plan=chosen[0].plan,
+        sources=source_config(s),
+        mp_context=s.loader.mp_context,
+        prefetch_per_worker=-(-held // s.loader.num_workers) + 1,
+    )
+    if s.faults.drop_once_file:
+        from datasets.faults import dropping_once
+
+        return StreamingLoader(config, dropping_once(s.faults.drop_once_file))
+    return StreamingLoader(config)
+
+
+async def start_engine(
+    s: Settings,
+    served: ServedPipelines,
+    started_loader: StreamingLoader,
+    engine_thread: Executor,
+    liveness: Liveness,
+) -> Engine:
+    """The loader's children started (on the engine thread, which owns the loader) while the
+    models load: the fork server's imports and the weights overlap, so a restarted process
+    answers /healthz sooner. A failure of either closes the loader and is the start's."""
+    import torch
+
+    torch.set_num_threads(torch_threads(s, os.cpu_count()))
+    at_start = s.model.load_at_start
+    if at_start is None:
+        at_start = len(served.names) == 1  # one pipeline: loaded and checked at start, as ever
+    loop = asyncio.get_running_loop()
+    started, preloaded = await asyncio.gather(
+        loop.run_in_executor(engine_thread, started_loader.start),
+        in_daemon_thread(_preload, served, served.names if at_start else []),
+        return_exceptions=True,
+    )
+    failed = next((r for r in (preloaded, started) if isinstance(r, BaseException)), None)
+    if failed is not None:
+        await loop.run_in_executor(engine_thread, started_loader.close)
+        raise failed
+    return Engine(
+        started_loader,
+        models=served,
+        plans=served.plans(),
+        max_consecutive_failures=s.loader.max_consecutive_failures,
+        heartbeat=liveness.still_working,
+    )
+
+
+def _preload(served: ServedPipelines, names: list[str]) -> None:
+    """Load ``names`` now, in order (the budget keeps the last that fit); a failure is the
+    start's, as a single pipeline's always was (ConfigError: exit 2)."""
+    for name in names:
+        try:
+            served.load(name)
+        except ModelLoadFailed as failed:
+            raise failed.cause or ConfigError(failed.failure.message) from None
+
+
+def _with_slow_load(s: Settings, load: Callable[[Chosen], Any]) -> Callable[[Chosen], Any]:
+    """The model load, or one made slower when a test asks (WORKER_FAULTS__SLOW_LOAD_S)."""
+    if not s.faults.slow_load_s:
+        return load
+    from worker.faults import slow_loading
+
+    return slow_loading(load, s.faults.slow_load_s)
+
+
+def with_faults(s: Settings, engine: Engine) -> BatchEngine:
+    """The engine, or the engine behind a fault a chaos test asked for."""
+    faults = s.faults
+    if not faults.wedge_once_file:
+        return engine
+    from worker.faults import WedgingEngine
+
+    return WedgingEngine(engine, faults.wedge_once_file, faults.wedge_mode)

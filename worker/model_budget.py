@@ -1,0 +1,45 @@
+"""Which pipelines this process serves, checked, and the memory budget their models share:
+both refused at start (ConfigError, exit 2) before anything starts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import structlog
+
+from config.errors import ConfigError
+from config.settings import Settings
+from pipelines.declare import Pipeline
+from pipelines.device import default_budget_bytes
+from pipelines.models import resolve_device
+from pipelines.setup import Chosen, budget_problems, choose_all
+from worker.device_claim import device_type
+
+log = structlog.get_logger(__name__)
+
+
+def choose(
+    s: Settings, device: str, refusals: Callable[[list[Pipeline]], list[str]]
+) -> list[Chosen]:
+    """Every served pipeline, checked, and none the source refuses (``refusals``: one line
+    each); JPEGs left encoded only where CUDA decodes them."""
+    chosen = choose_all(s)
+    refused = refusals([c.pipeline for c in chosen])
+    if refused:
+        raise ConfigError("\n".join(refused))
+    if any(c.plan.encoded for c in chosen) and device_type(device) != "cuda":
+        log.warning("device_decode_without_cuda", hint="JPEGs are decoded by the loader")
+        chosen = [replace(c, plan=replace(c.plan, encoded=False)) for c in chosen]
+    return chosen
+
+
+def budget_bytes(s: Settings, device: str, chosen: list[Chosen]) -> int:
+    """The models' memory budget; ConfigError when a pipeline cannot fit it alone."""
+    budget = s.model.memory_budget_bytes
+    if not budget:
+        budget = default_budget_bytes(resolve_device(device))
+    problems = budget_problems(s, chosen, budget)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return budget

@@ -1,0 +1,118 @@
+"""The NATS source's parts, built once from the settings (the counterpart of
+``worker/antenna/wiring.py``): the connection, the provisioned streams and consumers, the
+feed, the results stream, the dead letters, the delivery rules, the max-deliveries handler,
+and their shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import structlog
+from nats.aio.client import Client as NATS
+
+from config.settings import Settings
+from worker.health.metrics import Metrics
+from worker.nats.advisories import ExhaustedTasks
+from worker.nats.algorithms import publish_algorithms
+from worker.nats.connection import ConnectionState, connect
+from worker.nats.dead_letters import DeadLetters
+from worker.nats.feed import TaskFeed
+from worker.nats.metrics import JobConsumersCollector
+from worker.nats.provision import provision, refuse_other_fair_jobs
+from worker.nats.results import ResultStore
+from worker.nats.rules import NatsRules
+from worker.nats.source import NatsSource
+from worker.ports import SourceHealth
+from worker.rules import ResultMaker
+from worker.served import ServedPipelines
+from worker.sources import SourceLink
+
+log = structlog.get_logger(__name__)
+_CLOSE_WAIT_S = 10.0
+
+
+class NatsParts:
+    """``open`` connects and provisions; ``close`` takes it down, whatever ``open`` reached."""
+
+    def __init__(self, settings: Settings, served: ServedPipelines) -> None:
+        self._settings = settings
+        self._served = served
+        self.connection = ConnectionState()
+        self.nc: NATS | None = None
+        self.feed: TaskFeed | None = None
+        self.rules: NatsRules | None = None
+        self._link: SourceLink | None = None
+
+    @property
+    def link(self) -> SourceLink:
+        assert self._link is not None, "open() first"
+        return self._link
+
+    async def open(self) -> None:
+        s, served = self._settings, self._served
+        self.nc = nc = await connect(s.nats, state=self.connection)
+        js = nc.jetstream()
+        await refuse_other_fair_jobs(js, s.nats)
+        await provision(js, s.nats, served.names)
+        self.feed = TaskFeed(nc, s.nats, served.names)
+        await self.feed.open()
+        store = ResultStore(js, s.nats, lambda: int(nc.max_payload))
+        max_deliver = await self.feed.max_deliver()
+        self.rules = rules = NatsRules(
+            store,
+            DeadLetters(js, s.nats, store.max_message_bytes),
+            ResultMaker(served.model_info),
+            served.default,
+            s.nats.store_retry_s,
+            s.nats.nak_backoff_base_s,
+            s.nats.nak_backoff_max_s,
+        )
+        self._link = SourceLink(
+            kind="nats",
+            source=NatsSource(self.feed, max_deliver),
+            results=store,
+            rules=rules,
+            fetch_wait_s=s.nats.fetch_timeout_s,
+            keepalive_tick_s=s.nats.ack_wait_s / 4,
+            gone=self.connection.lost,
+            gone_reason="the NATS connection closed for good",
+            helpers=(("max-deliveries", ExhaustedTasks(js, s.nats, rules).run),),
+        )
+
+    def problem(self) -> str | None:
+        down_timeout_s = self._settings.health.disconnected_timeout_s
+        feed = self.feed.problem() if self.feed is not None else None
+        return self.connection.problem(down_timeout_s) or feed
+
+    def health(self) -> SourceHealth:
+        return SourceHealth(self.connection.connected(), self.connection.down_for_s())
+
+    def attach(self, metrics: Metrics) -> None:
+        assert self.feed is not None and self.rules is not None, "open() first"
+        metrics.registry.register(JobConsumersCollector(self.feed.job_stats))
+        self.rules.count = lambda outcome: metrics.tasks.labels(outcome).inc()
+        self.rules.completed_twice = metrics.results_already_stored.inc
+
+    def started(self) -> dict[str, Any]:
+        source = self.link.source
+        return {"max_deliver": source.max_deliver if isinstance(source, NatsSource) else None}
+
+    async def loaded(self, pipeline: str) -> None:
+        """Publish the loaded pipeline's algorithms (their class lists) for ``results``."""
+        runner = self._served.loaded(pipeline)
+        if runner is not None and self.nc is not None:
+            configs = [a.config() for a in runner.algorithms()]
+            await publish_algorithms(self.nc.jetstream(), self._settings.nats, configs)
+
+    async def close(self) -> None:
+        """The feed (its subscriptions), then the connection, drained; each step bounded."""
+        if self.feed is not None:
+            await self.feed.close()
+        self.connection.closing = True
+        nc = self.nc
+        if nc is not None and not nc.is_closed:
+            try:
+                await asyncio.wait_for(nc.drain(), _CLOSE_WAIT_S)
+            except Exception:  # noqa: BLE001 - closing anyway
+                await nc.close()

@@ -1,0 +1,75 @@
+"""What a task source hands the core, and what the process asks of it.
+
+``SourceLink`` is what the orchestrator is told: the source, its rules and results lookup,
+how long a fetch waits and how often held tasks are kept alive, and when the source is gone
+for good. ``SourceParts`` is what the process asks of a source's parts besides: its health
+(for ``/healthz`` and ``inference_worker_source_connected``), its metrics, what it does when a
+pipeline's models load, and its shutdown. Each source builds its own parts in its own room
+(``worker/nats/wiring.py``, ``worker/antenna/wiring.py``); ``worker/wiring.py`` picks one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from worker.health.metrics import Metrics
+from worker.ports import DeliveryRules, Results, SourceHealth, TaskSource
+
+# A coroutine run alongside the orchestrator's loops until the stop event; one that fails
+# ends the process.
+Helper = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
+
+
+@dataclass
+class SourceLink:
+    kind: str  # "nats" or "antenna": WORKER_SOURCE, and the source metrics' label
+    source: TaskSource
+    results: Results
+    rules: DeliveryRules
+    fetch_wait_s: float  # how long a fetch waits when there are no tasks
+    keepalive_tick_s: float  # how often held tasks are kept alive while a model loads
+    gone: asyncio.Event | None = None  # set when the source is gone for good (exit 5)
+    gone_reason: str = "the task source is gone for good"
+    helpers: tuple[tuple[str, Helper], ...] = ()
+    # Why the source could not be asked for tasks (refused, never reached), None when it could:
+    # an idle burst run ends NOT_SERVED for it.
+    unserved: Callable[[], str | None] = lambda: None
+    # A stop runs the held tasks' batches while the drain time allows, and gives back only the
+    # rest: for a source whose give-back costs (Antenna: the TTR, and one of two deliveries).
+    finish_held_on_stop: bool = False
+    # Finished results are waiting for the source's server to take them (Antenna's posts).
+    results_waiting: Callable[[], bool] | None = None
+
+
+class SourceParts(Protocol):
+    @property
+    def link(self) -> SourceLink: ...  # once open
+
+    async def open(self) -> None:
+        """Connect and provision (NATS); a failure here is the start's."""
+        ...
+
+    def problem(self) -> str | None:
+        """Why /healthz should answer 503 for the source, or None."""
+        ...
+
+    def health(self) -> SourceHealth: ...
+
+    def attach(self, metrics: Metrics) -> None:
+        """The source's own metrics in ``metrics.registry``; its rules count into ``metrics``."""
+        ...
+
+    def started(self) -> dict[str, Any]:
+        """What the ``worker_started`` line says of the source."""
+        ...
+
+    async def loaded(self, pipeline: str) -> None:
+        """``pipeline``'s models were loaded (the source publishes or records them)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop and release everything of the source, each step bounded."""
+        ...

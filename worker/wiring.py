@@ -1,0 +1,30 @@
+"""The one place a task source is picked (``WORKER_SOURCE``): its parts, and the pipelines it
+refuses. The only module outside the sources' rooms that imports them."""
+
+from __future__ import annotations
+
+from config.settings import Settings
+from pipelines.declare import Pipeline
+from pipelines.setup import Chosen
+from worker.served import ServedPipelines
+from worker.sources import SourceParts
+
+
+def refusals(s: Settings, pipelines: list[Pipeline]) -> list[str]:
+    """Why the source cannot serve some of ``pipelines`` (Antenna: no detector), one line each."""
+    if s.source != "antenna":
+        return []
+    from worker.antenna.keepable import refusals as antenna_refusals
+
+    return antenna_refusals(pipelines)
+
+
+def source_parts(s: Settings, served: ServedPipelines, chosen: list[Chosen]) -> SourceParts:
+    """The source's parts, not yet open."""
+    if s.source == "antenna":
+        from worker.antenna.wiring import AntennaParts
+
+        return AntennaParts(s, served, {c.pipeline.name: c.pipeline for c in chosen})
+    from worker.nats.wiring import NatsParts
+
+    return NatsParts(s, served)
