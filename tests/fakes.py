@@ -13,9 +13,14 @@ from typing import Any
 import nats
 
 from config.errors import Failure, ResultRefused, ResultsUnavailable
+from config.settings import NatsSettings
+from worker.nats.dead_letters import DeadLetters
+from worker.nats.delivery import NatsDelivery
+from worker.nats.rules import NatsRules
 from worker.nats.subjects import result_subject
 from worker.outcome import Outcome
 from worker.ports import BatchReport
+from worker.rules import ResultMaker
 
 _seq = iter(range(1, 1_000_000))
 
@@ -31,6 +36,8 @@ class FakePredictor:
 
 @dataclass
 class FakeMsg:
+    """A JetStream message as nats-py hands it (``worker.nats.delivery`` adapts it)."""
+
     delivered: int = 1
     seq: int = 7
     data: bytes = b"{}"
@@ -103,15 +110,38 @@ def task_msg(
     return FakeMsg(delivered=delivered, seq=next(_seq), data=data.encode(), subject=subject)
 
 
+def delivery(msg: FakeMsg, max_deliver: int = 2) -> NatsDelivery:
+    """``msg`` as the NATS source delivers it to the core."""
+    return NatsDelivery(msg, max_deliver)  # type: ignore[arg-type]
+
+
+def nats_rules(
+    store: Any, js: Any, *, store_retry_s: float = 0.0, default_pipeline: str = "p"
+) -> NatsRules:
+    """The NATS source's delivery rules over the fake results and dead-letter streams."""
+    settings = NatsSettings(store_retry_s=store_retry_s, nak_backoff_base_s=0.01)
+    return NatsRules(
+        store,
+        DeadLetters(js, settings, store.max_message_bytes),
+        ResultMaker(lambda pipeline: {"name": "m", "pipeline": pipeline}),
+        default_pipeline,
+        settings.store_retry_s,
+        settings.nak_backoff_base_s,
+        settings.nak_backoff_max_s,
+    )
+
+
 @dataclass
 class FakeSource:
-    """A task source that hands out its messages, then nothing; those of ``runnable``
-    pipelines (``tasks.<pipeline>``) first, as a source of one consumer per job can."""
+    """A NATS-shaped task source that hands out its messages as the NATS source's deliveries,
+    then nothing; those of ``runnable`` pipelines (``tasks.<pipeline>``) first, as a source of
+    one consumer per job can."""
 
     msgs: list[FakeMsg] = field(default_factory=list)
     fetches: int = 0
+    max_deliver: int = 2
 
-    async def fetch(self, batch: int, runnable: Any = None) -> Sequence[FakeMsg]:
+    async def fetch(self, batch: int, runnable: Any = None) -> Sequence[NatsDelivery]:
         import asyncio
 
         self.fetches += 1
@@ -123,9 +153,9 @@ class FakeSource:
         self.msgs = [m for m in self.msgs if id(m) not in gone]
         if not taken:
             await asyncio.sleep(0.01)
-        return taken
+        return [delivery(m, self.max_deliver) for m in taken]
 
-    async def close(self) -> Sequence[FakeMsg]:
+    async def close(self) -> Sequence[NatsDelivery]:
         return []
 
     async def idle(self) -> bool:
@@ -144,6 +174,11 @@ class FakeEngine:
     pipelines: dict[int, str] = field(default_factory=dict)
     load_failures: dict[str, Failure] = field(default_factory=dict)  # by pipeline
     loaded: list[str] = field(default_factory=list)
+    fail_once: dict[str, Failure] = field(default_factory=dict)  # by URL: the first run only
+    # What each task's image is found to hold.
+    found: list[dict[str, Any]] = field(
+        default_factory=lambda: [{"bbox": None, "classifications": []}]
+    )
 
     def submit(self, requests: Sequence[tuple[int, str]], pipeline: str = "") -> None:
         self.urls.update(requests)
@@ -165,11 +200,10 @@ class FakeEngine:
         self.batches.append(list(keys))
         outcomes = {}
         for key in keys:
-            failure = self.failures.get(self.urls[key])
+            url = self.urls[key]
+            failure = self.failures.get(url) or self.fail_once.pop(url, None)
             outcomes[key] = (
-                Outcome(failure=failure)
-                if failure
-                else Outcome(detections=[{"bbox": None, "classifications": []}])
+                Outcome(failure=failure) if failure else Outcome(detections=list(self.found))
             )
         return BatchReport(outcomes, 0.0, 0.0, 0)
 

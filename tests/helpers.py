@@ -121,8 +121,7 @@ async def take_back(
     import nats.js.errors
 
     from worker.nats.jobs import job_consumer, job_consumer_config
-    from worker.nats.subjects import job_tasks_subject
-    from worker.nats.subjects import subject_token
+    from worker.nats.subjects import job_tasks_subject, subject_token
 
     durable = settings.nats.consumer
     if settings.nats.fair_jobs:

@@ -18,15 +18,15 @@ from tests.helpers import client, submit
 from worker.nats.advisories import MAX_DELIVER_TYPE, ExhaustedTasks
 from worker.nats.jobs import job_consumer, job_consumer_config
 from worker.nats.provision import provision
+from worker.nats.results import ResultStore
+from worker.nats.rules import nats_rules
 from worker.nats.subjects import (
     advisory_consumer,
     advisory_subject,
     job_tasks_subject,
     result_subject,
+    subject_token,
 )
-from worker.nats.results import ResultStore
-from worker.nats.subjects import subject_token
-from worker.settle import Settler
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.integration
 @contextlib.asynccontextmanager
 async def advisory_handler(js: Any, settings: Any) -> AsyncIterator[None]:
     n = settings.nats
-    settler = Settler(js, ResultStore(js, n), n, settings.model.pipeline, {}, n.max_deliver)
+    settler = nats_rules(js, n, ResultStore(js, n), settings.model.pipeline)
     stop = asyncio.Event()
     handler = asyncio.create_task(ExhaustedTasks(js, n, settler).run(stop))
     try:

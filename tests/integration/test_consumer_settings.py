@@ -18,8 +18,7 @@ from tests.helpers import (
 )
 from worker.nats.jobs import job_consumer, job_consumer_config
 from worker.nats.provision import provision
-from worker.nats.subjects import job_tasks_subject
-from worker.nats.subjects import subject_token
+from worker.nats.subjects import job_tasks_subject, subject_token
 
 pytestmark = pytest.mark.integration
 

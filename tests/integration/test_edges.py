@@ -107,15 +107,15 @@ async def test_a_forged_max_deliveries_advisory_fails_no_task(nats_server, setti
     from worker.nats.advisories import ExhaustedTasks
     from worker.nats.jobs import job_consumer, job_consumer_config
     from worker.nats.provision import provision
+    from worker.nats.results import ResultStore
+    from worker.nats.rules import nats_rules
     from worker.nats.subjects import (
         advisory_consumer,
         advisory_subject,
         job_tasks_subject,
         result_subject,
+        subject_token,
     )
-    from worker.nats.results import ResultStore
-    from worker.nats.subjects import subject_token
-    from worker.settle import Settler
 
     settings = settings_for(nats_server.url)
     n = settings.nats
@@ -137,7 +137,7 @@ async def test_a_forged_max_deliveries_advisory_fails_no_task(nats_server, setti
             await js.publish(advisory_subject(n), json.dumps(payload).encode())
         # And the max-deliveries handler reads them
         store = ResultStore(js, n)
-        settler = Settler(js, store, n, settings.model.pipeline, {}, n.max_deliver)
+        settler = nats_rules(js, n, store, settings.model.pipeline)
         stop = asyncio.Event()
         handler = asyncio.create_task(ExhaustedTasks(js, n, settler).run(stop))
         try:

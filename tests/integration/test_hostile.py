@@ -94,7 +94,7 @@ async def test_poison_messages_each_end_in_one_outcome_and_the_worker_keeps_serv
             await publish_raw(js, settings, task("after-the-poison"))
             after = await result_for(js, settings, job, "after-the-poison")
             await consumer_idle(js, settings)
-            assert app.nc.is_connected
+            assert app.parts.nc.is_connected
             assert app.worker is not None and app.worker.exit.reason is ExitReason.STOPPED
 
     outcomes = {
@@ -138,7 +138,7 @@ async def test_a_connection_the_server_closes_for_good_ends_the_worker_with_code
         assert app.worker is not None
         # The server drops a client whose protocol line is too long, as it did for a task
         # with a long id; nats-py then closes the client for good.
-        await app.nc.publish("x" * 5000, b"")
+        await app.parts.nc.publish("x" * 5000, b"")
         deadline = time.monotonic() + 20
         while app.worker.exit.reason is ExitReason.STOPPED:
             assert time.monotonic() < deadline, "the worker did not notice its closed client"
@@ -182,7 +182,7 @@ async def test_a_long_disconnect_is_reported_until_the_server_is_back(
         body = await until(503)
         nats_server.start()
         await until(200)
-        assert app.connection.connected()
+        assert app.parts.connection.connected()
     assert body.startswith("nats: disconnected")
 
 

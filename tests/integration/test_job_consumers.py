@@ -270,8 +270,7 @@ async def test_a_task_published_as_its_consumer_is_deleted_is_served_after_both_
     from worker.nats.jobs import job_consumer, job_consumer_config
     from worker.nats.lifecycle import JobLifecycle
     from worker.nats.provision import provision
-    from worker.nats.subjects import job_tasks_subject
-    from worker.nats.subjects import subject_token
+    from worker.nats.subjects import job_tasks_subject, subject_token
 
     settings = settings_for(nats_server.url, nats={"max_job_consumers": 1})
     n, pipeline = settings.nats, settings.model.pipeline
@@ -316,8 +315,7 @@ async def _two_quiet_jobs(js: Any, settings: Any) -> tuple[str, str]:
     """Two job consumers with no work, the bound 1 (so a quiet one is due at the next look)."""
     from worker.nats.jobs import job_consumer, job_consumer_config
     from worker.nats.provision import provision
-    from worker.nats.subjects import job_tasks_subject
-    from worker.nats.subjects import subject_token
+    from worker.nats.subjects import job_tasks_subject, subject_token
 
     n, pipeline = settings.nats, settings.model.pipeline
     await provision(js, n, pipeline)
@@ -409,8 +407,7 @@ async def test_a_new_job_read_by_a_failed_discovery_gets_its_consumer_at_the_nex
 ):
     from worker.nats.jobs import JobConsumers, job_consumer
     from worker.nats.provision import provision
-    from worker.nats.subjects import job_tasks_subject
-    from worker.nats.subjects import subject_token
+    from worker.nats.subjects import job_tasks_subject, subject_token
 
     settings = settings_for(nats_server.url)
     n, pipeline = settings.nats, settings.model.pipeline

@@ -136,7 +136,7 @@ async def test_a_task_published_again_after_its_result_was_stored_is_not_run_aga
         await consumer_idle(js, settings)
         results = await job_results(js, settings.nats, job)
         assert app.worker is not None
-        metrics = app.worker.s.metrics.registry
+        metrics = app.worker.services.metrics.registry
         doubled = metrics.get_sample_value("inference_worker_results_already_stored_total")
         settled = metrics.get_sample_value("inference_worker_tasks_total", {"outcome": "ok"})
 

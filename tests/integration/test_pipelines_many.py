@@ -95,7 +95,7 @@ async def test_pipelines_unloaded_for_room_give_the_same_results_when_loaded_aga
             job = f"job-{pipeline}-{run}"
             await publish_tasks(js, settings.nats, pipeline, make_tasks(job, uris))
             results[(pipeline, run)] = await wait_results(js, settings, job, len(uris))
-        served = app.worker.s.engine.models  # type: ignore[union-attr]
+        served = app.worker.services.engine.models  # type: ignore[union-attr]
         stats = served.cache.stats
         resident = served.cache.resident()
 

@@ -15,7 +15,9 @@ pytestmark = pytest.mark.integration
 
 
 def loader_restarts(app) -> float:
-    value = app.worker.s.metrics.registry.get_sample_value("inference_worker_loader_restarts_total")
+    value = app.worker.services.metrics.registry.get_sample_value(
+        "inference_worker_loader_restarts_total"
+    )
     return float(value or 0.0)
 
 

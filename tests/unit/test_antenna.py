@@ -24,7 +24,7 @@ from worker.antenna.post import Poster
 from worker.antenna.register import antenna_problems, register
 from worker.antenna.reservations import Reservations, delivered_of
 from worker.antenna.results import AntennaPipeline, antenna_key, encoded, fit, item
-from worker.antenna.settle import AntennaRules
+from worker.antenna.rules import AntennaRules
 from worker.antenna.source import AntennaSource
 from worker.antenna.wiring import NoResultsLookup
 from worker.claims import Claims
@@ -102,6 +102,7 @@ def task_of(delivery: Any) -> Task:
         payload["image_id"],
         payload["image_url"],
         reply_subject=payload["reply_subject"],
+        pipeline=SLUG,
     )
 
 
@@ -194,12 +195,12 @@ async def test_a_reservation_runs_out_after_its_ttr_and_a_task_comes_back_once(
     job = fake.add_job(SLUG, images(3))
     source = source_of(fake)
     first = await reserve_all(source, 3)
-    assert [d.metadata.num_delivered for d in first] == [1, 1, 1]
+    assert [d.delivered for d in first] == [1, 1, 1]
     assert await source.fetch(3) == []  # all reserved: Antenna answers []
     fake.expire_reservations()
     second = await reserve_all(source, 3)
     assert {d.image_id for d in second} == {"i0", "i1", "i2"}
-    assert [d.metadata.num_delivered for d in second] == [2, 2, 2]
+    assert [d.delivered for d in second] == [2, 2, 2]
     fake.expire_reservations()
     assert await source.fetch(3) == []
     assert fake.lost(job) == {"i0", "i1", "i2"}
@@ -215,12 +216,13 @@ async def test_one_bad_task_in_a_reservation_gets_an_error_result_and_the_rest_a
     fake.spoil("i4", lambda t: ["not", "a", "task"], times=1)
     source = source_of(fake)
     rules = rules_of(fake, 10**6)
-    admission = Admission(rules, NoResultsLookup(), Claims(100, Liveness(60.0), rules.give_back))
+    claims = Claims(100, Liveness(60.0), rules.give_back)
+    admission = Admission(rules, NoResultsLookup(), claims, SLUG)
 
     with structlog.testing.capture_logs() as logs:
         got = await source.fetch(6)
         held = [c for c in await asyncio.gather(*map(admission.admit, got)) if c is not None]
-    verdicts = await asyncio.gather(*(rules.settle(c.task, c.msg, 1, outcome()) for c in held))
+    verdicts = await asyncio.gather(*(rules.settle(c.task, c.delivery, outcome()) for c in held))
 
     assert sorted(d.image_id for d in got) == ["i0", "i1", "i2", "i5"]
     assert sorted(c.task.image_id for c in held) == ["i0", "i5"] and verdicts == ["ok", "ok"]
@@ -231,7 +233,7 @@ async def test_one_bad_task_in_a_reservation_gets_an_error_result_and_the_rest_a
     fake.expire_reservations()
     again = await reserve_all(source, 2)
     assert sorted(d.image_id for d in again) == ["i3", "i4"]
-    await asyncio.gather(*(rules.settle(task_of(d), d, 2, outcome()) for d in again))
+    await asyncio.gather(*(rules.settle(task_of(d), d, outcome()) for d in again))
     assert fake.pending(job) == set() and fake.jobs[job].status == "SUCCESS"
 
 
@@ -364,7 +366,7 @@ def rules_of(fake: FakeAntenna, max_post_bytes: int) -> AntennaRules:
     poster = Poster(client_of(fake), max_post_bytes, 5.0)
     catalog = Catalog([SLUG])
     catalog.add(SERVED)
-    return AntennaRules(poster, catalog, 2, max_post_bytes)
+    return AntennaRules(poster, catalog, max_post_bytes)
 
 
 def outcome(scores: tuple[float, ...] = (0.7, 0.2, 0.1), detections: int = 1) -> Outcome:
@@ -384,7 +386,7 @@ async def test_results_are_split_under_the_cap_and_a_413_halves_the_body(
     rules = rules_of(fake, 6000)
     fake.max_body_bytes = 4000  # the proxy refuses less than our cap: 413, then halves
     verdicts = await asyncio.gather(
-        *(rules.settle(task_of(d), d, 1, outcome(detections=2)) for d in got)
+        *(rules.settle(task_of(d), d, outcome(detections=2)) for d in got)
     )
     assert verdicts == ["ok"] * 12
     assert fake.pending(job) == set() and fake.jobs[job].failed == set()
@@ -399,10 +401,10 @@ async def test_a_result_antenna_would_drop_is_posted_as_an_error_with_its_image(
     job = fake.add_job(SLUG, images(2))
     a, b = await reserve_all(source_of(fake), 2)
     rules = rules_of(fake, 10**6)
-    wrong_length = await rules.settle(task_of(a), a, 1, outcome(scores=(0.5, 0.5)))
+    wrong_length = await rules.settle(task_of(a), a, outcome(scores=(0.5, 0.5)))
     too_big_alone = fake.max_body_bytes = 1500
     assert too_big_alone
-    huge = await rules.settle(task_of(b), b, 1, outcome(detections=20))
+    huge = await rules.settle(task_of(b), b, outcome(detections=20))
     assert (wrong_length, huge) == ("error", "error")
     assert fake.jobs[job].failed == {a.image_id, b.image_id}
     errors = [json.loads(body)["results"][0]["result"] for body in fake.bodies[-2:]]
@@ -418,13 +420,19 @@ async def test_a_transient_failure_is_left_to_redelivery_before_the_last_deliver
     from config.errors import Failure
 
     job = fake.add_job(SLUG, images(1))
-    (d,) = await reserve_all(source_of(fake), 1)
+    source = source_of(fake)
+    (d,) = await reserve_all(source, 1)
     rules = rules_of(fake, 10**6)
     failing = Outcome(failure=Failure("loader_timeout", "slow", retryable=True))
-    assert await rules.settle(task_of(d), d, 1, failing) == "retried"
+    assert await rules.settle(task_of(d), d, failing) == "retried"
     assert fake.bodies == [] and fake.pending(job) == {"i0"}
-    assert await rules.settle(task_of(d), d, 2, failing) == "error"
+    fake.expire_reservations()
+    (again,) = await reserve_all(source, 1)
+    assert again.delivered == 2 and again.deliveries_left == 0
+    assert await rules.settle(task_of(again), again, failing) == "error"
     assert fake.jobs[job].failed == {"i0"}
+    (body,) = [json.loads(b)["results"][0]["result"] for b in fake.bodies]
+    assert "deliveries ran out after 2 attempts" in body["error"]
 
 
 def test_a_29176_class_result_with_500_detections_is_compacted_under_the_cap() -> None:
@@ -582,7 +590,7 @@ def test_the_delivery_count_is_read_from_the_reply_subject() -> None:
 
 
 def test_nothing_more_is_reserved_while_the_oldest_reservation_is_late() -> None:
-    from worker.antenna.reservations import AntennaDelivery, Metadata, _Sequence
+    from worker.antenna.reservations import AntennaDelivery
 
     reservations = Reservations(ttr_s=10.0, finish_within_s=5.0, first_size=4)
     assert reservations.allowed() == 4
@@ -590,7 +598,7 @@ def test_nothing_more_is_reserved_while_the_oldest_reservation_is_late() -> None
     def reserved(age_s: float) -> AntennaDelivery:
         at = time.monotonic() - age_s
         delivery = AntennaDelivery(
-            b"{}", "s", 1, "i", "r", at, at + 10, Metadata(1, _Sequence(1)), reservations.settled
+            b"{}", 1, SLUG, "i", "r", at, at + 10, 1, 2, reservations.settled
         )
         reservations.add(delivery)
         return delivery

@@ -10,12 +10,12 @@ from prometheus_client import CollectorRegistry
 
 from config.errors import Failure, LoaderGaveUp
 from config.settings import load_settings
-from tests.fakes import FakeEngine, FakeJetStream, FakeSource, FakeStore, task_msg
+from tests.fakes import FakeEngine, FakeJetStream, FakeSource, FakeStore, nats_rules, task_msg
 from worker.exits import ExitReason
 from worker.health.liveness import Liveness
 from worker.health.metrics import Metrics
 from worker.orchestrator import Services, Worker
-from worker.settle import Settler
+from worker.sources import SourceLink
 
 BATCH = 4
 
@@ -31,18 +31,26 @@ def a_worker(source, engine, *, guard=None, closed=None, max_deliver=2):
     store, js = FakeStore(), FakeJetStream()
     liveness = Liveness(settings.health.stall_timeout_s)
     metrics = Metrics(CollectorRegistry(), liveness)
-    settler = Settler(js, store, settings.nats, "p", {"name": "m"}, max_deliver)  # type: ignore[arg-type]
-    settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
-    services = Services(
+    rules = nats_rules(store, js)
+    rules.count = lambda outcome: metrics.tasks.labels(outcome).inc()
+    source.max_deliver = max_deliver
+    link = SourceLink(
+        kind="nats",
         source=source,
-        store=store,  # type: ignore[arg-type]
-        settler=settler,
+        results=store,
+        rules=rules,
+        fetch_wait_s=settings.nats.fetch_timeout_s,
+        keepalive_tick_s=5.0,
+        gone=closed,
+    )
+    services = Services(
+        link=link,
         engine=engine,
         engine_thread=ThreadPoolExecutor(1),
         liveness=liveness,
         metrics=metrics,
+        default_pipeline="p",
         guard=guard,
-        closed=closed,
     )
     return Worker(settings, services, until_idle=True), store, js, metrics
 

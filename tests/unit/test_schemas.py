@@ -6,9 +6,16 @@ import re
 import pytest
 
 from config.errors import InvalidTask, Undeliverable
-from worker.nats.subjects import result_subject
-from worker.nats.subjects import subject_token, token_value
+from tests.fakes import FakeMsg, delivery
+from worker.nats.subjects import result_subject, subject_token, token_value
 from worker.schemas import Task, make_result, parse_task
+
+
+def on_subject(data: bytes, subject: str) -> Task:
+    """The task as the NATS source reads it from ``subject`` (its pipeline and job)."""
+    d = delivery(FakeMsg(data=data, subject=subject))
+    return parse_task(d.data, pipeline=d.pipeline, job_id=d.job_id)
+
 
 TASK = {"id": "t1", "job_id": "j1", "image_id": "i1", "image_url": "s3://b/k.jpg"}
 
@@ -26,14 +33,14 @@ def test_a_task_shaped_like_antennas_parses():
 
 def test_an_antenna_task_takes_its_job_from_the_subject_and_keeps_its_reply_subject():
     antenna = {"id": 17, "image_id": "42", "image_url": "https://x/a.jpg", "reply_subject": "r.1"}
-    task = parse_task(json.dumps(antenna).encode(), "tasks.moths.1234")
+    task = on_subject(json.dumps(antenna).encode(), "tasks.moths.1234")
     assert (task.id, task.job_id, task.reply_subject) == ("17", "1234", "r.1")
 
 
 @pytest.mark.parametrize("job", ["job 7/ü", "b64-x", "a" * 128, "x" * 95 + "/", "ü" * 128])
 def test_a_job_encoded_into_a_subject_token_is_read_back(job):
     assert token_value(subject_token(job)) == job
-    task = parse_task(
+    task = on_subject(
         json.dumps({"id": "t", "image_id": "i", "image_url": "s3://b/k"}).encode(),
         f"tasks.p.{subject_token(job)}",
     )
@@ -42,16 +49,16 @@ def test_a_job_encoded_into_a_subject_token_is_read_back(job):
 
 def test_a_task_without_a_job_in_payload_or_subject_is_undeliverable():
     with pytest.raises(Undeliverable, match="job_id"):
-        parse_task(
+        on_subject(
             json.dumps({"id": "t", "image_id": "i", "image_url": "s3://b/k"}).encode(), "tasks.p"
         )
 
 
 def test_a_job_id_that_contradicts_the_subject_gets_an_error_result_under_the_subjects_job():
     with pytest.raises(InvalidTask, match="differs") as refused:
-        parse_task(json.dumps(TASK).encode(), "tasks.p.other-job")
+        on_subject(json.dumps(TASK).encode(), "tasks.p.other-job")
     assert refused.value.job_id == "other-job"
-    assert parse_task(json.dumps(TASK).encode(), "tasks.p.j1").job_id == "j1"  # agreeing is fine
+    assert on_subject(json.dumps(TASK).encode(), "tasks.p.j1").job_id == "j1"  # agreeing is fine
 
 
 @pytest.mark.parametrize("reply", ["has space", "", 7, "x" * 1025, "line\nbreak"])
@@ -181,7 +188,7 @@ def test_an_invalid_url_is_named_without_its_query_string():
 )
 def test_a_task_knows_the_pipeline_its_subject_names(subject, pipeline):
     data = json.dumps({"id": "t", "job_id": "j", "image_id": "i", "image_url": "s3://b/k"})
-    assert parse_task(data.encode(), subject).pipeline == pipeline
+    assert on_subject(data.encode(), subject).pipeline == pipeline
 
 
 def test_total_time_is_the_tasks_time_not_a_sum_of_overlapping_timings():

@@ -20,8 +20,10 @@ from typing import Any
 
 import nats
 import structlog
+from nats.js import JetStreamContext
 
 from config.errors import ErrorKind, Failure, ResultRefused, ResultsUnavailable
+from config.settings import NatsSettings
 from worker.nats.dead_letters import DeadLetters
 from worker.nats.delivery import own
 from worker.nats.patience import patiently
@@ -252,3 +254,22 @@ def _log_done(bound: Any, result: dict[str, Any]) -> None:
         return
     detections = (result.get("response") or {}).get("detections")
     log_task_done(bound, result["status"], result["timings_s"], detections=len(detections or []))
+
+
+def nats_rules(
+    js: JetStreamContext,
+    settings: NatsSettings,
+    store: ResultStore,
+    default_pipeline: str,
+    model_of: Callable[[str], dict[str, Any]] = lambda _pipeline: {},
+) -> NatsRules:
+    """The rules over the results stream ``store`` and the dead-letter stream, as settled."""
+    return NatsRules(
+        store,
+        DeadLetters(js, settings, store.max_message_bytes),
+        ResultMaker(model_of),
+        default_pipeline,
+        settings.store_retry_s,
+        settings.nak_backoff_base_s,
+        settings.nak_backoff_max_s,
+    )

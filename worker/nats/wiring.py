@@ -16,15 +16,13 @@ from worker.health.metrics import Metrics
 from worker.nats.advisories import ExhaustedTasks
 from worker.nats.algorithms import publish_algorithms
 from worker.nats.connection import ConnectionState, connect
-from worker.nats.dead_letters import DeadLetters
 from worker.nats.feed import TaskFeed
 from worker.nats.metrics import JobConsumersCollector
 from worker.nats.provision import provision, refuse_other_fair_jobs
 from worker.nats.results import ResultStore
-from worker.nats.rules import NatsRules
+from worker.nats.rules import NatsRules, nats_rules
 from worker.nats.source import NatsSource
 from worker.ports import SourceHealth
-from worker.rules import ResultMaker
 from worker.served import ServedPipelines
 from worker.sources import SourceLink
 
@@ -59,15 +57,7 @@ class NatsParts:
         await self.feed.open()
         store = ResultStore(js, s.nats, lambda: int(nc.max_payload))
         max_deliver = await self.feed.max_deliver()
-        self.rules = rules = NatsRules(
-            store,
-            DeadLetters(js, s.nats, store.max_message_bytes),
-            ResultMaker(served.model_info),
-            served.default,
-            s.nats.store_retry_s,
-            s.nats.nak_backoff_base_s,
-            s.nats.nak_backoff_max_s,
-        )
+        self.rules = rules = nats_rules(js, s.nats, store, served.default, served.model_info)
         self._link = SourceLink(
             kind="nats",
             source=NatsSource(self.feed, max_deliver),

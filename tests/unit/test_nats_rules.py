@@ -1,38 +1,35 @@
-"""Delivery rules when the store or the dead-letter stream says no (in-memory fakes)."""
+"""The NATS source's delivery rules when the store or the dead-letter stream says no
+(in-memory fakes)."""
 
 from __future__ import annotations
 
 import pytest
 
 from config.errors import ResultsUnavailable
-from config.settings import NatsSettings
-from tests.fakes import FakeJetStream, FakeMsg, FakeStore
+from tests.fakes import FakeJetStream, FakeMsg, FakeStore, delivery, nats_rules
+from worker.nats.rules import NatsRules, backoff_s
 from worker.outcome import Outcome
 from worker.schemas import Task
-from worker.settle import Settler, backoff_s
 
 
-def settler(
-    store: FakeStore, js: FakeJetStream, max_deliver: int = 2, store_retry_s: float = 0.0
-) -> Settler:
-    nats_settings = NatsSettings(store_retry_s=store_retry_s, nak_backoff_base_s=0.01)
-    return Settler(js, store, nats_settings, "p", {"name": "m"}, max_deliver)  # type: ignore[arg-type]
+def settler(store: FakeStore, js: FakeJetStream, store_retry_s: float = 0.0) -> NatsRules:
+    return nats_rules(store, js, store_retry_s=store_retry_s)
 
 
-TASK = Task("t", "j", "i", "s3://b/k")
+TASK = Task("t", "j", "i", "s3://b/k", pipeline="p")
 BIG = Outcome(detections=[{"bbox": None, "note": "x" * 5000}])
 
 
 async def test_a_result_too_large_to_store_becomes_a_small_error_result_once():
     store, msg = FakeStore(refuse_over_bytes=2000), FakeMsg()
-    outcome = await settler(store, FakeJetStream()).settle(TASK, msg, 1, BIG)
+    outcome = await settler(store, FakeJetStream()).settle(TASK, delivery(msg), BIG)
     assert outcome == "error" and msg.actions == ["ack"]
     assert [r["error"]["type"] for r in store.stored] == ["result_too_large"]
 
 
 async def test_a_task_no_result_fits_for_is_dead_lettered_not_retried_forever():
     store, js, msg = FakeStore(refuse_over_bytes=10), FakeJetStream(), FakeMsg()
-    outcome = await settler(store, js).settle(TASK, msg, 1, BIG)
+    outcome = await settler(store, js).settle(TASK, delivery(msg), BIG)
     assert outcome == "dead_lettered" and msg.actions == ["term"]
     ((subject, _data, headers),) = js.published
     assert subject == "dead.tasks" and headers["Nats-Msg-Id"] == "dead-INFERENCE_TASKS-7"
@@ -40,27 +37,29 @@ async def test_a_task_no_result_fits_for_is_dead_lettered_not_retried_forever():
 
 async def test_a_dead_letter_the_stream_did_not_confirm_is_given_back_never_terminated():
     msg = FakeMsg(delivered=2)  # the last delivery: the advisory handler takes it from here
-    outcome = await settler(FakeStore(), FakeJetStream(fail=True)).dead_letter(msg, "not JSON")
+    outcome = await settler(FakeStore(), FakeJetStream(fail=True)).dead_letter(
+        delivery(msg), "not JSON"
+    )
     assert outcome == "retried" and msg.actions == ["nak"]
 
 
 async def test_a_failed_term_after_a_stored_dead_letter_is_logged_not_raised():
     js, msg = FakeJetStream(), FakeMsg(fail_term=True)
-    assert await settler(FakeStore(), js).dead_letter(msg, "not JSON") == "dead_lettered"
+    assert await settler(FakeStore(), js).dead_letter(delivery(msg), "not JSON") == "dead_lettered"
     assert len(js.published) == 1
 
 
 @pytest.mark.parametrize("reason", ["line\r\nInjected: header", "x" * 5000])
 async def test_dead_letter_headers_are_one_capped_line(reason):
     js = FakeJetStream()
-    await settler(FakeStore(), js).dead_letter(FakeMsg(), reason)
+    await settler(FakeStore(), js).dead_letter(delivery(FakeMsg()), reason)
     value = js.published[0][2]["Worker-Reason"]
     assert "\n" not in value and "\r" not in value and len(value) <= 1000
 
 
 async def test_a_dead_letter_of_a_message_near_max_payload_is_cut_to_fit_with_its_size_said():
     js, huge = FakeJetStream(), FakeMsg(data=b"x" * (1024 * 1024 - 10))
-    assert await settler(FakeStore(), js).dead_letter(huge, "not JSON") == "dead_lettered"
+    assert await settler(FakeStore(), js).dead_letter(delivery(huge), "not JSON") == "dead_lettered"
     ((_subject, data, headers),) = js.published
     assert len(data) <= 1024 * 1024 - 4096
     assert headers["Worker-Truncated-From-Bytes"] == str(len(huge.data))
@@ -87,7 +86,7 @@ class FlakyStore(FakeStore):
 async def test_a_result_the_store_did_not_confirm_is_retried_in_process_before_any_nak():
     store, msg = FlakyStore(failures=3), FakeMsg()
     outcome = await settler(store, FakeJetStream(), store_retry_s=2.0).settle(
-        TASK, msg, 1, Outcome(detections=[])
+        TASK, delivery(msg), Outcome(detections=[])
     )
     assert outcome == "ok"
     assert msg.actions == ["ack"] and len(store.stored) == 1
@@ -96,7 +95,7 @@ async def test_a_result_the_store_did_not_confirm_is_retried_in_process_before_a
 async def test_a_store_down_past_store_retry_s_gives_the_task_back_with_a_nak():
     down, msg = FlakyStore(failures=1000), FakeMsg()
     outcome = await settler(down, FakeJetStream(), store_retry_s=0.5).settle(
-        TASK, msg, 1, Outcome(detections=[])
+        TASK, delivery(msg), Outcome(detections=[])
     )
     assert outcome == "retried"
     assert msg.actions == ["nak"] and down.stored == []
@@ -122,7 +121,7 @@ async def test_a_second_completion_of_a_task_is_counted_and_acked_and_its_result
     rules = settler(RefusingStore(), FakeJetStream())
     rules.completed_twice = lambda: doubled.append(None)
     msg = FakeMsg()
-    assert await rules.settle(TASK, msg, 1, Outcome(detections=[])) == "ok"
+    assert await rules.settle(TASK, delivery(msg), Outcome(detections=[])) == "ok"
     assert msg.actions == ["ack"] and doubled == [None]
 
 
@@ -131,7 +130,7 @@ async def test_our_own_write_found_stored_on_a_retry_is_not_a_second_completion(
     rules = settler(RefusingStore(unconfirmed=1), FakeJetStream(), store_retry_s=2.0)
     rules.completed_twice = lambda: doubled.append(None)
     msg = FakeMsg()
-    assert await rules.settle(TASK, msg, 1, Outcome(detections=[])) == "ok"
+    assert await rules.settle(TASK, delivery(msg), Outcome(detections=[])) == "ok"
     assert msg.actions == ["ack"] and doubled == []
 
 
