@@ -10,7 +10,8 @@ from typing import Any, TypeVar
 import structlog
 
 from datasets.faults import claim_once
-from worker.engine import BatchReport, Engine
+from worker.engine import Engine
+from worker.ports import BatchReport
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")

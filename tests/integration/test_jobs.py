@@ -255,7 +255,7 @@ async def test_tasks_arriving_one_by_one_while_the_model_is_busy_run_as_full_bat
     uris = upload_images(s3_server.client(), bucket, 9)
     async with running_worker(settings) as app, client(settings) as js:
         assert app.engine is not None and app.worker is not None
-        from worker.engine import OneModel
+        from worker.engine.models import OneModel
 
         gate = GatedPredictor(app.engine.models.acquire(""))
         app.engine.models = OneModel(gate)

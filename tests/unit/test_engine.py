@@ -190,7 +190,7 @@ def test_copying_ahead_never_waits_on_the_loader_and_forgotten_images_are_droppe
     engine = Engine(loader, device)  # type: ignore[arg-type]
     submit(engine, [1])
     submit(engine, [2])
-    engine._stash[1] = loader.next_loaded()  # batch 1 is here; 2 is still being loaded
+    engine.stash.keep(loader.next_loaded())  # batch 1 is here; 2 is still being loaded
     loader.slow = True
     engine.run_batch([1])
     assert device.runs[-1][2] == [], "nothing was ready: nothing waited for"
@@ -204,7 +204,7 @@ def test_copying_ahead_never_waits_on_the_loader_and_forgotten_images_are_droppe
     submit(engine, [5])
     engine.run_batch([4])
     assert device.runs[-1][1] == [4] and device.runs[-1][2] == [5]
-    assert 3 not in engine._copied_ahead and 3 not in engine._stash
+    assert 3 not in engine.copy_ahead.copied_keys() and 3 not in engine.stash.loaded_keys()
 
 
 def test_a_loader_that_breaks_while_a_batch_runs_is_recovered_by_the_next_batch():
@@ -272,7 +272,7 @@ def test_copying_ahead_that_runs_out_of_device_memory_fails_nothing_and_frees_th
     submit(engine, [1])
     submit(engine, [2])
     assert engine.run_batch([1]).outcomes[1].ok
-    assert trims == [1] and engine._copied_ahead == {}
+    assert trims == [1] and engine.copy_ahead.copied_keys() == []
     assert engine.run_batch([2]).outcomes[2].ok, "the image is copied when its batch runs"
 
 
@@ -290,9 +290,10 @@ def test_nothing_is_copied_ahead_while_a_batch_is_split_for_lack_of_device_memor
     submit(engine, [3, 4])
     assert all(v.ok for v in engine.run_batch([1, 2]).outcomes.values())
     assert [(run[0], run[2]) for run in device.runs] == [([1], []), ([2], [])]
-    assert engine._copied_ahead == {}, "what the whole batch copied ahead was let go for the halves"
+    copied = engine.copy_ahead.copied_keys()
+    assert copied == [], "what the whole batch copied ahead was let go for the halves"
     assert all(v.ok for v in engine.run_batch([3]).outcomes.values())
-    assert list(engine._copied_ahead) == [4], "the next batch stages ahead again"
+    assert engine.copy_ahead.copied_keys() == [4], "the next batch copies ahead again"
 
 
 def test_an_image_loaded_for_a_forgotten_task_is_dropped_not_kept():
@@ -301,13 +302,13 @@ def test_an_image_loaded_for_a_forgotten_task_is_dropped_not_kept():
     submit(engine, [1, 2, 3])  # loaded in this order
     engine.forget([1])  # its task failed with its pipeline's model, say
     assert engine.run_batch([2]).outcomes[2].ok  # 1 arrives first, while collecting 2
-    assert engine._stash == {}
+    assert engine.stash.loaded_keys() == []
     assert engine.run_batch([3]).outcomes[3].ok
 
 
 def test_each_batch_runs_on_its_own_pipelines_model_and_loads_by_its_plan():
     from datasets.images import DecodePlan
-    from worker.engine import OneModel
+    from worker.engine.models import OneModel
 
     class Named(Echo):
         def __init__(self, name):
