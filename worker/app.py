@@ -1,6 +1,6 @@
 """One worker process: build every layer from the settings once, run, take it all down in
 order. Each layer is built in a module of its own: the device claim (``device_claim``), the
-pipelines and their memory budget (``model_budget``), the engine (``engine_build``), the
+pipelines and their memory budget (``model_budget``), the engine (``engine.build``), the
 health layer (``health.compose``), and the task source's parts, picked in ``wiring``."""
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import structlog
 from config.settings import Settings
 from datasets.loader import StreamingLoader
 from pipelines.setup import Chosen
-from worker import engine_build, model_budget
+from worker import model_budget
 from worker.device_claim import claim_device
 from worker.engine import Engine
+from worker.engine import build as engine_build
 from worker.exits import Exit
 from worker.health.compose import ProcessHealth
 from worker.health.guards import ResourceGuard

@@ -70,7 +70,7 @@ def _model_problems(settings: Settings) -> list[str]:
     from pipelines.device import release_cached_memory, visibility
     from pipelines.runner import load_runner
     from pipelines.setup import choose_all
-    from worker.engine_build import source_config
+    from worker.engine.build import source_config
 
     try:
         everything = choose_all(settings)

@@ -22,7 +22,7 @@ def _served(settings: Settings) -> list[AntennaPipeline]:
     from pipelines.runner import load_runner
     from pipelines.setup import choose_all
     from worker.antenna.wiring import pipeline_entry
-    from worker.engine_build import source_config
+    from worker.engine.build import source_config
 
     _visible, device = visibility(chosen_device(settings))
     sources = source_config(settings)
