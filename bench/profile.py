@@ -17,9 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import PIPELINE, results_dir, start_worker, stop_worker, upload, world
+from bench.common.jobs import run_job
+from bench.common.results import results_dir
+from bench.common.stages import SIZES
+from bench.common.world import PIPELINE, nats_settings, start_worker, stop_worker, upload, world
 from bench.outcomes import BenchmarkFailed, refusing
-from bench.throughput import SIZES, nats_settings, run_job
 from worker.nats.connection import connect
 from worker.nats.provision import provision
 
