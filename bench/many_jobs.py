@@ -17,12 +17,11 @@ from typing import Any
 
 from bench.common.jobs import wait_stored
 from bench.common.results import save, stamp
-from bench.common.world import start_worker, stop_worker, upload, world
+from bench.common.world import PIPELINE, start_worker, stop_worker, upload, world
 from worker.commands.client import make_tasks, publish_tasks
 from worker.commands.localservers import free_port
 from worker.nats.connection import connect
 
-PIPELINE = "mobilenet-v3-small-classifier"
 WAVE = 500
 
 

@@ -34,11 +34,16 @@ def stamp(module: str, argv: list[str] | None = None) -> dict[str, str]:
     return {"command": " ".join(["python -m", f"bench.{module}", *args]), "date": date_utc()}
 
 
-def save(name: str, payload: dict[str, Any], *, echo: bool = False) -> Path:
-    """``payload`` as ``<results>/<name>.json``; printed too when ``echo``. The path saved."""
+def result_path(filename: str) -> Path:
+    """Where a result file of that name goes (its folder made)."""
     results = results_dir()
     results.mkdir(parents=True, exist_ok=True)
-    path = results / f"{name}.json"
+    return results / filename
+
+
+def save(name: str, payload: dict[str, Any], *, echo: bool = False) -> Path:
+    """``payload`` as ``<results>/<name>.json``; printed too when ``echo``. The path saved."""
+    path = result_path(f"{name}.json")
     path.write_text(json.dumps(payload, indent=2) + "\n")
     if echo:
         print(json.dumps(payload, indent=2))
