@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, save
+from bench.common.meters import machine
+from bench.common.results import save
 from tests.antenna_fake import FakeAntenna
 from worker.commands.demo_images import image_bytes
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.common import PIPELINE, start_worker, stop_worker, upload, world
+from bench.common.world import PIPELINE, nats_settings, start_worker, stop_worker, upload, world
 from testing.prometheus import PrometheusServer
 from worker.commands.client import make_tasks, publish_tasks
 from worker.commands.demo_images import corrupt_bytes
@@ -137,11 +137,12 @@ async def run(images: int, out: Path) -> None:
         try:
             start = time.time()
             await asyncio.sleep(20)  # workers start; an idle stretch on the charts
-            nc = await connect(_nats(w), name="bench-dashboard")
+            settings = nats_settings(w)
+            nc = await connect(settings, name="bench-dashboard")
             js = nc.jetstream()
             for wave in range(3):
                 part = uris[wave::3]
-                await publish_tasks(js, _nats(w), PIPELINE, make_tasks(f"dash-{wave}", part))
+                await publish_tasks(js, settings, PIPELINE, make_tasks(f"dash-{wave}", part))
                 await asyncio.sleep(40)
             await nc.close()
             await asyncio.sleep(20)
@@ -151,12 +152,6 @@ async def run(images: int, out: Path) -> None:
             for proc in workers:
                 stop_worker(proc)
     print(f"wrote {out}")
-
-
-def _nats(w: Any) -> Any:
-    from config.settings import load_settings
-
-    return load_settings(for_worker=False, nats={"url": w.nats.url}).nats
 
 
 def main() -> None:

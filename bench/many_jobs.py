@@ -10,18 +10,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.common import results_stored, save, start_worker, stop_worker, upload, world
+from bench.common.jobs import wait_stored
+from bench.common.results import save, stamp
+from bench.common.world import PIPELINE, start_worker, stop_worker, upload, world
 from worker.commands.client import make_tasks, publish_tasks
 from worker.commands.localservers import free_port
 from worker.nats.connection import connect
 
-PIPELINE = "mobilenet-v3-small-classifier"
 WAVE = 500
 
 
@@ -52,14 +52,6 @@ async def wait_port_answers(port: int, timeout_s: float = 120) -> None:
     raise TimeoutError("the worker never started")
 
 
-async def stored_at_least(js: Any, stream: str, count: int, started: float) -> None:
-    """Until ``count`` results are stored (an hour from ``started`` at most)."""
-    while await results_stored(js, stream) < count:
-        if time.monotonic() - started > 3600:
-            raise TimeoutError(f"fewer than {count} results after an hour")
-        await asyncio.sleep(0.1)
-
-
 async def run(jobs: int) -> dict[str, Any]:
     from config.settings import NatsSettings
 
@@ -83,6 +75,7 @@ async def run(jobs: int) -> dict[str, Any]:
 
             sampler = asyncio.create_task(sample())
             started = time.monotonic()
+            deadline = started + 3600  # an hour at most
             for wave in range(0, jobs, WAVE):
                 tasks = [
                     t
@@ -90,8 +83,8 @@ async def run(jobs: int) -> dict[str, Any]:
                     for t in make_tasks(f"many-{j}", [uris[j % len(uris)]])
                 ]
                 await publish_tasks(js, settings, PIPELINE, tasks)
-                await stored_at_least(js, settings.results_stream, wave - WAVE, started)
-            await stored_at_least(js, settings.results_stream, jobs, started)
+                await wait_stored(js, settings.results_stream, wave - WAVE, deadline, poll_s=0.1)
+            await wait_stored(js, settings.results_stream, jobs, deadline, poll_s=0.1)
             seconds = time.monotonic() - started
             sampler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -124,10 +117,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=10_000)
     args = parser.parse_args()
     result = asyncio.run(run(args.jobs))
-    result["command"] = f"python -m bench.many_jobs --jobs {args.jobs}"
-    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    save("many_jobs", result)
-    print(json.dumps(result, indent=2))
+    result.update(stamp("many_jobs", ["--jobs", str(args.jobs)]))
+    save("many_jobs", result, echo=True)
 
 
 if __name__ == "__main__":

@@ -36,18 +36,9 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from bench.common import (
-    PIPELINE,
-    PeakRss,
-    World,
-    cycle,
-    machine,
-    median,
-    run_benchmark,
-    start_worker,
-    stop_worker,
-    world,
-)
+from bench.common.cli import run_benchmark
+from bench.common.meters import PeakRss, machine, median
+from bench.common.world import PIPELINE, World, cycle, start_worker, stop_worker, world
 from bench.outcomes import Outcomes, refusing
 from datasets.images import DecodePlan, resize_square
 from testing.shapednet import UNSHAPED, Shape, ShapedProxy
@@ -213,7 +204,8 @@ def ami_case(endpoint: str, uris: list[str], runs: int) -> dict[str, Any]:
 
 
 async def worker_case(w: World, endpoint: str, uris: list[str], runs: int) -> dict[str, Any]:
-    from bench.throughput import nats_settings, run_job
+    from bench.common.jobs import run_job
+    from bench.common.world import nats_settings
     from worker.nats.connection import connect
     from worker.nats.provision import provision
 

@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
-import sys
 import time
 import urllib.request
 from collections import Counter
@@ -43,27 +41,18 @@ from typing import Any
 
 import psutil
 
-from bench.common import (
-    PeakRss,
-    World,
-    cycle,
-    machine,
-    median,
-    save,
-    start_worker,
-    stop_worker,
-    upload,
-    world,
-)
+from bench.common.jobs import Job, run_jobs
+from bench.common.meters import PeakRss, machine, median
+from bench.common.results import save, stamp
+from bench.common.world import World, cycle, start_worker, stop_worker, upload, world
 from bench.outcomes import BenchmarkFailed, Outcomes, refusing
 from config.names import env_name
 from config.settings import NatsSettings, load_settings
-from worker.commands.client import job_results, make_tasks, publish_tasks
+from worker.commands.client import job_results, make_tasks
 from worker.commands.localservers import free_port
 from worker.health.metrics import PREFIX
 from worker.nats.connection import connect
 from worker.nats.provision import provision
-from worker.nats.subjects import job_results_subject
 
 ARCH = "resnet18"  # switch and memory: 44.7 MB of weights each
 FAST_ARCH = "mobilenet_v3_small"  # interleaved and fairness: the loader is the limit
@@ -147,30 +136,6 @@ def loaded_bytes(declared: Declared) -> int:
 
 
 # -- jobs through a worker, every result checked ---------------------------------------------
-@dataclass
-class Job:
-    name: str
-    pipeline: Declared
-    uris: list[str]
-    published_at: float = 0.0  # seconds after the run's first publish
-    arrivals: dict[str, float] = field(default_factory=dict)  # result subject -> first seen
-    messages: int = 0  # result messages seen (a second one for a task would count here)
-    results: list[dict[str, Any]] = field(default_factory=list)  # as stored
-
-    @property
-    def done_at(self) -> float:
-        return max(self.arrivals.values())
-
-    @property
-    def first_at(self) -> float:
-        return min(self.arrivals.values())
-
-    def longest_gap(self, until: float) -> float:
-        """Longest time without a result of this job, from its publish to ``until``."""
-        marks = [self.published_at, *sorted(t for t in self.arrivals.values() if t < until)]
-        return max(b - a for a, b in zip(marks, [*marks[1:], until], strict=True))
-
-
 def answer_problem(result: dict[str, Any], expected: Declared) -> tuple[str, str] | None:
     """(kind, detail) when a stored result is not an ``ok`` answer of ``expected``'s model."""
     if result.get("status") != "ok":
@@ -193,16 +158,16 @@ def classification(result: dict[str, Any]) -> tuple[str, list[float]]:
     return str(entry["classification"]), list(entry["scores"])
 
 
-def check_job(job: Job) -> None:
+def check_job(job: Job, pipeline: Declared) -> None:
     """BenchmarkFailed unless every task of ``job`` has exactly one stored result, each an
-    ``ok`` answer of the job's own pipeline."""
-    outcomes = Outcomes(f"job {job.name} ({job.pipeline.name})")
+    ``ok`` answer of the job's own ``pipeline``."""
+    outcomes = Outcomes(f"job {job.name} ({pipeline.name})")
     expected = {t.id for t in make_tasks(job.name, job.uris)}
     seen: Counter[str] = Counter()
     for result in job.results:
         task = str(result.get("task_id"))
         seen[task] += 1
-        problem = answer_problem(result, job.pipeline)
+        problem = answer_problem(result, pipeline)
         if task not in expected:
             outcomes.bad("unknown_task", f"a result for task {task!r}")
         elif seen[task] > 1:
@@ -226,6 +191,7 @@ class Serving:
     proc: Any
     metrics_port: int
     log: Path
+    declared: dict[str, Declared]  # the pipelines served, by name
     published: set[str] = field(default_factory=set)
 
     async def run(self, jobs: list[Job]) -> list[Job]:
@@ -240,49 +206,19 @@ class Serving:
                 raise BenchmarkFailed(f"job {job.name} published twice")
             self.published.add(job.name)
         js = self.nc.jetstream()
-        all_in: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        started = time.perf_counter()
-
-        def on_result(job: Job) -> Any:
-            async def seen(msg: Any) -> None:
-                job.messages += 1
-                job.arrivals.setdefault(msg.subject, time.perf_counter() - started)
-                if all(len(j.arrivals) >= len(j.uris) for j in jobs) and not all_in.done():
-                    all_in.set_result(None)
-
-            return seen
-
-        subs = [await self.nc.subscribe(job_results_subject(j.name), cb=on_result(j)) for j in jobs]
-        try:
-            started = time.perf_counter()
-            for job in jobs:
-                job.published_at = time.perf_counter() - started
-                await publish_tasks(
-                    js, self.settings, job.pipeline.name, make_tasks(job.name, job.uris)
-                )
-            await self._wait(all_in, jobs)
-            await asyncio.sleep(0.1)  # a second result message for a task would arrive by now
-        finally:
-            for sub in subs:
-                await sub.unsubscribe()
+        await run_jobs(
+            js,
+            self.settings,
+            jobs,
+            timeout_s=JOB_TIMEOUT_S,
+            worker=self.proc,
+            log=self.log,
+            linger_s=0.1,  # a second result message for a task would arrive by now
+        )
         for job in jobs:
             job.results = await job_results(js, self.settings, job.name)
-            check_job(job)
+            check_job(job, self.declared[job.pipeline])
         return jobs
-
-    async def _wait(self, all_in: asyncio.Future[None], jobs: list[Job]) -> None:
-        deadline = time.monotonic() + JOB_TIMEOUT_S
-        while not all_in.done():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                got = sum(len(j.arrivals) for j in jobs)
-                asked = sum(len(j.uris) for j in jobs)
-                why = (
-                    f"the worker exited {self.proc.returncode}"
-                    if self.proc.poll() is not None
-                    else "timeout"
-                )
-                raise BenchmarkFailed(f"{got} of {asked} results ({why}); see {self.log}")
-            await asyncio.wait({all_in}, timeout=0.5)
 
     async def models(self) -> dict[str, float]:
         """The worker's model metrics now (README, "Several pipelines in one process")."""
@@ -375,7 +311,7 @@ async def serving(
         },
     )
     try:
-        yield Serving(w, nc, settings, proc, port, w.workdir / log)
+        yield Serving(w, nc, settings, proc, port, w.workdir / log, {p.name: p for p in pipelines})
     finally:
         code = stop_worker(proc)
         await nc.close()
@@ -480,12 +416,12 @@ async def interleaved(w: World, uris: list[str], sizes: Sizes) -> dict[str, Any]
     tasks = cycle(uris, sizes.interleaved_tasks)
     rounds = []
     async with serving(w, "interleaved.log", [a, b], sizes) as s:
-        await s.run([Job("warm-a", a, uris[:8]), Job("warm-b", b, uris[:8])])
+        await s.run([Job("warm-a", uris[:8], a.name), Job("warm-b", uris[:8], b.name)])
         for r in range(sizes.interleaved_rounds):
-            (alone_a,), counted_a = await s.batched([Job(f"alone-a-{r}", a, tasks)])
-            (alone_b,), counted_b = await s.batched([Job(f"alone-b-{r}", b, tasks)])
+            (alone_a,), counted_a = await s.batched([Job(f"alone-a-{r}", tasks, a.name)])
+            (alone_b,), counted_b = await s.batched([Job(f"alone-b-{r}", tasks, b.name)])
             both, counted = await s.batched(
-                [Job(f"both-a-{r}", a, tasks), Job(f"both-b-{r}", b, tasks)]
+                [Job(f"both-a-{r}", tasks, a.name), Job(f"both-b-{r}", tasks, b.name)]
             )
             rounds.append(interleaved_round(alone_a, alone_b, both))
             rounds[-1]["images_per_batch_alone"] = (
@@ -516,8 +452,10 @@ async def interleaved_fits_one(
     tasks = cycle(uris, sizes.interleaved_tasks)
     env = {env_name("model", "memory_budget_bytes"): str(one)}
     async with serving(w, "interleaved-fits-1.log", [a, b], sizes, env=env) as s:
-        await s.run([Job("warm-a", a, uris[:8]), Job("warm-b", b, uris[:8])])
-        both, counted = await s.batched([Job("both-a", a, tasks), Job("both-b", b, tasks)])
+        await s.run([Job("warm-a", uris[:8], a.name), Job("warm-b", uris[:8], b.name)])
+        both, counted = await s.batched(
+            [Job("both-a", tasks, a.name), Job("both-b", tasks, b.name)]
+        )
     last, first = max(j.done_at for j in both), min(j.first_at for j in both)
     return {
         "budget_bytes": one,
@@ -557,15 +495,15 @@ async def fairness(w: World, uris: list[str], sizes: Sizes) -> dict[str, Any]:
         env = {env_name("nats", "job_discovery_s"): str(discovery_s)} if discovery_s else {}
         p = declare(w.workdir, f"fair-{mode}", 3, FAST_ARCH)  # a pipeline per mode: no old jobs
         async with serving(w, f"fair-{mode}.log", [p], sizes, fair=fair, env=env) as s:
-            await s.run([Job(f"warm-{mode}", p, uris[:8])])
+            await s.run([Job(f"warm-{mode}", uris[:8], p.name)])
             singles = [
-                (await s.run([Job(f"one-{mode}-{i}", p, [uris[i % len(uris)]])]))[0].done_at
+                (await s.run([Job(f"one-{mode}-{i}", [uris[i % len(uris)]], p.name)]))[0].done_at
                 for i in range(sizes.one_image_jobs)
             ]
             runs = []
             for r in range(sizes.fair_runs):
-                big = Job(f"big-{mode}-{r}", p, cycle(uris, sizes.big))
-                small = Job(f"small-{mode}-{r}", p, cycle(uris[::-1], sizes.small))
+                big = Job(f"big-{mode}-{r}", cycle(uris, sizes.big), p.name)
+                small = Job(f"small-{mode}-{r}", cycle(uris[::-1], sizes.small), p.name)
                 runs.append(fair_run(*await s.run([big, small])))
         out[mode] = fair_summary(runs, singles, discovery_s)
     return out
@@ -638,7 +576,7 @@ async def memory_run(
             for p in range(sizes.memory_passes):
                 for d in declared:
                     (job,) = await s.run(
-                        [Job(f"{label}-{p}-{d.name}", d, uris[: sizes.memory_tasks])]
+                        [Job(f"{label}-{p}-{d.name}", uris[: sizes.memory_tasks], d.name)]
                     )
                     now = await s.models()
                     peak = {k: max(v, now[k]) for k, v in peak.items()}
@@ -720,11 +658,9 @@ def main() -> None:
         parser.error(f"unknown cases {sorted(unknown)}; known: {', '.join(CASES)}")
     started = time.perf_counter()
     result = asyncio.run(run(cases, SMOKE if args.smoke else Sizes()))
-    result["command"] = " ".join(["python -m bench.pipelines", *sys.argv[1:]])
-    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    result.update(stamp("pipelines"))
     result["wall_s"] = round(time.perf_counter() - started, 1)
-    save("pipelines", result)
-    print(json.dumps(result, indent=2))
+    save("pipelines", result, echo=True)
 
 
 if __name__ == "__main__":

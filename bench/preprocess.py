@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from bench.common.results import date_utc
 from bench.outcomes import BenchmarkFailed, refusing
 from datasets.images import DecodePlan, decode
 from pipelines.architectures import build_classifier
@@ -201,7 +202,7 @@ def main() -> None:
         "mean_jpeg_bytes": int(np.mean([len(d) for d in data])),
         "decode": decode_costs(data[:10]),
         "tolerance": {"mean_pixel_diff_at_most": MEAN_PIXEL_TOLERANCE},
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": date_utc(),
     }
     cases = []
     for architecture, size, resize in CASES[-1:] if args.smoke else CASES:

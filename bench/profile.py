@@ -17,9 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import PIPELINE, results_dir, start_worker, stop_worker, upload, world
+from bench.common.jobs import run_job
+from bench.common.results import result_path
+from bench.common.stages import SIZES
+from bench.common.world import PIPELINE, nats_settings, start_worker, stop_worker, upload, world
 from bench.outcomes import BenchmarkFailed, refusing
-from bench.throughput import SIZES, nats_settings, run_job
 from worker.nats.connection import connect
 from worker.nats.provision import provision
 
@@ -54,8 +56,7 @@ async def run(images: int) -> Path:
         js = nc.jetstream()
         await provision(js, settings, PIPELINE)
         proc = start_worker(w, "profile-worker.log", WORKER_LOADER__BATCH_SIZE="16")
-        raw = results_dir() / "profile.raw"
-        raw.parent.mkdir(parents=True, exist_ok=True)
+        raw = result_path("profile.raw")
         try:
             await run_job(js, settings, "warm", uris[:16])
             spy = subprocess.Popen(
@@ -83,7 +84,7 @@ async def run(images: int) -> Path:
         finally:
             stop_worker(proc)
             await nc.close()
-    out = results_dir() / "profile.txt"
+    out = result_path("profile.txt")
     out.write_text(summarize(raw) + "\n")
     raw.unlink(missing_ok=True)
     return out

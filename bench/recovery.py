@@ -17,7 +17,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from bench.common import machine, median, save
+from bench.common.meters import machine, median
+from bench.common.results import save
 from bench.outcomes import BenchmarkFailed, refusing
 from datasets.images import DecodePlan
 from datasets.loader import LoaderConfig, StreamingLoader, _init_child

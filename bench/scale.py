@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.common import cycle, machine, run_benchmark, upload, world
+from bench.common.cli import run_benchmark
+from bench.common.meters import machine
+from bench.common.stages import SIZES, end_to_end
+from bench.common.world import cycle, upload, world
 from bench.outcomes import refusing
-from bench.throughput import SIZES, end_to_end
 
 
 async def run(images: int, tasks: int, runs: int, smoke: bool = False) -> dict[str, Any]:

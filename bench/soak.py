@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import time
 from typing import Any
 
 import psutil
 
-from bench.common import PIPELINE, save, start_worker, stop_worker, upload, wait_stored, world
+from bench.common.jobs import Job, count, run_jobs
+from bench.common.results import save
+from bench.common.world import PIPELINE, nats_settings, start_worker, stop_worker, upload, world
 from bench.outcomes import Outcomes, refusing
-from bench.throughput import count
-from worker.commands.client import make_tasks, publish_tasks
 from worker.health.procstats import shm_bytes
 from worker.nats.connection import connect
 from worker.nats.provision import provision
@@ -57,30 +56,23 @@ async def soak(tasks_total: int, every: int, batch_size: int) -> dict[str, Any]:
             WORKER_LOADER__BATCH_SIZE=str(batch_size),
             WORKER_LOADER__NUM_WORKERS="2",
         )
-        nc = await connect(load_nats(w))
+        settings = nats_settings(w)
+        nc = await connect(settings)
         js = nc.jetstream()
-        settings = load_nats(w)
         await provision(js, settings, PIPELINE)
         samples = []
         outcomes = Outcomes("soak")
-        seen: set[str] = set()
-
-        async def on_result(msg: Any) -> None:
-            if msg.subject not in seen:  # one subject per task
-                seen.add(msg.subject)
-                count(outcomes, json.loads(msg.data))
-
-        results = await nc.subscribe("results.>", cb=on_result)
         started = time.monotonic()
         try:
-            await wait_stored(js, settings.results_stream, 0)
             submitted = 0
             for mark in range(every, tasks_total + 1, every):
                 chunk = [uris[i % len(uris)] for i in range(submitted, mark)]
-                batch = make_tasks(f"soak-{mark}", chunk)
-                await publish_tasks(js, settings, PIPELINE, batch)
+                job = Job(f"soak-{mark}", chunk)
+                log = w.workdir / "soak-worker.log"
+                await run_jobs(js, settings, [job], timeout_s=600, worker=proc, log=log)
+                for result in job.received():
+                    count(outcomes, result)
                 submitted = mark
-                await wait_stored(js, settings.results_stream, mark)
                 samples.append(sample(proc.pid, mark, started))
                 print(
                     samples[-1]["tasks_done"],
@@ -92,7 +84,6 @@ async def soak(tasks_total: int, every: int, batch_size: int) -> dict[str, Any]:
                     flush=True,
                 )
         finally:
-            await results.unsubscribe()
             await nc.close()
             code = stop_worker(proc)
     outcomes.check(tasks_total)
@@ -120,12 +111,6 @@ async def soak(tasks_total: int, every: int, batch_size: int) -> dict[str, Any]:
             "images_per_s": round(tasks_total / samples[-1]["elapsed_s"], 1),
         },
     }
-
-
-def load_nats(w: Any) -> Any:
-    from config.settings import load_settings
-
-    return load_settings(for_worker=False, nats={"url": w.nats.url}).nats
 
 
 @refusing

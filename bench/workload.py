@@ -35,20 +35,10 @@ from typing import Any
 import psutil
 import torch
 
-from bench.common import (
-    PeakRss,
-    TreeCpu,
-    World,
-    last_json_line,
-    machine,
-    median,
-    save,
-    start_worker,
-    stop_worker,
-    take_loaded,
-    tree,
-    world,
-)
+from bench.common.meters import PeakRss, TreeCpu, last_json_line, machine, median, tree
+from bench.common.results import save, stamp
+from bench.common.stages import take_loaded
+from bench.common.world import World, start_worker, stop_worker, world
 from bench.outcomes import Outcomes, refusing
 from bench.preprocess import scene
 from datasets.images import Decoded, DecodePlan
@@ -204,7 +194,8 @@ def ami(w: World, uris: list[str], weights: dict[str, str], shape: Shape) -> dic
 
 
 async def measured(shape: Shape) -> dict[str, Any]:
-    from bench.throughput import nats_settings, run_job
+    from bench.common.jobs import run_job
+    from bench.common.world import nats_settings
     from datasets.sources import SourceConfig
     from pipelines.registry import resolve
     from pipelines.runner import DeviceLimits, decode_plan, load_runner
@@ -339,12 +330,10 @@ def main() -> None:
         "shape": shape.__dict__,
         "detector": DETECTOR,
         "classifiers": f"{classifier} x2 at {CROP_SIZE} px",
-        "command": " ".join(["python -m bench.workload", *sys.argv[1:]]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **stamp("workload"),
     }
     result.update(asyncio.run(measured(shape)))
-    print(json.dumps(result, indent=2))
-    print("saved", save("workload", result))
+    print("saved", save("workload", result, echo=True))
 
 
 if __name__ == "__main__":

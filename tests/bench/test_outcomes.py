@@ -35,8 +35,8 @@ def test_a_refused_benchmark_prints_one_error_line_and_exits_1(capsys):
 
 def test_the_loader_stage_refuses_a_run_in_which_an_image_failed():
     """The stage bench.stages times, on two real images and one missing object."""
-    from bench.common import upload, world
-    from bench.throughput import LoaderAlone, worker_plan
+    from bench.common.stages import LoaderAlone, worker_plan
+    from bench.common.world import upload, world
 
     with world() as w:
         uris = upload(w.s3.client(), "probe", [(640, 480)], 2)
@@ -61,7 +61,8 @@ def _answer(job: str, task: str, pipeline: str, sha: str, label: str) -> dict:
 def test_bench_pipelines_refuses_a_job_answered_by_another_model_twice_or_not_at_all(tmp_path):
     """bench.pipelines counts a result only when it is its own pipeline's answer (name,
     weights sha256, labels), once per task; anything else stops the run."""
-    from bench.pipelines import Declared, Job, check_job
+    from bench.common.jobs import Job
+    from bench.pipelines import Declared, check_job
     from worker.commands.client import make_tasks
 
     alpha = Declared("alpha", "alpha.toml", tmp_path / "model.pt", "a" * 64)
@@ -69,10 +70,10 @@ def test_bench_pipelines_refuses_a_job_answered_by_another_model_twice_or_not_at
     ids = [t.id for t in make_tasks("j", uris)]
 
     def job(*results: dict) -> Job:
-        return Job("j", alpha, uris, messages=len(uris), results=list(results))
+        return Job("j", uris, "alpha", messages=len(uris), results=list(results))
 
     good = [_answer("j", i, "alpha", "a" * 64, "alpha-3") for i in ids]
-    check_job(job(*good))
+    check_job(job(*good), alpha)
     cases = {
         "wrong_pipeline": job(good[0], _answer("j", ids[1], "beta", "a" * 64, "alpha-3")),
         "wrong_weights": job(good[0], _answer("j", ids[1], "alpha", "b" * 64, "alpha-3")),
@@ -83,4 +84,4 @@ def test_bench_pipelines_refuses_a_job_answered_by_another_model_twice_or_not_at
     }
     for expected, case in cases.items():
         with pytest.raises(BenchmarkFailed, match=expected):
-            check_job(case)
+            check_job(case, alpha)
