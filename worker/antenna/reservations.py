@@ -106,17 +106,17 @@ class Reservations:
         self.ttr_s = ttr_s
         self.finish_within_s = finish_within_s
         self.first_size = first_size
-        self._held: dict[int, AntennaDelivery] = {}
+        self._reserved: dict[int, AntennaDelivery] = {}
         self._busy_s = 0.0
         self._settled = 0.0
         self._since = time.monotonic()
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self._reserved)
 
     def _tick(self) -> None:
         now = time.monotonic()
-        if self._held:
+        if self._reserved:
             self._busy_s += now - self._since
         self._since = now
         if self._busy_s > _DECAY_AFTER_BUSY_S:
@@ -125,11 +125,11 @@ class Reservations:
 
     def add(self, delivery: AntennaDelivery) -> None:
         self._tick()
-        self._held[id(delivery)] = delivery
+        self._reserved[id(delivery)] = delivery
 
     def settled(self, delivery: AntennaDelivery, posted: bool) -> None:
         self._tick()
-        self._held.pop(id(delivery), None)
+        self._reserved.pop(id(delivery), None)
         if posted:
             self._settled += 1
 
@@ -149,23 +149,23 @@ class Reservations:
             return 0
         rate = self.rate_per_s()
         if rate is None:
-            return max(0, self.first_size - len(self._held))
-        return max(0, int(rate * self.finish_within_s) - len(self._held))
+            return max(0, self.first_size - len(self._reserved))
+        return max(0, int(rate * self.finish_within_s) - len(self._reserved))
 
     def oldest_age_s(self) -> float | None:
-        if not self._held:
+        if not self._reserved:
             return None
-        return time.monotonic() - min(d.reserved_at for d in self._held.values())
+        return time.monotonic() - min(d.reserved_at for d in self._reserved.values())
 
     def oldest_seconds_left(self) -> float:
         """Seconds before the oldest held reservation runs out; the TTR when none is held."""
-        if not self._held:
+        if not self._reserved:
             return self.ttr_s
         now = time.monotonic()
-        return min(d.seconds_left(now) for d in self._held.values())
+        return min(d.seconds_left(now) for d in self._reserved.values())
 
-    def held(self) -> list[AntennaDelivery]:
-        return list(self._held.values())
+    def reserved(self) -> list[AntennaDelivery]:
+        return list(self._reserved.values())
 
     def metrics(self) -> dict[str, Any]:
-        return {"held": len(self._held), "oldest_seconds_left": self.oldest_seconds_left()}
+        return {"held": len(self._reserved), "oldest_seconds_left": self.oldest_seconds_left()}
