@@ -353,7 +353,7 @@ class ModelSettings(BaseModel):
             return [part.strip() for part in text.split(",") if part.strip()]
         return value
 
-    def served(self) -> list[str]:
+    def pipeline_entries(self) -> list[str]:
         """The pipelines this process serves, as given: WORKER_MODEL__PIPELINES when set,
         else WORKER_MODEL__PIPELINE alone."""
         return list(self.pipelines) if self.pipelines else [self.pipeline]

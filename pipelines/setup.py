@@ -39,7 +39,7 @@ def choose_all(s: Settings) -> list[Chosen]:
     ConfigError with one line per problem."""
     chosen: list[Chosen] = []
     problems: list[str] = []
-    for entry in s.model.served():
+    for entry in s.model.pipeline_entries():
         try:
             pipeline = resolve(entry, s.model.weights)
         except ConfigError as error:

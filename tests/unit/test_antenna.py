@@ -132,7 +132,7 @@ async def test_only_started_and_retry_jobs_are_rotated_in_turn(fake: FakeAntenna
     rotation = JobRotation(client_of(fake), (SLUG,), 10.0, 100)
     active = await rotation.refresh()
     assert [j.id for j in active] == [ids["STARTED"], ids["RETRY"]]
-    rotation.served(active[0])
+    rotation.reserved_from(active[0])
     assert [j.id for j in rotation.next_jobs()] == [ids["RETRY"], ids["STARTED"]]
 
 

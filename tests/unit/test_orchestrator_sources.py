@@ -201,7 +201,7 @@ async def until(done: Callable[[], bool], what: str) -> None:
         await asyncio.sleep(0.02)
 
 
-async def served(worker: Worker, done: Callable[[], bool], what: str) -> Any:
+async def run_until(worker: Worker, done: Callable[[], bool], what: str) -> Any:
     """Run ``worker`` until ``done``, then stop it (SIGTERM's way) and return its exit."""
     stop = asyncio.Event()
     running = asyncio.create_task(worker.run(stop))
@@ -214,7 +214,7 @@ async def served(worker: Worker, done: Callable[[], bool], what: str) -> Any:
 
 async def test_every_task_ends_with_its_result_kept_once(rig: Any) -> None:
     names = rig.add(5)
-    exit = await served(a_worker(rig, FakeEngine()), lambda: len(rig.kept()) == 5, "5 results")
+    exit = await run_until(a_worker(rig, FakeEngine()), lambda: len(rig.kept()) == 5, "5 results")
     assert exit.code == 0
     assert rig.kept() == dict.fromkeys(names, "ok")
 
@@ -222,7 +222,7 @@ async def test_every_task_ends_with_its_result_kept_once(rig: Any) -> None:
 async def test_a_permanent_failure_ends_with_an_error_result_and_the_rest_are_ok(rig: Any) -> None:
     bad, *good = rig.add(3)
     engine = FakeEngine(failures={URL.format(bad): Failure("object_missing", "no such key")})
-    await served(a_worker(rig, engine), lambda: len(rig.kept()) == 3, "3 results")
+    await run_until(a_worker(rig, engine), lambda: len(rig.kept()) == 3, "3 results")
     assert rig.kept() == {bad: "error", **dict.fromkeys(good, "ok")}
 
 
@@ -230,7 +230,7 @@ async def test_a_transient_failure_is_delivered_again_and_then_ok(rig: Any) -> N
     flaky, fine = rig.add(2)
     engine = FakeEngine(fail_once={URL.format(flaky): Failure("s3_unavailable", "503", True)})
     worker = a_worker(rig, engine)
-    await served(worker, lambda: rig.kept().get(flaky) == "ok", "the flaky task's redelivery")
+    await run_until(worker, lambda: rig.kept().get(flaky) == "ok", "the flaky task's redelivery")
     assert rig.kept() == {flaky: "ok", fine: "ok"}
     assert rig.deliveries(flaky) == 2 and rig.deliveries(fine) == 1
 
@@ -258,7 +258,7 @@ async def test_a_task_delivered_again_after_its_result_was_kept_keeps_one_result
         (name,) = rig.add(1)
         rig.already_kept(name)
         engine = FakeEngine()
-        await served(a_worker(rig, engine), lambda: rig.source.out != [], "the delivery")
+        await run_until(a_worker(rig, engine), lambda: rig.source.out != [], "the delivery")
         await until(lambda: rig.source.out[0].actions == ["ack"], "the ack")
         assert engine.batches == [] and len(rig.store.stored) == 1
         return
@@ -267,7 +267,7 @@ async def test_a_task_delivered_again_after_its_result_was_kept_keeps_one_result
     rig.reserve_for(10.0)  # the post is tried again within the reservation
     (name,) = rig.add(1)
     rig.fake.misbehave("result", "cut", times=1)
-    await served(a_worker(rig, FakeEngine()), lambda: len(rig.fake.bodies) == 2, "a second post")
+    await run_until(a_worker(rig, FakeEngine()), lambda: len(rig.fake.bodies) == 2, "a second post")
     assert len(rig.fake.bodies) == 2 and rig.fake.bodies[0] == rig.fake.bodies[1]
     assert rig.kept() == {name: "ok"} and rig.saved(name) == 1
 

@@ -208,13 +208,13 @@ def test_every_name_the_readme_documents_is_a_setting():
 def test_several_pipelines_are_a_list_comma_separated_or_json(monkeypatch, given):
     monkeypatch.setenv("WORKER_MODEL__PIPELINES", given)
     settings = load_settings(for_worker=False)
-    assert settings.model.served() == ["moths.toml", "orders.toml"]
+    assert settings.model.pipeline_entries() == ["moths.toml", "orders.toml"]
 
 
 def test_one_pipeline_keeps_working_when_no_list_is_given(monkeypatch):
     monkeypatch.delenv("WORKER_MODEL__PIPELINES", raising=False)
     monkeypatch.setenv("WORKER_MODEL__PIPELINE", "moths.toml")
-    assert load_settings(for_worker=False).model.served() == ["moths.toml"]
+    assert load_settings(for_worker=False).model.pipeline_entries() == ["moths.toml"]
 
 
 def test_weights_named_in_a_refusal_never_show_a_presigned_signature():

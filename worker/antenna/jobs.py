@@ -171,7 +171,7 @@ class JobRotation:
             ready = after + [j for j in ready if j.id <= self._last]
         return ready
 
-    def served(self, job: Job) -> None:
+    def reserved_from(self, job: Job) -> None:
         self._last = job.id
         self._empty_for_s.pop(job.id, None)
 

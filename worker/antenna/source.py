@@ -68,7 +68,7 @@ class AntennaSource:
         for job in jobs:
             got = await self._reserve(job, wanted)
             if got:
-                self._jobs.served(job)
+                self._jobs.reserved_from(job)
                 self._dry = False
                 return got
             self._jobs.empty(job)

@@ -115,7 +115,7 @@ async def _antenna_problems(settings: Settings) -> list[str]:
         return [str(error)]
     client = AntennaClient(a.base_url, a.token, min(a.request_timeout_s, _CHECK_TIMEOUT_S))
     token_set = bool(a.token.get_secret_value())
-    slugs = [name_of(entry) for entry in settings.model.served()]
+    slugs = [name_of(entry) for entry in settings.model.pipeline_entries()]
     return await antenna_problems(client, slugs, projects, token_set)
 
 

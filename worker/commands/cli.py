@@ -206,7 +206,7 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
         return CommandExit.FAILED
     from pipelines.registry import name_of
 
-    pipeline = args.pipeline or name_of(settings.model.served()[0])
+    pipeline = args.pipeline or name_of(settings.model.pipeline_entries()[0])
     nc = await _connect_once(settings, "submit")
     try:
         js = nc.jetstream()
@@ -314,7 +314,7 @@ async def _provision(settings: Settings, _args: argparse.Namespace) -> int:
 
     nc = await _connect_once(settings, "provision")
     try:
-        pipelines = [name_of(entry) for entry in settings.model.served()]
+        pipelines = [name_of(entry) for entry in settings.model.pipeline_entries()]
         for line in await provision(nc.jetstream(), settings.nats, pipelines):
             print(line)
     finally:

@@ -98,7 +98,7 @@ def consumer_config(settings: NatsSettings, pipelines: str | list[str]) -> api.C
         # With a consumer per job (fair_jobs, worker.nats.jobs), only the former.
         filter_subjects=[
             subject
-            for pipeline in served(pipelines)
+            for pipeline in as_list(pipelines)
             for subject in (
                 (tasks_subject(pipeline),)
                 if settings.fair_jobs
@@ -223,11 +223,11 @@ async def provision(
     await js.add_consumer(settings.advisory_stream, watcher)
     done.append(f"created or updated consumer {watcher.name} on max-deliveries advisories")
     if settings.fair_jobs:
-        scout = new_jobs_consumer_config(settings, served(pipelines))
+        scout = new_jobs_consumer_config(settings, as_list(pipelines))
         await js.add_consumer(settings.tasks_stream, scout)
         done.append(f"created or updated consumer {scout.name} (new jobs, headers only)")
     return done
 
 
-def served(pipelines: str | list[str]) -> list[str]:
+def as_list(pipelines: str | list[str]) -> list[str]:
     return [pipelines] if isinstance(pipelines, str) else pipelines
