@@ -75,8 +75,8 @@ class WorkerApp:
             self.engine = await engine_build.start_engine(
                 s, served, self._loader, self.engine_thread, liveness
             )
-        except BaseException:
-            self._loader = None  # closed by start_engine
+        except Exception:
+            self._loader = None  # start_engine closed it (a cancel leaves it to close())
             raise
         self.parts = parts = source_parts(s, served, chosen)
         await parts.open()
