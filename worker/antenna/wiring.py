@@ -66,6 +66,7 @@ class AntennaParts:
             reservation_size=reservation_size(s),
             wait_s=s.nats.fetch_timeout_s,
             max_deliver=a.max_deliver,
+            idle_wait_s=a.idle_wait_s or a.ttr_s + jobs.longest_skip_s() + a.poll_interval_s,
         )
         poster = Poster(client, a.max_post_bytes, a.post_timeout_s)
         rules = AntennaRules(poster, catalog, a.max_deliver, a.max_post_bytes)
@@ -91,7 +92,7 @@ class AntennaParts:
             return (
                 f"Antenna at {self.client.shown()} never listed its jobs (unreachable or failing)"
             )
-        return None
+        return self.source.still_out()
 
     def problem(self, unreachable_for_s: float) -> str | None:
         """Why /healthz should answer 503: Antenna refusing our token, or unreachable for
