@@ -143,7 +143,12 @@ def start_relay(upstream: int, rtt_s: float) -> tuple[subprocess.Popen[bytes], i
 
 # -- one case -----------------------------------------------------------------------------
 def run_case(
-    tasks: int, rtt_s: float, tls: ssl.SSLContext | None, ca: Path | None
+    tasks: int,
+    rtt_s: float,
+    tls: ssl.SSLContext | None,
+    ca: Path | None,
+    shape: str = "both",
+    extra: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     antenna = FakeAntenna(token=TOKEN)
     images = FakeAntenna(token="unused")
@@ -152,11 +157,13 @@ def run_case(
     with antenna.running(), images.running():
         base = antenna.url
         media = images.media_url("x").rsplit("/", 1)[0]
-        if rtt_s > 0:
+        if rtt_s > 0 and shape in ("both", "antenna"):
             a_relay, a_port = start_relay(int(base.split(":")[2].split("/")[0]), rtt_s)
-            i_relay, i_port = start_relay(int(media.split(":")[2].split("/")[0]), rtt_s)
-            relays += [a_relay, i_relay]
+            relays.append(a_relay)
             base = base.replace(base.split("/")[2], f"127.0.0.1:{a_port}")
+        if rtt_s > 0 and shape in ("both", "images"):
+            i_relay, i_port = start_relay(int(media.split(":")[2].split("/")[0]), rtt_s)
+            relays.append(i_relay)
             media = media.replace(media.split("/")[2], f"127.0.0.1:{i_port}")
         try:
             for i in range(_DISTINCT):
@@ -174,6 +181,7 @@ def run_case(
                     "WORKER_MODEL__DEVICE": "cpu",
                     "WORKER_METRICS__PORT": "0",
                     "WORKER_LOG_LEVEL": "WARNING",
+                    **(extra or {}),
                 }
             )
             if ca is not None:
@@ -212,6 +220,7 @@ def run_case(
                 "tasks": tasks,
                 "rtt_ms": round(rtt_s * 1000),
                 "tls": tls is not None,
+                "shaped": shape if rtt_s > 0 else "none",
                 "tasks_per_s": round((len(times) - 1) / span_s, 2) if span_s > 0 else None,
                 "antenna_requests_per_task": round(
                     (len(antenna.requests) - calls_before) / tasks, 3
@@ -348,6 +357,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--http", action="store_true", help="plain HTTP instead of HTTPS")
     parser.add_argument("--nats", action="store_true", help="also the NATS source, same images")
     parser.add_argument("--smoke", action="store_true", help="a small run: 40 tasks, with --nats")
+    parser.add_argument(
+        "--shape", choices=("both", "antenna", "images"), default="both", help="Antenna cases"
+    )
+    parser.add_argument("--set", action="append", default=[], help="WORKER_X=Y for the worker")
     args = parser.parse_args(argv)
     if args.smoke:
         args.tasks, args.nats = 40, True
@@ -359,7 +372,13 @@ def main(argv: list[str] | None = None) -> None:
             ca, cert, key = make_ca(Path(tmp))
             tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             tls.load_cert_chain(str(cert), str(key))
-        runs = [("antenna", run_case)] + ([("nats", run_nats_case)] if args.nats else [])
+        extra = dict(item.split("=", 1) for item in args.set)
+        payload["worker_settings"] = extra
+
+        def antenna_case(tasks: int, rtt_s: float, tls: Any, ca: Path | None) -> dict[str, Any]:
+            return run_case(tasks, rtt_s, tls, ca, args.shape, extra)
+
+        runs = [("antenna", antenna_case)] + ([("nats", run_nats_case)] if args.nats else [])
         for source, case_of in runs:
             cases = []
             for rtt_s in (0.0, args.rtt_ms / 1000):
