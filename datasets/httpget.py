@@ -304,7 +304,10 @@ def _on(
             connection.sock.settimeout(min(policy.read_timeout_s, cutoff.remaining_s()))
         response = _ask(url, connection, policy, reused)
         status, location, body = _answer(url, response, policy, cutoff, admit)
-        keep = policy.keep_alive > 0 and not response.will_close and response.isclosed()
+        whole = response.isclosed() or response.length == 0  # read1 leaves it open at 0
+        keep = policy.keep_alive > 0 and not response.will_close and whole
+        if keep:
+            response.close()  # its file only: the connection's socket stays, for the next GET
         return status, location, body
     finally:
         cut_already = not watch.release()
