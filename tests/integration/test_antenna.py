@@ -389,7 +389,8 @@ def test_until_idle_waits_for_the_tasks_an_earlier_process_left_and_serves_them(
         job = fake.add_job(PIPELINE, images)
         reserved_by_an_earlier_process(fake, job, 4)
         log = tmp_path / "worker.log"
-        proc = start_run(env_for(fake, WORKER_ANTENNA__TTR_S="8"), log, "--until-idle")
+        env = env_for(fake, WORKER_ANTENNA__TTR_S="8", WORKER_HEALTH__DRAIN_TIMEOUT_S="5")
+        proc = start_run(env, log, "--until-idle")
         try:
             assert proc.wait(timeout=180) == 0, log.read_text()[-4000:]
         finally:
