@@ -382,14 +382,15 @@ def reserved_by_an_earlier_process(fake: FakeAntenna, job: int, count: int) -> N
 def test_until_idle_waits_for_the_tasks_an_earlier_process_left_and_serves_them(
     tmp_path: Path,
 ) -> None:
-    fake = FakeAntenna(token=TOKEN, ttr_s=8.0)
+    # Out for 25 s: longer than the worker takes to start and serve the other two.
+    fake = FakeAntenna(token=TOKEN, ttr_s=25.0)
     with fake.running():
         registered(fake)
         images = add_images(fake, "w", 6)
         job = fake.add_job(PIPELINE, images)
         reserved_by_an_earlier_process(fake, job, 4)
         log = tmp_path / "worker.log"
-        env = env_for(fake, WORKER_ANTENNA__TTR_S="8", WORKER_HEALTH__DRAIN_TIMEOUT_S="5")
+        env = env_for(fake, WORKER_ANTENNA__TTR_S="25", WORKER_HEALTH__DRAIN_TIMEOUT_S="5")
         proc = start_run(env, log, "--until-idle")
         try:
             assert proc.wait(timeout=180) == 0, log.read_text()[-4000:]
@@ -397,6 +398,7 @@ def test_until_idle_waits_for_the_tasks_an_earlier_process_left_and_serves_them(
             stop_process(proc)
         assert fake.jobs[job].status == "SUCCESS", log.read_text()[-4000:]
         assert saved_once(fake, job, images) == {image: 1 for image, _ in images}
+        assert sum(t.delivered == 2 for t in fake.jobs[job].tasks.values()) == 4
 
 
 def test_until_idle_exits_6_naming_the_job_whose_tasks_stay_out(
