@@ -1,6 +1,7 @@
 """The Antenna source across a WAN: a fake Antenna and an image host behind a delayed link.
 
-    .venv/bin/python -m bench.antenna_wan [--tasks 300] [--rtt-ms 60] [--runs 1] [--http]
+    .venv/bin/python -m bench.antenna_wan [--tasks 300] [--rtt-ms 60] [--http] [--nats]
+                                          [--smoke]
 
 Antenna at a public site and GPU hosts on a university cluster, 30-80 ms apart, HTTPS
 (issue 33, "The WAN between"). Here: the fake Antenna (``tests/antenna_fake.py``) and an image
@@ -12,7 +13,10 @@ JPEGs (20 distinct, cycled: the loader keeps no cache), the demo detector and co
 
 Reported per case: end-to-end tasks/s (from the first result saved to the last), Antenna
 requests per task, Antenna connections (TCP and TLS handshakes) per task, image connections
-per task; and the shaped/direct ratio. Writes bench/results/antenna_wan.json.
+per task; and the shaped/direct ratio. ``--nats``: the same two cases with the tasks from a
+local NATS server instead (the same images, behind the same relay). Every task must have
+exactly one result, saved (Antenna) or ``ok`` (NATS), before a rate is reported.
+Writes bench/results/antenna_wan.json.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 
 from bench.common.meters import machine
 from bench.common.results import save
+from bench.outcomes import BenchmarkFailed, Outcomes, refusing
 from tests.antenna_fake import FakeAntenna
 from worker.commands.demo_images import image_bytes
 
@@ -139,7 +144,12 @@ def start_relay(upstream: int, rtt_s: float) -> tuple[subprocess.Popen[bytes], i
 
 # -- one case -----------------------------------------------------------------------------
 def run_case(
-    tasks: int, rtt_s: float, tls: ssl.SSLContext | None, ca: Path | None
+    tasks: int,
+    rtt_s: float,
+    tls: ssl.SSLContext | None,
+    ca: Path | None,
+    shape: str = "both",
+    extra: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     antenna = FakeAntenna(token=TOKEN)
     images = FakeAntenna(token="unused")
@@ -148,11 +158,13 @@ def run_case(
     with antenna.running(), images.running():
         base = antenna.url
         media = images.media_url("x").rsplit("/", 1)[0]
-        if rtt_s > 0:
+        if rtt_s > 0 and shape in ("both", "antenna"):
             a_relay, a_port = start_relay(int(base.split(":")[2].split("/")[0]), rtt_s)
-            i_relay, i_port = start_relay(int(media.split(":")[2].split("/")[0]), rtt_s)
-            relays += [a_relay, i_relay]
+            relays.append(a_relay)
             base = base.replace(base.split("/")[2], f"127.0.0.1:{a_port}")
+        if rtt_s > 0 and shape in ("both", "images"):
+            i_relay, i_port = start_relay(int(media.split(":")[2].split("/")[0]), rtt_s)
+            relays.append(i_relay)
             media = media.replace(media.split("/")[2], f"127.0.0.1:{i_port}")
         try:
             for i in range(_DISTINCT):
@@ -170,6 +182,7 @@ def run_case(
                     "WORKER_MODEL__DEVICE": "cpu",
                     "WORKER_METRICS__PORT": "0",
                     "WORKER_LOG_LEVEL": "WARNING",
+                    **(extra or {}),
                 }
             )
             if ca is not None:
@@ -191,15 +204,24 @@ def run_case(
             )  # fmt: skip
             found = antenna.jobs[job]
             if run.returncode != 0 or found.status != "SUCCESS":
-                raise RuntimeError(
-                    f"run {run.returncode}, job {found.status}: {run.stdout[-2000:]}"
+                raise BenchmarkFailed(
+                    f"run {run.returncode}, job {found.status}: {run.stderr[-2000:]}"
                 )
+            outcomes = Outcomes(f"Antenna job, RTT {rtt_s * 1000:.0f} ms")
+            for n in range(tasks):
+                saved = found.saved.get(f"t{n}", [])
+                if len(saved) == 1 and f"t{n}" not in found.failed:
+                    outcomes.good()
+                else:
+                    outcomes.bad("not_saved_once", f"t{n}: {len(saved)} saved")
+            outcomes.check(tasks)
             times = sorted(found.result_times)
             span_s = times[-1] - times[0]
             return {
                 "tasks": tasks,
                 "rtt_ms": round(rtt_s * 1000),
                 "tls": tls is not None,
+                "shaped": shape if rtt_s > 0 else "none",
                 "tasks_per_s": round((len(times) - 1) / span_s, 2) if span_s > 0 else None,
                 "antenna_requests_per_task": round(
                     (len(antenna.requests) - calls_before) / tasks, 3
@@ -217,6 +239,114 @@ def run_case(
                 relay.wait(10)
 
 
+# -- the NATS source on the same images ---------------------------------------------------
+def run_nats_case(
+    tasks: int, rtt_s: float, tls: ssl.SSLContext | None, ca: Path | None
+) -> dict[str, Any]:
+    """The same job's images, behind the same relay, with the tasks from a local NATS server."""
+    from worker.commands.localservers import NatsServer, stop_process
+
+    images = FakeAntenna(token="unused")
+    images.tls = tls
+    relays: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="iw-wan-nats-") as tmp, images.running():
+        nats = NatsServer(store_dir=str(Path(tmp) / "nats")).start()
+        media = images.media_url("x").rsplit("/", 1)[0]
+        try:
+            if rtt_s > 0:
+                i_relay, i_port = start_relay(int(media.split(":")[2].split("/")[0]), rtt_s)
+                relays.append(i_relay)
+                media = media.replace(media.split("/")[2], f"127.0.0.1:{i_port}")
+            for i in range(_DISTINCT):
+                images.images[f"{i}.jpg"] = image_bytes(1280, 720, seed=i)
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKER_", "AMI_"))}
+            env.update(
+                {
+                    "WORKER_NATS__URL": nats.url,
+                    "WORKER_SOURCES__ALLOWED_HOSTS": "127.0.0.1",
+                    "WORKER_MODEL__PIPELINE": PIPELINE,
+                    "WORKER_MODEL__DEVICE": "cpu",
+                    "WORKER_METRICS__PORT": "0",
+                    "WORKER_LOG_LEVEL": "WARNING",
+                }
+            )
+            if ca is not None:
+                env["SSL_CERT_FILE"] = str(ca)
+            log = open(Path(tmp) / "worker.log", "ab")  # noqa: SIM115 - closed below
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "worker", "run"], env=env, stdout=log, stderr=log
+            )
+            uris = [f"{media}/{n % _DISTINCT}.jpg" for n in range(tasks)]
+            try:
+                times, outcomes = asyncio.run(_nats_job(nats.url, uris))
+            finally:
+                stop_process(proc, wait_s=60.0)
+                log.close()
+            outcomes.check(tasks)
+        finally:
+            for relay in relays:
+                relay.kill()
+                relay.wait(10)
+            nats.stop()
+    span_s = times[-1] - times[0]
+    return {
+        "source": "nats",
+        "tasks": tasks,
+        "rtt_ms": round(rtt_s * 1000),
+        "tls": tls is not None,
+        "tasks_per_s": round((len(times) - 1) / span_s, 2) if span_s > 0 else None,
+        "image_connections_per_task": round(images.connections / tasks, 3),
+    }
+
+
+async def _nats_job(url: str, uris: list[str]) -> tuple[list[float], Outcomes]:
+    """Publish one job of ``uris``; when each task's first result came, and what they said."""
+    from config.settings import load_settings
+    from worker.commands.client import make_tasks, publish_tasks
+    from worker.nats.connection import connect
+    from worker.nats.provision import provision
+    from worker.nats.subjects import job_results_subject
+
+    settings = load_settings(for_worker=False, nats={"url": url}).nats
+    nc = await connect(settings)
+    js = nc.jetstream()
+    await provision(js, settings, SLUG)
+    outcomes = Outcomes("NATS job")
+    times: list[float] = []
+    seen: set[str] = set()
+    done = asyncio.get_running_loop().create_future()
+    job = f"wan-{time.time_ns()}"
+
+    async def on_result(msg: Any) -> None:
+        if msg.subject in seen:
+            return
+        seen.add(msg.subject)
+        times.append(time.monotonic())
+        result = json.loads(msg.data)
+        if result.get("status") == "ok":
+            outcomes.good()
+        else:
+            outcomes.bad(str(result.get("status")), str(result.get("error"))[:200])
+        if len(seen) == len(uris) and not done.done():
+            done.set_result(None)
+
+    sub = await nc.subscribe(job_results_subject(job), cb=on_result)
+    try:
+        await publish_tasks(js, settings, SLUG, make_tasks(job, uris))
+        await asyncio.wait_for(done, 1800)
+    finally:
+        await sub.unsubscribe()
+        await nc.close()
+    return sorted(times), outcomes
+
+
+def ratio_of(direct: dict[str, Any], shaped: dict[str, Any]) -> float | None:
+    if direct["tasks_per_s"] and shaped["tasks_per_s"]:
+        return round(shaped["tasks_per_s"] / direct["tasks_per_s"], 3)
+    return None
+
+
+@refusing
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["relay"]:
@@ -226,27 +356,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tasks", type=int, default=300)
     parser.add_argument("--rtt-ms", type=float, default=60.0)
     parser.add_argument("--http", action="store_true", help="plain HTTP instead of HTTPS")
+    parser.add_argument("--nats", action="store_true", help="also the NATS source, same images")
+    parser.add_argument("--smoke", action="store_true", help="a small run: 40 tasks, with --nats")
+    parser.add_argument(
+        "--shape", choices=("both", "antenna", "images"), default="both", help="Antenna cases"
+    )
+    parser.add_argument("--set", action="append", default=[], help="WORKER_X=Y for the worker")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.tasks, args.nats = 40, True
     tls: ssl.SSLContext | None = None
     ca: Path | None = None
+    payload: dict[str, Any] = {"machine": machine(), "http": args.http}
     with tempfile.TemporaryDirectory(prefix="iw-wan-") as tmp:
         if not args.http:
             ca, cert, key = make_ca(Path(tmp))
             tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             tls.load_cert_chain(str(cert), str(key))
-        cases = []
-        for rtt_s in (0.0, args.rtt_ms / 1000):
-            case = run_case(args.tasks, rtt_s, tls, ca)
-            print(json.dumps(case), flush=True)
-            cases.append(case)
-    direct, shaped = cases
-    ratio = (
-        round(shaped["tasks_per_s"] / direct["tasks_per_s"], 3)
-        if direct["tasks_per_s"] and shaped["tasks_per_s"]
-        else None
-    )
-    payload = {"machine": machine(), "cases": cases, "shaped_over_direct": ratio}
-    print(json.dumps({"shaped_over_direct": ratio}))
+        extra = dict(item.split("=", 1) for item in args.set)
+        payload["worker_settings"] = extra
+
+        def antenna_case(tasks: int, rtt_s: float, tls: Any, ca: Path | None) -> dict[str, Any]:
+            return run_case(tasks, rtt_s, tls, ca, args.shape, extra)
+
+        runs = [("antenna", antenna_case)] + ([("nats", run_nats_case)] if args.nats else [])
+        for source, case_of in runs:
+            cases = []
+            for rtt_s in (0.0, args.rtt_ms / 1000):
+                case = case_of(args.tasks, rtt_s, tls, ca)
+                print(json.dumps(case), flush=True)
+                cases.append(case)
+            ratio = ratio_of(*cases)
+            payload[source] = {"cases": cases, "shaped_over_direct": ratio}
+            print(json.dumps({source: {"shaped_over_direct": ratio}}), flush=True)
     save("antenna_wan", payload)
 
 

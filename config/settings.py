@@ -471,6 +471,14 @@ class AntennaSettings(BaseModel):
         100, description="jobs per page of the active jobs' listing (every page is read)", ge=1
     )
     request_timeout_s: float = Field(30.0, description="one jobs, tasks or register call")
+    idle_wait_s: float = Field(
+        0.0,
+        description="`run --until-idle`: how long the active jobs may give no task while listed "
+        "(their tasks out with another process, or left by one that died, until Antenna "
+        "redelivers them after TTR_S) before the run ends NOT_SERVED (6) naming them; "
+        "0 = TTR_S + 13 poll intervals",
+        ge=0,
+    )
     post_timeout_s: float = Field(120.0, description="one POST .../result/ call")
 
 

@@ -7,6 +7,10 @@
 - Redirects: followed up to a bound, each one checked like the first; never to another scheme.
 - Size: ``max_bytes`` enforced while reading, whatever Content-Length says.
 - Time: one deadline for the whole object (connect, TLS, headers, body), see ``Cutoff``.
+- Connections: with ``keep_alive`` > 0, kept alive per origin and process
+  (``datasets.keepalive``) once an answer was read whole; a connection that failed, was cut
+  at the deadline, or carried a redirect or an error answer is closed. A kept one the server
+  closed before answering is given up and the GET made once more on a new connection.
 
 Errors name the URL redacted (scheme, host, path): never a query string or credentials.
 """
@@ -26,8 +30,10 @@ from urllib.parse import urljoin, urlsplit
 from config.errors import ErrorKind, PermanentError, RetryableRead, TransientError
 from config.names import env_name
 from config.redact import redact_url
+from datasets import keepalive
 from datasets.budget import Admit, admit_all
-from datasets.deadline import Cutoff
+from datasets.deadline import Cutoff, Watch
+from datasets.keepalive import Origin
 
 _REDIRECTS = {301, 302, 303, 307, 308}
 _CHUNK_BYTES = 256 * 1024
@@ -46,6 +52,7 @@ class HttpPolicy:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 20.0  # one read; the deadline bounds them all
     max_redirects: int = 5
+    keep_alive: int = 0  # idle connections kept per origin (datasets.keepalive); 0: none
 
 
 def refused_address(ip: IPAddress) -> bool:
@@ -213,24 +220,17 @@ def _get_once(url: str, policy: HttpPolicy, cutoff: Cutoff, admit: Admit) -> tup
         port = parts.port or (443 if scheme == "https" else 80)
     except ValueError:
         raise PermanentError(f"{redact_url(url)}: invalid port", kind="invalid_uri") from None
-    addresses = _resolve(url, host, port, policy, cutoff)
+    origin = Origin(scheme, host.lower().rstrip("."), port, policy.allowed)
     try:
-        sock = _connect(addresses, policy, cutoff)
-        sock.settimeout(min(policy.read_timeout_s, cutoff.remaining_s()))
-        if scheme == "https":
-            sock = _tls_context().wrap_socket(
-                sock, server_hostname=host, do_handshake_on_connect=False
-            )
-            cutoff.watch(sock)
-            sock.do_handshake()  # under the deadline too
-        else:
-            cutoff.watch(sock)
-        connection = http.client.HTTPConnection(host, port, timeout=cutoff.remaining_s())
-        connection.sock = sock
-        try:
-            return _exchange(url, connection, policy, cutoff, admit)
-        finally:
-            connection.close()
+        kept = keepalive.pool().take(origin) if policy.keep_alive > 0 else None
+        if kept is not None:
+            try:
+                return _on(kept, cutoff.watch(kept.sock), True, url, origin, policy, cutoff, admit)
+            except _Stale:
+                pass  # the server closed it as we asked: once more, on a connection of our own
+        addresses = _resolve(url, host, port, policy, cutoff)
+        connection, watch = _open(addresses, host, port, scheme, policy, cutoff)
+        return _on(connection, watch, False, url, origin, policy, cutoff, admit)
     except ssl.SSLCertVerificationError as error:
         raise PermanentError(
             f"{redact_url(url)}: TLS certificate refused ({error.verify_message})",
@@ -254,23 +254,97 @@ def _get_once(url: str, policy: HttpPolicy, cutoff: Cutoff, admit: Admit) -> tup
         ) from None
 
 
-def _exchange(
-    url: str,
+class _Stale(Exception):
+    """A kept-alive connection the server had closed: no answer began on it."""
+
+
+def _open(
+    addresses: list[Address], host: str, port: int, scheme: str, policy: HttpPolicy, cutoff: Cutoff
+) -> tuple[http.client.HTTPConnection, Watch]:
+    """A new connection to a checked address (TLS handshake made), watched by ``cutoff``."""
+    sock = _connect(addresses, policy, cutoff)
+    try:
+        sock.settimeout(min(policy.read_timeout_s, cutoff.remaining_s()))
+        if scheme == "https":
+            sock = _tls_context().wrap_socket(
+                sock, server_hostname=host, do_handshake_on_connect=False
+            )
+            watch = cutoff.watch(sock)
+            try:
+                sock.do_handshake()  # under the deadline too
+            except BaseException:
+                watch.release()
+                raise
+        else:
+            watch = cutoff.watch(sock)
+    except BaseException:
+        sock.close()
+        raise
+    connection = http.client.HTTPConnection(host, port, timeout=cutoff.remaining_s())
+    connection.sock = sock
+    connection.auto_open = 0  # never a connection of its own, to an address nobody checked
+    return connection, watch
+
+
+def _on(
     connection: http.client.HTTPConnection,
+    watch: Watch,
+    reused: bool,
+    url: str,
+    origin: Origin,
     policy: HttpPolicy,
     cutoff: Cutoff,
     admit: Admit,
 ) -> tuple[int, str, bytes]:
+    """One exchange on ``connection``; kept for the next read when its answer was read whole
+    and the server keeps it open, closed otherwise."""
+    keep = False
+    try:
+        if connection.sock is not None:
+            connection.sock.settimeout(min(policy.read_timeout_s, cutoff.remaining_s()))
+        response = _ask(url, connection, policy, reused)
+        status, location, body = _answer(url, response, policy, cutoff, admit)
+        whole = response.isclosed() or response.length == 0  # read1 leaves it open at 0
+        keep = policy.keep_alive > 0 and not response.will_close and whole
+        if keep:
+            response.close()  # its file only: the connection's socket stays, for the next GET
+        return status, location, body
+    finally:
+        cut_already = not watch.release()
+        if keep and not cut_already and not cutoff.expired():
+            keepalive.pool().give(origin, connection, policy.keep_alive)
+        else:
+            connection.close()
+
+
+def _ask(
+    url: str, connection: http.client.HTTPConnection, policy: HttpPolicy, reused: bool
+) -> http.client.HTTPResponse:
     split = urlsplit(url)
     target = (split.path or "/") + (f"?{split.query}" if split.query else "")
     netloc = split.netloc.rpartition("@")[2]  # never send userinfo anywhere
-    connection.putrequest("GET", target, skip_host=True, skip_accept_encoding=True)
-    connection.putheader("Host", netloc)
-    connection.putheader("User-Agent", _USER_AGENT)
-    connection.putheader("Accept-Encoding", "identity")
-    connection.putheader("Connection", "close")
-    connection.endheaders()
-    response = connection.getresponse()
+    try:
+        connection.putrequest("GET", target, skip_host=True, skip_accept_encoding=True)
+        connection.putheader("Host", netloc)
+        connection.putheader("User-Agent", _USER_AGENT)
+        connection.putheader("Accept-Encoding", "identity")
+        if policy.keep_alive <= 0:
+            connection.putheader("Connection", "close")
+        connection.endheaders()
+        return connection.getresponse()
+    except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+        if reused:
+            raise _Stale from None
+        raise
+
+
+def _answer(
+    url: str,
+    response: http.client.HTTPResponse,
+    policy: HttpPolicy,
+    cutoff: Cutoff,
+    admit: Admit,
+) -> tuple[int, str, bytes]:
     status = response.status
     if status in _REDIRECTS or not 200 <= status < 300:
         return status, response.getheader("Location") or "", b""

@@ -80,6 +80,7 @@ class SourceConfig:
             connect_timeout_s=min(self.connect_timeout_s, self.http_timeout_s),
             read_timeout_s=self.http_timeout_s,
             max_redirects=self.max_redirects,
+            keep_alive=max(1, self.reads_in_flight),  # one idle per read this child may make
         )
 
 

@@ -2,7 +2,9 @@
 
 Bound to 127.0.0.1 on a free port; routes by path: ``/image`` serves ``body``,
 ``/redirect?to=URL`` redirects, ``/drip`` sends a byte every ``drip_interval_s``, ``/endless``
-streams bytes with no Content-Length. Every loop is bounded in count and time.
+streams bytes with no Content-Length. Every loop is bounded in count and time. With
+``keep_alive`` it answers HTTP/1.1 and keeps connections open (``/endless`` excepted);
+``connections`` counts the connections it accepted.
 """
 
 from __future__ import annotations
@@ -17,14 +19,23 @@ _ENDLESS_CHUNKS = 4096
 
 
 class Listener:
-    def __init__(self, body: bytes = b"", drip_interval_s: float = 0.1) -> None:
+    def __init__(
+        self, body: bytes = b"", drip_interval_s: float = 0.1, keep_alive: bool = False
+    ) -> None:
         self.body = body
         self.drip_interval_s = drip_interval_s
         self.requests: list[str] = []
+        self.connections = 0
         self._stop = threading.Event()
         listener = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1" if keep_alive else "HTTP/1.0"
+
+            def setup(self) -> None:
+                super().setup()
+                listener.connections += 1
+
             def do_GET(self) -> None:
                 listener.requests.append(self.path)
                 path = urlsplit(self.path).path
@@ -58,6 +69,7 @@ class Listener:
                         return
 
             def _endless(self) -> None:
+                self.close_connection = True
                 self.send_response(200)
                 self.end_headers()  # no Content-Length: the body ends when the server closes
                 chunk = b"y" * 65536

@@ -149,3 +149,14 @@ def test_pipelines_runs_every_case_and_checks_every_answer(tmp_path):
     assert memory["fits_2"]["peak_models_resident"] == 2 and memory["fits_2"]["evictions"] > 0
     assert memory["fits_3"]["peak_models_resident"] == 3 and memory["fits_3"]["evictions"] == 0
     assert memory["answers_compared"]["labels_differ"] == 0
+
+
+def test_antenna_wan_serves_every_task_through_antenna_and_nats_shaped_and_direct(tmp_path):
+    result = saved(run_smoke("antenna_wan", tmp_path, "--rtt-ms", "20"))
+    for source in ("antenna", "nats"):
+        direct, shaped = result[source]["cases"]
+        assert (direct["rtt_ms"], shaped["rtt_ms"]) == (0, 20)
+        assert direct["tasks"] == shaped["tasks"] == 40 and direct["tls"]
+        assert direct["tasks_per_s"] > 0 and shaped["tasks_per_s"] > 0
+        # Kept alive: fewer image connections than images, however the reads were spread.
+        assert shaped["image_connections_per_task"] < 1

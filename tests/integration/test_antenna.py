@@ -372,6 +372,53 @@ def test_until_idle_exits_6_when_antenna_refused_the_token_or_was_never_reached(
     assert antenna.pending(job) == {"r0", "r1"}
 
 
+def reserved_by_an_earlier_process(fake: FakeAntenna, job: int, count: int) -> None:
+    """``count`` of ``job``'s tasks reserved by a process that then vanished."""
+    body = json.dumps({"batch_size": count}).encode()
+    status, answer = fake.handle("POST", f"/api/v2/jobs/{job}/tasks/", {}, f"Token {TOKEN}", body)
+    assert status == 200 and len(answer["tasks"]) == count
+
+
+def test_until_idle_waits_for_the_tasks_an_earlier_process_left_and_serves_them(
+    tmp_path: Path,
+) -> None:
+    # Out for 25 s: longer than the worker takes to start and serve the other two.
+    fake = FakeAntenna(token=TOKEN, ttr_s=25.0)
+    with fake.running():
+        registered(fake)
+        images = add_images(fake, "w", 6)
+        job = fake.add_job(PIPELINE, images)
+        reserved_by_an_earlier_process(fake, job, 4)
+        log = tmp_path / "worker.log"
+        env = env_for(fake, WORKER_ANTENNA__TTR_S="25", WORKER_HEALTH__DRAIN_TIMEOUT_S="5")
+        proc = start_run(env, log, "--until-idle")
+        try:
+            assert proc.wait(timeout=180) == 0, log.read_text()[-4000:]
+        finally:
+            stop_process(proc)
+        assert fake.jobs[job].status == "SUCCESS", log.read_text()[-4000:]
+        assert saved_once(fake, job, images) == {image: 1 for image, _ in images}
+        assert sum(t.delivered == 2 for t in fake.jobs[job].tasks.values()) == 4
+
+
+def test_until_idle_exits_6_naming_the_job_whose_tasks_stay_out(
+    antenna: FakeAntenna, tmp_path: Path
+) -> None:
+    registered(antenna)
+    job = antenna.add_job(PIPELINE, add_images(antenna, "o", 3))
+    reserved_by_an_earlier_process(antenna, job, 3)  # out for the fake's TTR, 300 s
+    log = tmp_path / "worker.log"
+    proc = start_run(env_for(antenna, WORKER_ANTENNA__IDLE_WAIT_S="3"), log, "--until-idle")
+    try:
+        code = proc.wait(timeout=120)
+    finally:
+        stop_process(proc)
+    assert code == 6, log.read_text()[-4000:]
+    (line,) = [e for e in events(log) if e.get("event") == "idle_not_served"]
+    assert f"job(s) {job} as active" in line["reason"] and "TTR_S" in line["reason"]
+    assert antenna.pending(job) == {"o0", "o1", "o2"}
+
+
 def test_check_says_not_ready_for_a_token_that_may_not_reserve_before_any_job(
     antenna: FakeAntenna,
 ) -> None:
@@ -395,11 +442,13 @@ def test_150_active_jobs_the_one_with_tasks_listed_last_is_served(
     images = add_images(antenna, "last", 3)
     last = antenna.add_job(PIPELINE, images)
     log = tmp_path / "worker.log"
-    proc = start_run(env_for(antenna), log, "--until-idle")
+    # The 149 stay active with nothing to give: once the wait for them is over, NOT_SERVED.
+    proc = start_run(env_for(antenna, WORKER_ANTENNA__IDLE_WAIT_S="3"), log, "--until-idle")
     try:
-        assert proc.wait(timeout=180) == 0, log.read_text()[-4000:]
+        assert proc.wait(timeout=180) == 6, log.read_text()[-4000:]
     finally:
         stop_process(proc)
+    assert "and 139 more as active" in log.read_text()
     assert antenna.jobs[last].status == "SUCCESS", log.read_text()[-4000:]
     assert saved_once(antenna, last, images) == {image: 1 for image, _ in images}
     pages = [p for _m, p, _s in antenna.requests if p.rstrip("/").split("/")[-1].isdigit()]

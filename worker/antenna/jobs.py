@@ -56,6 +56,14 @@ class JobRotation:
         self.last_refusal: str | None = None  # a 401/403 on listing: the token
         self.ever_listed = False  # a listing answered in full, once at least
 
+    def active_ids(self) -> list[int]:
+        """The active jobs of the last listing, skipped ones included."""
+        return [job.id for job in self._jobs]
+
+    def longest_skip_s(self) -> float:
+        """The longest an empty job goes unasked (then it is asked again)."""
+        return _EMPTY_MAX_POLLS * self._poll_interval_s
+
     def due(self) -> bool:
         return time.monotonic() - self._listed_at >= self._poll_interval_s
 

@@ -37,6 +37,7 @@ class AntennaSource:
         reservation_size: int,
         wait_s: float,
         max_deliver: int,
+        idle_wait_s: float = 0.0,
     ) -> None:
         self._client = client
         self._jobs = jobs
@@ -46,6 +47,10 @@ class AntennaSource:
         self._max_deliver = max_deliver
         self._closed = False
         self._dry = False  # the last round found no task in any active job
+        # ``idle``: how long active jobs may stay listed and give nothing before a burst run
+        # gives up on them; since when they have (None: a task came, or no job is listed).
+        self._idle_wait_s = idle_wait_s
+        self._nothing_since: float | None = None
         self.last_refusal: str | None = None  # a 401/403 on reserving: for /healthz and logs
 
     def refusal(self) -> str | None:
@@ -69,10 +74,14 @@ class AntennaSource:
             got = await self._reserve(job, wanted)
             if got:
                 self._jobs.reserved_from(job)
-                self._dry = False
+                self._dry, self._nothing_since = False, None
                 return got
             self._jobs.empty(job)
         self._dry = True
+        if not self._jobs.active_ids():
+            self._nothing_since = None
+        elif self._nothing_since is None:
+            self._nothing_since = time.monotonic()
         await asyncio.sleep(self._wait_s)
         return []
 
@@ -159,8 +168,28 @@ class AntennaSource:
         return []
 
     async def idle(self) -> bool:
-        """Nothing held, and the last round of the active jobs gave nothing."""
-        return self._dry and len(self.reservations) == 0
+        """Nothing held, and the last round of the active jobs gave nothing: with no active
+        job listed, or with jobs listed that gave nothing for ``idle_wait_s`` (their tasks are
+        out: ``still_out`` says which)."""
+        if not self._dry or len(self.reservations):
+            return False
+        return self._nothing_since is None or self.still_out() is not None
+
+    def still_out(self) -> str | None:
+        """Why a burst run ends unserved with jobs still active: they gave no task for
+        ``idle_wait_s``; None while they may still (or when none is listed)."""
+        since, jobs = self._nothing_since, self._jobs.active_ids()
+        if since is None or not jobs or time.monotonic() - since < self._idle_wait_s:
+            return None
+        shown = ", ".join(map(str, jobs[:10])) + (
+            f" and {len(jobs) - 10} more" if len(jobs) > 10 else ""
+        )
+        return (
+            f"Antenna still lists job(s) {shown} as active, and none gave a task for "
+            f"{time.monotonic() - since:.0f}s: their tasks are out (held by another process, or "
+            f"left by one that stopped, until Antenna delivers them again after "
+            f"{env_name('antenna', 'ttr_s')})"
+        )
 
 
 def _shown_id(value: object) -> str | None:

@@ -68,6 +68,7 @@ class AntennaParts:
             reservation_size=reservation_size(s),
             wait_s=s.nats.fetch_timeout_s,
             max_deliver=a.max_deliver,
+            idle_wait_s=a.idle_wait_s or a.ttr_s + self.jobs.longest_skip_s() + a.poll_interval_s,
         )
         self.poster = Poster(self.client, a.max_post_bytes, a.post_timeout_s)
         self.rules = AntennaRules(self.poster, self.catalog, a.max_post_bytes)
@@ -115,7 +116,7 @@ class AntennaParts:
             return (
                 f"Antenna at {self.client.shown()} never listed its jobs (unreachable or failing)"
             )
-        return None
+        return self.source.still_out()
 
     def health(self) -> SourceHealth:
         since = self.client.unreachable_since
