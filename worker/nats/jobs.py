@@ -37,6 +37,7 @@ from nats.js import JetStreamContext, api
 from config.names import env_name
 from config.settings import NatsSettings
 from worker.nats.job_names import is_job_consumer, job_consumer, job_consumer_config
+from worker.nats.late import unsubscribe
 from worker.nats.lifecycle import ConsumerStats, JobLifecycle, new_jobs_consumer
 from worker.nats.provision import serves_job_subjects
 from worker.nats.subjects import tasks_subject
@@ -294,19 +295,7 @@ class JobConsumers:
         return late
 
     async def _unbind(self, job: JobSource) -> list[Msg]:
-        from worker.nats.feed import late_deliveries
-
         if job.sub is None:
             return []
         sub, job.sub = job.sub, None
-        pending = late_deliveries(sub)
-        try:
-            await sub.unsubscribe()
-        except (nats.errors.Error, TimeoutError):
-            pass
-        found: list[Msg] = []
-        while pending is not None and not pending.empty():
-            msg = pending.get_nowait()
-            if not JetStreamContext.is_status_msg(msg):
-                found.append(msg)
-        return found
+        return await unsubscribe(sub)
