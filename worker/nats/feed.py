@@ -133,7 +133,7 @@ class TaskFeed:
         if self._jobs.main_pending:
             return await self._fetch_from(self._sub, batch, max(_IDLE_PULL_S, wait_s))
         if await self._jobs.news_within(wait_s):
-            await self._jobs.news_quiet(_NEWS_QUIET_S, _NEWS_SETTLE_S)
+            await self._jobs.settle_news(_NEWS_QUIET_S, _NEWS_SETTLE_S)
             return []
         return await self._fetch_from(self._sub, batch, _IDLE_PULL_S)
 

@@ -264,6 +264,21 @@ class JobLifecycle:
             self.stats.refusal = None
         await self._keep_in_hand()
 
+    async def make_heard(self, subjects: list[str], counted: int) -> dict[str, api.ConsumerInfo]:
+        """The consumers of jobs heard of (``worker.nats.news``), made (or found) before their
+        new-jobs messages are read, ``counted`` others existing: ``make_missing`` then holds
+        those messages until the consumers are past them. Jobs with a message in hand, or
+        whose consumer was deleted here, are left to ``make_missing``; so are all once there
+        is no room."""
+        self._counted = counted
+        ours: dict[str, api.ConsumerInfo] = {}
+        for subject in subjects:
+            if any(subject in hand for hand in (self._waiting, self._held, self._done, self._owed)):
+                continue
+            if not await self._make(subject, ours):
+                break
+        return ours
+
     async def delivered(self, tasks: list[Msg]) -> None:
         """Tasks fetched here from job consumers: a held new-jobs message they are past is
         acked now, not at the next listing."""
