@@ -78,6 +78,7 @@ class JobConsumers:
         self._hinted = False  # a job not served yet was heard of since the last discovery
         self._heard_new: dict[str, None] = {}  # those jobs' subjects (SCOUT_BATCH at most)
         self._from_hints: dict[str, api.ConsumerInfo] = {}  # made for them, not yet scouted
+        self._bind_first = False  # some made for them: bound before the new-jobs read
 
     def due(self) -> bool:
         return self._hinted or self.due_by_time()
@@ -141,6 +142,7 @@ class JobConsumers:
         for info in ours.values():
             self._from_hints[info.name] = info
             self._note(info, heard=True)
+        self._bind_first = self._bind_first or bool(ours)
         self._hinted = True  # their new-jobs messages, read at the next discovery
 
     def until_due(self) -> float:
@@ -159,7 +161,7 @@ class JobConsumers:
             if hinted and not self.due_by_time():  # (none while the shared one takes them)
                 return [] if self._conflict_logged else await self._new_jobs_only()
             self._refreshed_at = time.monotonic()
-            self._heard_new, self._from_hints = {}, {}  # the listing finds them
+            self._heard_new, self._from_hints, self._bind_first = {}, {}, False  # listed now
             scouted = await self._life.scout(self._life.stats.existing)
             listed = await self._listed()  # after the scout read: a job listed has its consumer
             main = listed.get(self._settings.consumer)
@@ -185,8 +187,8 @@ class JobConsumers:
         once: the new-jobs read waits for the next discovery, after their first fetch."""
         await self.make_heard()
         heard = set(self._from_hints)
-        if any(j.sub is None and j.name in heard for j in self._jobs.values()):
-            self._hinted = True  # the new-jobs read at the next fetch
+        if self._bind_first:
+            self._bind_first, self._hinted = False, True  # the new-jobs read at the next fetch
             return await self._bind_or_unbind()
         scouted = await self._life.scout(self._life.stats.existing)
         ours, self._from_hints = self._from_hints, {}
