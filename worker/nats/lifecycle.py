@@ -112,6 +112,9 @@ class JobLifecycle:
         self._waiting: dict[str, Msg] = {}  # subject -> latest new-jobs message, no consumer yet
         self._held: dict[str, Msg] = {}  # subject -> the same, its consumer not yet past it
         self._differed: set[str] = set()  # consumers logged with other delivery settings
+        # subject -> the latest task fetched here from the consumer make_heard made for it,
+        # before its new-jobs message was read (which is then done if that is past it)
+        self._fetched: dict[str, int] = {}
         self._renewed_at = 0.0
         self._given_back_read_at = float("-inf")
 
@@ -257,9 +260,11 @@ class JobLifecycle:
                 self._held[subject] = self._waiting.pop(subject)
         for subject, msg in list(self._held.items()):
             info = ours.get(job_consumer(self._settings, subject))
-            if info is not None and _past(info, _seq(msg)):
+            fetched = self._fetched.get(subject, 0) >= _seq(msg)
+            if fetched or (info is not None and _past(info, _seq(msg))):
                 del self._held[subject]
                 await _settled(msg.ack())
+        self._fetched.clear()
         if not self._waiting:
             self.stats.refusal = None
         await self._keep_in_hand()
@@ -277,6 +282,9 @@ class JobLifecycle:
                 continue
             if not await self._make(subject, ours):
                 break
+            self._fetched.setdefault(subject, 0)
+            if len(self._fetched) > DONE_KEPT:
+                del self._fetched[next(iter(self._fetched))]
         return ours
 
     async def delivered(self, tasks: list[Msg]) -> None:
@@ -287,6 +295,8 @@ class JobLifecycle:
             if held is not None and _seq(held) <= _seq(task):
                 del self._held[task.subject]
                 await _settled(held.ack())
+            elif task.subject in self._fetched:
+                self._fetched[task.subject] = max(self._fetched[task.subject], _seq(task))
 
     async def _keep(self, msg: Msg) -> None:
         """Hold ``msg``, the latest of its job's in hand; the older one is acked (a consumer
