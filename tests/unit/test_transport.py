@@ -6,7 +6,8 @@ import asyncio
 from types import SimpleNamespace
 
 from worker.nats.connection import connect
-from worker.nats.feed import TaskFeed, late_deliveries
+from worker.nats.feed import TaskFeed
+from worker.nats.late import late_deliveries
 from worker.nats.provision import provision
 
 

@@ -10,10 +10,10 @@ import nats
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
 
 from config.settings import NatsSettings
 from worker.nats.jobs import JobConsumers
+from worker.nats.late import unsubscribe
 from worker.nats.lifecycle import ConsumerStats
 from worker.nats.news import PublishedTasks
 from worker.nats.subjects import advisory_consumer
@@ -133,7 +133,7 @@ class TaskFeed:
         if self._jobs.main_pending:
             return await self._fetch_from(self._sub, batch, max(_IDLE_PULL_S, wait_s))
         if await self._jobs.news_within(wait_s):
-            await self._jobs.news_quiet(_NEWS_QUIET_S, _NEWS_SETTLE_S)
+            await self._jobs.settle_news(_NEWS_QUIET_S, _NEWS_SETTLE_S)
             return []
         return await self._fetch_from(self._sub, batch, _IDLE_PULL_S)
 
@@ -168,34 +168,6 @@ class TaskFeed:
             await self._news.close()
         jobs = await self._jobs.close() if self._jobs is not None else []
         jobs += self._late if self._jobs is not None else []
-        pending = late_deliveries(self._sub)
-        try:
-            await self._sub.unsubscribe()
-            await self._nc.flush(timeout=5)
-        except (nats.errors.Error, TimeoutError):
-            pass
+        found = await unsubscribe(self._sub, self._nc)
         self._sub = None
-        found: list[Msg] = []
-        while pending is not None and not pending.empty():
-            msg = pending.get_nowait()
-            if not JetStreamContext.is_status_msg(msg):
-                found.append(msg)
         return jobs + found
-
-
-def late_deliveries(sub: Any) -> asyncio.Queue[Msg] | None:
-    """The queue where nats-py keeps messages delivered to a pull subscription after its
-    last fetch returned (``PullSubscription._sub._pending_queue``, nats-py 2.x; the one
-    private attribute of nats-py we read, tested in ``tests/unit/test_transport.py``).
-
-    If it has moved, None: those messages are then not given back at once but wait out
-    their ack wait, which costs time, never a task.
-    """
-    queue = getattr(getattr(sub, "_sub", None), "_pending_queue", None)
-    if isinstance(queue, asyncio.Queue):
-        return queue
-    log.warning(
-        "nats_internals_moved",
-        hint="late deliveries are left to their ack wait; check the nats-py version",
-    )
-    return None

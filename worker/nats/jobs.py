@@ -37,8 +37,9 @@ from nats.js import JetStreamContext, api
 from config.names import env_name
 from config.settings import NatsSettings
 from worker.nats.job_names import is_job_consumer, job_consumer, job_consumer_config
+from worker.nats.late import unsubscribe
 from worker.nats.lifecycle import ConsumerStats, JobLifecycle, new_jobs_consumer
-from worker.nats.provision import serves_job_subjects
+from worker.nats.provision import SCOUT_BATCH, serves_job_subjects
 from worker.nats.subjects import tasks_subject
 from worker.ports import Runnable
 
@@ -75,6 +76,9 @@ class JobConsumers:
         self._main_subjects = {tasks_subject(p) for p in pipelines}
         self._conflict_logged = False
         self._hinted = False  # a job not served yet was heard of since the last discovery
+        self._heard_new: dict[str, None] = {}  # those jobs' subjects (SCOUT_BATCH at most)
+        self._from_hints: dict[str, api.ConsumerInfo] = {}  # made for them, not yet scouted
+        self._bind_first = False  # some made for them: bound before the new-jobs read
 
     def due(self) -> bool:
         return self._hinted or self.due_by_time()
@@ -93,6 +97,8 @@ class JobConsumers:
             self.main_pending = True
         else:
             self._hinted = True
+            if len(self._heard_new) < SCOUT_BATCH:  # the others: found by the new-jobs read
+                self._heard_new[subject] = None
         self.news.set()
 
     async def news_within(self, timeout_s: float) -> bool:
@@ -111,6 +117,34 @@ class JobConsumers:
             if time.monotonic() >= deadline:
                 return
 
+    async def settle_news(self, quiet_s: float, most_s: float) -> None:
+        """Wait until no task has been heard of for ``quiet_s`` (``most_s`` at most) while
+        the consumers of the new jobs heard of are made: jobs published together are bound
+        for one first fetch, and a job published alone waits for its consumer's creation,
+        not for the quiet and then the creation."""
+        await asyncio.gather(self.news_quiet(quiet_s, most_s), self.make_heard())
+
+    async def make_heard(self) -> None:
+        """The consumers of the new jobs heard of, made (or found: another process heard of
+        them too) and noted as having work, so they are bound without waiting on the
+        new-jobs read; that read follows at the next discovery (it holds their messages until
+        they are delivered). Those that find no room are left to it."""
+        if self._conflict_logged or not self._heard_new:
+            return
+        subjects, self._heard_new = list(self._heard_new), {}
+        made = self._life.stats.made
+        try:
+            ours = await self._life.make_heard(subjects, self._life.stats.existing)
+        except (nats.errors.Error, TimeoutError) as error:
+            log.warning("job_discovery_failed", error=f"{type(error).__name__}: {error}")
+            return
+        self._life.stats.existing += self._life.stats.made - made
+        for info in ours.values():
+            self._from_hints[info.name] = info
+            self._note(info, heard=True)
+        self._bind_first = self._bind_first or bool(ours)
+        self._hinted = True  # their new-jobs messages, read at the next discovery
+
     def until_due(self) -> float:
         """Seconds until the next discovery is due (0 when it is)."""
         waited = time.monotonic() - self._refreshed_at
@@ -127,6 +161,7 @@ class JobConsumers:
             if hinted and not self.due_by_time():  # (none while the shared one takes them)
                 return [] if self._conflict_logged else await self._new_jobs_only()
             self._refreshed_at = time.monotonic()
+            self._heard_new, self._from_hints, self._bind_first = {}, {}, False  # listed now
             scouted = await self._life.scout(self._life.stats.existing)
             listed = await self._listed()  # after the scout read: a job listed has its consumer
             main = listed.get(self._settings.consumer)
@@ -148,18 +183,25 @@ class JobConsumers:
 
     async def _new_jobs_only(self) -> list[Msg]:
         """The new-jobs messages waiting, their consumers made (or found: made elsewhere) and
-        bound, with no listing: a new job's first fetch waits on nothing else."""
+        bound, with no listing. Jobs heard of get theirs first (``make_heard``), bound at
+        once: the new-jobs read waits for the next discovery, after their first fetch."""
+        await self.make_heard()
+        heard = set(self._from_hints)
+        if self._bind_first:
+            self._bind_first, self._hinted = False, True  # the new-jobs read at the next fetch
+            return await self._bind_or_unbind()
         scouted = await self._life.scout(self._life.stats.existing)
+        ours, self._from_hints = self._from_hints, {}
         if not scouted:
             return []
-        ours: dict[str, api.ConsumerInfo] = {}
         made = self._life.stats.made
         await self._life.make_missing(
-            scouted, ours, counted=self._life.stats.existing, listed=False
+            scouted, ours, counted=max(0, self._life.stats.existing - len(ours)), listed=False
         )
         self._life.stats.existing += self._life.stats.made - made
-        for info in ours.values():
-            self._note(info)
+        for name, info in ours.items():
+            if name not in heard:  # (those heard of are noted already, fetched or being)
+                self._note(info)
         if self._life.more:
             self._hinted = True
         return await self._bind_or_unbind()
@@ -202,13 +244,15 @@ class JobConsumers:
         for msg in msgs:
             await msg.nak(delay=self._settings.job_discovery_s)
 
-    def _note(self, info: api.ConsumerInfo) -> None:
-        """One job consumer, as listed: tracked while it has work."""
+    def _note(self, info: api.ConsumerInfo, heard: bool = False) -> None:
+        """One job consumer, as listed: tracked while it has work (one made for a task
+        ``heard`` of has some, though it may have been made before the task was stored)."""
         subject = info.config.filter_subject or ""
         if not subject.startswith("tasks."):
             return
         job = self._jobs.get(subject) or JobSource(subject, info.name, 0, 0, subject.split(".")[1])
         job.pending, job.ack_pending = info.num_pending or 0, info.num_ack_pending or 0
+        job.pending = max(job.pending, int(heard))
         job.dry = False
         if job.pending or job.ack_pending or job.sub is not None:
             self._jobs[subject] = job
@@ -294,19 +338,7 @@ class JobConsumers:
         return late
 
     async def _unbind(self, job: JobSource) -> list[Msg]:
-        from worker.nats.feed import late_deliveries
-
         if job.sub is None:
             return []
         sub, job.sub = job.sub, None
-        pending = late_deliveries(sub)
-        try:
-            await sub.unsubscribe()
-        except (nats.errors.Error, TimeoutError):
-            pass
-        found: list[Msg] = []
-        while pending is not None and not pending.empty():
-            msg = pending.get_nowait()
-            if not JetStreamContext.is_status_msg(msg):
-                found.append(msg)
-        return found
+        return await unsubscribe(sub)

@@ -112,6 +112,9 @@ class JobLifecycle:
         self._waiting: dict[str, Msg] = {}  # subject -> latest new-jobs message, no consumer yet
         self._held: dict[str, Msg] = {}  # subject -> the same, its consumer not yet past it
         self._differed: set[str] = set()  # consumers logged with other delivery settings
+        # subject -> the latest task fetched here from the consumer make_heard made for it,
+        # before its new-jobs message was read (which is then done if that is past it)
+        self._fetched: dict[str, int] = {}
         self._renewed_at = 0.0
         self._given_back_read_at = float("-inf")
 
@@ -257,12 +260,32 @@ class JobLifecycle:
                 self._held[subject] = self._waiting.pop(subject)
         for subject, msg in list(self._held.items()):
             info = ours.get(job_consumer(self._settings, subject))
-            if info is not None and _past(info, _seq(msg)):
+            fetched = self._fetched.get(subject, 0) >= _seq(msg)
+            if fetched or (info is not None and _past(info, _seq(msg))):
                 del self._held[subject]
                 await _settled(msg.ack())
+        self._fetched.clear()
         if not self._waiting:
             self.stats.refusal = None
         await self._keep_in_hand()
+
+    async def make_heard(self, subjects: list[str], counted: int) -> dict[str, api.ConsumerInfo]:
+        """The consumers of jobs heard of (``worker.nats.news``), made (or found) before their
+        new-jobs messages are read, ``counted`` others existing: ``make_missing`` then holds
+        those messages until the consumers are past them. Jobs with a message in hand, or
+        whose consumer was deleted here, are left to ``make_missing``; so are all once there
+        is no room."""
+        self._counted = counted
+        ours: dict[str, api.ConsumerInfo] = {}
+        for subject in subjects:
+            if any(subject in hand for hand in (self._waiting, self._held, self._done, self._owed)):
+                continue
+            if not await self._make(subject, ours):
+                break
+            self._fetched.setdefault(subject, 0)
+            if len(self._fetched) > DONE_KEPT:
+                del self._fetched[next(iter(self._fetched))]
+        return ours
 
     async def delivered(self, tasks: list[Msg]) -> None:
         """Tasks fetched here from job consumers: a held new-jobs message they are past is
@@ -272,6 +295,8 @@ class JobLifecycle:
             if held is not None and _seq(held) <= _seq(task):
                 del self._held[task.subject]
                 await _settled(held.ack())
+            elif task.subject in self._fetched:
+                self._fetched[task.subject] = max(self._fetched[task.subject], _seq(task))
 
     async def _keep(self, msg: Msg) -> None:
         """Hold ``msg``, the latest of its job's in hand; the older one is acked (a consumer
