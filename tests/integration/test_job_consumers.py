@@ -405,7 +405,7 @@ class _ListingFailsOnce:
 async def test_a_new_job_read_by_a_failed_discovery_gets_its_consumer_at_the_next(
     nats_server, settings_for
 ):
-    from worker.nats.jobs import JobConsumers, job_consumer
+    from worker.nats.jobs import JobRotation, job_consumer
     from worker.nats.provision import provision
     from worker.nats.subjects import job_tasks_subject, subject_token
 
@@ -415,7 +415,7 @@ async def test_a_new_job_read_by_a_failed_discovery_gets_its_consumer_at_the_nex
     async with client(settings) as js:
         await provision(js, n, pipeline)
         flaky = _ListingFailsOnce(js)
-        jobs = JobConsumers(flaky, n, [pipeline])
+        jobs = JobRotation(flaky, n, [pipeline])
         await jobs._life.open()
         # Given a new job's task, read by a discovery whose listing then fails
         await js.publish(subject, b"{}", stream=n.tasks_stream)

@@ -12,10 +12,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from config.settings import NatsSettings
-from worker.nats.jobs import JobConsumers
+from worker.nats.hints import NewJobHints
+from worker.nats.jobs import JobRotation
 from worker.nats.late import unsubscribe
 from worker.nats.lifecycle import ConsumerStats
-from worker.nats.news import PublishedTasks
 from worker.nats.subjects import advisory_consumer
 from worker.ports import Runnable
 
@@ -25,11 +25,11 @@ log = structlog.get_logger(__name__)
 _SHARE_TIMEOUT_S = 0.2  # a job's share of a fetch: its tasks are there, or gone to another
 _IDLE_PULL_S = 0.05  # an idle worker's pull on the durable consumer, once per discovery
 # An idle worker woken by a new job discovers it once the hints have gone quiet for
-# _NEWS_QUIET_S (at most _NEWS_SETTLE_S after the first), so jobs published together (a big
+# _HINTS_QUIET_S (at most _HINTS_SETTLE_S after the first), so jobs published together (a big
 # one, then a small one) are found in one discovery and share the first fetch, and a job
 # published alone waits only the quiet gap.
-_NEWS_QUIET_S = 0.001
-_NEWS_SETTLE_S = 0.05
+_HINTS_QUIET_S = 0.001
+_HINTS_SETTLE_S = 0.05
 
 
 class TaskFeed:
@@ -43,18 +43,16 @@ class TaskFeed:
         self._sub: Any = None
         self._late: list[Msg] = []
         self._jobs = (
-            JobConsumers(self._js, settings, pipelines)
-            if settings.fair_jobs and pipelines
-            else None
+            JobRotation(self._js, settings, pipelines) if settings.fair_jobs and pipelines else None
         )
-        self._news = PublishedTasks(nc, pipelines or [], self._jobs.heard) if self._jobs else None
+        self._hints = NewJobHints(nc, pipelines or [], self._jobs.hinted) if self._jobs else None
 
     async def open(self) -> None:
         self._sub = await self._js.pull_subscribe_bind(
             durable=self._settings.consumer, stream=self._settings.tasks_stream
         )
-        if self._jobs is not None and self._news is not None:
-            await self._news.open()
+        if self._jobs is not None and self._hints is not None:
+            await self._hints.open()
             self._late = await self._jobs.open()
 
     def problem(self) -> str | None:
@@ -123,7 +121,7 @@ class TaskFeed:
 
     async def _idle_fetch(self, batch: int) -> list[Msg]:
         """No job bound: until the next discovery, wait for a task to be heard of
-        (``PublishedTasks``; [] then, once the hints go quiet, so the next fetch discovers
+        (``NewJobHints``; [] then, once the hints go quiet, so the next fetch discovers
         its job with any published along with it), or pull
         on the durable consumer while it has tasks; else one short pull there at the end
         (a task given back on it comes back then). A new job waits for its first task's
@@ -132,8 +130,8 @@ class TaskFeed:
         wait_s = min(self._settings.fetch_timeout_s, self._jobs.until_due())
         if self._jobs.main_pending:
             return await self._fetch_from(self._sub, batch, max(_IDLE_PULL_S, wait_s))
-        if await self._jobs.news_within(wait_s):
-            await self._jobs.settle_news(_NEWS_QUIET_S, _NEWS_SETTLE_S)
+        if await self._jobs.hint_within(wait_s):
+            await self._jobs.settle_hints(_HINTS_QUIET_S, _HINTS_SETTLE_S)
             return []
         return await self._fetch_from(self._sub, batch, _IDLE_PULL_S)
 
@@ -164,8 +162,8 @@ class TaskFeed:
         """
         if self._sub is None:
             return []
-        if self._news is not None:
-            await self._news.close()
+        if self._hints is not None:
+            await self._hints.close()
         jobs = await self._jobs.close() if self._jobs is not None else []
         jobs += self._late if self._jobs is not None else []
         found = await unsubscribe(self._sub, self._nc)

@@ -8,7 +8,7 @@ own while it has work, filtered to that subject and shared by every worker proce
 is made from the subject: ``<WORKER_NATS__CONSUMER>-job-<sha256 of the subject, 16 hex>``, its
 description is the subject). Consumers are made as jobs come and deleted as they finish,
 within a bound (``worker.nats.lifecycle``). Every ``WORKER_NATS__JOB_DISCOVERY_S``, and at
-once when a task of a job not served yet is heard of (``worker.nats.news``), one consumer
+once when a task of a job not served yet is heard of (``worker.nats.hints``), one consumer
 listing gives the job consumers' pending counts. Each fetch takes from the jobs with tasks
 pending (or awaiting an ack: redeliveries come from there) in rotation, an equal share each,
 concurrently (and from the durable consumer for ``tasks.<pipeline>``, the job in the
@@ -46,11 +46,11 @@ from worker.ports import Runnable
 log = structlog.get_logger(__name__)
 _PAGE = 256
 _MAX_PAGES = 64
-__all__ = ["JobConsumers", "JobSource", "is_job_consumer", "job_consumer", "job_consumer_config"]
+__all__ = ["BoundJob", "JobRotation", "is_job_consumer", "job_consumer", "job_consumer_config"]
 
 
 @dataclass
-class JobSource:
+class BoundJob:
     subject: str
     name: str
     pending: int  # not yet delivered, as last listed
@@ -60,7 +60,7 @@ class JobSource:
     dry: bool = False  # its last fetch came back short: skipped until listed or heard of
 
 
-class JobConsumers:
+class JobRotation:
     """The job consumers of the served pipelines: discovered, made, bound while they have
     work, and handed out in rotation."""
 
@@ -68,15 +68,15 @@ class JobConsumers:
         self._js = js
         self._settings = settings
         self._life = JobLifecycle(js, settings, pipelines)
-        self._jobs: dict[str, JobSource] = {}  # by subject, in discovery order
+        self._jobs: dict[str, BoundJob] = {}  # by subject, in discovery order
         self._turn = 0
         self._refreshed_at = float("-inf")
         self.main_pending = False  # the durable consumer (job in the payload) has tasks
-        self.news = asyncio.Event()  # a task was heard of on a subject not served yet
+        self.hint = asyncio.Event()  # a task was heard of on a subject not served yet
         self._main_subjects = {tasks_subject(p) for p in pipelines}
         self._conflict_logged = False
         self._hinted = False  # a job not served yet was heard of since the last discovery
-        self._heard_new: dict[str, None] = {}  # those jobs' subjects (SCOUT_BATCH at most)
+        self._hinted_new: dict[str, None] = {}  # those jobs' subjects (SCOUT_BATCH at most)
         self._from_hints: dict[str, api.ConsumerInfo] = {}  # made for them, not yet scouted
         self._bind_first = False  # some made for them: bound before the new-jobs read
 
@@ -86,8 +86,8 @@ class JobConsumers:
     def due_by_time(self) -> bool:
         return time.monotonic() - self._refreshed_at >= self._settings.job_discovery_s
 
-    def heard(self, subject: str) -> None:
-        """A task was published on ``subject`` (``worker.nats.news``): a job subject not
+    def hinted(self, subject: str) -> None:
+        """A task was published on ``subject`` (``worker.nats.hints``): a job subject not
         served yet makes the discovery due now; one on ``tasks.<pipeline>`` marks the durable
         consumer as having work. Wakes an idle fetch either way."""
         if subject in self._jobs:
@@ -97,51 +97,51 @@ class JobConsumers:
             self.main_pending = True
         else:
             self._hinted = True
-            if len(self._heard_new) < SCOUT_BATCH:  # the others: found by the new-jobs read
-                self._heard_new[subject] = None
-        self.news.set()
+            if len(self._hinted_new) < SCOUT_BATCH:  # the others: found by the new-jobs read
+                self._hinted_new[subject] = None
+        self.hint.set()
 
-    async def news_within(self, timeout_s: float) -> bool:
+    async def hint_within(self, timeout_s: float) -> bool:
         """Whether a task was heard of (since the last call) within ``timeout_s``."""
         try:
-            await asyncio.wait_for(self.news.wait(), max(0.0, timeout_s))
+            await asyncio.wait_for(self.hint.wait(), max(0.0, timeout_s))
         except TimeoutError:
             return False
-        self.news.clear()
+        self.hint.clear()
         return True
 
-    async def news_quiet(self, quiet_s: float, most_s: float) -> None:
+    async def hints_quiet(self, quiet_s: float, most_s: float) -> None:
         """Wait until no task has been heard of for ``quiet_s``, ``most_s`` at most."""
         deadline = time.monotonic() + most_s
-        while await self.news_within(min(quiet_s, deadline - time.monotonic())):
+        while await self.hint_within(min(quiet_s, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
                 return
 
-    async def settle_news(self, quiet_s: float, most_s: float) -> None:
+    async def settle_hints(self, quiet_s: float, most_s: float) -> None:
         """Wait until no task has been heard of for ``quiet_s`` (``most_s`` at most) while
         the consumers of the new jobs heard of are made: jobs published together are bound
         for one first fetch, and a job published alone waits for its consumer's creation,
         not for the quiet and then the creation."""
-        await asyncio.gather(self.news_quiet(quiet_s, most_s), self.make_heard())
+        await asyncio.gather(self.hints_quiet(quiet_s, most_s), self.make_hinted())
 
-    async def make_heard(self) -> None:
+    async def make_hinted(self) -> None:
         """The consumers of the new jobs heard of, made (or found: another process heard of
         them too) and noted as having work, so they are bound without waiting on the
         new-jobs read; that read follows at the next discovery (it holds their messages until
         they are delivered). Those that find no room are left to it."""
-        if self._conflict_logged or not self._heard_new:
+        if self._conflict_logged or not self._hinted_new:
             return
-        subjects, self._heard_new = list(self._heard_new), {}
+        subjects, self._hinted_new = list(self._hinted_new), {}
         made = self._life.stats.made
         try:
-            ours = await self._life.make_heard(subjects, self._life.stats.existing)
+            ours = await self._life.make_hinted(subjects, self._life.stats.existing)
         except (nats.errors.Error, TimeoutError) as error:
             log.warning("job_discovery_failed", error=f"{type(error).__name__}: {error}")
             return
         self._life.stats.existing += self._life.stats.made - made
         for info in ours.values():
             self._from_hints[info.name] = info
-            self._note(info, heard=True)
+            self._note(info, hinted=True)
         self._bind_first = self._bind_first or bool(ours)
         self._hinted = True  # their new-jobs messages, read at the next discovery
 
@@ -161,7 +161,7 @@ class JobConsumers:
             if hinted and not self.due_by_time():  # (none while the shared one takes them)
                 return [] if self._conflict_logged else await self._new_jobs_only()
             self._refreshed_at = time.monotonic()
-            self._heard_new, self._from_hints, self._bind_first = {}, {}, False  # listed now
+            self._hinted_new, self._from_hints, self._bind_first = {}, {}, False  # listed now
             scouted = await self._life.scout(self._life.stats.existing)
             listed = await self._listed()  # after the scout read: a job listed has its consumer
             main = listed.get(self._settings.consumer)
@@ -183,10 +183,10 @@ class JobConsumers:
 
     async def _new_jobs_only(self) -> list[Msg]:
         """The new-jobs messages waiting, their consumers made (or found: made elsewhere) and
-        bound, with no listing. Jobs heard of get theirs first (``make_heard``), bound at
+        bound, with no listing. Jobs heard of get theirs first (``make_hinted``), bound at
         once: the new-jobs read waits for the next discovery, after their first fetch."""
-        await self.make_heard()
-        heard = set(self._from_hints)
+        await self.make_hinted()
+        hinted = set(self._from_hints)
         if self._bind_first:
             self._bind_first, self._hinted = False, True  # the new-jobs read at the next fetch
             return await self._bind_or_unbind()
@@ -200,7 +200,7 @@ class JobConsumers:
         )
         self._life.stats.existing += self._life.stats.made - made
         for name, info in ours.items():
-            if name not in heard:  # (those heard of are noted already, fetched or being)
+            if name not in hinted:  # (those heard of are noted already, fetched or being)
                 self._note(info)
         if self._life.more:
             self._hinted = True
@@ -244,15 +244,15 @@ class JobConsumers:
         for msg in msgs:
             await msg.nak(delay=self._settings.job_discovery_s)
 
-    def _note(self, info: api.ConsumerInfo, heard: bool = False) -> None:
+    def _note(self, info: api.ConsumerInfo, hinted: bool = False) -> None:
         """One job consumer, as listed: tracked while it has work (one made for a task
         ``heard`` of has some, though it may have been made before the task was stored)."""
         subject = info.config.filter_subject or ""
         if not subject.startswith("tasks."):
             return
-        job = self._jobs.get(subject) or JobSource(subject, info.name, 0, 0, subject.split(".")[1])
+        job = self._jobs.get(subject) or BoundJob(subject, info.name, 0, 0, subject.split(".")[1])
         job.pending, job.ack_pending = info.num_pending or 0, info.num_ack_pending or 0
-        job.pending = max(job.pending, int(heard))
+        job.pending = max(job.pending, int(hinted))
         job.dry = False
         if job.pending or job.ack_pending or job.sub is not None:
             self._jobs[subject] = job
@@ -279,7 +279,7 @@ class JobConsumers:
         """Why new jobs cannot be served now (the server refused their consumers), or None."""
         return self._life.stats.refusal
 
-    def active(self, runnable: Runnable | None = None) -> list[JobSource]:
+    def active(self, runnable: Runnable | None = None) -> list[BoundJob]:
         """Bound jobs worth a fetch, rotated one place per call: each fetch starts with the
         next job. Only those of ``runnable`` pipelines while any of them has one."""
         bound = [job for job in self._jobs.values() if job.sub is not None and not job.dry]
@@ -337,7 +337,7 @@ class JobConsumers:
                 del self._jobs[subject]
         return late
 
-    async def _unbind(self, job: JobSource) -> list[Msg]:
+    async def _unbind(self, job: BoundJob) -> list[Msg]:
         if job.sub is None:
             return []
         sub, job.sub = job.sub, None

@@ -112,7 +112,7 @@ class JobLifecycle:
         self._waiting: dict[str, Msg] = {}  # subject -> latest new-jobs message, no consumer yet
         self._held: dict[str, Msg] = {}  # subject -> the same, its consumer not yet past it
         self._differed: set[str] = set()  # consumers logged with other delivery settings
-        # subject -> the latest task fetched here from the consumer make_heard made for it,
+        # subject -> the latest task fetched here from the consumer make_hinted made for it,
         # before its new-jobs message was read (which is then done if that is past it)
         self._fetched: dict[str, int] = {}
         self._renewed_at = 0.0
@@ -269,8 +269,8 @@ class JobLifecycle:
             self.stats.refusal = None
         await self._keep_in_hand()
 
-    async def make_heard(self, subjects: list[str], counted: int) -> dict[str, api.ConsumerInfo]:
-        """The consumers of jobs heard of (``worker.nats.news``), made (or found) before their
+    async def make_hinted(self, subjects: list[str], counted: int) -> dict[str, api.ConsumerInfo]:
+        """The consumers of jobs heard of (``worker.nats.hints``), made (or found) before their
         new-jobs messages are read, ``counted`` others existing: ``make_missing`` then holds
         those messages until the consumers are past them. Jobs with a message in hand, or
         whose consumer was deleted here, are left to ``make_missing``; so are all once there

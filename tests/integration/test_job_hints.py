@@ -1,5 +1,5 @@
 """New jobs are served when their first task is published, not at the next job discovery:
-the worker hears of published tasks (worker/nats/news.py). Here discovery runs every 60 s,
+the worker hears of published tasks (worker/nats/hints.py). Here discovery runs every 60 s,
 so each job below would wait up to a minute without the hint; the test allows 20 s."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ discovery.
 
 A JetStream publish is a core NATS message on its subject, so a plain subscription to each
 served pipeline's ``tasks.<pipeline>`` and ``tasks.<pipeline>.*`` sees every task as the
-stream stores it. Only the subject is read (``JobConsumers.heard``): a job subject not served
+stream stores it. Only the subject is read (``JobRotation.hinted``): a job subject not served
 yet makes the next discovery due now. It is a hint and nothing more: the periodic discovery
 (``WORKER_NATS__JOB_DISCOVERY_S``) still finds every job, so a hint lost (a slow consumer, a
 subscribe permission denied, a reconnect) costs that interval's latency, never a task.
@@ -29,20 +29,20 @@ PENDING_MSGS = 65_536
 PENDING_BYTES = 64 * 1024 * 1024
 
 
-class PublishedTasks:
-    def __init__(self, nc: NATS, pipelines: list[str], heard: Callable[[str], None]) -> None:
+class NewJobHints:
+    def __init__(self, nc: NATS, pipelines: list[str], hinted: Callable[[str], None]) -> None:
         self._nc = nc
         self._subjects = [
             subject
             for pipeline in pipelines
             for subject in (tasks_subject(pipeline), job_tasks_subject(pipeline, "*"))
         ]
-        self._heard = heard
+        self._hinted = hinted
         self._subs: list[Any] = []
 
     async def open(self) -> None:
         async def on_task(msg: Msg) -> None:
-            self._heard(msg.subject)
+            self._hinted(msg.subject)
 
         try:
             for subject in self._subjects:
