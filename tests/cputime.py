@@ -71,6 +71,6 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     for cpu_s, wall_s, nodeid in sorted(_ROWS, reverse=True)[:SHOWN]:
         write(f"{cpu_s:8.1f}s cpu {wall_s:8.1f}s wall  {nodeid}")
     every = os.environ.get("TEST_CPU_REPORT")  # a path: every test in the order they ended
-    if every:
+    if every and not hasattr(terminalreporter.config, "workerinput"):  # xdist's controller
         with open(every, "w", encoding="utf-8") as out:
             out.writelines(_TIMELINE)
