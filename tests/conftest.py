@@ -14,6 +14,12 @@ from typing import Any
 
 import pytest
 
+from tests.cputime import (  # noqa: F401 - hooks: the CPU time report at the end
+    pytest_runtest_logreport,
+    pytest_runtest_makereport,
+    pytest_runtest_protocol,
+    pytest_terminal_summary,
+)
 from worker.commands.localservers import NatsServer, S3Server, ServerNotFound
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -22,10 +28,12 @@ ARCHITECTURE = "mobilenet_v3_small"
 LABELS = ["cat", "dog", "bird", "fish", "horse"]
 
 
-# Run first, in this order: with two runners (make test's -n 2) the long tests start at once
-# and the short ones fill the gaps, so both runners end together. The sort is stable: a
-# file's tests keep their order.
+# Run first, in this order: with several runners (make test's -n 3 --maxschedchunk 1, one
+# test handed out at a time) the long tests start at once and the short ones fill the gaps, so
+# the runners end together. First the tests of tests/slowest.tsv, longest first; then by
+# marker. The sort is stable: a file's tests keep their order.
 _FIRST = ("chaos", "slow", "supervisord", "integration")
+_SLOWEST = Path(__file__).parent / "slowest.tsv"
 
 
 # Tests of 20 s or more in a quiet serial run (--durations, 2026-12-01) in files whose other
@@ -43,14 +51,26 @@ _SLOW = (
 )
 
 
+def _measured_walls() -> dict[str, float]:
+    walls = {}
+    for line in _SLOWEST.read_text().splitlines():
+        if line and not line.startswith("#"):
+            wall_s, nodeid = line.split("\t")
+            walls[nodeid] = float(wall_s)
+    return walls
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid.startswith(_SLOW):
             item.add_marker(pytest.mark.slow)
+    walls = _measured_walls()
 
-    def rank(item: pytest.Item) -> int:
+    def rank(item: pytest.Item) -> tuple[int, float]:
+        if item.nodeid in walls:
+            return 0, -walls[item.nodeid]
         marked = [n for n, name in enumerate(_FIRST) if item.get_closest_marker(name)]
-        return min(marked, default=len(_FIRST))
+        return 1 + min(marked, default=len(_FIRST)), 0.0
 
     items.sort(key=rank)
 

@@ -18,7 +18,7 @@ from typing import Any
 from worker.app import WorkerApp
 from worker.commands.client import job_results, make_tasks, publish_tasks
 from worker.commands.demo_images import image_bytes
-from worker.commands.localservers import stop_process
+from worker.commands.localservers import free_port, stop_process
 from worker.nats.connection import connect
 from worker.schemas import Task
 
@@ -218,6 +218,8 @@ def worker_env(settings, *, inherit: bool = True, **extra: str) -> dict[str, str
             "WORKER_LOG_LEVEL": "INFO",
         }
     )
+    if inherit:  # a port of its own: the default 9464 is shared by the runners side by side
+        env["WORKER_METRICS__PORT"] = str(free_port())
     env.update(extra)
     return env
 
