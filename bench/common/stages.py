@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bench.common.jobs import count, run_job
+from bench.common.jobs import Job, count, run_job, run_jobs
 from bench.common.meters import CpuMeter, PeakRss, TreeCpu, machine, median, tree
 from bench.common.world import (
     ARCHITECTURE,
@@ -30,10 +29,8 @@ from bench.common.world import (
 from bench.outcomes import Outcomes
 from config.settings import NatsSettings
 from datasets.images import DecodePlan
-from worker.commands.client import make_tasks, publish_tasks
 from worker.nats.connection import connect
 from worker.nats.provision import provision
-from worker.nats.subjects import job_results_subject
 
 if TYPE_CHECKING:
     from datasets.images import Decoded
@@ -240,26 +237,17 @@ def one_round(
 async def per_job_overhead(
     js: Any, settings: NatsSettings, uri: str, jobs: int = 30
 ) -> dict[str, float]:
-    """One-image jobs: publish -> stored result, minus the time spent decoding and inferring."""
-    nc = js._nc
+    """One-image jobs, one after the other (``run_jobs``): publish -> the result's arrival,
+    minus the time spent decoding and inferring."""
     overheads, latencies = [], []
     for n in range(jobs):
-        job = f"one-{n}-{time.time_ns()}"
-        got: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-
-        async def on_result(msg: Any, fut: asyncio.Future[Any] = got) -> None:
-            if not fut.done():
-                fut.set_result((time.perf_counter(), json.loads(msg.data)))
-
-        sub = await nc.subscribe(job_results_subject(job), cb=on_result)
-        started = time.perf_counter()
-        await publish_tasks(js, settings, PIPELINE, make_tasks(job, [uri]))
-        stored_at, result = await asyncio.wait_for(got, 30)
-        await sub.unsubscribe()
+        job = Job(f"one-{n}-{time.time_ns()}", [uri])
+        (done,) = await run_jobs(js, settings, [job], timeout_s=30)
+        (result,) = done.received()
         outcomes = Outcomes(f"one-image job {n}")
         count(outcomes, result)
         outcomes.check(1)
-        latency = stored_at - started
+        latency = done.done_at - done.published_at
         work = result["timings_s"].get("load_s", 0) + result["timings_s"].get("infer_s", 0)
         latencies.append(latency)
         overheads.append(latency - work)
