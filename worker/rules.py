@@ -47,14 +47,18 @@ def retries(outcome: Outcome, delivery: Delivery) -> bool:
     return outcome.retryable and delivery.deliveries_left > 0
 
 
+def ran_out(delivered: int, last_error: str) -> str:
+    """What a transient failure on a task's last delivery says."""
+    return f"deliveries ran out after {delivered} attempts; last error: {last_error}"
+
+
 def final(outcome: Outcome, delivered: int) -> Outcome:
     """The outcome a task ends with: a transient failure on its last delivery says the
-    deliveries ran out, and what the last one died of."""
+    deliveries ran out, and what the last one died of (its message, else its kind)."""
     failure = outcome.failure
     if failure is None or not failure.retryable:
         return outcome
-    last = failure.message or failure.kind
-    message = f"deliveries ran out after {delivered} attempts; last error: {last}"
+    message = ran_out(delivered, failure.message or failure.kind)
     return replace(outcome, failure=replace(failure, message=message))
 
 

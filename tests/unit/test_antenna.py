@@ -53,7 +53,9 @@ def client_of(fake: FakeAntenna, token: str = TOKEN) -> AntennaClient:
     return AntennaClient(fake.url, SecretStr(token), 5.0)
 
 
-def source_of(fake: FakeAntenna, token: str = TOKEN, size: int = 10) -> AntennaSource:
+def source_of(
+    fake: FakeAntenna, token: str = TOKEN, size: int = 10, idle_wait_s: float = 0.0
+) -> AntennaSource:
     client = client_of(fake, token)
     jobs = JobRotation(client, (SLUG,), 0.05, 100)
     return AntennaSource(
@@ -63,6 +65,7 @@ def source_of(fake: FakeAntenna, token: str = TOKEN, size: int = 10) -> AntennaS
         reservation_size=size,
         wait_s=0.05,
         max_deliver=2,
+        idle_wait_s=idle_wait_s,
     )
 
 
@@ -432,7 +435,7 @@ async def test_a_transient_failure_is_left_to_redelivery_before_the_last_deliver
     assert await rules.settle(task_of(again), again, failing) == "error"
     assert fake.jobs[job].failed == {"i0"}
     (body,) = [json.loads(b)["results"][0]["result"] for b in fake.bodies]
-    assert "deliveries ran out after 2 attempts" in body["error"]
+    assert body["error"] == "deliveries ran out after 2 attempts; last error: loader_timeout: slow"
 
 
 def test_a_29176_class_result_with_500_detections_is_compacted_under_the_cap() -> None:
@@ -628,3 +631,22 @@ def test_the_antenna_source_needs_a_base_url_and_full_score_vectors() -> None:
         load_settings(
             for_worker=False, source="antenna", antenna={"base_url": "http://h/api/v2", "ttr_s": 10}
         )
+
+
+async def test_a_burst_run_is_not_idle_the_moment_it_settles_its_own_last_task() -> None:
+    """The wait for tasks left out by others counts only while this process holds none: a
+    job still listed a moment after our last post is not 'tasks out elsewhere'."""
+    fake = FakeAntenna(token=TOKEN, ttr_s=60.0)
+    fake.register_direct(1, SERVED.config())
+    with fake.running():
+        fake.add_job(SLUG, images(3))
+        source = source_of(fake, idle_wait_s=0.5)
+        held = await reserve_all(source, 3)
+        deadline = time.monotonic() + 0.8
+        while time.monotonic() < deadline:  # rounds that give nothing while ours are held
+            assert await source.fetch(3) == []
+        assert not await source.idle()
+        for delivery in held:
+            await delivery.ack()
+        assert not await source.idle(), "idle at once: the wait counted our own held time"
+        assert source.still_out() is None

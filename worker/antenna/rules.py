@@ -28,7 +28,7 @@ from worker.antenna.reservations import AntennaDelivery
 from worker.antenna.results import error_result, fit, item, ok_result, problems
 from worker.outcome import Outcome
 from worker.ports import Delivery
-from worker.rules import ResultMaker, final, log_task_done, retries
+from worker.rules import ResultMaker, log_task_done, ran_out, retries
 from worker.schemas import Task
 
 log = structlog.get_logger(__name__)
@@ -81,9 +81,11 @@ class AntennaRules:
 
     def _result(self, task: Task, delivered: int, outcome: Outcome) -> tuple[dict, str, str]:
         """The result to post, its status, and why when it is an error."""
-        outcome = final(outcome, delivered)
         if outcome.failure is not None:
-            message = f"{outcome.failure.kind}: {outcome.failure.message}"
+            failure = outcome.failure  # Antenna's error field names the kind, then the message
+            message = f"{failure.kind}: {failure.message}"
+            if failure.retryable:
+                message = ran_out(delivered, message)
             return error_result(task, message), "error", message
         slug = task.pipeline
         shaped = self.documents.make(task, delivered, outcome)

@@ -77,8 +77,10 @@ class AntennaSource:
                 self._dry, self._nothing_since = False, None
                 return got
             self._jobs.empty(job)
-        self._dry = True
-        if not self._jobs.active_ids():
+        # A round while tasks are held here says nothing of idle, and the wait for tasks out
+        # elsewhere counts only from a round with none held.
+        self._dry = not len(self.reservations)
+        if not self._dry or not self._jobs.active_ids():
             self._nothing_since = None
         elif self._nothing_since is None:
             self._nothing_since = time.monotonic()

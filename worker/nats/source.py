@@ -4,11 +4,17 @@ counts; every consumer the worker reads from carries the same, ``worker.nats.lif
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from typing import Any
+
+import structlog
 
 from worker.nats.delivery import NatsDelivery
 from worker.nats.feed import TaskFeed
 from worker.ports import Runnable
+
+log = structlog.get_logger(__name__)
 
 
 class NatsSource:
@@ -17,13 +23,23 @@ class NatsSource:
         self.max_deliver = max_deliver
 
     async def fetch(self, batch: int, runnable: Runnable | None = None) -> list[NatsDelivery]:
-        return self._adapted(await self.feed.fetch(batch, runnable))
+        return await self._adapted(await self.feed.fetch(batch, runnable))
 
     async def close(self) -> list[NatsDelivery]:
-        return self._adapted(await self.feed.close())
+        return await self._adapted(await self.feed.close())
 
     async def idle(self) -> bool:
         return await self.feed.idle()
 
-    def _adapted(self, msgs: Sequence[object]) -> list[NatsDelivery]:
-        return [NatsDelivery(msg, self.max_deliver) for msg in msgs]  # type: ignore[arg-type]
+    async def _adapted(self, msgs: Sequence[Any]) -> list[NatsDelivery]:
+        """Each message as a delivery; one whose JetStream metadata cannot be read (no
+        JetStream reply subject) is logged and given back alone, never the whole fetch."""
+        adapted = []
+        for msg in msgs:
+            try:
+                adapted.append(NatsDelivery(msg, self.max_deliver))
+            except Exception as error:  # noqa: BLE001 - one message, not the fetch
+                log.warning("task_message_unreadable", error=f"{type(error).__name__}: {error}")
+                with contextlib.suppress(Exception):
+                    await msg.nak()
+        return adapted
