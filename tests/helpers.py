@@ -235,7 +235,7 @@ def cli(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.Comp
     )
 
 
-def wait_http(url: str, proc, log_path, timeout_s: float = 60) -> tuple[int, str]:
+def wait_http(url: str, proc, log_path, timeout_s: float = 180) -> tuple[int, str]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert proc.poll() is None, (

@@ -38,7 +38,10 @@ async def _nats_problems(settings: Settings) -> list[str]:
         refused = refusal(settings.nats, error)
         if refused:
             return [f"{refused} at {shown}"]
-        if isinstance(error, ConnectionResetError) and settings.nats.tls_cert_file:
+        if (
+            isinstance(error, ConnectionResetError | BrokenPipeError)
+            and settings.nats.tls_cert_file
+        ):
             # TLS 1.3: the server judges the client certificate once the client's side of the
             # handshake is done, so its refusal can come as a reset rather than an alert (seen
             # with nats-server 2.15 on a busy machine); a server that is down refuses the connect.
