@@ -59,7 +59,7 @@ class Pool:
             now = time.monotonic()
             while idle and found is None:
                 conn, since = idle.pop()
-                if now - since > _MAX_IDLE_S or _dropped(conn):
+                if now - since > _MAX_IDLE_S or dropped(conn):
                     stale.append(conn)
                 else:
                     found = conn
@@ -95,7 +95,7 @@ class Pool:
             conn.close()
 
 
-def _dropped(conn: http.client.HTTPConnection) -> bool:
+def dropped(conn: http.client.HTTPConnection) -> bool:
     """The server closed this idle connection, or sent bytes nobody asked for."""
     sock = conn.sock
     if sock is None:

@@ -26,7 +26,6 @@ import asyncio
 import http.client
 import json
 import re
-import select
 import ssl
 import threading
 import time
@@ -41,6 +40,7 @@ from pydantic import SecretStr
 from config.errors import TransientError
 from config.names import env_name
 from config.redact import redact_url, scrub, shorten
+from datasets.keepalive import dropped
 from worker.antenna.answers import BY_ENDPOINT, wrong_fields
 from worker.threads import in_daemon_thread
 
@@ -242,7 +242,7 @@ class AntennaClient:
         with self._idle_lock:
             while self._idle:
                 conn = self._idle.pop()
-                if not _dropped(conn):
+                if not dropped(conn):
                     conn.timeout = timeout_s
                     if conn.sock is not None:
                         conn.sock.settimeout(timeout_s)
@@ -331,18 +331,6 @@ def _left(deadline: float) -> float:
     if left <= 0:
         raise TimeoutError("the call's deadline passed")
     return left
-
-
-def _dropped(conn: http.client.HTTPConnection) -> bool:
-    """The server closed this idle connection (readable now: EOF, or bytes nobody asked for)."""
-    sock = conn.sock
-    if sock is None:
-        return True
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-    except (OSError, ValueError):
-        return True
-    return bool(readable)
 
 
 def _body(
