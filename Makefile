@@ -28,7 +28,8 @@ promtool:
 # with its own nats-server, S3 endpoint and temp dirs, handed one test at a time
 # (--maxschedchunk 1); the tests of tests/slowest.tsv start first, longest first, and the 25
 # slowest (wall) and the 25 dearest (CPU, tests/cputime.py) are listed at the end.
-# Here (2 cores, 2026-12-02, other agents' runs beside it): 23.5 min (1409 s; two processes
+# Here (2 cores, 2026-12-02): 16 min alone on the machine (973 s); 23.5 min with other
+# agents' runs beside it (1409 s; two processes
 # with the old chunked hand-out: 31 min, one runner doing the long tests alone for 18 min).
 # The tests' CPU time, about 1750 s, keeps two cores above 14 min whatever the hand-out.
 test: $(STAMP) promtool
