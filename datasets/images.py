@@ -31,15 +31,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-# At import, so the loader's fork server has it: imported in a fresh child it costs seconds.
-from torchvision.transforms.v2 import functional as F
-
-try:  # deprecated in torchvision 0.29 for TorchCodec; PIL decodes the same pixels without it
-    from torchvision.io import ImageReadMode, decode_jpeg
-except ImportError:  # pragma: no cover - a torchvision that dropped it
-    decode_jpeg = None
-
 from config.errors import PermanentError
+from datasets import jpeg
+from datasets.resize import center_crop, resized, shorter_side_to
 
 # Only these decoders ever see task bytes (Image.open would otherwise try every plugin).
 # A phone's MPO (multi-picture JPEG) opens through the JPEG decoder and is read as a JPEG.
@@ -203,18 +197,16 @@ def _libjpeg_decodable(image: Image.Image) -> bool:
 
 
 def _full(image: Image.Image, data: bytes) -> torch.Tensor:
-    """The whole image as (3, H, W) uint8. A JPEG goes through ``torchvision.io.decode_jpeg``
-    (the same libjpeg-turbo, the same pixels as PIL's, about 10% less CPU on a 24 MB 4K JPEG,
-    BENCHMARKS.md); anything it will not take (CMYK, a truncated or broken file) through PIL,
-    which reports what is wrong."""
-    if _libjpeg_decodable(image) and decode_jpeg is not None:
+    """The whole image as (3, H, W) uint8. A JPEG goes through torchvision's decoder
+    (``datasets.jpeg``: the same libjpeg-turbo, the same pixels as PIL's, about 10% less CPU on
+    a 24 MB 4K JPEG, BENCHMARKS.md); anything it will not take (CMYK, a truncated or broken
+    file) through PIL, which reports what is wrong."""
+    decode_jpeg = jpeg.decoder() if _libjpeg_decodable(image) else None
+    if decode_jpeg is not None:
         try:
             with warnings.catch_warnings():
-                # A read-only buffer (only read); the API's deprecation notice, once per call.
-                warnings.simplefilter("ignore", UserWarning)
-                warnings.simplefilter("ignore", DeprecationWarning)
-                encoded = torch.frombuffer(data, dtype=torch.uint8)
-                return decode_jpeg(encoded, mode=ImageReadMode.RGB)
+                warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: only read
+                return decode_jpeg(torch.frombuffer(data, dtype=torch.uint8))
         except RuntimeError:
             pass
     return torch.from_numpy(_chw(image))
@@ -249,9 +241,9 @@ def _square(image: Image.Image, data: bytes, plan: DecodePlan) -> np.ndarray:
         recompute_scale_factor=False,
     )[0]
     if tuple(square.shape[-2:]) != (height, width):  # never seen; the reference's size wins
-        square = F.resize(pixels, [height, width], antialias=True)
+        square = resized(pixels, height, width)
     if plan.resize == "shorter_crop":
-        square = F.center_crop(square, [plan.size, plan.size])
+        square = center_crop(square, plan.size)
     return np.ascontiguousarray(square.numpy())
 
 
@@ -320,5 +312,5 @@ def resize_square(pixels: torch.Tensor, size: int, resize: str) -> torch.Tensor:
     if pixels.shape[-2:] == (size, size):
         return pixels
     if resize == "shorter_crop":
-        return F.center_crop(F.resize(pixels, [size], antialias=True), [size, size])
-    return F.resize(pixels, [size, size], antialias=True)
+        return center_crop(shorter_side_to(pixels, size), size)
+    return resized(pixels, size, size)
