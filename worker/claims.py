@@ -3,7 +3,11 @@ naked, terminated or given an error result): "held tasks" in the settings, the l
 metrics; a ``Claim`` is one held task.
 
 It owns the held map, the room left under the cap (``max_held_tasks``, which bounds host
-memory for loaded images), the liveness count, and the ack-wait keep-alive.
+memory for loaded images), the liveness count, and the ack-wait keep-alive. A held task whose
+batch has run (``inferred``) holds no image any more, only its result until it is settled, so
+it takes no room: the next batch's tasks are fetched and read while one is settled (an Antenna
+result post is a round trip to Antenna, a WAN's away). The processor settles one batch at a
+time, so at most one batch more than the cap is held.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class Claims:
         self._liveness = liveness
         self._give_back = give_back  # the source's delivery rules' ``give_back``
         self._held: dict[int, Claim] = {}
+        self._inferred: set[int] = set()  # keys of held tasks whose batch has run
         self._keys = itertools.count()
         self._space = asyncio.Event()
 
@@ -51,7 +56,13 @@ class Claims:
         return len(self._held)
 
     def room(self) -> int:
-        return self.max_held - len(self._held)
+        """Tasks that may be fetched now: the cap less the held tasks still to load or run."""
+        return self.max_held - (len(self._held) - len(self._inferred))
+
+    def inferred(self, done: list[Claim]) -> None:
+        """``done``'s batch has run: they wait for their settling only, and take no room."""
+        self._inferred.update(held.key for held in done if held.key in self._held)
+        self._space.set()
 
     async def wait_for_room(self, timeout_s: float) -> None:
         """Until a task is released, or ``timeout_s``."""
@@ -75,6 +86,7 @@ class Claims:
     def release(self, done: list[Claim]) -> None:
         for held in done:
             self._held.pop(held.key, None)
+            self._inferred.discard(held.key)
         self._liveness.set_held(len(self._held))
         self._space.set()
 

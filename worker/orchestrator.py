@@ -212,6 +212,7 @@ class Worker:
         return failure
 
     async def _settle_batch(self, batch: list[Claim], report: BatchReport) -> None:
+        self.claims.inferred(batch)  # their images are gone: the next batch may be fetched
         started = time.perf_counter()
         await asyncio.gather(*(self._settle_one(h, report.outcomes[h.key]) for h in batch))
         store_s = time.perf_counter() - started

@@ -20,7 +20,7 @@ from worker.sources import SourceLink
 BATCH = 4
 
 
-def a_worker(source, engine, *, guard=None, closed=None, max_deliver=2):
+def a_worker(source, engine, *, guard=None, closed=None, max_deliver=2, store=None):
     settings = load_settings(
         for_worker=False,
         nats={"fetch_timeout_s": 0.05, "store_retry_s": 0.0, "nak_backoff_base_s": 0.01},
@@ -28,7 +28,7 @@ def a_worker(source, engine, *, guard=None, closed=None, max_deliver=2):
         health={"watchdog_timeout_s": 0, "drain_timeout_s": 5},
         model={"pipeline": "mobilenet-v3-small-classifier"},
     )
-    store, js = FakeStore(), FakeJetStream()
+    store, js = store or FakeStore(), FakeJetStream()
     liveness = Liveness(settings.health.stall_timeout_s)
     metrics = Metrics(CollectorRegistry(), liveness)
     rules = nats_rules(store, js)
@@ -225,3 +225,40 @@ async def test_held_tasks_get_in_progress_only_once_a_batch_has_completed():
     assert len(first) == len(second) == BATCH
     assert all(m.kept_alive == 0 for m in msgs[:BATCH]), "settled before the keep-alive"
     assert all(m.kept_alive >= 1 for m in msgs[BATCH:]), "still held when the first batch ended"
+
+
+class GatedStore(FakeStore):
+    """A result store whose stores wait for the test (a result post a WAN away)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def store(self, result):
+        self.entered.set()
+        await asyncio.wait_for(self.release.wait(), 10)
+        return await super().store(result)
+
+
+async def test_the_next_batch_is_fetched_while_one_is_settled_and_no_more():
+    """A batch that has run holds no image: while it is settled (slowly), the room for loading
+    is the whole cap again, so the loader is not idle behind a result post; the cap plus that
+    one batch is the most held."""
+    msgs = [task_msg(f"t{i}") for i in range(5 * BATCH)]
+    store = GatedStore()
+    worker, _store, _js, _m = a_worker(FakeSource(list(msgs)), FakeEngine(), store=store)
+    running = asyncio.create_task(run(worker))
+    await asyncio.wait_for(store.entered.wait(), 10)
+    most_held = 0
+    for _ in range(300):  # bounded: 3 s for the fetch loop to fill the room it has
+        most_held = max(most_held, len(worker.claims))
+        await asyncio.sleep(0.01)
+
+    store.release.set()
+    await running
+
+    cap = worker.claims.max_held
+    assert cap == 2 * BATCH
+    assert most_held == cap + BATCH, "the settling batch, the next one run, one more to load"
+    assert sorted(r["task_id"] for r in store.stored) == sorted(f"t{i}" for i in range(5 * BATCH))
