@@ -221,7 +221,11 @@ class LoaderSettings(BaseModel):
     mp_context: Literal["forkserver", "spawn", "fork"] = Field(
         "forkserver", description="multiprocessing start method of the loader workers"
     )
-    prefetch_batches: int = Field(2, description="batches held at once (fetched, not yet settled)")
+    prefetch_batches: int = Field(
+        2,
+        description="batches of tasks held to load and run at once (a batch being settled takes "
+        "no room: at most one batch more is held)",
+    )
     reads_per_worker: int = Field(
         8,
         description="object reads each loader child keeps in flight (reading, or read and "
