@@ -28,10 +28,9 @@ promtool:
 # with its own nats-server, S3 endpoint and temp dirs, handed one test at a time
 # (--maxschedchunk 1); the tests of tests/slowest.tsv start first, longest first, and the 25
 # slowest (wall) and the 25 dearest (CPU, tests/cputime.py) are listed at the end.
-# Here (2 cores, 2026-12-02): 16 min alone on the machine (973 s); 23.5 min with other
-# agents' runs beside it (1409 s; two processes
-# with the old chunked hand-out: 31 min, one runner doing the long tests alone for 18 min).
-# The tests' CPU time, about 1750 s, keeps two cores above 14 min whatever the hand-out.
+# Here (2 cores, 2026-12-02): 12 min 15 s alone on the machine (736 s, 1108 s of CPU; 16-17 min
+# before the loader stopped importing torchvision); -n 4 took longer (765 s). The tests' CPU
+# time, about 1100 s, keeps two cores above 9 min whatever the hand-out.
 test: $(STAMP) promtool
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
