@@ -13,12 +13,16 @@ the same pixels. ``tests/unit/test_resize.py`` checks the op against ``torchvisi
 from __future__ import annotations
 
 import functools
+import importlib.machinery
 import importlib.util
+import io
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import structlog
 import torch
+from PIL import Image
 
 log = structlog.get_logger(__name__)
 _EXTENSION = "image_stable"
@@ -28,21 +32,49 @@ _RGB = 3  # torchvision.io.ImageReadMode.RGB
 @functools.cache
 def decoder() -> Callable[[torch.Tensor], torch.Tensor] | None:
     """A function from a JPEG's bytes (a uint8 tensor) to its (3, H, W) uint8 RGB pixels, or
-    None when torchvision's extension is not to be had."""
-    spec = importlib.util.find_spec("torchvision")  # found, not imported
-    folders = list(spec.submodule_search_locations or []) if spec is not None else []
-    found = [path for folder in folders for path in Path(folder).glob(f"{_EXTENSION}*.so")]
-    if not found:
+    None when torchvision's extension is not to be had, or does not decode a probe image to
+    PIL's pixels (an op of another signature or meaning)."""
+    path = _extension()
+    if path is None:
         return None
     try:
-        torch.ops.load_library(str(found[0]))
+        torch.ops.load_library(str(path))
         op = torch.ops.image.decode_jpeg
-    except (OSError, RuntimeError, AttributeError) as error:
-        log.info("jpeg_decoder_unavailable", error=f"{type(error).__name__}: {error}")
+
+        def decode(data: torch.Tensor) -> torch.Tensor:
+            pixels: torch.Tensor = op(data, _RGB, False)
+            return pixels
+
+        why = _probe(decode)
+    except (OSError, RuntimeError, AttributeError, TypeError) as error:
+        why = f"{type(error).__name__}: {error}"
+    if why is not None:
+        log.info("jpeg_decoder_unavailable", error=why, effect="PIL decodes JPEGs")
         return None
-
-    def decode(data: torch.Tensor) -> torch.Tensor:
-        pixels: torch.Tensor = op(data, _RGB, False)
-        return pixels
-
     return decode
+
+
+def _extension() -> Path | None:
+    """torchvision's image extension, found as Python finds extension modules (the first of
+    this interpreter's suffixes present), without importing torchvision."""
+    spec = importlib.util.find_spec("torchvision")  # found, not imported
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            path = Path(folder) / f"{_EXTENSION}{suffix}"
+            if path.is_file():
+                return path
+    return None
+
+
+def _probe(decode: Callable[[torch.Tensor], torch.Tensor]) -> str | None:
+    """Why ``decode`` cannot be trusted, or None: a small JPEG must come out as PIL reads it."""
+    out = io.BytesIO()
+    pattern = (np.arange(16 * 24 * 3, dtype=np.uint16) * 37 % 251).astype(np.uint8)
+    Image.fromarray(pattern.reshape(16, 24, 3)).save(out, format="JPEG", quality=90)
+    data = out.getvalue()
+    expected = np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).transpose(2, 0, 1)
+    got = decode(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    if tuple(got.shape) != expected.shape or not np.array_equal(got.numpy(), expected):
+        return f"a probe JPEG decoded to {tuple(got.shape)}, not PIL's pixels {expected.shape}"
+    return None

@@ -17,6 +17,9 @@ import platform
 
 import torch
 
+# The integer types torchvision rounds after a float resize (others it truncates).
+_ROUNDED = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
 
 def resized(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """(..., C, H, W) to (..., C, height, width): bilinear, antialiased, as torchvision's
@@ -48,7 +51,7 @@ def resized(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
         image, size=[height, width], mode="bilinear", align_corners=False, antialias=True
     )
     if cast:
-        if not dtype.is_floating_point:
+        if dtype in _ROUNDED:
             image = image.round_()
         image = image.to(dtype=dtype)
     return image.reshape((*shape[:-3], channels, height, width))

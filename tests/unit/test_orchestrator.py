@@ -250,15 +250,20 @@ async def test_the_next_batch_is_fetched_while_one_is_settled_and_no_more():
     worker, _store, _js, _m = a_worker(FakeSource(list(msgs)), FakeEngine(), store=store)
     running = asyncio.create_task(run(worker))
     await asyncio.wait_for(store.entered.wait(), 10)
+    cap = worker.claims.max_held
     most_held = 0
-    for _ in range(300):  # bounded: 3 s for the fetch loop to fill the room it has
+    for _ in range(3000):  # bounded (30 s): until the fetch loop has filled the room it has
+        most_held = max(most_held, len(worker.claims))
+        if most_held >= cap + BATCH:
+            break
+        await asyncio.sleep(0.01)
+    for _ in range(30):  # and then takes no more while the settle waits
         most_held = max(most_held, len(worker.claims))
         await asyncio.sleep(0.01)
 
     store.release.set()
     await running
 
-    cap = worker.claims.max_held
     assert cap == 2 * BATCH
     assert most_held == cap + BATCH, "the settling batch, the next one run, one more to load"
     assert sorted(r["task_id"] for r in store.stored) == sorted(f"t{i}" for i in range(5 * BATCH))

@@ -33,6 +33,8 @@ def test_resize_and_crop_give_torchvisions_pixels(shape, size):
     for pixels in _images(shape):
         squashed = resized(pixels, size, size)
         assert torch.equal(squashed, F.resize(pixels, [size, size], antialias=True))
+        oblong = resized(pixels, size, size * 2 // 3 + 1)
+        assert torch.equal(oblong, F.resize(pixels, [size, size * 2 // 3 + 1], antialias=True))
         assert squashed.is_contiguous(memory_format=torch.channels_last) == F.resize(
             pixels, [size, size], antialias=True
         ).is_contiguous(memory_format=torch.channels_last)
@@ -84,6 +86,8 @@ def test_the_loaders_modules_and_a_decode_import_no_torchvision():
         "for plan in (DecodePlan(size=96), DecodePlan(size=96, exact=True, resize='shorter_crop'),"
         " DecodePlan(max_side=2000), DecodePlan(max_side=500)):\n"
         "    decode(data, plan)\n"
+        "from datasets import jpeg\n"
+        "assert jpeg.decoder() is not None, 'the extension loads without torchvision'\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torchvision'))\n"
     )
     done = subprocess.run(
