@@ -29,7 +29,8 @@ promtool:
 # (--maxschedchunk 1); the tests of tests/slowest.tsv start first, longest first, and the 25
 # slowest (wall) and the 25 dearest (CPU, tests/cputime.py) are listed at the end.
 # Here (2 cores, 2026-12-02): 12 min 15 s alone on the machine (736 s, 1108 s of CPU; 16-17 min
-# before the loader stopped importing torchvision); -n 4 took longer (765 s). The tests' CPU
+# before the loader stopped importing torchvision); -n 4 took longer (765 s); beside two busy
+# loops, green in 18 min 40 s (1121 s). The tests' CPU
 # time, about 1100 s, keeps two cores above 9 min whatever the hand-out.
 test: $(STAMP) promtool
 	$(BIN)/ruff check .
