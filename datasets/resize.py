@@ -13,6 +13,7 @@ own on CPU).
 
 from __future__ import annotations
 
+import functools
 import platform
 
 import torch
@@ -84,8 +85,10 @@ def center_crop(pixels: torch.Tensor, size: int) -> torch.Tensor:
     return pixels[..., top : top + size, left : left + size]
 
 
+@functools.cache
 def _native_uint8_bilinear() -> bool:
-    """Whether torch resizes uint8 itself here (torchvision's rule for bilinear on a CPU)."""
+    """Whether torch resizes uint8 itself here (torchvision's rule for bilinear on a CPU);
+    the machine's answer, asked once, not once per crop."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or platform.machine() in (
         "aarch64",
         "arm64",
