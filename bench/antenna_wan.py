@@ -14,7 +14,7 @@ JPEGs (20 distinct, cycled: the loader keeps no cache), the demo detector and co
 Reported per case: end-to-end tasks/s (from the first result saved to the last), Antenna
 requests per task, Antenna connections (TCP and TLS handshakes) per task, image connections
 per task; and the shaped/direct ratio. The two cases run alternately ``--rounds`` times (a
-single pair varied from 0.77 to 1.03 on one machine within an hour): each figure reported is
+single pair varied from 0.72 to 1.08 on one machine within two hours): each figure reported is
 the median of its rounds, the ratio the median of the rounds' ratios. ``--nats``: the same
 two cases with the tasks from a local NATS server instead (the same images, behind the same
 relay). Every task must have exactly one result, saved (Antenna) or ``ok`` (NATS), before a
