@@ -224,8 +224,9 @@ class LoaderSettings(BaseModel):
     prefetch_batches: int = Field(
         2,
         description="batches of tasks held to load and run at once (a batch being settled takes "
-        "no room: at most one batch more is held; up to the cap more when a pipeline's models "
-        "cannot be loaded and all its waiting tasks get their error results at once)",
+        "no room: up to two batches are settled at once, so at most two batches more are held; "
+        "up to the cap more when a pipeline's models cannot be loaded and all its waiting tasks "
+        "get their error results at once)",
     )
     reads_per_worker: int = Field(
         8,

@@ -6,7 +6,10 @@ a job is published would otherwise lock the worker into batches of one or two. W
 the fair share across jobs (``fairshare.FairQueue``); a batch never mixes pipelines. Before a
 pipeline's batch runs, its models are made ready (``prepare``: loaded off the event loop when
 they are not); a pipeline whose models cannot be had gives its waiting tasks that failure.
-While one batch runs on the engine thread, the previous one is settled on the event loop.
+While one batch runs on the engine thread, the ones before it are settled on the event loop,
+up to ``SETTLES_IN_FLIGHT`` at once: a settle that takes longer than a batch (an Antenna result
+post is a WAN's round trip, after its gather) would otherwise leave the engine idle after every
+batch. The engine waits only when that many settles are still in flight.
 
 A model switch is paid for (``_Hold``): after a pipeline's models load, batches of pipelines
 whose models are not loaded wait until it has run for ``hold_per_load`` times its load time
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -34,6 +38,7 @@ SettleBatch = Callable[[list[Claim], BatchReport], Coroutine[Any, Any, None]]
 Prepare = Callable[[str], Coroutine[Any, Any, Failure | None]]
 MAX_HOLD_S = 30.0  # the longest a load keeps other unloaded pipelines waiting
 SWITCH_WAIT_S = 0.25  # under a hold, how long the engine waits for runnable tasks to arrive
+SETTLES_IN_FLIGHT = 2  # batches being settled at once; the next one then waits for the oldest
 
 
 @dataclass(frozen=True)
@@ -110,9 +115,15 @@ class Batches:
         self._engine.forget([h.key for h in held])
 
     async def run(self) -> None:
-        """Form and run batches until ``stop``; the last batch's settling is awaited."""
+        """Form and run batches until ``stop``; the settling of every batch run is awaited."""
         loop = asyncio.get_running_loop()
-        settling: asyncio.Task[None] | None = None
+        settling: deque[asyncio.Task[None]] = deque()
+
+        async def settle(batch: list[Claim], report: BatchReport) -> None:
+            while len(settling) >= SETTLES_IN_FLIGHT:
+                await settling.popleft()
+            settling.append(asyncio.create_task(self._settle(batch, report)))
+
         try:
             while batch := await self._next_batch():
                 pipeline = batch[0].task.pipeline
@@ -121,23 +132,19 @@ class Batches:
                     batch += self._waiting.take_pipeline(pipeline)
                     self._engine.forget([h.key for h in batch])
                     report = BatchReport({h.key: Outcome(failure=failure) for h in batch}, 0, 0, 0)
-                    if settling is not None:
-                        await settling
-                    settling = asyncio.create_task(self._settle(batch, report))
+                    await settle(batch, report)
                     continue
                 keys = [h.key for h in batch]
                 running = loop.run_in_executor(
                     self._engine_thread, self._engine.run_batch, keys, pipeline
                 )
                 self._in_engine = running
-                if settling is not None:
-                    await settling
                 report = await running
                 self._on_batch(batch, report)
-                settling = asyncio.create_task(self._settle(batch, report))
+                await settle(batch, report)
         finally:
-            if settling is not None:
-                await asyncio.shield(settling)
+            while settling:
+                await asyncio.shield(settling.popleft())
 
     async def _prepared(self, pipeline: str) -> Failure | None:
         """``prepare``; a load that happened starts a hold for ``pipeline``."""

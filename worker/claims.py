@@ -6,8 +6,9 @@ It owns the held map, the room left under the cap (``max_held_tasks``, which bou
 memory for loaded images), the liveness count, and the ack-wait keep-alive. A held task whose
 batch has run (``inferred``) holds no image any more, only its result until it is settled, so
 it takes no room: the next batch's tasks are fetched and read while one is settled (an Antenna
-result post is a round trip to Antenna, a WAN's away). The processor settles one batch at a
-time, so at most one batch more than the cap is held; up to the cap more only when a
+result post is a round trip to Antenna, a WAN's away). The processor settles up to two batches at
+once (``batches.SETTLES_IN_FLIGHT``), so at most two batches more than the cap are held (the
+second one waiting for a settle to end); up to the cap more only when a
 pipeline's models cannot be loaded and every task of it waiting gets its error result at once
 (those hold no image either).
 """

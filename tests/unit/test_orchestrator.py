@@ -234,17 +234,19 @@ class GatedStore(FakeStore):
         super().__init__()
         self.entered = asyncio.Event()
         self.release = asyncio.Event()
+        self.settling = 0  # stores waiting for the release
 
     async def store(self, result):
         self.entered.set()
+        self.settling += 1
         await asyncio.wait_for(self.release.wait(), 10)
         return await super().store(result)
 
 
-async def test_the_next_batch_is_fetched_while_one_is_settled_and_no_more():
+async def test_the_next_batches_are_fetched_while_two_are_settled_and_no_more():
     """A batch that has run holds no image: while it is settled (slowly), the room for loading
-    is the whole cap again, so the loader is not idle behind a result post; the cap plus that
-    one batch is the most held."""
+    is the whole cap again, so the loader is not idle behind a result post; two settles run at
+    once, and a third batch run waits for one: the cap plus those two batches is the most held."""
     msgs = [task_msg(f"t{i}") for i in range(5 * BATCH)]
     store = GatedStore()
     worker, _store, _js, _m = a_worker(FakeSource(list(msgs)), FakeEngine(), store=store)
@@ -254,16 +256,18 @@ async def test_the_next_batch_is_fetched_while_one_is_settled_and_no_more():
     most_held = 0
     for _ in range(3000):  # bounded (30 s): until the fetch loop has filled the room it has
         most_held = max(most_held, len(worker.claims))
-        if most_held >= cap + BATCH:
+        if most_held >= cap + 2 * BATCH:
             break
         await asyncio.sleep(0.01)
     for _ in range(30):  # and then takes no more while the settle waits
         most_held = max(most_held, len(worker.claims))
         await asyncio.sleep(0.01)
 
+    stores_waiting = store.settling
     store.release.set()
     await running
 
     assert cap == 2 * BATCH
-    assert most_held == cap + BATCH, "the settling batch, the next one run, one more to load"
+    assert stores_waiting == 2 * BATCH, "two batches' stores in flight at once"
+    assert most_held == cap + 2 * BATCH, "two settling, one run waiting for them, one to load"
     assert sorted(r["task_id"] for r in store.stored) == sorted(f"t{i}" for i in range(5 * BATCH))
