@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test promtool chaos bench clean
-# Our own code, compiled to bytecode before the tests: the suite starts some 400 Python
+# Our own code, compiled to bytecode before the tests: the suite starts more than 300 Python
 # processes (workers, their fork servers, CLI commands, benchmarks), and where
 # PYTHONDONTWRITEBYTECODE is set (it is on the development machine) each would compile every
 # module it imports again, about 0.4 s of CPU per worker.
@@ -33,10 +33,10 @@ promtool:
 # with its own nats-server, S3 endpoint and temp dirs, handed one test at a time
 # (--maxschedchunk 1); the tests of tests/slowest.tsv start first, longest first, and the 25
 # slowest (wall) and the 25 dearest (CPU, tests/cputime.py) are listed at the end.
-# Here (2 cores, 2026-12-02): 12 min 15 s alone on the machine (736 s, 1108 s of CPU; 16-17 min
-# before the loader stopped importing torchvision); -n 4 took longer (765 s); beside two busy
-# loops, green in 18 min 40 s (1121 s). The tests' CPU
-# time, about 1100 s, keeps two cores above 9 min whatever the hand-out.
+# Here (2 cores): 12 min 15 s alone on the machine on 2026-12-02 (736 s, 1108 s of CPU); on
+# 2026-12-03, a slower day for this machine, 19 min 26 s (1166 s, 1913 s of CPU), then 16 min 58 s
+# (1018 s, 1644 s of CPU) with the classifiers built without the torchvision package and the
+# bytecode compiled first. The tests' CPU keeps two cores busy for longer than 10 minutes.
 test: $(STAMP) promtool
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
