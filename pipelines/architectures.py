@@ -31,10 +31,7 @@ def build_classifier(architecture: str, num_classes: int) -> nn.Module:
 def build_detector(architecture: str, num_classes: int, **options: Any) -> nn.Module:
     """A torchvision detector; ``options`` (min_size, max_size, box_score_thresh,
     box_detections_per_img) go to its constructor."""
-    from pipelines.classifier_modules import IMPORT_LOCK
-
-    with IMPORT_LOCK:  # never beside a classifier's import through stand-ins
-        from torchvision.models import detection
+    from torchvision.models import detection
 
     if architecture not in DETECTORS:
         raise ConfigError(
