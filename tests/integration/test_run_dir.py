@@ -111,6 +111,7 @@ async def kill_group_mid_job(
     return tree, mapped
 
 
+@pytest.mark.timeout(300)  # 77 s quiet, 141 s beside two busy loops (2026-12-03)
 async def test_group_kills_mid_job_leave_nothing_once_a_clean_process_starts(
     nats_server, s3_server, bucket, settings_for, tmp_path, system_tmp
 ):
