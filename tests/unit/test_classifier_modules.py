@@ -12,6 +12,18 @@ from pipelines.classifier_modules import MODULE_OF
 
 ROOT = Path(__file__).parents[2]
 
+
+def _python(script: str, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    """``script`` in a fresh interpreter at the repository root (nothing imported before it)."""
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
 # In a fresh interpreter: each classifier built the light way, then torchvision imported whole,
 # the same architecture built by it, the light model's weights loaded into it (strict) and both
 # run on one input.
@@ -41,13 +53,7 @@ print("isinstance", isinstance(light["resnet18"], models.ResNet))
 
 def test_each_classifier_is_built_without_torchvision_and_equals_torchvisions_own() -> None:
     assert set(MODULE_OF) == set(CLASSIFIERS)
-    done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, *CLASSIFIERS],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    done = _python(_SCRIPT, *CLASSIFIERS, timeout_s=240)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert "dynamo False" in lines, done.stdout
@@ -61,18 +67,10 @@ def test_each_classifier_is_built_without_torchvision_and_equals_torchvisions_ow
 
 
 def test_with_torchvision_imported_the_builder_is_torchvisions_own() -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import torchvision.models as m\n"
-            "from pipelines.classifier_modules import classifier_builder\n"
-            "print(classifier_builder('mobilenet_v3_small') is m.mobilenet_v3_small)",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    done = _python(
+        "import torchvision.models as m\n"
+        "from pipelines.classifier_modules import classifier_builder\n"
+        "print(classifier_builder('mobilenet_v3_small') is m.mobilenet_v3_small)"
     )
     assert done.stdout.strip() == "True", done.stderr[-3000:]
 
@@ -86,8 +84,6 @@ def test_a_light_import_that_fails_falls_back_to_torchvision_and_leaves_nothing(
         "import torchvision.models as m\n"
         "print(builder is m.resnet18, [n for n in sys.modules if n.startswith(cm.ROOT)])\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    done = _python(script)
     assert done.stdout.strip().splitlines()[-1] == "True []", done.stdout + done.stderr[-3000:]
     assert "classifier_light_import_failed" in done.stdout + done.stderr
