@@ -9,6 +9,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from tests.helpers import (
     cli,
@@ -25,6 +26,18 @@ from tests.helpers import (
 from worker.commands.localservers import free_port
 
 pytestmark = pytest.mark.integration
+
+
+def device_info(metrics: str) -> list[tuple[dict[str, str], float]]:
+    """The samples of ``inference_worker_device_info`` in a /metrics text, parsed."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [
+        (sample.labels, sample.value)
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+        if sample.name == "inference_worker_device_info"
+    ]
 
 
 def loader_children(pid: int) -> list[int]:
@@ -67,6 +80,21 @@ async def test_run_serves_a_job_reports_metrics_and_exits_0_on_sigterm_leaving_n
     assert 'inference_worker_tasks_total{outcome="ok"} 6.0' in metrics
     assert "inference_worker_stalled 0.0" in metrics
     assert "inference_worker_inflight_tasks 0.0" in metrics
+    assert device_info(metrics) == [
+        (
+            {
+                "device": "cpu",
+                "UUID": "",
+                "GPU_I_ID": "",
+                "mig_uuid": "",
+                "name": "cpu",
+                "torch_version": torch.__version__,
+                "cuda_version": torch.version.cuda or "",
+                "driver_version": "",
+            },
+            1.0,
+        )
+    ]
     assert code == 0, stderr[-3000:]
     assert len(descendants) >= 2  # loader children (and the forkserver)
     assert until_gone(descendants) == []

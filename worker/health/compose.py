@@ -4,6 +4,7 @@ stalled, or the task source's problem)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
@@ -13,6 +14,7 @@ from config.errors import ConfigError
 from config.names import env_name
 from config.settings import Settings
 from pipelines.device import memory_bytes
+from pipelines.device_identity import read_identity
 from pipelines.models import resolve_device
 from worker.engine import Engine
 from worker.health.liveness import Liveness
@@ -85,7 +87,12 @@ class ProcessHealth:
     def collect_engine(
         self, metrics: Metrics, engine: Engine, served: ServedPipelines, device: str
     ) -> None:
-        """The device's memory, the reads' and the models' collectors."""
+        """The device's identity (read once, now that the device is claimed and the models are
+        on it), the device's memory, the reads' and the models' collectors."""
+        identity = read_identity(
+            resolve_device(device), visible=os.environ.get("CUDA_VISIBLE_DEVICES")
+        )
+        metrics.device.info(identity.labels())
         metrics.registry.register(
             DeviceCollector(
                 lambda: memory_bytes(resolve_device(device)), lambda: engine.out_of_memory

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from config.names import env_name
 from datasets.reads import ReadStats
@@ -58,6 +58,13 @@ class Metrics:
         self.loader_restarts = Counter(
             f"{PREFIX}_loader_restarts",
             "DataLoader rebuilds after a timeout or a dead loader child.",
+            registry=registry,
+        )
+        self.device = Info(
+            f"{PREFIX}_device",
+            "The device this process runs on (1): device (cuda:0, cpu), the GPU's UUID and the "
+            "MIG slice's GPU_I_ID as dcgm-exporter labels them (join on both), mig_uuid, name, "
+            "torch_version, cuda_version, driver_version; empty where unknown.",
             registry=registry,
         )
 
