@@ -144,6 +144,19 @@ class LoaderGaveUp(WorkerError):
     process should give back its tasks and exit for a fresh one (code 3)."""
 
 
+# -- the device ------------------------------------------------------------------------------
+class DeviceFailed(WorkerError):
+    """The device failed for good: a sticky CUDA error (an illegal memory access, a device-side
+    assert, an uncorrectable ECC error) poisoned this process's context, and every later CUDA
+    call fails the same way. No task is to blame and none is failed for it: the process gives
+    back every task it holds and exits for a fresh one (code 7). ``error_code``: CUDA's, when
+    torch gave one."""
+
+    def __init__(self, message: str, *, error_code: int | None = None) -> None:
+        super().__init__(message)
+        self.error_code = error_code
+
+
 # -- results ---------------------------------------------------------------------------------
 class ResultsUnavailable(TransientError):
     """The results (or dead-letter) stream did not confirm the write; retry the task.

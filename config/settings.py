@@ -513,6 +513,21 @@ class FaultSettings(BaseModel):
         description="testing only: every model load takes this many seconds longer (a big "
         "model from S3, a slow build): a start as slow as it makes it",
     )
+    device_error_once_file: str = Field(
+        "",
+        description="testing only: the first process to create this file, at its batch "
+        "WORKER_FAULTS__DEVICE_ERROR_AT_BATCH, has its device fail for good: that forward pass "
+        "and every later one raise a sticky CUDA error (see WORKER_FAULTS__DEVICE_ERROR_TYPE)",
+    )
+    device_error_at_batch: int = Field(
+        1, ge=1, description="testing only: the batch (1 = the process's first) that fails"
+    )
+    device_error_type: Literal["accelerator", "runtime"] = Field(
+        "accelerator",
+        description="testing only: accelerator = torch.AcceleratorError with CUDA's code 700 "
+        "(an illegal memory access), as current torch raises it; runtime = the plain "
+        "RuntimeError `CUDA error: an illegal memory access was encountered` of older torch",
+    )
 
 
 class Settings(BaseSettings):

@@ -223,3 +223,56 @@ def decode_on_device(image: Decoded, device: torch.device, max_side: int) -> Dec
     if device.type == "cuda":  # one place for a batch's pixels: crops are stacked together
         return decoded._replace(pixels=torch.from_numpy(decoded.pixels).to(device))
     return decoded
+
+
+# CUDA's sticky errors, by code, with the text cudaGetErrorString gives each (what torch's
+# "CUDA error: ..." messages carry). The header documents them (cudaError_t in CUDA 13's
+# driver_types.h): "the process is in an inconsistent state and any further CUDA work will
+# return the same error; to continue using CUDA, the process must be terminated and
+# relaunched". Uncorrectable ECC and NVLink errors are hardware faults (Xid 48, 74) after which
+# NVIDIA asks for the application to be restarted: sticky here too.
+STICKY_CUDA_ERRORS: dict[int, str] = {
+    214: "uncorrectable ECC error encountered",  # cudaErrorECCUncorrectable
+    220: "uncorrectable NVLink error detected during the execution",  # NvlinkUncorrectable
+    226: "Invalid access of peer GPU memory over nvlink or a hardware error",  # Contained
+    700: "an illegal memory access was encountered",  # cudaErrorIllegalAddress
+    702: "the launch timed out and was terminated",  # cudaErrorLaunchTimeout
+    710: "device-side assert triggered",  # cudaErrorAssert
+    714: "hardware stack error",  # cudaErrorHardwareStackError
+    715: "an illegal instruction was encountered",  # cudaErrorIllegalInstruction
+    716: "misaligned address",  # cudaErrorMisalignedAddress
+    717: "operation not supported on global/shared address space",  # InvalidAddressSpace
+    718: "invalid program counter",  # cudaErrorInvalidPc
+    719: "unspecified launch failure",  # cudaErrorLaunchFailure
+    721: "tensor memory not completely freed",  # cudaErrorTensorMemoryLeak
+    810: "the MPS client has been terminated by the server",  # cudaErrorMpsClientTerminated
+    911: "an async error has occured in external entity outside of CUDA",  # ExternalDevice
+}
+# How torch names a CUDA error in a plain RuntimeError (C10_CUDA_CHECK in older torch,
+# extensions, the driver API); cuBLAS and cuDNN report a kernel that did not run with a status
+# of their own, in practice the first sign of a context already poisoned.
+_CUDA_PREFIXES = ("CUDA error", "CUDA driver error")
+_STICKY_LIBRARY_STATUSES = ("CUBLAS_STATUS_EXECUTION_FAILED", "CUDNN_STATUS_EXECUTION_FAILED")
+
+
+def is_sticky_device_error(error: BaseException) -> bool:
+    """Whether ``error`` poisoned the device's context: every later CUDA call of this process
+    fails the same way, and only a new process can use the device again. A
+    ``torch.AcceleratorError`` (current torch) by the CUDA error code torch puts on it
+    (``error_code``), else by its message; a plain RuntimeError by a message that names a CUDA
+    error and one of ``STICKY_CUDA_ERRORS`` (or cuBLAS/cuDNN's execution failures). Out of
+    memory never is; nor is a CUDA error that one input caused (an invalid argument, nvJPEG
+    refusing an image): that image fails alone and the process goes on."""
+    if not isinstance(error, RuntimeError) or is_out_of_memory(error):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    code = getattr(error, "error_code", None)
+    by_code = accelerator_error is not None and isinstance(error, accelerator_error)
+    if by_code and isinstance(code, int):
+        return code in STICKY_CUDA_ERRORS
+    text = str(error)
+    if any(status in text for status in _STICKY_LIBRARY_STATUSES):
+        return True
+    return any(prefix in text for prefix in _CUDA_PREFIXES) and any(
+        sticky in text for sticky in STICKY_CUDA_ERRORS.values()
+    )

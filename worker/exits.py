@@ -22,6 +22,7 @@ class ExitReason(enum.Enum):
     RESOURCE_LIMIT = 4  # a WORKER_GUARDS__* limit was crossed; drained, wants a fresh process
     SOURCE_GONE = 5  # the task source is gone for good (NATS: the client closed); restart
     NOT_SERVED = 6  # --until-idle found nothing to do because it could not ask (refused, down)
+    DEVICE_FAILED = 7  # a sticky device error (CUDA context poisoned); held tasks given back
 
     @property
     def code(self) -> int:

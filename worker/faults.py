@@ -1,4 +1,5 @@
-"""Faults for chaos tests on the engine, installed by the wiring when a setting asks."""
+"""Faults for chaos tests on the engine, installed by the wiring when a setting asks: a model
+load made slower, an engine thread wedged, a device that fails for good."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import Any, TypeVar
 import structlog
 
 from datasets.faults import claim_once
+from datasets.images import Decoded
 from worker.engine import Engine
+from worker.engine.models import Models, Predictor
 from worker.ports import BatchReport
 
 log = structlog.get_logger(__name__)
@@ -55,3 +58,82 @@ class WedgingEngine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
+
+
+# What torch says of an illegal memory access, as C10_CUDA_CHECK words it (with its advice).
+_ILLEGAL_ACCESS = (
+    "CUDA error: an illegal memory access was encountered\n"
+    "CUDA kernel errors might be asynchronously reported at some other API call, so the "
+    "stacktrace below might be incorrect.\n"
+    "For debugging consider passing CUDA_LAUNCH_BLOCKING=1"
+)
+_ILLEGAL_ADDRESS = 700  # cudaErrorIllegalAddress
+
+
+def sticky_cuda_error(error_type: str) -> RuntimeError:
+    """The error a poisoned CUDA context raises, of the real type: ``accelerator``, a
+    ``torch.AcceleratorError`` made as torch makes it (the message, then ``error_code`` set on
+    it); ``runtime``, the plain RuntimeError of older torch and of extensions (and of any
+    torch without AcceleratorError)."""
+    import torch
+
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if error_type != "accelerator" or accelerator_error is None:
+        return RuntimeError(_ILLEGAL_ACCESS)
+    error: RuntimeError = accelerator_error(_ILLEGAL_ACCESS)
+    setattr(error, "error_code", _ILLEGAL_ADDRESS)  # noqa: B010 - as torch sets it, not typed
+    return error
+
+
+class DeviceFaultModels:
+    """The engine's models, except that the first process to claim ``path`` at its
+    ``at_batch``-th batch has its device fail for good there: that batch's forward passes, and
+    every later one, raise ``sticky_cuda_error(error_type)``, as a poisoned context does."""
+
+    def __init__(self, models: Models, path: str, at_batch: int, error_type: str) -> None:
+        self._models = models
+        self._path = path
+        self._at_batch = at_batch
+        self._error_type = error_type
+        self._batches = 0  # acquired once per batch
+        self._failed = False
+
+    def acquire(self, name: str) -> Predictor:
+        predictor = self._models.acquire(name)
+        self._batches += 1
+        if not self._failed and self._batches == self._at_batch:
+            self._failed = claim_once(self._path)
+            if self._failed:
+                log.error("fault_hook_device_error", path=self._path, batch=self._batches)
+        if self._failed:
+            return _FailingPredictor(predictor, self._error_type)
+        return predictor
+
+    def release(self, name: str) -> None:
+        self._models.release(name)
+
+    def ready(self, name: str) -> bool:
+        return self._models.ready(name)
+
+    def load(self, name: str) -> None:
+        self._models.load(name)
+
+
+class _FailingPredictor:
+    """A pipeline on a device that failed: nothing runs, nothing is copied."""
+
+    def __init__(self, predictor: Predictor, error_type: str) -> None:
+        self._predictor = predictor
+        self._error_type = error_type
+
+    @property
+    def copy_ahead_images(self) -> int:
+        return self._predictor.copy_ahead_images
+
+    def copy_ahead(self, images: Sequence[Decoded]) -> list[Decoded]:
+        raise sticky_cuda_error(self._error_type)
+
+    def run(
+        self, images: Sequence[Decoded], while_running: Callable[[], None]
+    ) -> list[list[dict[str, Any]]]:
+        raise sticky_cuda_error(self._error_type)

@@ -27,8 +27,8 @@ from typing import Any
 
 import structlog
 
-from config.derived import max_held_tasks
-from config.errors import Failure, LoaderGaveUp
+from config.derived import chosen_device, max_held_tasks
+from config.errors import DeviceFailed, Failure, LoaderGaveUp
 from config.settings import Settings
 from worker.admission import Admission
 from worker.batches import Batches
@@ -108,6 +108,7 @@ class Worker:
         self._stop = asyncio.Event()  # ours: set by a stop, a failure, a limit, burst mode
         fetcher = asyncio.create_task(self._fetch_loop(), name="fetch-loop")
         processor = asyncio.create_task(self.batches.run(), name="process-loop")
+        processor.add_done_callback(self._processor_ended)  # a failed device: said at once
         stopped = asyncio.create_task(stop.wait(), name="stop-wait")
         halted = asyncio.create_task(self._stop.wait(), name="halt-wait")
         helpers = [asyncio.create_task(self._watch_gone(), name="source-watch")]
@@ -245,12 +246,42 @@ class Worker:
         self._stop.set()
 
     def _failed(self, part: str, error: BaseException | None) -> None:
+        if isinstance(error, DeviceFailed):
+            self._device_failed(error)  # said when it happened (``_processor_ended``)
+            return
         if isinstance(error, LoaderGaveUp):
             log.error("exiting_for_a_restart", reason=str(error), exit_code=3)
             self._end(Exit(ExitReason.LOADER_FAILING, str(error)))
             return
         log.error("worker_part_failed", part=part, exc_info=error, exit_code=1)
         self._end(Exit(ExitReason.FAILED, f"{part} failed: {type(error).__name__}: {error}"))
+
+    def _processor_ended(self, processor: asyncio.Task[None]) -> None:
+        error = None if processor.cancelled() else processor.exception()
+        if isinstance(error, DeviceFailed):
+            self._device_failed(error)
+
+    def _device_failed(self, error: DeviceFailed) -> None:
+        """The device failed for good: no batch can run on it again, and no task is to blame.
+        Said once, the moment the engine raised: /healthz answers ``restart`` and one error
+        line names the error and the device; then the drain gives back every held task, the
+        failed batch's too (no result is stored for them), without running another batch,
+        and the process exits 7, over any other reason to stop that came first (a SIGTERM's
+        drain, a crossed limit): a new process gets a new CUDA context."""
+        if self.exit.reason is ExitReason.DEVICE_FAILED:
+            return
+        device = chosen_device(self.settings)
+        self.services.liveness.must_restart(f"device {device} failed: {error}")
+        log.error(
+            "device_failed",
+            error=str(error),
+            device=device,
+            held=len(self.claims),
+            exit_code=ExitReason.DEVICE_FAILED.code,
+            action="giving back every held task, exiting for a new process",
+        )
+        self.exit = Exit(ExitReason.DEVICE_FAILED, f"device {device} failed: {error}")
+        self._stop.set()
 
     async def _watch_gone(self) -> None:
         """A source gone for good gives nothing ever again: end the process (exit 5)."""

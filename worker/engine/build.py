@@ -135,8 +135,18 @@ def _with_slow_load(s: Settings, load: Callable[[Chosen], Any]) -> Callable[[Cho
 
 
 def with_faults(s: Settings, engine: Engine) -> BatchEngine:
-    """The engine, or the engine behind a fault a chaos test asked for."""
+    """The engine, or the engine behind a fault a chaos test asked for (its models, for a
+    device error: raised inside the forward pass, where a real one is)."""
     faults = s.faults
+    if faults.device_error_once_file:
+        from worker.faults import DeviceFaultModels
+
+        engine.models = DeviceFaultModels(
+            engine.models,
+            faults.device_error_once_file,
+            faults.device_error_at_batch,
+            faults.device_error_type,
+        )
     if not faults.wedge_once_file:
         return engine
     from worker.faults import WedgingEngine

@@ -11,14 +11,14 @@ from config.errors import Failure, ModelLoadFailed
 from datasets.images import DecodePlan
 from datasets.loader import Loaded, LoadRequest, StreamingLoader
 from datasets.reads import ReadStats
-from pipelines.device import release_cached_memory
+from pipelines.device import is_sticky_device_error, release_cached_memory
 from worker.engine.collect import Collector
 from worker.engine.copy_ahead import CopyAhead
 from worker.engine.forward import Forward
 from worker.engine.models import Models, OneModel, Predictor
 from worker.engine.reads import Reads
 from worker.engine.recovery import Recovery
-from worker.engine.split import Split
+from worker.engine.split import Split, device_failed
 from worker.engine.stash import Stash
 from worker.outcome import Outcome
 from worker.ports import BatchReport
@@ -100,7 +100,7 @@ class Engine:
         try:
             self.models.load(pipeline)
         except ModelLoadFailed as failed:
-            return failed.failure
+            return _failure_unless_device(failed)
         return None
 
     def submit(self, requests: Sequence[tuple[int, str]], pipeline: str = "") -> None:
@@ -121,7 +121,8 @@ class Engine:
             predictor = self.models.acquire(pipeline)  # loaded already, unless evicted since
         except ModelLoadFailed as failed:
             self.forget(keys)
-            outcomes = {key: Outcome(failure=failed.failure) for key in keys}
+            failure = _failure_unless_device(failed)
+            outcomes = {key: Outcome(failure=failure) for key in keys}
             return BatchReport(outcomes, 0.0, 0.0, 0)
         self.copy_ahead.begin(pipeline, predictor)
         try:
@@ -144,6 +145,14 @@ class Engine:
         outcomes.update(self._split.infer(ready, Forward(predictor, loaded, self.copy_ahead)))
         infer_s = time.perf_counter() - infer_started - (self.copy_ahead.prepared_s - prepared_s)
         return BatchReport(outcomes, load_s, infer_s, self.loader.restarts - restarts_before)
+
+
+def _failure_unless_device(failed: ModelLoadFailed) -> Failure:
+    """What a model that could not be loaded gives its tasks; DeviceFailed when the device
+    failed for good under the load (a sticky CUDA error is no fault of the pipeline's)."""
+    if failed.cause is not None and is_sticky_device_error(failed.cause):
+        raise device_failed(failed.cause) from failed.cause
+    return failed.failure
 
 
 def _not_loaded(

@@ -1,6 +1,7 @@
 """A batch's forward pass when it fails: each image alone, so one image that breaks the model
 (or its output) fails alone and its batch-mates keep their deliveries; out of device memory,
-the batch halved instead, down to one image (``too_large_for_device``)."""
+the batch halved instead, down to one image (``too_large_for_device``); a device that failed
+for good (a sticky CUDA error), no image at all: ``DeviceFailed`` ends the process."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from config.errors import Failure, PermanentError
-from pipelines.device import is_out_of_memory
+from config.errors import DeviceFailed, Failure, PermanentError
+from pipelines.device import is_out_of_memory, is_sticky_device_error
 from worker.outcome import Outcome
 
 log = structlog.get_logger(__name__)
@@ -28,15 +29,18 @@ class Split:
         self.out_of_memory = 0
 
     def infer(self, keys: list[int], forward: Pass) -> dict[int, Outcome]:
-        """``forward`` of ``keys``; if it fails, of fewer of them at a time."""
+        """``forward`` of ``keys``; if it fails, of fewer of them at a time. DeviceFailed at
+        once when the device failed for good: no pass can run on it again, so none is tried."""
         if not keys:
             return {}
         out_of_memory = False
         try:
             return forward(keys)
-        except Exception as error:  # noqa: BLE001 - the model is the user's code: a result each
+        except Exception as error:  # the model is the user's code: a result each
             if is_out_of_memory(error):
                 out_of_memory = True  # split outside this block: its traceback holds memory
+            elif is_sticky_device_error(error):
+                raise device_failed(error) from error
             elif len(keys) == 1:
                 return {keys[0]: _failed(error)}
             else:
@@ -64,6 +68,17 @@ class Split:
         half = len(keys) // 2
         log.warning("out_of_device_memory_splitting_batch", batch=len(keys), into=half)
         return {**self.infer(keys[:half], forward), **self.infer(keys[half:], forward)}
+
+
+def device_failed(error: BaseException) -> DeviceFailed:
+    """The process-ending error for a sticky one: its type and first line (torch adds lines
+    of debugging advice), and CUDA's code when torch gave one."""
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    code = getattr(error, "error_code", None)
+    return DeviceFailed(
+        f"{type(error).__name__}: {first_line}",
+        error_code=code if isinstance(code, int) else None,
+    )
 
 
 def _failed(error: Exception) -> Outcome:

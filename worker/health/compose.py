@@ -1,6 +1,6 @@
 """The process's health layer, composed: the listeners (/metrics, /healthz and healthwatch's
 loopback /healthz), the metrics in their registry, and what /healthz answers (starting, then
-stalled, or the task source's problem)."""
+restart when the device failed, stalled, or the task source's problem)."""
 
 from __future__ import annotations
 
@@ -70,12 +70,15 @@ class ProcessHealth:
         source_health: Callable[[], SourceHealth],
         source_problem: Callable[[], str | None],
     ) -> Metrics:
-        """The metrics; /healthz from now on says how the worker is: stalled, else the task
-        source's problem, else ok."""
+        """The metrics; /healthz from now on says how the worker is: to be restarted (its
+        device failed), else stalled, else the task source's problem, else ok."""
         metrics = Metrics(self.registry, liveness, source, source_health)
         self.registry.register(ProcessTreeCollector(PREFIX, loader_pids))
 
         def unhealthy() -> str | None:
+            restart = liveness.restart_reason()
+            if restart:
+                return f"restart: {restart}"
             stalled = liveness.stalled_reason()
             if stalled:
                 return f"stalled: {stalled}"

@@ -31,6 +31,7 @@ class Liveness:
         self._lock = threading.Lock()
         self._held = 0
         self._last_progress = clock()
+        self._restart: str | None = None  # why only a new process can serve, once it is so
 
     def set_held(self, held: int) -> None:
         with self._lock:
@@ -68,6 +69,17 @@ class Liveness:
         """A fresh watchdog window, while work is held (the watchdog is disarmed otherwise)."""
         if self._watchdog is not None and self._held:
             self._watchdog.arm()
+
+    def must_restart(self, reason: str) -> None:
+        """Only a new process can serve again (the device failed for good): /healthz answers
+        503 ``restart: <reason>`` from now until the process has given back its tasks and
+        exited. The first reason stays."""
+        with self._lock:
+            self._restart = self._restart or reason
+
+    def restart_reason(self) -> str | None:
+        with self._lock:
+            return self._restart
 
     @property
     def held(self) -> int:
