@@ -216,8 +216,8 @@ def decode_on_device(image: Decoded, device: torch.device, max_side: int) -> Dec
                 pixels = F.resize(pixels, size, antialias=True)
             return Decoded(pixels, image.source_width, image.source_height)
         except RuntimeError as error:
-            if is_out_of_memory(error):
-                raise  # the engine splits the batch; the CPU is not the answer to that
+            if is_out_of_memory(error) or is_sticky_device_error(error):
+                raise  # the engine splits the batch, or ends the process: not the CPU's to mend
             # Otherwise the device cannot decode this one: the CPU does, below.
     decoded = decode(image.encoded, DecodePlan(max_side=max_side))
     if device.type == "cuda":  # one place for a batch's pixels: crops are stacked together
