@@ -1,5 +1,6 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Each installs what it needs
-# into .venv (torch and torchvision pinned in pyproject.toml).
+# into .venv, at the exact versions of constraints.txt (torch 2.14.1, torchvision 0.29.1);
+# pyproject.toml holds only the ranges the code supports.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -12,10 +13,10 @@ STAMP := $(VENV)/.installed
 # module it imports again, about 0.4 s of CPU per worker.
 OWN_CODE := config datasets pipelines worker testing bench tests
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -50,7 +51,7 @@ chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos
 
 bench: $(STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[bench]'
 	$(BIN)/python -m bench.throughput --runs 5
 	$(BIN)/python -m bench.preprocess --images 30
 	$(BIN)/python -m bench.workload

@@ -2,7 +2,8 @@
 without importing the torchvision package.
 
 ``torchvision.io.decode_jpeg`` on a CPU tensor is one call of the ``image.decode_jpeg`` op
-that torchvision's ``image_stable`` extension registers with torch. Loading that extension
+that torchvision's image extension registers with torch (``image_stable`` in torchvision 0.29,
+``image`` in 0.25, the oldest pyproject.toml admits). Loading that extension
 takes milliseconds; importing torchvision to reach it takes about 1.5 s of CPU in every worker
 process and its loader's fork server (``datasets.resize`` says why). So the extension is
 loaded by itself, once per process at the first JPEG; where it cannot be (a torchvision
@@ -25,7 +26,7 @@ import torch
 from PIL import Image
 
 log = structlog.get_logger(__name__)
-_EXTENSION = "image_stable"
+_EXTENSIONS = ("image_stable", "image")  # torchvision 0.29's name, then 0.25's
 _RGB = 3  # torchvision.io.ImageReadMode.RGB
 
 
@@ -59,11 +60,12 @@ def _extension() -> Path | None:
     this interpreter's suffixes present), without importing torchvision."""
     spec = importlib.util.find_spec("torchvision")  # found, not imported
     folders = list(spec.submodule_search_locations or []) if spec is not None else []
-    for folder in folders:
-        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-            path = Path(folder) / f"{_EXTENSION}{suffix}"
-            if path.is_file():
-                return path
+    for name in _EXTENSIONS:
+        for folder in folders:
+            for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+                path = Path(folder) / f"{name}{suffix}"
+                if path.is_file():
+                    return path
     return None
 
 

@@ -5,7 +5,9 @@ No Docker engine runs here, so the test does what the Dockerfile does up to its
 empty build context, builds the wheel from them, installs it without dependencies into an
 empty target directory, and imports every module of the project from that directory in a
 fresh interpreter (torch and the other dependencies come from this venv). A folder the
-Dockerfile forgets to copy is a module that cannot be imported.
+Dockerfile forgets to copy is a module that cannot be imported. The install itself runs with
+a stub ``pip`` that records its arguments: the pinned versions of ``constraints.txt`` by
+default, none when the build is told to keep its base image's torch.
 """
 
 from __future__ import annotations
@@ -22,6 +24,36 @@ ROOT = Path(__file__).parents[2]
 PACKAGES = ("worker", "datasets", "config", "pipelines")  # pyproject's packages.find
 NOT_SHIPPED = ("testing", "tests", "bench")
 WORKDIR = "/app"
+
+
+def instructions(dockerfile: str) -> list[str]:
+    """The Dockerfile's instructions, continuation lines joined, comments and blanks left out."""
+    joined = dockerfile.replace("\\\n", " ").splitlines()
+    return [line.strip() for line in joined if line.strip() and not line.lstrip().startswith("#")]
+
+
+def install_command(dockerfile: str) -> str:
+    """The shell command of the ``RUN`` that pip-installs the project."""
+    for line in instructions(dockerfile):
+        keyword, _, command = line.partition(" ")
+        if keyword.upper() == "RUN" and "pip install" in command:
+            return command
+    raise AssertionError("the Dockerfile never runs pip install")
+
+
+def build_arg_default(dockerfile: str, name: str) -> str:
+    """The default of the build argument ``name`` as the install sees it: declared after the
+    last ``FROM`` (an ``ARG`` before it is out of scope there, so the install would see it
+    empty)."""
+    default = None
+    for line in instructions(dockerfile):
+        words = shlex.split(line)
+        if words[0].upper() == "FROM":
+            default = None
+        elif words[0].upper() == "ARG" and words[1].partition("=")[0] == name:
+            default = words[1].partition("=")[2]
+    assert default is not None, f"no ARG {name} after the last FROM"
+    return default
 
 
 def copied_before_install(dockerfile: str) -> list[tuple[list[str], str]]:
@@ -141,3 +173,37 @@ def test_no_module_of_the_wheel_imports_what_stays_out_of_it():
         if imports_of(path) & set(NOT_SHIPPED)
     ]
     assert found == []
+
+
+def pip_arguments(command: str, context: Path, bin_dir: Path, constraints: str) -> list[str]:
+    """What ``pip`` is called with when ``command`` runs in ``context`` (a stub records it)."""
+    bin_dir.mkdir(exist_ok=True)
+    stub = bin_dir / "pip"
+    stub.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done > "$PIP_ARGS"\n')
+    stub.chmod(0o755)
+    recorded = bin_dir / "args"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PIP_ARGS": str(recorded)}
+    subprocess.run(
+        ["sh", "-c", command], cwd=context, env={**env, "CONSTRAINTS": constraints}, check=True
+    )
+    return recorded.read_text().splitlines()
+
+
+def test_the_image_installs_the_pinned_versions_unless_told_to_keep_its_own_torch(tmp_path):
+    """By default the image gets CI's exact versions (torch's CUDA wheel); built with
+    ``--build-arg CONSTRAINTS=`` on a base image that has torch, it keeps that torch."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    context = tmp_path / "context"
+    build_context(dockerfile, context)
+    default = build_arg_default(dockerfile, "CONSTRAINTS")
+    assert (context / default).is_file(), f"{default} is not copied before the install"
+    pins = (context / default).read_text().splitlines()
+    assert any(line.startswith("torch==") for line in pins), f"{default} pins no torch"
+    command = install_command(dockerfile)
+    assert pip_arguments(command, context, tmp_path / "bin", default) == [
+        "install",
+        "-c",
+        default,
+        ".",
+    ]
+    assert pip_arguments(command, context, tmp_path / "bin", "") == ["install", "."]
