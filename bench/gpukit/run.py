@@ -8,9 +8,10 @@ a section started is killed with its group):
   --target``); the sections run with it, and the repository, on PYTHONPATH, and its ``bin``
   (nats-server) on PATH. ``pip check`` there names what the machine's own versions lack.
 - ``device``: torch, CUDA, the GPU.
-- ``tests``: the CUDA-only tests (``pytest -m cuda``; they skip without CUDA): counts, the
-  failures' names, and what each recorded (``record_property``): the real out-of-memory
-  halving, nvJPEG against the CPU decode, autocast, the copies on the side stream.
+- ``tests``: the CUDA-only tests (``pytest -m cuda`` over the files that have them; they skip
+  without CUDA): counts, the failures' names, and what each recorded (``record_property``):
+  the real out-of-memory halving, nvJPEG against the CPU decode, autocast, the copies on the
+  side stream.
 - ``worker_run``: ``bench.gpukit.serve``, a whole worker on 4K JPEGs.
 - ``bench_gpu``: ``python -m bench.gpu``, its JSON lines, with what time is left.
 
@@ -42,7 +43,7 @@ SECTIONS = ("tests", "worker_run", "bench_gpu")
 RESERVE_S = 10.0  # kept back for the report itself
 BENCH_CASE_S = 90.0  # bench.gpu starts no case after its --budget-s; one case takes at most this
 BENCH_SECONDS = 5.0  # each bench.gpu case's measured window (10 s alone): every case fits
-CUDA_TESTS = ("tests/unit",)
+CUDA_TESTS = "tests"  # its files that mark tests cuda: only those are collected (fewer imports)
 # The CUDA tests whose recorded figures the report lifts out (test function name prefixes).
 FIGURES = {
     "out_of_memory": "test_a_real_cuda_out_of_memory",
@@ -200,8 +201,9 @@ def section_env(options: Options) -> dict[str, str]:
     return env
 
 
-_DEVICE = """import json, os, torch
-info = {"torch": torch.__version__, "cuda": torch.version.cuda, "cpus": os.cpu_count(),
+_DEVICE = """import json, os, platform, torch
+info = {"python": platform.python_version(), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "cpus": os.cpu_count(),
         "cuda_available": torch.cuda.is_available()}
 if torch.cuda.is_available():
     info["gpu"] = torch.cuda.get_device_name(0)
@@ -260,11 +262,22 @@ def _value(text: str) -> Any:
         return text
 
 
+def cuda_test_files(repo: Path) -> list[str]:
+    """The test files that mark tests ``cuda``, relative to ``repo``."""
+    return sorted(
+        str(path.relative_to(repo))
+        for path in (repo / CUDA_TESTS).rglob("test_*.py")
+        if "mark.cuda" in path.read_text()
+    )
+
+
 def tests(options: Options, work: Path, clock: Clock) -> dict[str, Any]:
     report = work / "junit.xml"
-    argv = [sys.executable, "-m", "pytest", *CUDA_TESTS, "-m", "cuda", "-q", "-rfEs"]
+    files = cuda_test_files(options.repo)
+    argv = [sys.executable, "-m", "pytest", *files, "-m", "cuda", "-q", "-rfEs"]
     argv += ["-p", "no:cacheprovider", "-o", "junit_family=xunit1", f"--junitxml={report}"]
     done = child(argv, section_env(options), clock.left(CAPS_S["tests"]), work / "tests.log")
+    done["files"] = files
     if report.exists():
         done.update(junit(report.read_text()))
     elif "error" not in done:

