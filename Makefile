@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test promtool chaos bench clean
+.PHONY: demo test promtool chaos bench clean gpu-kit
 # Our own code, compiled to bytecode before the tests: the suite starts more than 300 Python
 # processes (workers, their fork servers, CLI commands, benchmarks), and where
 # PYTHONDONTWRITEBYTECODE is set (it is on the development machine) each would compile every
@@ -64,3 +64,13 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+
+# make gpu-kit, on a machine with network: the wheels the lent GPU machine lacks, for its
+# Python (PYTHON_VERSION, 3.12 there), into .gpukit/ (ignored by git; the device tool's call
+# carries it: BENCHMARKS.md, "The GPU path"). PYTHON_VERSION=3.11 GPU_KIT=/tmp/kit311 for a
+# dry run here. CI's exact versions (constraints.txt) where the machine has no version of its own.
+PYTHON_VERSION ?= 3.12
+GPU_KIT ?= .gpukit
+gpu-kit:
+	$(PYTHON) -m bench.gpukit gather --python-version $(PYTHON_VERSION) --out $(GPU_KIT) \
+	  $(if $(wildcard constraints.txt),--constraint constraints.txt)

@@ -60,7 +60,21 @@ def _measured_walls() -> dict[str, float]:
     return walls
 
 
+def _skip_cuda_tests_without_cuda(items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` skip, saying why, where torch sees no CUDA device (the GPU kit,
+    bench/gpukit, runs them where it does)."""
+    marked = [item for item in items if item.get_closest_marker("cuda")]
+    if not marked:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    _skip_cuda_tests_without_cuda(items)
     for item in items:
         if item.nodeid.startswith(_SLOW):
             item.add_marker(pytest.mark.slow)

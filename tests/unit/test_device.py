@@ -1,5 +1,7 @@
-"""The GPU path's parts that run anywhere: device selection, precision, and out of device
-memory (torch's own OutOfMemoryError, raised by a test double at a chosen size)."""
+"""The GPU path: the parts that run anywhere (device selection, precision, out of device memory
+as torch's own OutOfMemoryError raised by a test double at a chosen size), then, marked
+``cuda``, the parts only a CUDA device runs (copies on the side stream, a real out-of-memory
+halving, nvJPEG decode, bfloat16 autocast)."""
 
 from __future__ import annotations
 
@@ -9,14 +11,15 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from torch import nn
 
-from datasets.images import Decoded
+from datasets.images import Decoded, DecodePlan, decode, encoded_jpeg
 from datasets.loader import Loaded
 from datasets.sources import SourceConfig
 from pipelines.declare import Classifier, Pipeline, Preprocess
-from pipelines.device import visibility
-from pipelines.runner import load_runner
+from pipelines.device import CopyStats, decode_on_device, to_device_overlapped, visibility
+from pipelines.runner import DeviceLimits, load_runner
 from tests.fakes import FakePredictor
-from tests.unit.test_engine import FlakyLoader, submit
+from tests.unit.test_engine import FlakyLoader, ReadyLoader, submit
+from worker.commands.demo_images import image_bytes
 from worker.engine import Engine
 from worker.health.metrics import DeviceCollector
 
@@ -136,3 +139,182 @@ def test_device_memory_is_exported_when_there_is_a_device_and_left_out_when_not(
     assert 'inference_worker_device_memory_bytes{kind="peak"} 3.0' in gpu_text
     assert "inference_worker_out_of_memory_splits_total 2.0" in gpu_text
     assert "device_memory_bytes" not in cpu_text
+
+
+# -- On a CUDA device (marked ``cuda``: skipped without one; the GPU kit, bench/gpukit, runs
+# them and reports what each records) ------------------------------------------------------
+
+CUDA = torch.device("cuda")
+
+
+class SmallNet(nn.Module):
+    """Two strided convolutions and a linear head: real kernels, cheap."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 16, 3, stride=2), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2), nn.ReLU()
+        )
+        self.head = nn.Linear(32, num_classes)
+
+    def forward(self, batch):
+        return self.head(self.body(batch).mean(dim=(2, 3)))
+
+
+def _runner(architecture, labels, size, crop_batch=64, precision="float32"):
+    stage = Classifier("c", architecture=architecture, labels=labels, preprocess=Preprocess(size))
+    limits = DeviceLimits(crop_batch=crop_batch)
+    return load_runner(
+        Pipeline("p", classifier=stage), SourceConfig(), "cuda", limits, precision=precision
+    )
+
+
+def _photos(count: int, width: int, height: int, plan: DecodePlan) -> list[Decoded]:
+    return [decode(image_bytes(width, height, seed=seed), plan) for seed in range(count)]
+
+
+@pytest.mark.cuda
+def test_copies_on_the_side_stream_equal_plain_copies(record_property):
+    torch.manual_seed(0)
+    chunks = [
+        [torch.randint(0, 256, (3, 60 + i, 40 + 3 * i), dtype=torch.uint8) for i in range(k, k + 3)]
+        for k in range(0, 15, 3)
+    ]
+    stats = CopyStats()
+    moved = list(to_device_overlapped(chunks, CUDA, stats, torch.cuda.Stream(CUDA)))
+    torch.cuda.synchronize()
+    assert stats.copies == len(chunks)
+    for chunk, copies in zip(chunks, moved, strict=True):
+        assert all(
+            c.is_cuda and torch.equal(c.cpu(), t) for t, c in zip(chunk, copies, strict=True)
+        )
+
+    runner = _runner(SmallNet, tuple("abcde"), 64, crop_batch=4)
+    images = _photos(10, 160, 120, DecodePlan(size=64))
+    plain = runner.run(images)
+    copied: list[list[Decoded]] = []
+    runner.run(images[:3], lambda: copied.append(runner.copy_ahead(images)))  # while a batch runs
+    assert all(image.pixels.is_cuda for image in copied[0])
+    again = runner.run(copied[0])
+
+    def answers(results):
+        best = [per_image[0]["classifications"][0] for per_image in results]
+        return [c["classification"] for c in best], [s for c in best for s in c["scores"]]
+
+    (labels_a, scores_a), (labels_b, scores_b) = answers(plain), answers(again)
+    difference = max(abs(a - b) for a, b in zip(scores_a, scores_b, strict=True))
+    record_property("chunks_copied", stats.copies)
+    record_property("copy_wait_s", round(stats.waited_s, 6))
+    record_property("max_score_difference", difference)
+    assert labels_a == labels_b and difference <= 1e-4
+
+
+class Hungry(nn.Module):
+    """A convolution to 64 channels at full size: about 128 MiB of activations a 512 x 512
+    image, so a batch of 16 needs about 2 GiB."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 64, 3, padding=1)
+        self.head = nn.Linear(64, num_classes)
+
+    def forward(self, batch):
+        return self.head(torch.relu(self.conv(batch)).mean(dim=(2, 3)))
+
+
+@pytest.mark.cuda
+def test_a_real_cuda_out_of_memory_halves_the_batch_and_every_image_is_answered(
+    record_property,
+):
+    runner = _runner(Hungry, ("a", "b"), 512, crop_batch=16)
+    engine = Engine(ReadyLoader(), runner)  # type: ignore[arg-type]
+    submit(engine, [1])
+    assert engine.run_batch([1]).outcomes[1].ok  # cuDNN and cuBLAS set up while memory is free
+    keys = list(range(2, 18))
+    torch.cuda.empty_cache()
+    left_bytes = 384 * 2**20  # one image fits (about 128 MiB), the batch (about 2 GiB) does not
+    filler = torch.empty(torch.cuda.mem_get_info()[0] - left_bytes, dtype=torch.uint8, device=CUDA)
+    try:
+        submit(engine, keys)
+        outcomes = engine.run_batch(keys).outcomes
+    finally:
+        del filler
+        torch.cuda.empty_cache()
+
+    ok = [key for key in keys if outcomes[key].ok]
+    too_large = [
+        key for key in keys if (f := outcomes[key].failure) and f.kind == "too_large_for_device"
+    ]
+    record_property("batch", len(keys))
+    record_property("free_mib_left", left_bytes // 2**20)
+    record_property("out_of_memory_splits", engine.out_of_memory)
+    record_property("answered_ok", len(ok))
+    record_property("too_large_for_device", len(too_large))
+    assert engine.out_of_memory >= 1, "the whole batch did not fit: it was split"
+    assert len(ok) + len(too_large) == len(keys), {k: outcomes[k].failure for k in keys}
+    assert ok, "an image alone fits"
+
+
+@pytest.mark.cuda
+def test_nvjpeg_decodes_a_4k_jpeg_as_the_cpu_does(record_property):
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    data = image_bytes(3840, 2160, seed=3, quality=90)
+    on_gpu = decode_on_device(encoded_jpeg(data, 4096), CUDA, 4096).pixels
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    direct = decode_jpeg(raw, mode=ImageReadMode.RGB, device=CUDA)
+    assert torch.equal(on_gpu, direct), "decoded by nvJPEG, not by the CPU fallback"
+    on_cpu = torch.from_numpy(decode(data, DecodePlan(max_side=4096)).pixels)
+    assert tuple(on_gpu.shape) == tuple(on_cpu.shape) == (3, 2160, 3840)
+    difference = (on_gpu.cpu().to(torch.int16) - on_cpu.to(torch.int16)).abs().float()
+    other = torch.from_numpy(decode(image_bytes(3840, 2160, seed=4), DecodePlan()).pixels)
+    unrelated = (other.to(torch.int16) - on_cpu.to(torch.int16)).abs().float().mean()
+    record_property("mean_abs_difference", round(float(difference.mean()), 3))
+    record_property(
+        "p99_abs_difference",
+        float(difference.flatten().kthvalue(int(0.99 * difference.numel())).values),
+    )
+    record_property("max_abs_difference", float(difference.max()))
+    record_property("share_off_by_more_than_16", round(float((difference > 16).float().mean()), 5))
+    record_property("another_image_mean_abs_difference", round(float(unrelated), 1))
+    assert float(difference.mean()) <= 2.0 < float(unrelated)
+    assert float((difference > 16).float().mean()) <= 0.01
+
+
+@pytest.mark.cuda
+def test_bfloat16_autocast_keeps_the_top_label_of_float32(record_property):
+    """A ResNet-18 (random weights) whose head holds each image's own centred float32
+    features as its class: top-1 is the image itself by a clear margin, which bfloat16's
+    rounding must not undo."""
+    import torchvision
+
+    batch = torch.stack(
+        [torch.from_numpy(image.pixels) for image in _photos(32, 320, 240, DecodePlan(size=128))]
+    )
+    torch.manual_seed(0)
+    features = torchvision.models.resnet18(num_classes=1).eval()
+    features.fc = nn.Identity()
+    width = tuple(f"f{i}" for i in range(512))
+    found = _runner(lambda _n: features, width, 128).classifier.logits(batch)
+    centre = found.mean(dim=0)
+    prototypes = (found - centre) / (found - centre).norm(dim=1, keepdim=True)
+    head = nn.Linear(512, len(batch))
+    with torch.no_grad():
+        head.weight.copy_(prototypes)
+        head.bias.copy_(-(prototypes @ centre))
+    model = nn.Sequential(features, head).eval()
+    labels = tuple(f"image{i}" for i in range(len(batch)))
+    logits = {
+        precision: _runner(lambda _n: model, labels, 128, precision=precision).classifier.logits(
+            batch
+        )
+        for precision in ("float32", "bfloat16")
+    }
+    reference, reduced = logits["float32"], logits["bfloat16"]
+    agreement = float((reference.argmax(1) == reduced.argmax(1)).float().mean())
+    record_property("images", len(batch))
+    record_property("top1_agreement", agreement)
+    relative = (reduced - reference).abs().max() / reference.abs().max()
+    record_property("max_relative_logit_difference", round(float(relative), 4))
+    assert torch.equal(reference.argmax(1), torch.arange(len(batch))), "each image its own class"
+    assert agreement >= 0.95
