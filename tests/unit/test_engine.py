@@ -98,7 +98,7 @@ class RefusesImage(FakePredictor):
         if 3 in keys:
             raise PermanentError("non-finite logits for this image", kind="invalid_model_output")
         if 4 in keys:
-            raise RuntimeError("CUDA error: an illegal memory access")
+            raise RuntimeError("CUDA error: invalid argument")  # one input's, not sticky
         return [[{"bbox": None, "classifications": []}] for _ in images]
 
 
