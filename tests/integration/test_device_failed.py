@@ -44,6 +44,7 @@ def events(log_path: Path) -> list[dict[str, Any]]:
     return found
 
 
+@pytest.mark.timeout(EXIT_WAIT_S + SERVE_WAIT_S + 60)  # its own bounds, then the servers'
 @pytest.mark.parametrize(
     "error_type, error",
     [
@@ -56,8 +57,11 @@ async def test_a_worker_whose_device_fails_exits_7_and_another_serves_what_it_ga
 ):
     settings = settings_for(nats_server.url)
     fault = tmp_path / "device-fails-once"
+    # No /metrics listener (port 0): nothing here scrapes it, and a free port picked for B
+    # after A exits can be taken meanwhile by another test's connection (seen under load).
     env_a = worker_env(
         settings,
+        WORKER_METRICS__PORT="0",
         WORKER_FAULTS__DEVICE_ERROR_ONCE_FILE=str(fault),
         WORKER_FAULTS__DEVICE_ERROR_AT_BATCH="2",
         WORKER_FAULTS__DEVICE_ERROR_TYPE=error_type,
@@ -70,8 +74,12 @@ async def test_a_worker_whose_device_fails_exits_7_and_another_serves_what_it_ga
         with worker_process(env_a, log_a) as a:
             code = await asyncio.to_thread(a.wait, EXIT_WAIT_S)
         by_a = {r["task_id"] for r in await job_results(js, settings.nats, "job-device")}
-        with worker_process(worker_env(settings), log_b):
-            await wait_results(js, settings, "job-device", len(tasks), SERVE_WAIT_S)
+        with worker_process(worker_env(settings, WORKER_METRICS__PORT="0"), log_b):
+            try:
+                await wait_results(js, settings, "job-device", len(tasks), SERVE_WAIT_S)
+            except BaseException:
+                print(log_b.read_text()[-3000:])  # why B served nothing, with the failure
+                raise
             await quiescent(js, settings)  # nothing pending or unacked: no result on its way
         results = await job_results(js, settings.nats, "job-device")
 
