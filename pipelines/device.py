@@ -276,3 +276,23 @@ def is_sticky_device_error(error: BaseException) -> bool:
     return any(prefix in text for prefix in _CUDA_PREFIXES) and any(
         sticky in text for sticky in STICKY_CUDA_ERRORS.values()
     )
+
+
+def sticky_cause(error: BaseException) -> BaseException | None:
+    """The sticky device error in ``error``'s chain (its ``__cause__`` and ``__context__``, a
+    few links deep), or None: a model load wraps what it met into a configuration error
+    (``raise ... from None`` still keeps the original as the context), and a sticky error
+    met under it is still the device's, not the pipeline's."""
+    seen: set[int] = set()
+    link: BaseException | None = error
+    for _ in range(_CHAIN_LINKS):
+        if link is None or id(link) in seen:
+            return None
+        if is_sticky_device_error(link):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return None
+
+
+_CHAIN_LINKS = 8  # a load's wrappers are two or three deep

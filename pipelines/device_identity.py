@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 
+log = structlog.get_logger(__name__)
 DRIVER_VERSION_FILE = Path("/proc/driver/nvidia/version")
 
 
@@ -55,7 +57,7 @@ def optional_nvml() -> Any:
     """nvidia-ml-py's ``pynvml`` when it is installed, else None (it is optional)."""
     try:
         return importlib.import_module("pynvml")
-    except ImportError:
+    except Exception:  # noqa: BLE001 - not installed, or broken: the identity does without it
         return None
 
 
@@ -78,7 +80,7 @@ def read_identity(
     torch_uuid = str(getattr(props, "uuid", ""))  # hex digits, no GPU-/MIG- (absent: old torch)
     found = _from_torch(_visible_entry(visible, index), torch_uuid)
     if (module := nvml()) is not None:
-        found = _from_nvml(module, found, torch_uuid) or found
+        found = _nvml_or_none(module, found, torch_uuid) or found
     driver = found.pop("driver_version", "") or _driver_from_file(driver_file)
     return DeviceIdentity(
         device=f"cuda:{index}", name=str(props.name), driver_version=driver, **found, **versions
@@ -107,6 +109,17 @@ def _from_torch(entry: str, torch_uuid: str) -> dict[str, str]:
         "gpu_instance_id": "",
         "mig_uuid": mig,
     }
+
+
+def _nvml_or_none(nvml: Any, found: dict[str, str], torch_uuid: str) -> dict[str, str] | None:
+    """``_from_nvml``, best effort: the identity is a label set, never a reason for a start to
+    fail, and an old or odd pynvml raises more than NVMLError (a function it lacks, a str where
+    it wants bytes): then what torch and /proc tell stands."""
+    try:
+        return _from_nvml(nvml, found, torch_uuid)
+    except Exception as error:  # noqa: BLE001 - logged; the labels do without NVML
+        log.warning("device_identity_nvml_failed", error=f"{type(error).__name__}: {error}")
+        return None
 
 
 def _from_nvml(nvml: Any, found: dict[str, str], torch_uuid: str) -> dict[str, str] | None:

@@ -28,7 +28,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-from config.errors import Failure
+from config.errors import DeviceFailed, Failure
 from worker.claims import Claim
 from worker.fairshare import FairQueue, JobKey
 from worker.outcome import Outcome
@@ -65,6 +65,7 @@ class Batches:
         weight: Callable[[JobKey], float] = lambda _key: 1.0,
         hold_per_load: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        on_device_failed: Callable[[DeviceFailed], None] = lambda _failed: None,
     ) -> None:
         self._batch_size = batch_size
         self._engine = engine
@@ -77,6 +78,7 @@ class Batches:
         self._stopped = False
         self._hold_per_load = hold_per_load
         self._clock = clock
+        self._on_device_failed = on_device_failed  # said before the settles in flight end
         self._hold: _Hold | None = None
         self._in_engine: asyncio.Future[BatchReport] | None = None
 
@@ -142,6 +144,9 @@ class Batches:
                 report = await running
                 self._on_batch(batch, report)
                 await settle(batch, report)
+        except DeviceFailed as failed:
+            self._on_device_failed(failed)  # stop fetching now, not once the settles end
+            raise
         finally:
             while settling:
                 await asyncio.shield(settling.popleft())

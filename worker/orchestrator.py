@@ -95,6 +95,7 @@ class Worker:
             self._settle_batch,
             prepare=self._prepare,
             hold_per_load=settings.model.hold_per_load,
+            on_device_failed=self._device_failed,
         )
         self._until_idle = until_idle
         self._batch_s: deque[float] = deque(maxlen=5)  # the last batches' load + infer + store

@@ -29,12 +29,16 @@ import time
 from collections.abc import Callable
 
 import psutil
+import structlog
 
-from config.derived import run_dir_base, run_dir_setting
+from config.derived import chosen_device, run_dir_base, run_dir_setting
+from config.errors import DeviceFailed
 from config.settings import Settings
 from datasets import rundir
 from worker.app import WorkerApp
-from worker.exits import FORCED_BY, STOPPED, Exit, forced_exit_code
+from worker.exits import FORCED_BY, STOPPED, Exit, ExitReason, forced_exit_code
+
+log = structlog.get_logger(__name__)
 
 
 class Server:
@@ -50,7 +54,10 @@ class Server:
         run = rundir.claim(run_dir_base(s), s.process_index, run_dir_setting(s))  # locked only
         app = WorkerApp(self.settings, until_idle=self.until_idle)
         try:
-            started = await self.startup(app, checked=lambda: take_over(run))
+            try:
+                started = await self.startup(app, checked=lambda: take_over(run))
+            except DeviceFailed as failed:  # a model load met it: nothing is held yet
+                return device_failed_at_start(s, failed).code
             exit = await self.main_loop(app) if started else STOPPED
         finally:
             await self.shutdown(app)
@@ -94,6 +101,22 @@ class Server:
 
     async def shutdown(self, app: WorkerApp) -> None:
         await app.close()
+
+
+def device_failed_at_start(s: Settings, failed: DeviceFailed) -> Exit:
+    """A sticky device error while the models loaded at start: the same line and exit code
+    (7) as one met later, so supervisord and the alerts see a broken device, not a
+    configuration error."""
+    device = chosen_device(s)
+    log.error(
+        "device_failed",
+        error=str(failed),
+        device=device,
+        held=0,
+        exit_code=ExitReason.DEVICE_FAILED.code,
+        action="exiting for a new process before taking any task",
+    )
+    return Exit(ExitReason.DEVICE_FAILED, f"device {device} failed: {failed}")
 
 
 def take_over(run: rundir.RunDir) -> None:

@@ -150,3 +150,45 @@ async def test_the_hold_lasts_while_tasks_of_both_pipelines_keep_arriving(monkey
     # without the choice, the held room fills with the other pipeline's tasks: short runs
     assert max(blind_runs[:-2]) < 16, blind_runs
     assert len(blind_runs) > 2 * len(runs), (blind_runs, runs)
+
+
+async def test_a_failed_device_is_told_at_once_not_after_the_settles_in_flight():
+    """The orchestrator stops fetching when told: the store of a batch already run may take
+    long (Antenna over a WAN), and every task fetched meanwhile would only be given back."""
+    from config.errors import DeviceFailed
+
+    class FailsAtSecondBatch(OneModelEngine):
+        def run_batch(self, keys: Sequence[int], pipeline: str = "") -> BatchReport:
+            if self.ran:
+                raise DeviceFailed("AcceleratorError: CUDA error: device-side assert")
+            return super().run_batch(keys, pipeline)
+
+    engine = FailsAtSecondBatch(0.0)
+    release_store = asyncio.Event()
+    told: list[tuple[str, bool]] = []
+    stored: list[int] = []
+
+    async def prepare(pipeline: str) -> Failure | None:
+        return None if engine.ready(pipeline) else engine.load(pipeline)
+
+    async def settle(batch: list[Any], report: BatchReport) -> None:
+        await release_store.wait()  # a slow store
+        stored.extend(h.key for h in batch)
+
+    def on_device_failed(failed: DeviceFailed) -> None:
+        told.append((str(failed), release_store.is_set()))
+        release_store.set()
+
+    with ThreadPoolExecutor(1) as thread:
+        batches = Batches(
+            2, engine, thread, lambda _b, _r: None, settle, prepare=prepare,
+            on_device_failed=on_device_failed,
+        )  # fmt: skip
+        batches.add([claim(i, "animals", "job-a") for i in range(4)])
+        running = asyncio.create_task(batches.run())
+        done, _ = await asyncio.wait({running}, timeout=30)
+    assert done and isinstance(running.exception(), DeviceFailed)
+    assert told == [("AcceleratorError: CUDA error: device-side assert", False)], (
+        "told while the first batch's store was still waiting"
+    )
+    assert stored == [0, 1], "the batch run before the failure is still stored"

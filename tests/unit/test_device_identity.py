@@ -254,7 +254,33 @@ def test_nvml_failing_part_way_leaves_what_torch_tells(driver_file):
     assert identity.driver_version == "570.86.15" and nvml.open == 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_old_pynvml_without_mig_calls_leaves_what_torch_tells_and_the_start_goes_on(
+    driver_file,
+):
+    """pynvml 8 (older images) has no MIG functions and wants bytes for a UUID: it raises
+    AttributeError and TypeError, not NVMLError. The identity is labels, never a failed start."""
+
+    class Old(FakeNvml):
+        nvmlDeviceIsMigDeviceHandle = None  # absent in that release: calling it fails
+
+        def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:
+            if isinstance(uuid, str):
+                raise TypeError("bytes or integer address expected instead of str instance")
+            return super().nvmlDeviceGetHandleByUUID(uuid)
+
+    identity = read_identity(
+        torch.device("cuda:0"),
+        visible=MIG,
+        properties=properties(GPU_HEX),
+        nvml=lambda: Old(migs={MIG: (GPU, 3)}, gpus={GPU}),
+        driver_file=driver_file,
+    )
+
+    assert (identity.uuid, identity.gpu_instance_id, identity.mig_uuid) == (GPU, "", MIG)
+    assert identity.driver_version == "570.86.15"
+
+
+@pytest.mark.cuda
 def test_on_a_real_gpu_torchs_uuid_is_one_nvidia_smi_lists():
     import os
     import shutil

@@ -292,3 +292,93 @@ def test_a_model_load_that_a_failed_device_broke_raises_device_failed_not_a_load
     assert engine.load("p") is not None
     failure = run(engine, [2])[2].failure
     assert failure is not None and failure.kind == "model_load_failed"
+
+
+def load_runner_failing_with(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> Exception:
+    """What the real ``load_runner`` raises when the device fails under it: it wraps every
+    error into a ConfigError ``from None`` (the original kept only as the context)."""
+    import pipelines.models as models
+    import pipelines.runner as runner
+    from pipelines.declare import Classifier, Pipeline
+
+    def broken(_device: Any) -> Any:
+        raise error
+
+    monkeypatch.setattr(models, "resolve_device", broken)  # load_runner imports it when run
+    pipeline = Pipeline("p", classifier=Classifier("c", architecture="resnet18", weights="w.pt"))
+    try:
+        runner.load_runner(pipeline, None, "cuda")  # type: ignore[arg-type]
+    except Exception as raised:  # noqa: BLE001 - the wrapper is what the test is about
+        return raised
+    raise AssertionError("load_runner did not fail")
+
+
+def test_a_sticky_error_that_the_model_load_wrapped_still_raises_device_failed(monkeypatch):
+    wrapped = load_runner_failing_with(monkeypatch, sticky_cuda_error("accelerator"))
+    assert type(wrapped).__name__ == "ConfigError" and wrapped.__cause__ is None
+    models = Models(Echo())
+    engine = an_engine(models)
+    models.load_error = wrapped  # as ModelCache passes it on: ModelLoadFailed(..., cause)
+
+    with pytest.raises(DeviceFailed, match="an illegal memory access was encountered"):
+        engine.load("p")
+    with pytest.raises(DeviceFailed):
+        run(engine, [1])
+
+
+def test_a_load_that_fails_for_the_pipelines_own_reason_stays_a_load_failure(monkeypatch):
+    models = Models(Echo())
+    engine = an_engine(models)
+    models.load_error = load_runner_failing_with(monkeypatch, FileNotFoundError("w.pt"))
+
+    failure = engine.load("p")
+    assert failure is not None and failure.kind == "model_load_failed"
+
+
+def test_a_sticky_error_at_the_start_preload_is_the_devices_not_a_config_error(monkeypatch):
+    from worker.engine.build import _preload
+
+    wrapped = load_runner_failing_with(monkeypatch, sticky_cuda_error("runtime"))
+
+    class Served:
+        def load(self, name: str) -> None:
+            raise ModelLoadFailed(Failure("model_load_failed", str(wrapped)), wrapped)
+
+    with pytest.raises(DeviceFailed):
+        _preload(Served(), ["p"])  # type: ignore[arg-type]
+
+
+def test_a_device_failed_at_start_exits_7_with_one_device_failed_line():
+    from structlog.testing import capture_logs
+
+    from config.settings import load_settings
+    from worker.serve import device_failed_at_start
+
+    settings = load_settings(for_worker=False, model={"device": "cpu"})
+    with capture_logs() as lines:
+        exit = device_failed_at_start(settings, DeviceFailed("AcceleratorError: CUDA error: x"))
+
+    assert exit.code == 7 and "AcceleratorError: CUDA error: x" in exit.detail
+    assert [line["event"] for line in lines] == ["device_failed"]
+    assert lines[0]["log_level"] == "error" and lines[0]["exit_code"] == 7
+    assert lines[0]["device"] == "cpu" and lines[0]["held"] == 0
+
+
+def test_a_sticky_error_outside_the_forward_pass_still_ends_the_batch_as_device_failed():
+    class ReleaseFails(Models):
+        def release(self, name: str) -> None:  # the model's release touches the device
+            raise sticky_cuda_error("runtime")
+
+    engine = an_engine(ReleaseFails(Echo()))
+    with pytest.raises(DeviceFailed, match="an illegal memory access was encountered"):
+        run(engine, [1, 2])
+
+
+def test_any_other_error_of_a_batch_is_left_as_it_was():
+    class ReleaseFails(Models):
+        def release(self, name: str) -> None:
+            raise KeyError("not held")
+
+    engine = an_engine(ReleaseFails(Echo()))
+    with pytest.raises(KeyError):
+        run(engine, [1, 2])

@@ -14,10 +14,11 @@ from config.errors import ConfigError, ModelLoadFailed
 from config.settings import Settings
 from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.sources import SourceConfig
-from pipelines.device import release_cached_memory
+from pipelines.device import release_cached_memory, sticky_cause
 from pipelines.runner import load_runner
 from pipelines.setup import Chosen
 from worker.engine import Engine
+from worker.engine.split import device_failed
 from worker.health.liveness import Liveness
 from worker.ports import BatchEngine
 from worker.served import ServedPipelines
@@ -122,6 +123,9 @@ def _preload(served: ServedPipelines, names: list[str]) -> None:
         try:
             served.load(name)
         except ModelLoadFailed as failed:
+            sticky = sticky_cause(failed.cause) if failed.cause is not None else None
+            if sticky is not None:  # the device's fault, not the configuration's: exit 7
+                raise device_failed(sticky) from sticky
             raise failed.cause or ConfigError(failed.failure.message) from None
 
 

@@ -7,11 +7,11 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from config.errors import Failure, ModelLoadFailed
+from config.errors import DeviceFailed, Failure, ModelLoadFailed
 from datasets.images import DecodePlan
 from datasets.loader import Loaded, LoadRequest, StreamingLoader
 from datasets.reads import ReadStats
-from pipelines.device import is_sticky_device_error, release_cached_memory
+from pipelines.device import release_cached_memory, sticky_cause
 from worker.engine.collect import Collector
 from worker.engine.copy_ahead import CopyAhead
 from worker.engine.forward import Forward
@@ -116,7 +116,20 @@ class Engine:
         self.copy_ahead.forget(keys)
 
     def run_batch(self, keys: Sequence[int], pipeline: str = "") -> BatchReport:
-        """One pipeline's batch: its model held for the batch, never unloaded meanwhile."""
+        """One pipeline's batch: its model held for the batch, never unloaded meanwhile. A
+        sticky device error met anywhere in it (the forward pass, trimming the allocator's
+        cache, a model's release) ends it as DeviceFailed: the process's end, no image's."""
+        try:
+            return self._held_batch(keys, pipeline)
+        except DeviceFailed:
+            raise
+        except Exception as error:
+            sticky = sticky_cause(error)
+            if sticky is None:
+                raise
+            raise device_failed(sticky) from error
+
+    def _held_batch(self, keys: Sequence[int], pipeline: str) -> BatchReport:
         try:
             predictor = self.models.acquire(pipeline)  # loaded already, unless evicted since
         except ModelLoadFailed as failed:
@@ -150,8 +163,9 @@ class Engine:
 def _failure_unless_device(failed: ModelLoadFailed) -> Failure:
     """What a model that could not be loaded gives its tasks; DeviceFailed when the device
     failed for good under the load (a sticky CUDA error is no fault of the pipeline's)."""
-    if failed.cause is not None and is_sticky_device_error(failed.cause):
-        raise device_failed(failed.cause) from failed.cause
+    sticky = sticky_cause(failed.cause) if failed.cause is not None else None
+    if sticky is not None:
+        raise device_failed(sticky) from sticky
     return failed.failure
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -60,13 +61,27 @@ class Metrics:
             "DataLoader rebuilds after a timeout or a dead loader child.",
             registry=registry,
         )
-        self.device = Info(
-            f"{PREFIX}_device",
-            "The device this process runs on (1): device (cuda:0, cpu), the GPU's UUID and the "
-            "MIG slice's GPU_I_ID as dcgm-exporter labels them (join on both), mig_uuid, name, "
-            "torch_version, cuda_version, driver_version; empty where unknown.",
-            registry=registry,
-        )
+        self.device, self.start_time = _process_identity(registry)
+
+
+def _process_identity(registry: CollectorRegistry) -> tuple[Info, Gauge]:
+    """Which process this is: the device it runs on (set once the device is claimed) and
+    when it started (set now)."""
+    device = Info(
+        f"{PREFIX}_device",
+        "The device this process runs on (1): device (cuda:0, cpu), the GPU's UUID and the "
+        "MIG slice's GPU_I_ID as dcgm-exporter labels them (join on both), mig_uuid, name, "
+        "torch_version, cuda_version, driver_version; empty where unknown.",
+        registry=registry,
+    )
+    start_time = Gauge(
+        f"{PREFIX}_start_time_seconds",
+        "When this process started (Unix time): each restart changes it, also one that "
+        "ends before any batch (InferenceWorkerRestartingOften).",
+        registry=registry,
+    )
+    start_time.set(time.time())
+    return device, start_time
 
 
 def _source_gauges(
