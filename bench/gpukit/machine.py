@@ -68,6 +68,14 @@ def never_carried(name: str) -> bool:
     return name in NEVER or name.startswith(NEVER_PREFIXES)
 
 
+# Pure-Python packages the machine has, carried all the same: what we carry needs newer ones
+# than an image may hold (pydantic 2.14 and pydantic-core import typing_extensions.Sentinel
+# and ask for 4.16; flask 3.1, for moto's server, asks werkzeug>=3.1), and newer releases of
+# these keep the old API, so the kit's copy, first on PYTHONPATH, serves the machine's too.
+CARRY_ANYWAY = frozenset({"typing-extensions", "werkzeug"})
+
+
 def has(name: str) -> bool:
-    """Whether the machine already has ``name`` (any version)."""
-    return canonical(name) in PACKAGES
+    """Whether the machine already has ``name`` (any version) and the kit need not carry it."""
+    name = canonical(name)
+    return name in PACKAGES and name not in CARRY_ANYWAY

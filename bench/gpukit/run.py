@@ -21,6 +21,7 @@ device tool brings those files back). Standard library only: it runs before the 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.gpukit.gather import MANIFEST
+from bench.gpukit.gather import MANIFEST, ON_MACHINE
 from bench.gpukit.machine import canonical
 
 BUDGET_S = 450.0  # the whole run, under the 8 minutes a lend's call should take
@@ -186,7 +187,27 @@ def install(options: Options, work: Path, clock: Clock) -> dict[str, Any]:
         carried = {canonical(name.split("-")[0]) for name in manifest["wheels"]}
         said = [line.split() for line in check.stdout.splitlines()]
         done["pip_check"] = [" ".join(w) for w in said if w and canonical(w[0]) in carried][:40]
+        done["machine_differs"] = machine_differs(options.kit / ON_MACHINE)
     return done
+
+
+def machine_differs(on_machine: Path) -> dict[str, str]:
+    """The machine's own versions of what the kit leaves to it, where they are not those the
+    kit was resolved with: what to carry next time if a section fails on an import."""
+    if not on_machine.exists():
+        return {}
+    differ: dict[str, str] = {}
+    for line in on_machine.read_text().splitlines():
+        name, sep, resolved = line.strip().partition("==")
+        if not sep:
+            continue
+        try:
+            have = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            have = "missing"
+        if have != resolved:
+            differ[name] = f"{have} (resolved with {resolved})"
+    return differ
 
 
 def section_env(options: Options) -> dict[str, str]:
@@ -324,7 +345,10 @@ def figures(report: dict[str, Any]) -> dict[str, Any]:
         found = {name: props for name, props in recorded.items() if name.startswith(prefix)}
         out[figure] = found or "not recorded: the test was skipped (no CUDA), or did not run"
     decode = [
-        {k: row.get(k) for k in ("case", "precision", "images_per_s", "gpu_busy_share", "error")}
+        {
+            k: row.get(k)
+            for k in ("case", "precision", "images_per_s", "gpu_busy_share", "error", "skipped")
+        }
         for row in report.get("bench_gpu", {}).get("rows", [])
         if isinstance(row, dict) and str(row.get("case", "")).startswith("detect and classify")
     ]
@@ -332,11 +356,14 @@ def figures(report: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def section_ok(name: str, done: dict[str, Any]) -> bool:
+def section_ok(name: str, done: dict[str, Any], device: str = "cpu") -> bool:
+    """Whether a section ran and passed; on CUDA, a CUDA test that skipped did not pass (its
+    figure is missing)."""
     if "error" in done or done.get("exit_code") != 0:
         return False
     if name == "tests":
-        return done.get("failed", 1) == 0 and done.get("errors", 1) == 0
+        skipped_on_cuda = device.startswith("cuda") and done.get("skipped", 1) != 0
+        return done.get("failed", 1) == 0 and done.get("errors", 1) == 0 and not skipped_on_cuda
     if name == "worker_run":
         return done.get("ok") == done.get("tasks") and done.get("worker_exit_code") == 0
     return True
@@ -383,7 +410,7 @@ def run(options: Options, work: Path) -> dict[str, Any]:
             report[name] = guarded(name, options, work, clock)
     report["figures"] = figures(report)
     ran = ["install", *(name for name in SECTIONS if name in report)]
-    report["ok_by_section"] = {name: section_ok(name, report[name]) for name in ran}
+    report["ok_by_section"] = {name: section_ok(name, report[name], options.device) for name in ran}
     report["ok"] = len(ran) == 1 + len(options.sections) and all(report["ok_by_section"].values())
     report["kit"]["wall_s"] = round(time.monotonic() - started, 1)
     return report

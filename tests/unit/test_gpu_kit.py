@@ -185,3 +185,34 @@ def test_a_kit_gathered_for_another_python_is_refused_before_anything_is_install
     done = install(options, tmp_path, Clock(60.0))
     assert "gathered for Python 3.99" in done["error"] and "make gpu-kit" in done["error"]
     assert not site.exists()
+
+
+def test_typing_extensions_and_werkzeug_are_carried_though_the_machine_has_them():
+    """pydantic 2.14 needs typing_extensions 4.16 and flask 3.1 werkzeug 3.1: the machine's own,
+    of an unknown release, may be older, and the kit's copy comes first on PYTHONPATH."""
+    plan = split(_resolved(name) for name in ("typing_extensions", "Werkzeug", "numpy"))
+    assert [r.name for r in plan.carry] == ["typing-extensions", "werkzeug"]
+    assert [r.name for r in plan.on_machine] == ["numpy"]
+    check_wheels(["typing_extensions-4.16.0-py3-none-any.whl"], [_resolved("typing-extensions")])
+
+
+def test_on_cuda_a_cuda_test_that_skipped_fails_the_tests_section():
+    from bench.gpukit.run import section_ok
+
+    ran = {"exit_code": 0, "passed": 4, "failed": 0, "errors": 0, "skipped": 0}
+    skipped = {**ran, "passed": 3, "skipped": 1}
+    assert section_ok("tests", ran, "cuda") and section_ok("tests", skipped, "cpu")
+    assert not section_ok("tests", skipped, "cuda"), "a figure is missing"
+    assert not section_ok("tests", {**ran, "failed": 1}, "cuda")
+
+
+def test_the_machines_own_versions_are_reported_where_they_differ(tmp_path):
+    from bench.gpukit.run import machine_differs
+
+    pytest_version = __import__("importlib.metadata").metadata.version("pytest")
+    listed = tmp_path / "on-machine.txt"
+    listed.write_text(f"pytest=={pytest_version}\npsutil==0.0.1\nno-such-package-here==1.0\n")
+    assert machine_differs(listed) == {
+        "psutil": f"{psutil.__version__} (resolved with 0.0.1)",
+        "no-such-package-here": "missing (resolved with 1.0)",
+    }
