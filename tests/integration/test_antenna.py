@@ -467,6 +467,11 @@ def test_sigterm_finishes_what_it_reserved_when_the_drain_time_allows(
         antenna.images[name] = rectangles_bytes(1280, 720, [(100, 100, 400, 500, "red")])
         images.append((f"big{i}", antenna.media_url(name)))
     job = antenna.add_job(PIPELINE, images)
+    # Each result post is saved, then answered over about a second: with two posts in flight,
+    # the worker's reservations run ahead of its posts, so tasks wait for a batch when the
+    # signal comes, whether the machine is idle or busy (a fast idle worker could otherwise
+    # finish every reservation before one was seen held, a busy one have none waiting).
+    antenna.misbehave("result", "slow", interval_s=0.004)
     env = env_for(
         antenna,
         WORKER_LOADER__BATCH_SIZE="2",
@@ -483,6 +488,8 @@ def test_sigterm_finishes_what_it_reserved_when_the_drain_time_allows(
             "4 images saved and 6 more reserved",
             log,
         )
+        held_at_signal = held(antenna, job)
+        done_at_signal = len(antenna.jobs[job].done)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0, log.read_text()[-4000:]
     finally:
@@ -492,6 +499,8 @@ def test_sigterm_finishes_what_it_reserved_when_the_drain_time_allows(
     reserved = {t.image_id for t in tasks if t.delivered}
     assert {t.image_id for t in tasks if t.delivered and not t.acked} == set(), text[-4000:]
     assert "drain_finished_held" in text, text[-4000:]  # some were waiting at the signal
+    # What it held at the signal was run and saved after it, not given back.
+    assert len(antenna.jobs[job].done) >= done_at_signal + held_at_signal, text[-4000:]
     assert reserved <= antenna.jobs[job].done and "task_left_to_redelivery" not in text
     assert all(t.delivered <= 1 for t in tasks)
 
