@@ -335,7 +335,8 @@ def run_cases() -> None:
                     return fed_by_loader(runner, scenes, plan, batch, seconds * 2, args.device)
 
                 where = "GPU" if gpu_decode else "CPU"
-                row = {"case": f"detect and classify, {where} decode (4K)", "precision": precision}
+                row: dict[str, Any] = {"case": f"detect and classify, {where} decode (4K)"}
+                row["precision"] = precision
                 row["batch"] = batch
                 case(row, detect, deadline)
 
