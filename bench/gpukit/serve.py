@@ -250,6 +250,25 @@ def summary(results: list[dict[str, Any]], arrivals: list[float], run: Run, task
     }
 
 
+def checked(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` with its rates only when the run did what it was asked: every task ended
+    ``ok`` and the worker exited 0 by itself. A rate of failed images, or of a worker stopped
+    at its timeout, is no rate: the counts stay, the rates are withheld, saying why."""
+    if report["worker_exit_code"] != 0:
+        code = report["worker_exit_code"]
+        problem = f"the worker exited {code}" if code is not None else "the worker was stopped"
+    elif report["ok"] != report["tasks"]:
+        problem = f"{report['ok']} of {report['tasks']} tasks ok: {report['errors_by_kind']}"
+    else:
+        return report
+    return {
+        **report,
+        "images_per_s": None,
+        "images_per_s_from_start": None,
+        "rate_withheld": problem,
+    }
+
+
 async def serve_job(w: World, device: str, tasks: int, timeout_s: float, log: Path) -> dict:
     """Weights, the TOML, the images uploaded, the job published, then the worker run."""
     from bench.common.world import nats_settings
@@ -278,7 +297,7 @@ async def serve_job(w: World, device: str, tasks: int, timeout_s: float, log: Pa
         results = await job_results(js, settings, JOB)
     finally:
         await client.close()
-    return summary(results, list(arrivals.values()), run, tasks)
+    return checked(summary(results, list(arrivals.values()), run, tasks))
 
 
 def main() -> None:

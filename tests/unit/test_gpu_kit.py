@@ -216,3 +216,18 @@ def test_the_machines_own_versions_are_reported_where_they_differ(tmp_path):
         "psutil": f"{psutil.__version__} (resolved with 0.0.1)",
         "no-such-package-here": "missing (resolved with 1.0)",
     }
+
+
+def test_the_worker_runs_rates_are_withheld_unless_every_task_ended_ok_and_it_exited_0():
+    from bench.gpukit.serve import checked
+
+    ran = {"tasks": 4, "ok": 4, "errors_by_kind": {}, "worker_exit_code": 0}
+    rated = {**ran, "images_per_s": 2.5, "images_per_s_from_start": 0.4}
+    assert checked(rated) == rated
+
+    failed = checked({**rated, "ok": 3, "errors_by_kind": {"inference_failed": 1}})
+    assert (failed["images_per_s"], failed["images_per_s_from_start"]) == (None, None)
+    assert failed["rate_withheld"] == "3 of 4 tasks ok: {'inference_failed': 1}"
+    assert checked({**rated, "worker_exit_code": 7})["rate_withheld"] == "the worker exited 7"
+    stopped = checked({**rated, "worker_exit_code": None})
+    assert stopped["rate_withheld"] == "the worker was stopped" and stopped["ok"] == 4
