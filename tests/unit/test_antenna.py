@@ -620,6 +620,42 @@ def test_nothing_more_is_reserved_while_the_oldest_reservation_is_late() -> None
     assert reservations.allowed() == 0 and reservations.oldest_seconds_left() < 5
 
 
+def test_a_rate_too_slow_for_finish_within_still_reserves_a_batch_with_nothing_held() -> None:
+    """Given a rate measured that finishes less than one task within ``finish_within_s``
+    (a slow result post), a process holding nothing still reserves the batch's worth, and
+    nothing behind what it holds; the rate follows faster work again, and waiting with
+    nothing held does not lower it."""
+    from worker.antenna.reservations import AntennaDelivery
+
+    reservations = Reservations(ttr_s=0.2, finish_within_s=0.05, first_size=4)
+
+    def reserved() -> AntennaDelivery:
+        at = time.monotonic()
+        delivery = AntennaDelivery(
+            b"{}", 1, SLUG, "i", "r", at, at + 0.2, 1, 2, reservations.settled
+        )
+        reservations.add(delivery)
+        return delivery
+
+    held = [reserved() for _ in range(4)]
+    time.sleep(0.25)  # 4 tasks over at least 0.25 s held: at most 0.8 of one within 0.05 s
+    for delivery in held:
+        reservations.settled(delivery, posted=True)
+    slow = reservations.rate_per_s()
+    assert slow is not None and slow * reservations.finish_within_s < 1
+    assert reservations.allowed() == 4  # nothing held: the batch's worth (it used to be 0)
+    time.sleep(0.1)  # nothing held: no busy time, the rate stays as it was
+    assert reservations.rate_per_s() == slow and reservations.allowed() == 4
+    one = reserved()
+    assert reservations.allowed() == 0  # nothing more behind what is held
+    reservations.settled(one, posted=True)
+    for _ in range(20):  # faster work: batches settled at once
+        for delivery in [reserved() for _ in range(4)]:
+            reservations.settled(delivery, posted=True)
+    reserved()
+    assert reservations.allowed() > 0  # the rate recovered: more may queue behind one
+
+
 def test_the_antenna_source_needs_a_base_url_and_full_score_vectors() -> None:
     from config.errors import ConfigError
     from config.settings import load_settings
