@@ -259,6 +259,27 @@ async def test_reserving_nothing_when_antenna_is_down_refuses_or_the_job_is_unkn
     assert unknown.status == 404
 
 
+async def test_a_reservation_whose_answer_is_lost_is_left_to_redelivery_and_said(
+    fake: FakeAntenna,
+) -> None:
+    """Given Antenna reserves a task and the connection drops before its answer comes back,
+    the fetch gets nothing and says the task is left to Antenna's redelivery; it is not asked
+    again (one request per fetch), so no second task goes out behind it."""
+    job = fake.add_job(SLUG, images(3))
+    source = source_of(fake, size=1)
+    (first,) = await source.fetch(1)
+    await first.ack()  # its result posted: room for the next
+    fake.misbehave("tasks", "drop", times=1)
+    with structlog.testing.capture_logs() as logs:
+        assert await source.fetch(1) == []
+    (said,) = [e for e in logs if e["event"] == "antenna_reservation_unanswered"]
+    assert said["job_id"] == job and said["action"] == "left to Antenna's redelivery"
+    assert "WORKER_ANTENNA__TTR_S" in said["hint"]
+    assert len([r for r in fake.requests if r[1].endswith("/tasks/")]) == 2  # one per fetch
+    delivered = {t.image_id: t.delivered for t in fake.jobs[job].tasks.values()}
+    assert delivered == {"i0": 1, "i1": 1, "i2": 0}
+
+
 async def test_accepted_results_antenna_drops_are_not_saved_and_come_back(
     fake: FakeAntenna,
 ) -> None:

@@ -15,9 +15,15 @@ believed only when its answer is one Antenna gives:
   thread of its own, so a call given up holds neither the event loop nor the process's exit.
 
 Connections are kept alive (``http.client``, a small pool for the one origin): one TCP and TLS
-handshake per connection, not per call (README, Antenna: connections). Each call is counted by
-endpoint and status (``count``); the time since calls first found Antenna unavailable (no
-answer, a bad one, or 502/503/504) is ``unreachable_since``, cleared by any other answer.
+handshake per connection, not per call (README, Antenna: connections). A reused connection that
+drops unanswered is tried once more on a fresh one only when that cannot make Antenna act twice:
+the request never left in full, or Antenna takes it twice as once (a GET, a result, a
+registration); a reservation sent in full is not sent again (``Unanswered``): sent twice it
+reserves twice, and the first reservation's tasks would reach no worker until Antenna's TTR.
+
+Each call is counted by endpoint and status (``count``); the time since calls first found
+Antenna unavailable (no answer, a bad one, or 502/503/504) is ``unreachable_since``, cleared by
+any other answer.
 """
 
 from __future__ import annotations
@@ -64,6 +70,18 @@ class AntennaUnreachable(TransientError):
 class BadAnswer(AntennaUnreachable):
     """An HTTP answer that cannot be believed: a redirect, a 2xx that is not the endpoint's
     JSON, a body cut short or too large."""
+
+
+class Unanswered(AntennaUnreachable):
+    """The request left in full and its connection dropped with no answer: Antenna may have
+    acted on it. Raised, not sent again, for a request Antenna would act on twice."""
+
+
+# POSTs Antenna takes twice as once, so that one whose connection dropped unanswered may be
+# sent again: a result (its save dedupes detections on image and box, a job's progress is a
+# set of image ids, and acking a task acked already changes nothing) and a registration (it
+# creates only what is missing). A reservation (``tasks``) is not: sent twice, it reserves twice.
+_REPLAYABLE_POSTS = frozenset({"result", "register"})
 
 
 @dataclass(frozen=True)
@@ -221,7 +239,9 @@ class AntennaClient:
     ) -> Reply:
         where = f"{method} {redact_url(self.root + path)}"
         try:
-            status, location, kind, raw = self._exchange(exchange, method, path, body, deadline)
+            status, location, kind, raw = self._exchange(
+                exchange, method, path, body, endpoint, deadline
+            )
         except AntennaUnreachable:
             raise
         except Exception as error:  # noqa: BLE001 - OSError, HTTPException, TLS: no answer
@@ -278,7 +298,13 @@ class AntennaClient:
             conn.close()
 
     def _exchange(
-        self, exchange: _Exchange, method: str, path: str, body: bytes | None, deadline: float
+        self,
+        exchange: _Exchange,
+        method: str,
+        path: str,
+        body: bytes | None,
+        endpoint: str,
+        deadline: float,
     ) -> tuple[int, str, str, bytes]:
         """Status, Location, Content-Type and body of one exchange."""
         headers = {"Accept": "application/json", "User-Agent": "inference-worker"}
@@ -291,11 +317,19 @@ class AntennaClient:
         for attempt in range(2):
             conn, reused = self._connection(_left(deadline))
             exchange.hold(conn)
+            sent = False
             try:
                 conn.request(method, target, body, headers)
+                sent = True  # in full: Antenna may act on it from here
                 response = conn.getresponse()
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
                 conn.close()
+                if sent and not _replayable(method, endpoint):
+                    raise Unanswered(
+                        f"Antenna unreachable ({method} {redact_url(self.root + path)}): the "
+                        "connection closed after the request was sent, with no answer; not sent "
+                        "again, since Antenna may have acted on it"
+                    ) from None
                 if reused and attempt == 0 and not exchange.aborted:
                     continue  # the server closed the idle connection: once on a fresh one
                 raise
@@ -318,6 +352,12 @@ class AntennaClient:
                 raw,
             )
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _replayable(method: str, endpoint: str) -> bool:
+    """Whether Antenna takes this request twice as once (so it may be sent again when it may
+    have reached Antenna)."""
+    return method == "GET" or endpoint in _REPLAYABLE_POSTS
 
 
 def _retrieved(future: asyncio.Future[Reply]) -> None:
