@@ -43,7 +43,7 @@ What the field plays besides Antenna (a proxy in front, a half-broken deployment
 is asked for by endpoint with ``misbehave`` (``jobs``, ``job``, ``tasks``, ``result``,
 ``register``, ``pipelines``), for the next ``times`` calls or until ``behave``: ``redirect``
 (302 to ``location``, as a login page or another origin would), ``html`` (200 text/html, a
-maintenance page), ``json`` (200 with ``body``), ``deep`` (200,000 nested
+maintenance page), ``json`` (``body``, with 200 or ``status``), ``deep`` (200,000 nested
 ``[``), ``cut`` (the call is served, then its answer is cut mid-body), ``badstatus`` (a line
 that is not HTTP), ``slow`` (the call is served and its whole answer dripped one byte every
 ``interval_s``), ``down`` (the connection closed unanswered: the server behind a proxy
@@ -146,6 +146,7 @@ class Misbehaviour:
     kind: str  # redirect, html, json, deep, cut, badstatus, slow, down, drop
     times: int | None = None
     body: bytes = b""
+    status: int = 200  # json: the status it is answered with
     location: str = ""
     interval_s: float = 3.0
     used: int = 0
@@ -692,7 +693,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif mode.kind == "html":
             self._send(200, b"<html><body>Down for maintenance</body></html>", "text/html")
         elif mode.kind == "json":
-            self._send(200, mode.body, "application/json")
+            self._send(mode.status, mode.body, "application/json")
         elif mode.kind == "deep":
             self._send(200, b"[" * 200_000, "application/json")
         elif mode.kind == "badstatus":

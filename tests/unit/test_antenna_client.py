@@ -164,3 +164,28 @@ async def test_a_reservation_whose_connection_drops_after_antenna_acted_is_not_s
     fake.misbehave("jobs", "drop", times=1)
     assert (await client.get("jobs/", "jobs", {"limit": 10})).ok  # idempotent: made again
     assert [r[1] for r in fake.requests].count("/api/v2/jobs/") == 3
+
+
+async def test_the_token_in_the_data_arrives_intact_and_is_masked_in_what_is_shown(
+    fake: FakeAntenna,
+) -> None:
+    """Given the token ``i1``, a task whose image id contains it arrives as Antenna sent it,
+    while an error that quotes Antenna's answer shows the token masked."""
+    fake.tokens["i1"] = {1}
+    fake.superusers.add("i1")
+    job = fake.add_job("p", [("moth-i1-7", "http://x/1.jpg")])
+    client = AntennaClient(fake.url, SecretStr("i1"), 5.0)
+    reply = await client.post(f"jobs/{job}/tasks/", "tasks", b'{"batch_size": 1}')
+    (task,) = reply.body["tasks"]
+    assert task["image_id"] == "moth-i1-7" and task["id"] == "moth-i1-7"
+    said = b'{"detail": "token i1 may not post results here"}'
+    fake.misbehave("result", "json", times=1, status=403, body=said)
+    refused = await client.post(f"jobs/{job}/result/", "result", b'{"results": []}')
+    assert refused.body == {"detail": "token i1 may not post results here"}  # as it came
+    assert refused.why() == "HTTP 403: token <redacted> may not post results here"
+    assert "i1" not in refused.text
+    fake.misbehave("result", "json", times=1, body=b"<p>i1 is not valid</p>")
+    with pytest.raises(AntennaUnreachable) as raised:
+        await client.post(f"jobs/{job}/result/", "result", b'{"results": []}')
+    assert "not JSON" in str(raised.value) and "<p><redacted> is not valid</p>" in str(raised.value)
+    assert "i1" not in str(raised.value)

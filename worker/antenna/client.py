@@ -21,6 +21,9 @@ the request never left in full, or Antenna takes it twice as once (a GET, a resu
 registration); a reservation sent in full is not sent again (``Unanswered``): sent twice it
 reserves twice, and the first reservation's tasks would reach no worker until Antenna's TTR.
 
+The token is masked in what is shown (``Reply.text``, ``Reply.why``, every error message), never
+in what is parsed: a token that happens to occur in the data (an image id) leaves it intact.
+
 Each call is counted by endpoint and status (``count``); the time since calls first found
 Antenna unavailable (no answer, a bad one, or 502/503/504) is ``unreachable_since``, cleared by
 any other answer.
@@ -82,13 +85,16 @@ class Unanswered(AntennaUnreachable):
 # set of image ids, and acking a task acked already changes nothing) and a registration (it
 # creates only what is missing). A reservation (``tasks``) is not: sent twice, it reserves twice.
 _REPLAYABLE_POSTS = frozenset({"result", "register"})
+_MASK = "<redacted>"
 
 
 @dataclass(frozen=True)
 class Reply:
     status: int
-    body: Any  # the parsed JSON (checked against its endpoint's schema when 2xx), or None
-    text: str  # the start of the answer, scrubbed: for messages
+    body: Any  # the parsed JSON as Antenna sent it (checked against its endpoint's schema
+    # when 2xx), or None
+    text: str  # the start of the answer, scrubbed, the token masked: for messages
+    said: str = ""  # its ``detail`` or ``error``, scrubbed, the token masked: for messages
 
     @property
     def ok(self) -> bool:
@@ -96,12 +102,7 @@ class Reply:
 
     def why(self) -> str:
         """One line for a log or an error: the status and what Antenna said."""
-        said = (
-            self.body.get("detail") or self.body.get("error")
-            if isinstance(self.body, dict)
-            else None
-        )
-        return f"HTTP {self.status}: {shorten(scrub(str(said or self.text)), _SHOWN_BODY_CHARS)}"
+        return f"HTTP {self.status}: {shorten(self.said or self.text, _SHOWN_BODY_CHARS)}"
 
 
 def api_root(base_url: str) -> str:
@@ -242,20 +243,25 @@ class AntennaClient:
             status, location, kind, raw = self._exchange(
                 exchange, method, path, body, endpoint, deadline
             )
-        except AntennaUnreachable:
-            raise
+        except AntennaUnreachable as error:
+            raise type(error)(self._masked(str(error))) from None
         except Exception as error:  # noqa: BLE001 - OSError, HTTPException, TLS: no answer
             if exchange.aborted:
                 raise AntennaUnreachable(f"Antenna unreachable ({where}): given up") from None
             reason = getattr(error, "reason", None) or error
             raise AntennaUnreachable(
                 f"Antenna unreachable ({where}): {type(error).__name__} "
-                f"{shorten(scrub(str(reason).strip()), _SHOWN_BODY_CHARS)}"
+                f"{shorten(scrub(self._masked(str(reason).strip())), _SHOWN_BODY_CHARS)}"
             ) from None
+        try:
+            return _reply(where, endpoint, status, location, kind, raw, self.root, self._masked)
+        except BadAnswer as error:  # a page echoing our headers: the token never shown
+            raise BadAnswer(self._masked(str(error))) from None
+
+    def _masked(self, text: str) -> str:
+        """``text`` as it may be shown: the token masked wherever it occurs."""
         secret = self._token.get_secret_value()
-        if secret and secret.encode() in raw:  # a page echoing our headers: never shown
-            raw = raw.replace(secret.encode(), b"<redacted>")
-        return _reply(where, endpoint, status, location, kind, raw, self.root)
+        return text.replace(secret, _MASK) if secret else text
 
     def _connection(self, timeout_s: float) -> tuple[http.client.HTTPConnection, bool]:
         """An idle connection still open (and so reused), or a new one."""
@@ -442,9 +448,19 @@ def _parsed(raw: bytes) -> tuple[Any, str]:
 
 
 def _reply(
-    where: str, endpoint: str, status: int, location: str, kind: str, raw: bytes, root: str
+    where: str,
+    endpoint: str,
+    status: int,
+    location: str,
+    kind: str,
+    raw: bytes,
+    root: str,
+    masked: Callable[[str], str],
 ) -> Reply:
-    text = scrub(raw[:_SHOWN_BODY_CHARS].decode("utf-8", "replace"))
+    """``raw`` parsed as it came; only what is shown (``text``, ``said``) is masked."""
+    # Masked before it is cut, so that a token across the cut shows none of itself.
+    head = masked(raw[: _SHOWN_BODY_CHARS * 4].decode("utf-8", "replace"))
+    text = scrub(head[:_SHOWN_BODY_CHARS])
     if 300 <= status < 400:
         pointed = redact_url(urllib.parse.urljoin(root, location)) if location else "nowhere"
         raise BadAnswer(
@@ -452,8 +468,10 @@ def _reply(
             f"are not followed (is {env_name('antenna', 'base_url')} Antenna's own address?)"
         )
     body, why = _parsed(raw)
+    said = body.get("detail") or body.get("error") if isinstance(body, dict) else None
+    shown = shorten(scrub(masked(str(said))), _SHOWN_BODY_CHARS) if said else ""
     if not 200 <= status < 300:
-        return Reply(status, body, text)
+        return Reply(status, body, text, shown)
     if body is None:
         raise BadAnswer(
             f"Antenna answered {where} with HTTP {status} and {why} "
@@ -468,4 +486,4 @@ def _reply(
                 f"Antenna answered {where} with HTTP {status} and a body that is not its "
                 f"{endpoint} answer: {wrong_fields(error)}"
             ) from None
-    return Reply(status, body, text)
+    return Reply(status, body, text, shown)
