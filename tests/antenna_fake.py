@@ -43,11 +43,13 @@ What the field plays besides Antenna (a proxy in front, a half-broken deployment
 is asked for by endpoint with ``misbehave`` (``jobs``, ``job``, ``tasks``, ``result``,
 ``register``, ``pipelines``), for the next ``times`` calls or until ``behave``: ``redirect``
 (302 to ``location``, as a login page or another origin would), ``html`` (200 text/html, a
-maintenance page), ``json`` (200 with ``body``), ``deep`` (200,000 nested ``[``), ``cut`` (the
-call is served, then its answer is cut mid-body), ``badstatus`` (a line that is not HTTP),
-``slow`` (the call is served and its whole answer dripped one byte every ``interval_s``),
-``down`` (the connection closed unanswered: the server behind a proxy stopped). Everything else
-stays as the real server does it. ``spoil`` changes the fields of one image's task in the
+maintenance page), ``json`` (``body``, with 200 or ``status``), ``deep`` (200,000 nested
+``[``), ``cut`` (the call is served, then its answer is cut mid-body), ``badstatus`` (a line
+that is not HTTP), ``slow`` (the call is served and its whole answer dripped one byte every
+``interval_s``), ``down`` (the connection closed unanswered: the server behind a proxy
+stopped), ``drop`` (the call is served, then the connection closed unanswered: Antenna acted,
+and its answer was lost on the way back, as when a proxy or a link drops mid-call). Everything
+else stays as the real server does it. ``spoil`` changes the fields of one image's task in the
 reservations that hold it (a proxy or a broken deployment garbling one task of several: the
 others are reserved as Antenna does). ``connections`` counts the TCP connections accepted.
 """
@@ -141,9 +143,10 @@ class _User:
 
 @dataclass
 class Misbehaviour:
-    kind: str  # redirect, html, json, deep, cut, badstatus, slow, down
+    kind: str  # redirect, html, json, deep, cut, badstatus, slow, down, drop
     times: int | None = None
     body: bytes = b""
+    status: int = 200  # json: the status it is answered with
     location: str = ""
     interval_s: float = 3.0
     used: int = 0
@@ -666,7 +669,9 @@ class _Handler(BaseHTTPRequestHandler):
             data, kind = f"<html>{answer}</html>".encode(), "text/html"
         else:
             data, kind = json.dumps(answer).encode(), "application/json"
-        if mode is not None and mode.kind == "cut":
+        if mode is not None and mode.kind == "drop":
+            self._raw(b"")
+        elif mode is not None and mode.kind == "cut":
             self._raw(self._head(status, kind, len(data)) + data[: len(data) // 2])
         elif mode is not None and mode.kind == "slow":
             self._drip(self._head(status, kind, len(data)) + data, mode.interval_s)
@@ -675,8 +680,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _misbehave(self, mode: Misbehaviour, method: str, path: str) -> bool:
         """Answer as ``mode`` says, before the call is served; False for the kinds that serve
-        it first (cut, slow)."""
-        if mode.kind in ("cut", "slow"):
+        it first (cut, slow, drop)."""
+        if mode.kind in ("cut", "slow", "drop"):
             return False
         self.antenna.requests.append((method, path, -1))
         if mode.kind == "redirect":
@@ -688,7 +693,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif mode.kind == "html":
             self._send(200, b"<html><body>Down for maintenance</body></html>", "text/html")
         elif mode.kind == "json":
-            self._send(200, mode.body, "application/json")
+            self._send(mode.status, mode.body, "application/json")
         elif mode.kind == "deep":
             self._send(200, b"[" * 200_000, "application/json")
         elif mode.kind == "badstatus":

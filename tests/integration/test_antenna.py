@@ -512,3 +512,47 @@ def test_a_failed_register_prints_no_algorithm_lines(antenna: FakeAntenna) -> No
     (refused,) = [line for line in done.stderr.splitlines() if line.startswith("not registered")]
     assert "project 42: HTTP 404" in refused and "<" not in refused
     assert "algorithm " not in done.stdout  # keys that may be in no project: not listed
+
+
+def posted_images(fake: FakeAntenna) -> list[str]:
+    """The image of every result in every body the worker posted, in order."""
+    images = []
+    for body in fake.bodies:
+        for entry in json.loads(body)["results"]:
+            result = entry["result"]
+            sources = result.get("source_images")
+            images += [s["id"] for s in sources] if sources else [result.get("image_id")]
+    return images
+
+
+def test_result_posts_slower_than_finish_within_never_stop_the_reservations(
+    tmp_path: Path,
+) -> None:
+    """Each result post is answered over about 5 s, longer than FINISH_WITHIN_S (half the
+    8 s TTR) and shorter than the TTR: one task at a time measures a rate that finishes less
+    than one task within it. The worker still reserves whenever it holds nothing, and the job
+    ends with each task reserved and posted once (it used to reserve two tasks, then none
+    again while /healthz said ok: the rate is measured only from what is held)."""
+    fake = FakeAntenna(token=TOKEN, ttr_s=8.0)
+    with fake.running():
+        registered(fake)
+        images = add_images(fake, "p", 3)
+        job = fake.add_job(PIPELINE, images)
+        # About 235 bytes (head and body of one result's answer), one every 22 ms.
+        fake.misbehave("result", "slow", interval_s=0.022)
+        env = env_for(
+            fake,
+            WORKER_ANTENNA__TTR_S="8",
+            WORKER_LOADER__BATCH_SIZE="1",
+            WORKER_HEALTH__DRAIN_TIMEOUT_S="5",
+        )
+        log = tmp_path / "worker.log"
+        proc = start_run(env, log, "--until-idle")
+        try:
+            wait_for(lambda: fake.jobs[job].status == "SUCCESS", 90, "the job done", log, proc)
+            assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
+        finally:
+            stop_process(proc)
+        assert sorted(posted_images(fake)) == sorted(image for image, _ in images)
+        assert all(t.delivered == 1 for t in fake.jobs[job].tasks.values())
+        assert saved_once(fake, job, images) == {image: 1 for image, _ in images}

@@ -259,6 +259,27 @@ async def test_reserving_nothing_when_antenna_is_down_refuses_or_the_job_is_unkn
     assert unknown.status == 404
 
 
+async def test_a_reservation_whose_answer_is_lost_is_left_to_redelivery_and_said(
+    fake: FakeAntenna,
+) -> None:
+    """Given Antenna reserves a task and the connection drops before its answer comes back,
+    the fetch gets nothing and says the task is left to Antenna's redelivery; it is not asked
+    again (one request per fetch), so no second task goes out behind it."""
+    job = fake.add_job(SLUG, images(3))
+    source = source_of(fake, size=1)
+    (first,) = await source.fetch(1)
+    await first.ack()  # its result posted: room for the next
+    fake.misbehave("tasks", "drop", times=1)
+    with structlog.testing.capture_logs() as logs:
+        assert await source.fetch(1) == []
+    (said,) = [e for e in logs if e["event"] == "antenna_reservation_unanswered"]
+    assert said["job_id"] == job and said["action"] == "left to Antenna's redelivery"
+    assert "WORKER_ANTENNA__TTR_S" in said["hint"]
+    assert len([r for r in fake.requests if r[1].endswith("/tasks/")]) == 2  # one per fetch
+    delivered = {t.image_id: t.delivered for t in fake.jobs[job].tasks.values()}
+    assert delivered == {"i0": 1, "i1": 1, "i2": 0}
+
+
 async def test_accepted_results_antenna_drops_are_not_saved_and_come_back(
     fake: FakeAntenna,
 ) -> None:
@@ -618,6 +639,42 @@ def test_nothing_more_is_reserved_while_the_oldest_reservation_is_late() -> None
     assert reservations.allowed() == 3  # within finish_within_s: the first size, less one
     reserved(age_s=6.0)  # reserved 6 s ago: past finish_within_s
     assert reservations.allowed() == 0 and reservations.oldest_seconds_left() < 5
+
+
+def test_a_rate_too_slow_for_finish_within_still_reserves_a_batch_with_nothing_held() -> None:
+    """Given a rate measured that finishes less than one task within ``finish_within_s``
+    (a slow result post), a process holding nothing still reserves the batch's worth, and
+    nothing behind what it holds; the rate follows faster work again, and waiting with
+    nothing held does not lower it."""
+    from worker.antenna.reservations import AntennaDelivery
+
+    reservations = Reservations(ttr_s=0.2, finish_within_s=0.05, first_size=4)
+
+    def reserved() -> AntennaDelivery:
+        at = time.monotonic()
+        delivery = AntennaDelivery(
+            b"{}", 1, SLUG, "i", "r", at, at + 0.2, 1, 2, reservations.settled
+        )
+        reservations.add(delivery)
+        return delivery
+
+    held = [reserved() for _ in range(4)]
+    time.sleep(0.25)  # 4 tasks over at least 0.25 s held: at most 0.8 of one within 0.05 s
+    for delivery in held:
+        reservations.settled(delivery, posted=True)
+    slow = reservations.rate_per_s()
+    assert slow is not None and slow * reservations.finish_within_s < 1
+    assert reservations.allowed() == 4  # nothing held: the batch's worth (it used to be 0)
+    time.sleep(0.1)  # nothing held: no busy time, the rate stays as it was
+    assert reservations.rate_per_s() == slow and reservations.allowed() == 4
+    one = reserved()
+    assert reservations.allowed() == 0  # nothing more behind what is held
+    reservations.settled(one, posted=True)
+    for _ in range(20):  # faster work: batches settled at once
+        for delivery in [reserved() for _ in range(4)]:
+            reservations.settled(delivery, posted=True)
+    reserved()
+    assert reservations.allowed() > 0  # the rate recovered: more may queue behind one
 
 
 def test_the_antenna_source_needs_a_base_url_and_full_score_vectors() -> None:

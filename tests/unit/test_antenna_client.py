@@ -10,7 +10,7 @@ import pytest
 from pydantic import SecretStr
 
 from tests.antenna_fake import FakeAntenna
-from worker.antenna.client import AntennaClient, AntennaUnreachable
+from worker.antenna.client import AntennaClient, AntennaUnreachable, Unanswered
 
 TOKEN = "client-token-9d3e1f"
 
@@ -140,3 +140,52 @@ async def test_the_poster_resolves_every_result_whatever_the_client_raises() -> 
     # The next result is posted by a poster still working.
     with pytest.raises(PostFailed):
         await asyncio.wait_for(poster.post(1, task, entry, time.monotonic() + 5), 10)
+
+
+async def test_a_reservation_whose_connection_drops_after_antenna_acted_is_not_sent_again(
+    fake: FakeAntenna,
+) -> None:
+    """Given a kept-alive connection, when Antenna reserves a task and the connection drops
+    before its answer comes back, the call fails and is not made again (that would reserve a
+    second task and leave the first with no worker until its TTR, a delivery lost): one
+    request per call. A GET whose connection drops the same way is made once more."""
+    job = fake.add_job("p", [("t1", "http://x/1.jpg"), ("t2", "http://x/2.jpg")])
+    client = client_of(fake)
+    assert (await client.get("jobs/", "jobs", {"limit": 10})).ok  # the connection, kept
+    fake.misbehave("tasks", "drop", times=1)
+    with pytest.raises(Unanswered, match="not sent again"):
+        await client.post(f"jobs/{job}/tasks/", "tasks", b'{"batch_size": 1}')
+    tasks = [r for r in fake.requests if r[1].endswith("/tasks/")]
+    assert tasks == [("POST", f"/api/v2/jobs/{job}/tasks/", 200)]  # one request for one call
+    assert {t.image_id: t.delivered for t in fake.jobs[job].tasks.values()} == {"t1": 1, "t2": 0}
+    # The next reservation, on a fresh connection, gets the task not yet out.
+    reply = await client.post(f"jobs/{job}/tasks/", "tasks", b'{"batch_size": 1}')
+    assert [t["image_id"] for t in reply.body["tasks"]] == ["t2"]
+    fake.misbehave("jobs", "drop", times=1)
+    assert (await client.get("jobs/", "jobs", {"limit": 10})).ok  # idempotent: made again
+    assert [r[1] for r in fake.requests].count("/api/v2/jobs/") == 3
+
+
+async def test_the_token_in_the_data_arrives_intact_and_is_masked_in_what_is_shown(
+    fake: FakeAntenna,
+) -> None:
+    """Given the token ``i1``, a task whose image id contains it arrives as Antenna sent it,
+    while an error that quotes Antenna's answer shows the token masked."""
+    fake.tokens["i1"] = {1}
+    fake.superusers.add("i1")
+    job = fake.add_job("p", [("moth-i1-7", "http://x/1.jpg")])
+    client = AntennaClient(fake.url, SecretStr("i1"), 5.0)
+    reply = await client.post(f"jobs/{job}/tasks/", "tasks", b'{"batch_size": 1}')
+    (task,) = reply.body["tasks"]
+    assert task["image_id"] == "moth-i1-7" and task["id"] == "moth-i1-7"
+    said = b'{"detail": "token i1 may not post results here"}'
+    fake.misbehave("result", "json", times=1, status=403, body=said)
+    refused = await client.post(f"jobs/{job}/result/", "result", b'{"results": []}')
+    assert refused.body == {"detail": "token i1 may not post results here"}  # as it came
+    assert refused.why() == "HTTP 403: token <redacted> may not post results here"
+    assert "i1" not in refused.text
+    fake.misbehave("result", "json", times=1, body=b"<p>i1 is not valid</p>")
+    with pytest.raises(AntennaUnreachable) as raised:
+        await client.post(f"jobs/{job}/result/", "result", b'{"results": []}')
+    assert "not JSON" in str(raised.value) and "<p><redacted> is not valid</p>" in str(raised.value)
+    assert "i1" not in str(raised.value)

@@ -15,9 +15,18 @@ believed only when its answer is one Antenna gives:
   thread of its own, so a call given up holds neither the event loop nor the process's exit.
 
 Connections are kept alive (``http.client``, a small pool for the one origin): one TCP and TLS
-handshake per connection, not per call (README, Antenna: connections). Each call is counted by
-endpoint and status (``count``); the time since calls first found Antenna unavailable (no
-answer, a bad one, or 502/503/504) is ``unreachable_since``, cleared by any other answer.
+handshake per connection, not per call (README, Antenna: connections). A reused connection that
+drops unanswered is tried once more on a fresh one only when that cannot make Antenna act twice:
+the request never left in full, or Antenna takes it twice as once (a GET, a result, a
+registration); a reservation sent in full is not sent again (``Unanswered``): sent twice it
+reserves twice, and the first reservation's tasks would reach no worker until Antenna's TTR.
+
+The token is masked in what is shown (``Reply.text``, ``Reply.why``, every error message), never
+in what is parsed: a token that happens to occur in the data (an image id) leaves it intact.
+
+Each call is counted by endpoint and status (``count``); the time since calls first found
+Antenna unavailable (no answer, a bad one, or 502/503/504) is ``unreachable_since``, cleared by
+any other answer.
 """
 
 from __future__ import annotations
@@ -66,11 +75,26 @@ class BadAnswer(AntennaUnreachable):
     JSON, a body cut short or too large."""
 
 
+class Unanswered(AntennaUnreachable):
+    """The request left in full and its connection dropped with no answer: Antenna may have
+    acted on it. Raised, not sent again, for a request Antenna would act on twice."""
+
+
+# POSTs Antenna takes twice as once, so that one whose connection dropped unanswered may be
+# sent again: a result (its save dedupes detections on image and box, a job's progress is a
+# set of image ids, and acking a task acked already changes nothing) and a registration (it
+# creates only what is missing). A reservation (``tasks``) is not: sent twice, it reserves twice.
+_REPLAYABLE_POSTS = frozenset({"result", "register"})
+_MASK = "<redacted>"
+
+
 @dataclass(frozen=True)
 class Reply:
     status: int
-    body: Any  # the parsed JSON (checked against its endpoint's schema when 2xx), or None
-    text: str  # the start of the answer, scrubbed: for messages
+    body: Any  # the parsed JSON as Antenna sent it (checked against its endpoint's schema
+    # when 2xx), or None
+    text: str  # the start of the answer, scrubbed, the token masked: for messages
+    said: str = ""  # its ``detail`` or ``error``, scrubbed, the token masked: for messages
 
     @property
     def ok(self) -> bool:
@@ -78,12 +102,7 @@ class Reply:
 
     def why(self) -> str:
         """One line for a log or an error: the status and what Antenna said."""
-        said = (
-            self.body.get("detail") or self.body.get("error")
-            if isinstance(self.body, dict)
-            else None
-        )
-        return f"HTTP {self.status}: {shorten(scrub(str(said or self.text)), _SHOWN_BODY_CHARS)}"
+        return f"HTTP {self.status}: {shorten(self.said or self.text, _SHOWN_BODY_CHARS)}"
 
 
 def api_root(base_url: str) -> str:
@@ -221,21 +240,28 @@ class AntennaClient:
     ) -> Reply:
         where = f"{method} {redact_url(self.root + path)}"
         try:
-            status, location, kind, raw = self._exchange(exchange, method, path, body, deadline)
-        except AntennaUnreachable:
-            raise
+            status, location, kind, raw = self._exchange(
+                exchange, method, path, body, endpoint, deadline
+            )
+        except AntennaUnreachable as error:
+            raise type(error)(self._masked(str(error))) from None
         except Exception as error:  # noqa: BLE001 - OSError, HTTPException, TLS: no answer
             if exchange.aborted:
                 raise AntennaUnreachable(f"Antenna unreachable ({where}): given up") from None
             reason = getattr(error, "reason", None) or error
             raise AntennaUnreachable(
                 f"Antenna unreachable ({where}): {type(error).__name__} "
-                f"{shorten(scrub(str(reason).strip()), _SHOWN_BODY_CHARS)}"
+                f"{shorten(scrub(self._masked(str(reason).strip())), _SHOWN_BODY_CHARS)}"
             ) from None
+        try:
+            return _reply(where, endpoint, status, location, kind, raw, self.root, self._masked)
+        except BadAnswer as error:  # a page echoing our headers: the token never shown
+            raise BadAnswer(self._masked(str(error))) from None
+
+    def _masked(self, text: str) -> str:
+        """``text`` as it may be shown: the token masked wherever it occurs."""
         secret = self._token.get_secret_value()
-        if secret and secret.encode() in raw:  # a page echoing our headers: never shown
-            raw = raw.replace(secret.encode(), b"<redacted>")
-        return _reply(where, endpoint, status, location, kind, raw, self.root)
+        return text.replace(secret, _MASK) if secret else text
 
     def _connection(self, timeout_s: float) -> tuple[http.client.HTTPConnection, bool]:
         """An idle connection still open (and so reused), or a new one."""
@@ -278,7 +304,13 @@ class AntennaClient:
             conn.close()
 
     def _exchange(
-        self, exchange: _Exchange, method: str, path: str, body: bytes | None, deadline: float
+        self,
+        exchange: _Exchange,
+        method: str,
+        path: str,
+        body: bytes | None,
+        endpoint: str,
+        deadline: float,
     ) -> tuple[int, str, str, bytes]:
         """Status, Location, Content-Type and body of one exchange."""
         headers = {"Accept": "application/json", "User-Agent": "inference-worker"}
@@ -291,11 +323,19 @@ class AntennaClient:
         for attempt in range(2):
             conn, reused = self._connection(_left(deadline))
             exchange.hold(conn)
+            sent = False
             try:
                 conn.request(method, target, body, headers)
+                sent = True  # in full: Antenna may act on it from here
                 response = conn.getresponse()
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
                 conn.close()
+                if sent and not _replayable(method, endpoint):
+                    raise Unanswered(
+                        f"Antenna unreachable ({method} {redact_url(self.root + path)}): the "
+                        "connection closed after the request was sent, with no answer; not sent "
+                        "again, since Antenna may have acted on it"
+                    ) from None
                 if reused and attempt == 0 and not exchange.aborted:
                     continue  # the server closed the idle connection: once on a fresh one
                 raise
@@ -318,6 +358,12 @@ class AntennaClient:
                 raw,
             )
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _replayable(method: str, endpoint: str) -> bool:
+    """Whether Antenna takes this request twice as once (so it may be sent again when it may
+    have reached Antenna)."""
+    return method == "GET" or endpoint in _REPLAYABLE_POSTS
 
 
 def _retrieved(future: asyncio.Future[Reply]) -> None:
@@ -402,9 +448,19 @@ def _parsed(raw: bytes) -> tuple[Any, str]:
 
 
 def _reply(
-    where: str, endpoint: str, status: int, location: str, kind: str, raw: bytes, root: str
+    where: str,
+    endpoint: str,
+    status: int,
+    location: str,
+    kind: str,
+    raw: bytes,
+    root: str,
+    masked: Callable[[str], str],
 ) -> Reply:
-    text = scrub(raw[:_SHOWN_BODY_CHARS].decode("utf-8", "replace"))
+    """``raw`` parsed as it came; only what is shown (``text``, ``said``) is masked."""
+    # Masked before it is cut, so that a token across the cut shows none of itself.
+    head = masked(raw[: _SHOWN_BODY_CHARS * 4].decode("utf-8", "replace"))
+    text = scrub(head[:_SHOWN_BODY_CHARS])
     if 300 <= status < 400:
         pointed = redact_url(urllib.parse.urljoin(root, location)) if location else "nowhere"
         raise BadAnswer(
@@ -412,8 +468,10 @@ def _reply(
             f"are not followed (is {env_name('antenna', 'base_url')} Antenna's own address?)"
         )
     body, why = _parsed(raw)
+    said = body.get("detail") or body.get("error") if isinstance(body, dict) else None
+    shown = shorten(scrub(masked(str(said))), _SHOWN_BODY_CHARS) if said else ""
     if not 200 <= status < 300:
-        return Reply(status, body, text)
+        return Reply(status, body, text, shown)
     if body is None:
         raise BadAnswer(
             f"Antenna answered {where} with HTTP {status} and {why} "
@@ -428,4 +486,4 @@ def _reply(
                 f"Antenna answered {where} with HTTP {status} and a body that is not its "
                 f"{endpoint} answer: {wrong_fields(error)}"
             ) from None
-    return Reply(status, body, text)
+    return Reply(status, body, text, shown)

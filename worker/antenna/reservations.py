@@ -9,7 +9,8 @@ the log. ``ack`` is called once its result is posted.
 
 ``Reservations`` keeps what is reserved and not settled, and the rate at which this process
 settles tasks while it holds some (its busy rate): ``allowed`` is how many more it may reserve
-so that everything reserved is finished within ``finish_within_s`` of its reservation.
+so that everything reserved is finished within ``finish_within_s`` of its reservation, and
+never fewer than the batch's worth while it holds none (the rate then cannot stop it).
 """
 
 from __future__ import annotations
@@ -141,16 +142,31 @@ class Reservations:
         return self._settled / self._busy_s
 
     def allowed(self) -> int:
-        """How many more tasks may be reserved now: none while the oldest reservation is older
-        than ``finish_within_s`` (this process is behind); else what the busy rate finishes
-        within it, less what is held (the first reservation: ``first_size``)."""
+        """How many more tasks may be reserved now. With none held, at least ``first_size``
+        (the batch's worth), whatever the rate: a reservation then waits behind nothing of
+        ours. Else none while the oldest reservation is older than ``finish_within_s`` (this
+        process is behind), and otherwise what the busy rate finishes within it, less what
+        is held (before a rate is measured: ``first_size``, less what is held).
+
+        The rate limits what would queue behind what is held; it never stops reserving: it
+        is measured only while tasks are held, so a rule that allowed none with none held
+        would never see it change again (a slow result post once measured a rate that
+        finishes less than one task within ``finish_within_s``: nothing more was reserved
+        for good while /healthz said ok). The batch's worth, not one task: what is reserved
+        with nothing held goes through as one batch and one result post, which is about the
+        time one task alone takes (the forward pass, the post and Antenna's answer are per
+        batch), so one task would cut the throughput by the batch size and finish nothing
+        sooner; and the rate one-task reservations measure is one task per batch time, so a
+        floor of one would keep it there. It is what the first reservation takes too."""
+        held = len(self._reserved)
         oldest = self.oldest_age_s()
         if oldest is not None and oldest > self.finish_within_s:
             return 0
         rate = self.rate_per_s()
-        if rate is None:
-            return max(0, self.first_size - len(self._reserved))
-        return max(0, int(rate * self.finish_within_s) - len(self._reserved))
+        budget = self.first_size if rate is None else int(rate * self.finish_within_s)
+        if not held:
+            return max(self.first_size, budget)
+        return max(0, budget - held)
 
     def oldest_age_s(self) -> float | None:
         if not self._reserved:

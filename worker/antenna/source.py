@@ -18,7 +18,7 @@ import structlog
 from config.names import env_name
 from config.redact import shorten
 from worker.antenna.answers import task_problem, usable_reply_subject
-from worker.antenna.client import AntennaClient, AntennaUnreachable
+from worker.antenna.client import AntennaClient, AntennaUnreachable, Unanswered
 from worker.antenna.jobs import Job, JobRotation
 from worker.antenna.reservations import AntennaDelivery, Reservations, delivered_of
 from worker.ports import Runnable
@@ -91,6 +91,18 @@ class AntennaSource:
         body = json.dumps({"batch_size": wanted}).encode()
         try:
             reply = await self._client.post(f"jobs/{job.id}/tasks/", "tasks", body)
+        except Unanswered as error:  # not asked again: that would reserve twice
+            log.warning(
+                "antenna_reservation_unanswered",
+                job_id=job.id,
+                asked=wanted,
+                error=str(error),
+                action="left to Antenna's redelivery",
+                hint=f"any task Antenna reserved in it comes back after "
+                f"{env_name('antenna', 'ttr_s')}",
+            )
+            await asyncio.sleep(_UNAVAILABLE_BACKOFF_S)
+            return []
         except AntennaUnreachable as error:
             log.warning("antenna_reserve_unreachable", job_id=job.id, error=str(error))
             await asyncio.sleep(_UNAVAILABLE_BACKOFF_S)
