@@ -528,21 +528,21 @@ def posted_images(fake: FakeAntenna) -> list[str]:
 def test_result_posts_slower_than_finish_within_never_stop_the_reservations(
     tmp_path: Path,
 ) -> None:
-    """Each result post is answered over about 5 s, longer than FINISH_WITHIN_S (half the
-    8 s TTR) and shorter than the TTR: one task at a time measures a rate that finishes less
+    """Each result post is answered over about 7 s, longer than FINISH_WITHIN_S (half the
+    12 s TTR) and shorter than the TTR (5 s to spare for the rest, on a busy machine): one task at a time measures a rate that finishes less
     than one task within it. The worker still reserves whenever it holds nothing, and the job
     ends with each task reserved and posted once (it used to reserve two tasks, then none
     again while /healthz said ok: the rate is measured only from what is held)."""
-    fake = FakeAntenna(token=TOKEN, ttr_s=8.0)
+    fake = FakeAntenna(token=TOKEN, ttr_s=12.0)
     with fake.running():
         registered(fake)
         images = add_images(fake, "p", 3)
         job = fake.add_job(PIPELINE, images)
-        # About 235 bytes (head and body of one result's answer), one every 22 ms.
-        fake.misbehave("result", "slow", interval_s=0.022)
+        # About 235 bytes (head and body of one result's answer), one every 30 ms.
+        fake.misbehave("result", "slow", interval_s=0.030)
         env = env_for(
             fake,
-            WORKER_ANTENNA__TTR_S="8",
+            WORKER_ANTENNA__TTR_S="12",
             WORKER_LOADER__BATCH_SIZE="1",
             WORKER_HEALTH__DRAIN_TIMEOUT_S="5",
         )
