@@ -20,7 +20,8 @@ restart: ``stopProcess`` (SIGTERM to the group, SIGKILL
 after ``stopwaitsecs``) is asked at once for every such process, and ``startProcess`` at the
 first tick that finds it stopped. So one tick takes at most ``timeout_s`` and a few calls,
 whatever the number of processes, and frozen processes are restarted together: the last of
-16 as soon as the first. The listener protocol uses stdout, so everything else goes to stderr."""
+16 as soon as the first. The listener protocol uses stdout, so everything else goes to stderr.
+"""
 
 from __future__ import annotations
 

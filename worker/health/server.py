@@ -46,12 +46,16 @@ class Probes:
     not_ready: Callable[[], str | None]
 
     def answer(self, path: str) -> Callable[[], str | None] | None:
-        """The probe at ``path`` (a query string aside), or None when it is none."""
-        return {
-            "/livez": self.not_live,
-            "/readyz": self.not_ready,
-            "/healthz": self.not_ready,  # what it answered before /livez and /readyz
-        }.get(path.partition("?")[0])
+        """The probe ``path`` asks for (matched by its start, as /healthz always was), or
+        None when it asks for none."""
+        for start, answer in (
+            ("/livez", self.not_live),
+            ("/readyz", self.not_ready),
+            ("/healthz", self.not_ready),  # what it answered before /livez and /readyz
+        ):
+            if path.startswith(start):
+                return answer
+        return None
 
 
 class _BoundedHTTPServer(ThreadingHTTPServer):
