@@ -385,8 +385,8 @@ class HealthSettings(BaseModel):
     drain_timeout_s: float = Field(30.0, description="SIGTERM: time to finish or give back work")
     disconnected_timeout_s: float = Field(
         60.0,
-        description="NATS connection lost for this long: /healthz answers 503 (a connection "
-        "closed for good ends the process with code 5 at once)",
+        description="NATS connection lost for this long: /readyz and /healthz answer 503, "
+        "/livez stays 200 (a connection closed for good ends the process with code 5 at once)",
     )
     watchdog_timeout_s: float = Field(
         180.0,
@@ -398,7 +398,8 @@ class HealthSettings(BaseModel):
 class MetricsSettings(BaseModel):
     port: int = Field(
         9464,
-        description="port of process 0 for /metrics and /healthz; process N listens on this "
+        description="port of process 0 for /metrics and the probes (/livez, /readyz, /healthz); "
+        "process N listens on this "
         "+ N (WORKER_PROCESS_INDEX); 0 turns it off (and the healthwatch listener with it)",
     )
     host: str = Field(
@@ -408,8 +409,8 @@ class MetricsSettings(BaseModel):
     )
     healthz_port: int = Field(
         0,
-        description="port of process 0 for the /healthz listener healthwatch probes: loopback "
-        "only, connection slots of its own; process N listens on this + N; 0 = "
+        description="port of process 0 for the probes' listener healthwatch asks (/livez): "
+        "loopback only, connection slots of its own; process N listens on this + N; 0 = "
         "WORKER_METRICS__PORT + 1000",
     )
 

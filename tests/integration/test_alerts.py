@@ -1,6 +1,7 @@
 """The stall alert, proven with a real Prometheus: it scrapes three real workers on 127.0.0.1
 with the project's alert rules, and the page goes pending then firing for the wedged worker
-only; never for an idle worker nor for one recovering in-process from a loader fault.
+only; never for an idle worker nor for one recovering in-process from a loader fault. A
+worker whose job consumer a real nats-server refuses raises that cause's alert alone.
 
 The rules are deploy/prometheus/alerts.yml as they are, but for their ``for:`` durations,
 shortened to seconds so CI does not wait minutes; scrape and evaluation every second."""
@@ -22,6 +23,7 @@ from testing.prometheus import PrometheusServer
 from tests.conftest import _unavailable
 from tests.helpers import (
     client,
+    running_worker,
     submit,
     upload_images,
     wait_http,
@@ -29,6 +31,8 @@ from tests.helpers import (
     worker_env,
     worker_process,
 )
+from tests.integration.test_job_consumers import fill_consumers, limited_nats, small_images
+from worker.commands.client import make_tasks, publish_tasks
 from worker.commands.localservers import NatsServer, ServerNotFound, free_port
 
 pytestmark = pytest.mark.integration
@@ -138,3 +142,56 @@ async def test_the_stall_page_fires_for_a_wedged_worker_only(
     assert by_instance[instance["recovering"]] >= 1, "the loader fault happened and was recovered"
     assert states[instance["wedged"]] == ["pending", "firing"]
     assert instance["idle"] not in states and instance["recovering"] not in states, dict(states)
+
+
+REFUSED = "InferenceWorkerJobConsumersRefused"
+
+
+@pytest.mark.timeout(240)
+async def test_a_refused_job_consumer_warns_as_such_and_never_as_a_stall_or_not_ready(
+    s3_server, bucket, settings_for, tmp_path
+):
+    port = free_port()
+    uris = small_images(s3_server.client(), bucket, 2)
+    states: dict[str, list[str]] = defaultdict(list)
+    with limited_nats(tmp_path) as url:
+        settings = settings_for(
+            url,
+            nats={"job_discovery_s": 0.2, "job_consumer_linger_s": 300},
+            metrics={"port": port},
+        )
+        n, pipeline = settings.nats, settings.model.pipeline
+        async with running_worker(settings), client(settings) as js:
+            with prometheus(tmp_path, [f"127.0.0.1:{port}"]) as prom:
+                # Given a worker Prometheus has scraped, then another client's consumers
+                # filling the server's limit
+                deadline = time.monotonic() + 30
+                expr = "inference_worker_job_consumers_refused_total == 0"
+                while not await asyncio.to_thread(_query, prom, expr):
+                    assert time.monotonic() < deadline, "Prometheus did not scrape the worker"
+                    await asyncio.sleep(0.5)
+                other, _ = await fill_consumers(url, n.tasks_stream)
+                try:
+                    # When a job comes, its consumer refused
+                    await publish_tasks(js, n, pipeline, make_tasks("job-refused", uris))
+                    deadline = time.monotonic() + 90
+                    while states[REFUSED][-1:] != ["firing"]:
+                        assert time.monotonic() < deadline, dict(states)
+                        found = await asyncio.to_thread(_get, f"{prom}/api/v1/alerts")
+                        for alert in found["data"]["alerts"]:
+                            seen = states[alert["labels"]["alertname"]]
+                            if not seen or seen[-1] != alert["state"]:
+                                seen.append(alert["state"])
+                        await asyncio.sleep(0.5)
+                    ready = await asyncio.to_thread(_query, prom, "inference_worker_ready")
+                    refused = await asyncio.to_thread(
+                        _query, prom, "inference_worker_job_consumers_refused_total"
+                    )
+                finally:
+                    await other.close()
+    # Then its own alert fires, not the stall's nor the catch-all's, and the worker says it
+    # is not ready
+    assert states[REFUSED] == ["pending", "firing"], dict(states)
+    assert set(states) == {REFUSED}, dict(states)
+    assert [float(r["value"][1]) for r in ready] == [0.0]
+    assert float(refused[0]["value"][1]) > 1  # retried, and counted, at every discovery

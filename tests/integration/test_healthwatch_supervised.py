@@ -6,6 +6,7 @@ several are frozen."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -19,8 +20,12 @@ import urllib.request
 
 import pytest
 
+from tests.helpers import client
 from tests.integration.supervisord import GROUP, Supervisord
+from tests.integration.test_job_consumers import _result as job_result
+from tests.integration.test_job_consumers import fill_consumers, limited_nats, small_images
 from tests.integration.test_supervisor import supervised_env
+from worker.commands.client import make_tasks, publish_tasks
 from worker.commands.localservers import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.supervisord, pytest.mark.slow]
@@ -249,3 +254,83 @@ def test_workers_frozen_together_are_restarted_together_within_one_stop(tmp_path
     log = healthwatch_log(sup)
     assert all(f"restarting {GROUP}:{GROUP}_{n:02d}" in log for n in range(processes))
     assert "overflowed" not in (sup.run_dir / "supervisord.log").read_text(errors="replace")
+
+
+# -- liveness apart from readiness (issue 41) ------------------------------------------------
+REFUSED_TICKS = 12  # healthwatch's TICK_5: a minute of the server refusing
+
+
+@pytest.mark.timeout(420)
+async def test_a_server_refusing_a_job_consumer_gets_no_restart_and_a_stall_still_does(
+    tmp_path, s3_server, bucket, settings_for, supervisors
+):
+    uris = small_images(s3_server.client(), bucket, REFUSED_TICKS + 4)
+    wedge = tmp_path / "wedge"
+    wedge.touch()  # held: the process that creates it wedges its engine, so none does yet
+    with limited_nats(tmp_path) as url:
+        settings = settings_for(url)
+        n, pipeline = settings.nats, settings.model.pipeline
+        env = supervised_env(
+            settings,
+            WORKER_NATS__JOB_DISCOVERY_S="0.2",
+            WORKER_NATS__JOB_CONSUMER_LINGER_S="300",
+            WORKER_HEALTH__WATCHDOG_TIMEOUT_S="0",  # healthwatch alone acts on the stall
+            WORKER_FAULTS__WEDGE_ONCE_FILE=str(wedge),
+            WORKER_FAULTS__WEDGE_MODE="sleep",
+        )
+        sup = Supervisord(tmp_path / "sup", env)
+        supervisors.append(sup.start())
+        pid = sup.worker_pid()
+        sup.wait_healthy()
+        past_grace(sup)  # healthwatch acts on its answers from now on
+        async with client(settings) as js:
+            # Given a job being served, then another client's consumers filling the limit
+            served = iter(make_tasks("job-served", uris))
+            first = next(served)
+            await publish_tasks(js, n, pipeline, [first])
+            assert (await job_result(js, settings, first, 30))["status"] == "ok"
+            other, _ = await fill_consumers(url, n.tasks_stream)
+            try:
+                # When a new job comes, its consumer refused: the worker is not ready
+                await publish_tasks(js, n, pipeline, make_tasks("job-waiting", uris[:1]))
+                await refused_on_healthz(sup)
+                # Then for a minute of healthwatch's ticks the served job goes on, the
+                # refusal lasts, and the worker is never restarted
+                first_probe = healthwatch_probes(sup)
+                for probed in range(first_probe + 1, first_probe + REFUSED_TICKS + 1):
+                    deadline = time.monotonic() + 30
+                    while healthwatch_probes(sup) < probed:  # one task served per tick
+                        assert sup.worker_pid(timeout_s=5) == pid, healthwatch_log(sup)
+                        assert time.monotonic() < deadline, f"not probed:\n{sup.logs()}"
+                        await asyncio.sleep(0.5)
+                    task = next(served)
+                    await publish_tasks(js, n, pipeline, [task])
+                    assert (await job_result(js, settings, task, 30))["status"] == "ok"
+                    await refused_on_healthz(sup)
+                assert sup.worker_pid() == pid, f"restarted:\n{healthwatch_log(sup)}"
+                assert sup.get("/livez") == (200, "ok\n")
+                assert "unhealthy" not in healthwatch_log(sup), healthwatch_log(sup)
+                # When its engine stalls on the served job's next batch
+                wedge.unlink()
+                await publish_tasks(js, n, pipeline, [next(served)])
+                stalled_at, deadline = time.monotonic(), time.monotonic() + 90
+                while sup.worker_pid(timeout_s=30) == pid:
+                    assert time.monotonic() < deadline, f"never restarted:\n{sup.logs()}"
+                    await asyncio.sleep(0.5)
+            finally:
+                await other.close()
+    # Then healthwatch restarted it for the stall, at its second strike as ever
+    log = healthwatch_log(sup)
+    print(f"\nrestarted {time.monotonic() - stalled_at:.1f}s after the stall began:\n{log}")
+    strikes = re.findall(r"unhealthy \((\d)/2\): HTTP 503: (\w+)", log)
+    assert strikes == [("1", "stalled"), ("2", "stalled")], log
+    assert f"restarting {GROUP}:{GROUP}_00" in log and "refused" not in log, log
+
+
+async def refused_on_healthz(sup: Supervisord) -> None:
+    """Wait until /healthz (readiness, as it always answered) names the refusal."""
+    deadline = time.monotonic() + 30
+    while (answer := await asyncio.to_thread(sup.get, "/healthz"))[0] != 503:
+        assert time.monotonic() < deadline, f"/healthz: {answer}"
+        await asyncio.sleep(0.2)
+    assert "refused a job consumer" in answer[1], answer

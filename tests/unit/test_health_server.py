@@ -10,15 +10,15 @@ import urllib.request
 
 from prometheus_client import CollectorRegistry
 
-from worker.health.server import HealthServer
+from worker.health.server import HealthServer, Probes
 
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def healthz(port: int) -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
+def healthz(port: int, path: str = "/healthz") -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
         return int(response.status)
 
 
@@ -36,7 +36,7 @@ def test_three_hundred_idle_connections_hold_neither_threads_nor_descriptors():
         "127.0.0.1",
         0,
         CollectorRegistry(),
-        lambda: None,
+        Probes(lambda: None, lambda: None),
         max_connections=8,
         connection_deadline_s=1.0,
     )
@@ -68,23 +68,30 @@ def _answers(port: int) -> bool:
 
 def test_healthz_says_why_the_process_is_unhealthy():
     reason: list[str | None] = [None]
-    server = HealthServer("127.0.0.1", 0, CollectorRegistry(), lambda: reason[0])
+    server = HealthServer(
+        "127.0.0.1", 0, CollectorRegistry(), Probes(lambda: None, lambda: reason[0])
+    )
     server.start()
     try:
         assert healthz(server.port) == 200
         reason[0] = "nats: disconnected for 61s (timeout 60s)"
-        try:
-            healthz(server.port)
-        except urllib.error.HTTPError as error:
-            assert error.code == 503 and error.read().decode().startswith("nats: disconnected")
-        else:
-            raise AssertionError("expected 503")
+        for path in ("/healthz", "/readyz"):  # not ready; /healthz answers as /readyz
+            try:
+                healthz(server.port, path)
+            except urllib.error.HTTPError as error:
+                assert error.code == 503
+                assert error.read().decode().startswith("nats: disconnected")
+            else:
+                raise AssertionError(f"expected 503 from {path}")
+        assert healthz(server.port, "/livez") == 200  # a restart would not mend it
     finally:
         server.close()
 
 
 def test_idle_local_connections_to_the_healthwatch_listener_cannot_shut_its_probe_out():
-    server = HealthServer("127.0.0.1", 0, CollectorRegistry(), lambda: None, healthz_port=0)
+    server = HealthServer(
+        "127.0.0.1", 0, CollectorRegistry(), Probes(lambda: None, lambda: None), healthz_port=0
+    )
     server.start()
     assert server.healthz_port is not None
     for count in (10, 100):  # more than the listener had slots; more than it has

@@ -54,10 +54,10 @@ def watch_with(processes, answers):
 
 def test_a_stalled_or_silent_process_is_restarted_after_two_bad_ticks_and_a_healthy_one_is_not():
     ok, stalled, silent = Probe(True, "200"), Probe(False, "HTTP 503"), Probe(False, "no answer")
-    answers = {  # the loopback /healthz listeners: the metrics ports + 1000
-        "http://127.0.0.1:10460/healthz": ok,
-        "http://127.0.0.1:10461/healthz": stalled,
-        "http://127.0.0.1:10462/healthz": silent,
+    answers = {  # the loopback listeners' /livez: the metrics ports + 1000
+        "http://127.0.0.1:10460/livez": ok,
+        "http://127.0.0.1:10461/livez": stalled,
+        "http://127.0.0.1:10462/livez": silent,
     }
     procs = [proc("inference-worker_00"), proc("inference-worker_01"), proc("inference-worker_02")]
     watch, calls, _ = watch_with(procs, answers)
@@ -133,7 +133,7 @@ def test_the_probe_goes_to_the_worker_past_any_proxy(monkeypatch):
 
 
 def test_a_recovering_process_loses_its_strikes():
-    url = "http://127.0.0.1:10460/healthz"
+    url = "http://127.0.0.1:10460/livez"
     answers = {url: Probe(False, "HTTP 503")}
     watch, calls, _ = watch_with([proc("inference-worker_00")], answers)
     watch.tick(now=1000)
@@ -150,7 +150,7 @@ def test_starting_stopped_and_foreign_processes_are_left_alone():
         proc("inference-worker_01", state=0),
         proc("other_00", group="other"),
     ]
-    starting = "http://127.0.0.1:10460/healthz"
+    starting = "http://127.0.0.1:10460/livez"
     watch, calls, asked = watch_with(procs, {starting: Probe(False, "no answer")})
     for now in (1000, 1005, 1010):
         watch.tick(now=now)
@@ -159,7 +159,7 @@ def test_starting_stopped_and_foreign_processes_are_left_alone():
 
 
 def test_a_process_that_answered_healthy_once_is_restarted_within_its_start_up_grace():
-    url = "http://127.0.0.1:10460/healthz"
+    url = "http://127.0.0.1:10460/livez"
     answers = {url: Probe(True, "200")}
     watch, calls, _ = watch_with([proc("inference-worker_00", start=990)], answers)
     assert watch.tick(now=1000) == []  # 10 s into a 60 s grace: up, so probed from now on
@@ -170,7 +170,7 @@ def test_a_process_that_answered_healthy_once_is_restarted_within_its_start_up_g
 
 
 def test_a_restarted_process_has_its_grace_again():
-    url = "http://127.0.0.1:10460/healthz"
+    url = "http://127.0.0.1:10460/livez"
     answers = {url: Probe(True, "200")}
     procs = [proc("inference-worker_00", start=990)]
     watch, calls, _ = watch_with(procs, answers)
@@ -198,7 +198,7 @@ def test_it_speaks_supervisors_event_listener_protocol():
 
 def test_a_process_that_says_starting_is_given_up_to_max_start_s_and_then_struck():
     starting = Probe(False, "HTTP 503: starting: not serving tasks yet", starting=True)
-    url = "http://127.0.0.1:10460/healthz"
+    url = "http://127.0.0.1:10460/livez"
     answers = {url: starting}
     procs = [proc("inference-worker_00", start=0.0)]
     watch, calls, _ = watch_with(procs, answers)
@@ -214,7 +214,7 @@ def test_a_process_that_says_starting_is_given_up_to_max_start_s_and_then_struck
 
 
 def test_a_process_that_answered_once_and_then_says_starting_is_struck():
-    url = "http://127.0.0.1:10460/healthz"
+    url = "http://127.0.0.1:10460/livez"
     answers = {url: Probe(True, "HTTP 200")}
     procs = [proc("inference-worker_00", start=0.0)]
     watch, _calls, _ = watch_with(procs, answers)
@@ -253,3 +253,78 @@ def test_the_probe_tells_a_starting_answer_from_a_stall():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_worker_live_but_not_ready_is_never_struck_and_a_stalled_one_is():
+    from config.settings import load_settings
+    from worker.commands.localservers import free_port
+    from worker.health.compose import ProcessHealth
+    from worker.health.liveness import Liveness
+    from worker.ports import SourceHealth
+
+    # Given a worker whose source is refused (not ready), on its own health listeners
+    settings = load_settings(
+        for_worker=False, metrics={"port": free_port(), "healthz_port": free_port()}
+    )
+    health = ProcessHealth(settings)
+    health.listen()
+    clock = [1000.0]
+    liveness = Liveness(stall_timeout_s=30.0, clock=lambda: clock[0])
+    refused = "NATS refused a job consumer on stream TASKS: maximum consumers limit reached"
+    health.serve(liveness, lambda: [], "nats", lambda: SourceHealth(True, 0.0), lambda: refused)
+    rpc = FakeRPC([proc("inference-worker_00", start=0.0)])
+    log = io.StringIO()
+    watch = HealthWatch(
+        rpc,
+        "inference-worker",
+        health.port,
+        failures=2,
+        startup_grace_s=60,
+        log=log,
+        healthz_port_base=health.healthz_port,
+    )
+    try:
+        # When healthwatch probes it tick after tick: no strike, no restart
+        assert [watch.tick(now=t) for t in range(1000, 1060, 5)] == [[]] * 12
+        assert watch.strikes == {} and rpc.supervisor.calls == [], log.getvalue()
+        # When it stalls: restarted at the second strike, as ever
+        liveness.set_held(2)
+        clock[0] += 31
+        assert watch.tick(now=1060) == []
+        assert watch.tick(now=1065) == ["inference-worker_00"]
+    finally:
+        health.close()
+    assert "(1/2): HTTP 503: stalled: 2 tasks held" in log.getvalue()
+
+
+def test_a_worker_without_livez_is_probed_on_healthz_as_before():
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from worker.commands.healthwatch import probe
+
+    healthz = [503]
+
+    class Older(BaseHTTPRequestHandler):  # a worker of a release before /livez
+        def do_GET(self):
+            status = healthz[0] if self.path == "/healthz" else 404
+            body = b"stalled: 1 task held" if status == 503 else b""
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Older)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/livez"
+        stalled = probe(url, 5)
+        healthz[0] = 200
+        ok = probe(url, 5)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not stalled.healthy and stalled.reason == "HTTP 503: stalled: 1 task held"
+    assert ok.healthy

@@ -103,13 +103,13 @@ def _add_healthwatch(commands: Any) -> None:
         "(a big model from S3, many pipelines loaded at start)",
     )
     watch.add_argument(
-        "--timeout-s", type=float, default=3.0, help="wait for /healthz (all probed at once)"
+        "--timeout-s", type=float, default=3.0, help="wait for /livez (all probed at once)"
     )
     watch.add_argument(
         "--healthz-port-base",
         type=int,
         default=0,
-        help="loopback /healthz port of process 0, when the workers set "
+        help="loopback /livez (and /healthz) port of process 0, when the workers set "
         "WORKER_METRICS__HEALTHZ_PORT (default: --port-base + 1000, as the workers do)",
     )
 

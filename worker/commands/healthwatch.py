@@ -1,6 +1,12 @@
 """``inference-worker healthwatch``: a supervisord event listener that restarts wedged workers.
 
-On every TICK event it asks each RUNNING worker process of the group for ``/healthz`` on the
+It acts on liveness alone: ``/livez``, which answers 503 only for what a restart mends (a
+stall, a failed device, a start not finished). A task source that is down, or its server
+refusing a consumer, makes ``/readyz`` (and ``/healthz``) 503, never ``/livez``: a restart
+mends neither, and each costs a drain, a model load and the batches in hand. A worker of a
+release before ``/livez`` (it answers 404 there) is asked ``/healthz`` instead.
+
+On every TICK event it asks each RUNNING worker process of the group for ``/livez`` on the
 worker's loopback health listener (``127.0.0.1``, the metrics port + 1000 + N: never the
 /metrics listener, which any number of idle connections may fill; never through a proxy), all
 processes at once, each within ``timeout_s``. A process that answers 503 (stalled) or does not
@@ -49,11 +55,18 @@ class Probe:
 _STARTING = "starting"  # the body of the worker's 503 until it serves (worker.app)
 
 
+LIVEZ, HEALTHZ = "/livez", "/healthz"
+
+
 def probe(url: str, timeout_s: float) -> Probe:
+    """GET ``url``; a ``/livez`` that is not found (a worker older than it) is asked again
+    at ``/healthz``, as healthwatch asked before."""
     try:
         with _DIRECT.open(url, timeout=timeout_s) as response:
             return Probe(response.status == 200, f"HTTP {response.status}")
     except urllib.error.HTTPError as error:
+        if error.code == 404 and url.endswith(LIVEZ):
+            return probe(url.removesuffix(LIVEZ) + HEALTHZ, timeout_s)
         body = error.read(300).decode("utf-8", "replace").strip()
         starting = error.code == 503 and body.startswith(_STARTING)
         return Probe(False, f"HTTP {error.code}: {body}", starting)
@@ -136,7 +149,7 @@ class HealthWatch:
                 self.strikes.pop(name, None)
             port = process_port(name, healthz_base(self.port_base, self.healthz_port_base))
             if port is not None:
-                due[name] = f"http://127.0.0.1:{port}/healthz"
+                due[name] = f"http://127.0.0.1:{port}{LIVEZ}"
         return due, in_grace
 
     def _still_starting(self, name: str, result: Probe, start: float, now: float) -> bool:
@@ -242,7 +255,7 @@ def main(
     )
     first = healthz_base(port_base, healthz_port_base)
     watch._say(
-        f"watching group {group}, /healthz on 127.0.0.1 from {first}, {failures} strikes, "
+        f"watching group {group}, {LIVEZ} on 127.0.0.1 from {first}, {failures} strikes, "
         f"starts of up to {max_start_s:g}s"
     )
     serve(watch)

@@ -1,13 +1,19 @@
-"""The process's health layer, composed: the listeners (/metrics, /healthz and healthwatch's
-loopback /healthz), the metrics in their registry, and what /healthz answers (starting, then
-restart when the device failed, stalled, or the task source's problem)."""
+"""The process's health layer, composed: the listeners (/metrics and the probes, and
+healthwatch's loopback probes), the metrics in their registry, and what the probes answer.
+
+``/livez``: 503 only for what a restart mends: ``starting`` until the worker serves, then
+``restart`` once its device failed, else ``stalled``. ``/readyz``: that, else the task
+source's problem (down, a refusal by its server, Antenna unreachable), which no restart mends.
+``/healthz``: as ``/readyz``, what it answered before the two were apart. Whatever restarts
+processes (healthwatch) asks ``/livez``; load balancers and alerts, ``/readyz``.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from config.derived import healthz_port, metrics_port
 from config.errors import ConfigError
@@ -26,7 +32,7 @@ from worker.health.metrics import (
     ReadsCollector,
 )
 from worker.health.procstats import ProcessTreeCollector
-from worker.health.server import HealthServer
+from worker.health.server import HealthServer, Probes
 from worker.ports import SourceHealth
 from worker.served import ServedPipelines
 
@@ -38,7 +44,8 @@ class ProcessHealth:
         self._settings = settings
         self.registry = CollectorRegistry()
         self.server: HealthServer | None = None
-        self._unhealthy: Callable[[], str | None] = lambda: _STARTING
+        self._not_live: Callable[[], str | None] = lambda: _STARTING
+        self._not_ready: Callable[[], str | None] = lambda: _STARTING
 
     def listen(self) -> None:
         """Bind the listeners when a port is set, answering ``starting`` (503) until
@@ -52,7 +59,7 @@ class ProcessHealth:
                 s.metrics.host,
                 port,
                 self.registry,
-                lambda: self._unhealthy(),
+                Probes(lambda: self._not_live(), lambda: self._not_ready()),
                 healthz_port=healthz_port(s),
             )
         except OSError as error:
@@ -70,21 +77,29 @@ class ProcessHealth:
         source_health: Callable[[], SourceHealth],
         source_problem: Callable[[], str | None],
     ) -> Metrics:
-        """The metrics; /healthz from now on says how the worker is: to be restarted (its
-        device failed), else stalled, else the task source's problem, else ok."""
+        """The metrics; from now on /livez says whether only a restart mends the worker
+        (its device failed, else stalled), /readyz that or the task source's problem, and
+        ``inference_worker_ready`` whether /readyz answers 200."""
         metrics = Metrics(self.registry, liveness, source, source_health)
         self.registry.register(ProcessTreeCollector(PREFIX, loader_pids))
 
-        def unhealthy() -> str | None:
+        def not_live() -> str | None:
             restart = liveness.restart_reason()
             if restart:
                 return f"restart: {restart}"
             stalled = liveness.stalled_reason()
-            if stalled:
-                return f"stalled: {stalled}"
-            return source_problem()
+            return f"stalled: {stalled}" if stalled else None
 
-        self._unhealthy = unhealthy
+        def not_ready() -> str | None:
+            return not_live() or source_problem()
+
+        self._not_live, self._not_ready = not_live, not_ready
+        Gauge(
+            f"{PREFIX}_ready",
+            "1 while GET /readyz answers 200 (the worker takes work); 0 while it answers 503 "
+            "(stalled, its device failed, or its task source's problem: /readyz says which).",
+            registry=self.registry,
+        ).set_function(lambda: 0.0 if not_ready() else 1.0)
         return metrics
 
     def collect_engine(

@@ -1,4 +1,5 @@
-"""Liveness: what /healthz answers, from the batches' progress and the held tasks."""
+"""Liveness: what /livez answers (and /readyz before the source's problem), from the batches'
+progress and the held tasks: what only a restart mends."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ class Liveness:
             self._watchdog.arm()
 
     def must_restart(self, reason: str) -> None:
-        """Only a new process can serve again (the device failed for good): /healthz answers
+        """Only a new process can serve again (the device failed for good): every probe answers
         503 ``restart: <reason>`` from now until the process has given back its tasks and
         exited. The first reason stays."""
         with self._lock:

@@ -1,11 +1,15 @@
-"""The /metrics + /healthz HTTP server: bounded connections, each with a deadline.
+"""The /metrics and health probes' HTTP server: bounded connections, each with a deadline.
 
-Two listeners: /metrics and /healthz on the configured address (for Prometheus), and /healthz
-alone on loopback, with connection slots of its own, for healthwatch: no number of idle
-connections to the first, from wherever they come, can make the second look dead. The second
-makes room for a newcomer by closing its oldest connection when every slot is held, so idle
-local connections, however many, cannot shut healthwatch's probe (sent at once, answered in
-milliseconds) out: a newcomer is never refused there.
+The probes, as Kubernetes' and Triton's (``/v2/health/live``, ``/ready``): ``/livez`` answers
+503 only for what a restart mends, ``/readyz`` for that and for what keeps the process from
+taking work (its task source's problem), ``/healthz`` as ``/readyz`` (what it always answered).
+
+Two listeners: /metrics and the probes on the configured address (for Prometheus), and the
+probes alone on loopback, with connection slots of their own, for healthwatch: no number of
+idle connections to the first, from wherever they come, can make the second look dead. The
+second makes room for a newcomer by closing its oldest connection when every slot is held, so
+idle local connections, however many, cannot shut healthwatch's probe (sent at once, answered
+in milliseconds) out: a newcomer is never refused there.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -23,13 +28,34 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from config.names import env_name
 from worker.health.metrics import PREFIX
 
-MAX_CONNECTIONS = 16  # /metrics and /healthz served at once; more are refused
-HEALTHZ_CONNECTIONS = 64  # the loopback /healthz listener's own slots (the oldest gives way)
+MAX_CONNECTIONS = 16  # /metrics and the probes served at once; more are refused
+HEALTHZ_CONNECTIONS = 64  # the loopback probes listener's own slots (the oldest gives way)
 LOOPBACK = "127.0.0.1"
 READ_TIMEOUT_S = 5.0
 CONNECTION_DEADLINE_S = 10.0
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Probes:
+    """Why the process is not live (only a restart mends it: ``stalled: ...``), and why it is
+    not ready (that, or its task source's problem: ``nats: ...``); None: 200 ``ok``."""
+
+    not_live: Callable[[], str | None]
+    not_ready: Callable[[], str | None]
+
+    def answer(self, path: str) -> Callable[[], str | None] | None:
+        """The probe ``path`` asks for (matched by its start, as /healthz always was), or
+        None when it asks for none."""
+        for start, answer in (
+            ("/livez", self.not_live),
+            ("/readyz", self.not_ready),
+            ("/healthz", self.not_ready),  # what it answered before /livez and /readyz
+        ):
+            if path.startswith(start):
+                return answer
+        return None
 
 
 class _BoundedHTTPServer(ThreadingHTTPServer):
@@ -122,22 +148,25 @@ def _listen(
 
 def _handler(
     registry: CollectorRegistry,
-    unhealthy: Callable[[], str | None],
+    probes: Probes,
     metrics: bool,
     answered: Callable[[], None],
 ) -> type[BaseHTTPRequestHandler]:
-    """GET /healthz (``answered`` counts each), and GET /metrics when ``metrics``."""
-    hint = b"not found; try /metrics or /healthz\n" if metrics else b"not found; try /healthz\n"
+    """GET /livez, /readyz and /healthz (``answered`` counts each), and GET /metrics when
+    ``metrics``."""
+    paths = "/livez, /readyz or /healthz"
+    hint = f"not found; try {'/metrics, ' if metrics else ''}{paths}\n".encode()
 
     class Handler(BaseHTTPRequestHandler):
         timeout = READ_TIMEOUT_S  # per read; the server's cutoff bounds the whole exchange
 
         def do_GET(self) -> None:
+            probe = probes.answer(self.path)
             if metrics and self.path.startswith("/metrics"):
                 self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
-            elif self.path.startswith("/healthz"):
+            elif probe is not None:
                 answered()
-                reason = unhealthy()
+                reason = probe()
                 if reason is None:
                     self._send(200, b"ok\n", "text/plain")
                 else:
@@ -159,12 +188,12 @@ def _handler(
 
 
 class HealthServer:
-    """GET /metrics and GET /healthz on ``host:port``, and, when ``healthz_port`` is given,
-    GET /healthz alone on loopback at that port (0: any free one); each on a daemon thread.
+    """GET /metrics and the probes (/livez, /readyz, /healthz) on ``host:port``, and, when
+    ``healthz_port`` is given, the probes alone on loopback at that port (0: any free one);
+    each on a daemon thread.
 
     Both sockets are bound (and listening) when the constructor returns; an address that
-    cannot be had raises OSError there. ``unhealthy`` says why the process is unhealthy
-    (``stalled: ...``, ``nats: ...``), or None.
+    cannot be had raises OSError there. ``probes`` says what each probe answers.
     """
 
     def __init__(
@@ -172,22 +201,22 @@ class HealthServer:
         host: str,
         port: int,
         registry: CollectorRegistry,
-        unhealthy: Callable[[], str | None],
+        probes: Probes,
         max_connections: int = MAX_CONNECTIONS,
         connection_deadline_s: float = CONNECTION_DEADLINE_S,
         healthz_port: int | None = None,
     ) -> None:
-        probes = Counter(
+        answered = Counter(
             f"{PREFIX}_healthz_requests",
-            f"GET /healthz answered, by listener: metrics ({env_name('metrics', 'host')}) or "
-            "healthwatch (loopback).",
+            "GET /livez, /readyz or /healthz answered, by listener: metrics "
+            f"({env_name('metrics', 'host')}) or healthwatch (loopback).",
             ["listener"],
             registry=registry,
         )
         self._servers = [
             _listen(
                 (host, port),
-                _handler(registry, unhealthy, True, probes.labels("metrics").inc),
+                _handler(registry, probes, True, answered.labels("metrics").inc),
                 max_connections,
                 connection_deadline_s,
             )
@@ -197,7 +226,7 @@ class HealthServer:
                 self._servers.append(
                     _listen(
                         (LOOPBACK, healthz_port),
-                        _handler(registry, unhealthy, False, probes.labels("healthwatch").inc),
+                        _handler(registry, probes, False, answered.labels("healthwatch").inc),
                         HEALTHZ_CONNECTIONS,
                         connection_deadline_s,
                         oldest_gives_way=True,
@@ -218,7 +247,7 @@ class HealthServer:
 
     @property
     def healthz_port(self) -> int | None:
-        """The loopback /healthz port, if there is that listener."""
+        """The loopback probes' port, if there is that listener."""
         return int(self._servers[1].server_address[1]) if len(self._servers) > 1 else None
 
     def start(self) -> None:
