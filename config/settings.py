@@ -413,6 +413,13 @@ class MetricsSettings(BaseModel):
         "loopback only, connection slots of its own; process N listens on this + N; 0 = "
         "WORKER_METRICS__PORT + 1000",
     )
+    tasks_waiting_read_s: float = Field(
+        30.0,
+        description="how often each process reads how many tasks wait for its pipelines "
+        "(inference_worker_tasks_waiting: NATS consumer info, Antenna's job listing); 0 "
+        "turns the read off (README, Metrics and liveness)",
+        ge=0,
+    )
 
 
 class GuardSettings(BaseModel):

@@ -11,7 +11,11 @@ on a running Antenna, /work/antenna-real/OBSERVED.md), not from its code:
   superuser's sees every job twice (``count`` too); a superuser's listing says ``create`` in
   its ``user_permissions`` (no project named). Anonymous calls may list; a wrong token gets
   401 everywhere.
-- ``GET jobs/{id}/``: the job with its ``status``; 404 for an unknown job.
+  Without ``ids_only`` each job as ``JobListSerializer`` gives it: ``status``, ``pipeline``
+  (nested, with its ``slug``) and ``progress`` (``JobProgress``: ``collect`` with
+  ``total_images``; ``process`` with ``processed``, ``remaining`` and ``failed`` once a result
+  was processed, none before).
+- ``GET jobs/{id}/``: the job with its ``status`` and ``progress``; 404 for an unknown job.
 - ``POST jobs/{id}/tasks/`` ``{"batch_size": N}``: ``{"tasks": [...]}``, each reserved for
   ``ttr_s`` and delivered at most ``max_deliver`` (2) times; ``[]`` for a job that is not
   STARTED/RETRY or has nothing left to reserve; 503 while ``tasks_unavailable``.
@@ -370,7 +374,12 @@ class FakeAntenna:
                 job = self._job(parts[1])
                 if job is None:
                     return 404, {"detail": "Not found."}
-                return 200, {"id": job.id, "status": job.status, "pipeline_slug": job.pipeline}
+                return 200, {
+                    "id": job.id,
+                    "status": job.status,
+                    "pipeline_slug": job.pipeline,
+                    "progress": self._progress(job),
+                }
             if method == "GET" and len(parts) == 3 and parts[0] == "projects":
                 project = int(parts[1]) if parts[1].isdigit() else -1
                 if project not in self.projects or parts[2] != "pipelines":
@@ -415,9 +424,12 @@ class FakeAntenna:
         limit = int(query.get("limit", 10 if query.get("ids_only") not in ("1", "true") else 1))
         offset = int(query.get("offset", 0))
         listed = jobs[offset : offset + limit]
-        results = [
-            {"id": j.id, "pipeline_slug": j.pipeline, "user_permissions": []} for j in listed
-        ]
+        if query.get("ids_only") in ("1", "true"):  # MinimalJobSerializer
+            results = [
+                {"id": j.id, "pipeline_slug": j.pipeline, "user_permissions": []} for j in listed
+            ]
+        else:  # JobListSerializer
+            results = [{**self._full(j), "user_permissions": []} for j in listed]
         more = offset + limit < len(jobs)
         return 200, {
             "count": len(jobs),
@@ -426,6 +438,51 @@ class FakeAntenna:
             "results": results,
             # add_collection_level_permissions: "create" for a superuser when no project is named
             "user_permissions": ["create"] if superuser else [],
+        }
+
+    def _full(self, job: FakeJob) -> dict[str, Any]:
+        """A job as ``JobListSerializer`` (the full listing) gives it, the fields the worker
+        may read: ``pipeline`` nested, ``progress`` by stage."""
+        return {
+            "id": job.id,
+            "status": job.status,
+            "dispatch_mode": job.dispatch_mode,
+            "pipeline": {"id": 1, "name": job.pipeline, "slug": job.pipeline},
+            "progress": self._progress(job),
+        }
+
+    def _progress(self, job: FakeJob) -> dict[str, Any]:
+        """``JobProgress``: ``collect`` says ``total_images`` once the job started; the
+        ``process`` stage gets ``processed``, ``remaining`` and ``failed`` at each result
+        Antenna processes (``_update_job_progress``), and none before the first."""
+
+        def param(key: str, value: Any) -> dict[str, Any]:
+            return {"name": key.title(), "key": key, "category": "default", "value": value}
+
+        total = len(job.tasks)
+        finished = len(job.done | job.failed)
+        process: dict[str, Any] = {"key": "process", "name": "Process", "params": []}
+        process.update(status="CREATED", progress=0.0)
+        if job.result_times:
+            remaining = total - finished
+            process["params"] = [
+                param("processed", finished),
+                param("remaining", remaining),
+                param("failed", len(job.failed)),
+            ]
+            process.update(status="STARTED", progress=finished / total if total else 1.0)
+        collect = {
+            "key": "collect",
+            "name": "Collect",
+            "status": "SUCCESS",
+            "progress": 1.0,
+            "params": [param("total_images", total)],
+        }
+        return {
+            "summary": {"status": job.status, "progress": finished / total if total else 1.0},
+            "stages": [collect, process],
+            "errors": [],
+            "logs": [],
         }
 
     def _post(self, parts: list[str], user: _User, body: bytes) -> tuple[int, Any]:

@@ -23,6 +23,7 @@ from testing.prometheus import PrometheusServer
 from tests.conftest import _unavailable
 from tests.helpers import (
     client,
+    publish_raw,
     running_worker,
     submit,
     upload_images,
@@ -195,3 +196,89 @@ async def test_a_refused_job_consumer_warns_as_such_and_never_as_a_stall_or_not_
     assert set(states) == {REFUSED}, dict(states)
     assert [float(r["value"][1]) for r in ready] == [0.0]
     assert float(refused[0]["value"][1]) > 1  # retried, and counted, at every discovery
+
+
+NOT_CONSUMING = "InferenceWorkerAliveButNotConsuming"
+READ_S = 1.0  # WORKER_METRICS__TASKS_WAITING_READ_S here
+
+
+def _waiting(port: int) -> float | None:
+    """inference_worker_tasks_waiting summed over pipelines, as the worker's /metrics says."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("inference_worker_tasks_waiting{")
+    ]
+    return sum(values) if values else None
+
+
+def _states(url: str, alertname: str) -> dict[str, str]:
+    return {
+        alert["labels"]["instance"]: alert["state"]
+        for alert in _get(f"{url}/api/v1/alerts")["data"]["alerts"]
+        if alert["labels"]["alertname"] == alertname
+    }
+
+
+@pytest.mark.timeout(240)
+async def test_alive_but_not_consuming_fires_while_its_consumer_is_paused(
+    s3_server, bucket, settings_for, tmp_path
+):
+    """A real worker, healthy, whose consumer is paused on the server: the tasks published for
+    its pipeline wait (its gauge says how many), none is served, and the warning goes pending
+    then firing; resumed, the worker serves them, the gauge reads 0 and the warning ends."""
+    try:
+        server = NatsServer(store_dir=str(tmp_path / "nats")).start()
+    except ServerNotFound as error:
+        _unavailable("nats-server", error)
+    uris = upload_images(s3_server.client(), bucket, 6)
+    with ExitStack() as stack:
+        stack.callback(server.stop)
+        settings = settings_for(server.url)
+        port = free_port()
+        env = worker_env(
+            settings,
+            WORKER_METRICS__PORT=str(port),
+            WORKER_METRICS__TASKS_WAITING_READ_S=str(READ_S),
+            WORKER_HEALTH__WATCHDOG_TIMEOUT_S="0",
+        )
+        proc = stack.enter_context(worker_process(env, tmp_path / "worker.log"))
+        wait_http(f"http://127.0.0.1:{port}/healthz", proc, tmp_path / "worker.log")
+        n = settings.nats
+        async with client(settings) as js:
+            await js.pause_consumer(n.tasks_stream, n.consumer, "2099-01-01T00:00:00Z")
+            await submit_shared(js, settings, "job-paused", uris)
+            published = time.monotonic()
+            while _waiting(port) != len(uris):
+                assert time.monotonic() - published < 30, f"the gauge reads {_waiting(port)}"
+                await asyncio.sleep(0.05)
+            print(f"gauge showed the tasks {time.monotonic() - published:.2f} s after publishing")
+        url = stack.enter_context(prometheus(tmp_path, [f"127.0.0.1:{port}"]))
+        instance = f"127.0.0.1:{port}"
+        seen: list[str] = []
+        deadline = time.monotonic() + 60
+        while seen[-1:] != ["firing"]:
+            assert time.monotonic() < deadline, f"{NOT_CONSUMING}: {seen}"
+            state = _states(url, NOT_CONSUMING).get(instance)
+            if state and seen[-1:] != [state]:
+                seen.append(state)
+            await asyncio.sleep(0.25)
+        assert seen == ["pending", "firing"]
+
+        async with client(settings) as js:
+            await js.resume_consumer(n.tasks_stream, n.consumer)
+            await wait_results(js, settings, "job-paused", len(uris), 60)
+        deadline = time.monotonic() + 30
+        while _states(url, NOT_CONSUMING) or _waiting(port) != 0:
+            assert time.monotonic() < deadline, (_states(url, NOT_CONSUMING), _waiting(port))
+            await asyncio.sleep(0.25)
+
+
+async def submit_shared(js, settings, job_id: str, uris: list[str]) -> None:
+    """Tasks with the job in the payload, on ``tasks.<pipeline>``: the shared consumer's."""
+    from worker.commands.client import make_tasks
+
+    for task in make_tasks(job_id, uris):
+        await publish_raw(js, settings, task.as_dict())

@@ -528,11 +528,12 @@ def posted_images(fake: FakeAntenna) -> list[str]:
 def test_result_posts_slower_than_finish_within_never_stop_the_reservations(
     tmp_path: Path,
 ) -> None:
-    """Each result post is answered over about 7 s, longer than FINISH_WITHIN_S (half the
-    12 s TTR) and shorter than the TTR (5 s to spare for the rest, on a busy machine): one task at a time measures a rate that finishes less
-    than one task within it. The worker still reserves whenever it holds nothing, and the job
-    ends with each task reserved and posted once (it used to reserve two tasks, then none
-    again while /healthz said ok: the rate is measured only from what is held)."""
+    """Each result post is answered over about 7 s, longer than FINISH_WITHIN_S (half the 12 s TTR)
+    and shorter than the TTR (5 s to spare for the rest, on a busy machine): one task at a time
+    measures a rate that finishes less than one task within it. The worker still reserves
+    whenever it holds nothing, and the job ends with each task reserved and posted once (it used
+    to reserve two tasks, then none again while /healthz said ok: the rate is measured only from
+    what is held)."""
     fake = FakeAntenna(token=TOKEN, ttr_s=12.0)
     with fake.running():
         registered(fake)

@@ -19,7 +19,9 @@ from worker.antenna.reservations import Reservations
 from worker.antenna.results import AntennaPipeline
 from worker.antenna.rules import AntennaRules
 from worker.antenna.source import AntennaSource
+from worker.antenna.waiting import antenna_waiting_read
 from worker.health.metrics import Metrics
+from worker.health.waiting import TasksWaiting
 from worker.ports import SourceHealth
 from worker.served import ServedPipelines
 from worker.sources import SourceLink
@@ -72,6 +74,10 @@ class AntennaParts:
         )
         self.poster = Poster(self.client, a.max_post_bytes, a.post_timeout_s)
         self.rules = AntennaRules(self.poster, self.catalog, a.max_post_bytes)
+        self.waiting = TasksWaiting(
+            antenna_waiting_read(self.client, self.catalog.slugs, a.jobs_limit),
+            s.metrics.tasks_waiting_read_s,
+        )
         self.link = SourceLink(
             kind="antenna",
             source=self.source,
@@ -82,6 +88,7 @@ class AntennaParts:
             unserved=self.unserved,
             finish_held_on_stop=True,  # a give-back costs the TTR and a delivery
             results_waiting=lambda: self.poster.waiting() > 0,
+            helpers=(("tasks-waiting", self.waiting.run),),
         )
 
     async def open(self) -> None:
@@ -96,6 +103,7 @@ class AntennaParts:
         self.poster.on_retry = antenna.posts_retried.inc
         self.poster.on_split = antenna.posts_split.inc
         self.rules.count = lambda outcome: metrics.tasks.labels(outcome).inc()
+        metrics.registry.register(self.waiting)
 
     def started(self) -> dict[str, Any]:
         return {"max_deliver": self._settings.antenna.max_deliver}

@@ -13,6 +13,7 @@ from nats.aio.client import Client as NATS
 
 from config.settings import Settings
 from worker.health.metrics import Metrics
+from worker.health.waiting import TasksWaiting
 from worker.nats.advisories import ExhaustedTasks
 from worker.nats.algorithms import publish_algorithms
 from worker.nats.connection import ConnectionState, connect
@@ -22,6 +23,7 @@ from worker.nats.provision import provision, refuse_other_fair_jobs
 from worker.nats.results import ResultStore
 from worker.nats.rules import NatsRules, nats_rules
 from worker.nats.source import NatsSource
+from worker.nats.waiting import nats_waiting_read
 from worker.ports import SourceHealth
 from worker.served import ServedPipelines
 from worker.sources import SourceLink
@@ -41,6 +43,7 @@ class NatsParts:
         self.feed: TaskFeed | None = None
         self.rules: NatsRules | None = None
         self._link: SourceLink | None = None
+        self.waiting: TasksWaiting | None = None
 
     @property
     def link(self) -> SourceLink:
@@ -58,6 +61,9 @@ class NatsParts:
         store = ResultStore(js, s.nats, lambda: int(nc.max_payload))
         max_deliver = await self.feed.max_deliver()
         self.rules = rules = nats_rules(js, s.nats, store, served.default, served.model_info)
+        self.waiting = waiting = TasksWaiting(
+            nats_waiting_read(js, s.nats, served.names), s.metrics.tasks_waiting_read_s
+        )
         self._link = SourceLink(
             kind="nats",
             source=NatsSource(self.feed, max_deliver),
@@ -67,7 +73,10 @@ class NatsParts:
             keepalive_tick_s=s.nats.ack_wait_s / 4,
             gone=self.connection.lost,
             gone_reason="the NATS connection closed for good",
-            helpers=(("max-deliveries", ExhaustedTasks(js, s.nats, rules).run),),
+            helpers=(
+                ("max-deliveries", ExhaustedTasks(js, s.nats, rules).run),
+                ("tasks-waiting", waiting.run),
+            ),
         )
 
     def problem(self) -> str | None:
@@ -81,6 +90,8 @@ class NatsParts:
     def attach(self, metrics: Metrics) -> None:
         assert self.feed is not None and self.rules is not None, "open() first"
         metrics.registry.register(JobConsumersCollector(self.feed.job_stats))
+        if self.waiting is not None:
+            metrics.registry.register(self.waiting)
         self.rules.count = lambda outcome: metrics.tasks.labels(outcome).inc()
         self.rules.completed_twice = metrics.results_already_stored.inc
 
