@@ -58,6 +58,7 @@ class NatsParts:
         store = ResultStore(js, s.nats, lambda: int(nc.max_payload))
         max_deliver = await self.feed.max_deliver()
         self.rules = rules = nats_rules(js, s.nats, store, served.default, served.model_info)
+        rules.until_connected = self.connection.until_connected
         self._link = SourceLink(
             kind="nats",
             source=NatsSource(self.feed, max_deliver),

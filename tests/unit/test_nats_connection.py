@@ -1,0 +1,76 @@
+"""What the NATS connection's state tells /healthz, and how a store retry waits for a new
+connection (the client itself: tests/integration/test_stale_connection.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from config.errors import ResultsUnavailable
+from config.settings import NatsSettings
+from worker.nats.connection import ConnectionState
+from worker.nats.patience import patiently
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_stale_connection_is_a_problem_at_once_until_a_server_answers():
+    clock = Clock()
+    state = ConnectionState(clock)
+    state.came_up("nats://a:4222")
+    state.went_down()  # nats-py reported no error first: the pings went unanswered
+    assert not state.connected()
+    problem = state.problem(down_timeout_s=60)
+    assert problem is not None and "stale" in problem
+    state.came_up("nats://b:4222")
+    assert state.connected() and state.problem(down_timeout_s=60) is None
+
+
+def test_a_connection_the_server_closed_gets_the_disconnect_grace():
+    clock = Clock()
+    state = ConnectionState(clock)
+    state.came_up("nats://a:4222")
+    state.errored()  # nats-py reports the server's close (unexpected EOF), then disconnects
+    clock.now += 0.01
+    state.went_down()
+    assert not state.stale and state.problem(down_timeout_s=60) is None
+    clock.now += 61
+    assert (state.problem(down_timeout_s=60) or "").startswith("nats: disconnected for 61s")
+
+
+def test_our_own_close_is_no_stale_connection():
+    state = ConnectionState(Clock())
+    state.came_up("nats://a:4222")
+    state.went_down(ours=True)
+    assert not state.stale and state.problem(down_timeout_s=60) is None
+
+
+def test_the_defaults_notice_a_silent_server_within_20_s():
+    s = NatsSettings()
+    assert s.ping_interval_s * (s.max_outstanding_pings + 1) <= 20 < s.store_retry_s
+
+
+async def test_a_store_retried_while_reconnecting_is_made_on_the_new_connection_at_once():
+    state = ConnectionState()
+    state.came_up("nats://a:4222")
+    state.went_down()
+    tries: list[bool] = []
+
+    async def write() -> None:
+        tries.append(state.connected())
+        if not state.connected():
+            raise ResultsUnavailable("results stream unavailable: TimeoutError")
+
+    async def reconnect() -> None:
+        await asyncio.sleep(0.5)
+        state.came_up("nats://b:4222")
+
+    reconnecting = asyncio.create_task(reconnect())
+    await asyncio.wait_for(patiently(write, 10.0, state.until_connected), 5)
+    await reconnecting
+    assert tries == [False, True], "one try while down, the next as soon as it is back"
