@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -33,6 +34,8 @@ class ConnectionState:
     ``WORKER_NATS__MAX_OUTSTANDING_PINGS``): nats-py drops it as stale and tries the other
     servers it knows. nats-py reports that disconnect with no error before it, where a server
     that closes the connection (a restart) is reported as an error first; ``stale`` says which.
+    A connection reset while reading is reported with no error too, and counts as stale: the
+    reconnect after one usually takes milliseconds, and the answer goes with it.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -150,6 +153,25 @@ async def connect(
 
 
 async def _connect(client: NATS, settings: NatsSettings, name: str, state: ConnectionState) -> NATS:
+    await client.connect(
+        servers=_servers(settings),
+        name=name,
+        connect_timeout=5,
+        reconnect_time_wait=1,
+        # nats-py's own default (120 s, 2 outstanding) finds a silent server after 4-6 min.
+        ping_interval=settings.ping_interval_s,  # type: ignore[arg-type]
+        max_outstanding_pings=settings.max_outstanding_pings,
+        max_reconnect_attempts=-1,
+        allow_reconnect=True,
+        **_callbacks(client, settings, state),
+        **connect_options(settings),
+    )
+    state.came_up(_server_of(client))
+    return client
+
+
+def _callbacks(client: NATS, settings: NatsSettings, state: ConnectionState) -> dict[str, Any]:
+    """nats-py's callbacks, each telling ``state`` and the log what happened."""
 
     async def on_error(error: Exception) -> None:
         state.errored()
@@ -192,24 +214,12 @@ async def _connect(client: NATS, settings: NatsSettings, name: str, state: Conne
             )
         state.closed.set()
 
-    await client.connect(
-        servers=_servers(settings),
-        name=name,
-        connect_timeout=5,
-        reconnect_time_wait=1,
-        # nats-py's own default (120 s, 2 outstanding) finds a silent server after 4-6 min.
-        ping_interval=settings.ping_interval_s,  # type: ignore[arg-type]
-        max_outstanding_pings=settings.max_outstanding_pings,
-        max_reconnect_attempts=-1,
-        allow_reconnect=True,
-        error_cb=on_error,
-        disconnected_cb=on_disconnect,
-        reconnected_cb=on_reconnect,
-        closed_cb=on_closed,
-        **connect_options(settings),
-    )
-    state.came_up(_server_of(client))
-    return client
+    return {
+        "error_cb": on_error,
+        "disconnected_cb": on_disconnect,
+        "reconnected_cb": on_reconnect,
+        "closed_cb": on_closed,
+    }
 
 
 def _server_of(client: NATS) -> str:
