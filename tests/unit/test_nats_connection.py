@@ -1,5 +1,6 @@
-"""What the NATS connection's state tells /healthz, and how a store retry waits for a new
-connection (the client itself: tests/integration/test_stale_connection.py)."""
+"""What the NATS connection's state tells /healthz, how a store retry waits for a new
+connection, and a results check that a silent replica does not hold up (the client itself:
+tests/integration/test_stale_connection.py and the chaos suite's cluster_node_frozen_r3)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from config.errors import ResultsUnavailable
 from config.settings import NatsSettings
 from worker.nats.connection import ConnectionState
 from worker.nats.patience import patiently
+from worker.nats.results import ResultStore
 
 
 class Clock:
@@ -74,3 +76,23 @@ async def test_a_store_retried_while_reconnecting_is_made_on_the_new_connection_
     await asyncio.wait_for(patiently(write, 10.0, state.until_connected), 5)
     await reconnecting
     assert tries == [False, True], "one try while down, the next as soon as it is back"
+
+
+class SilentReplicaJetStream:
+    """A direct get lands on a replica that never answers; the stream's leader does."""
+
+    def __init__(self) -> None:
+        self.asked: list[bool] = []
+
+    async def get_last_msg(self, stream: str, subject: str, direct: bool = False) -> object:
+        self.asked.append(direct)
+        if direct:
+            await asyncio.Event().wait()  # a frozen node: no answer, ever
+        return object()
+
+
+async def test_a_stored_result_asked_of_a_silent_replica_is_found_through_the_leader():
+    js = SilentReplicaJetStream()
+    store = ResultStore(js, NatsSettings())  # type: ignore[arg-type]
+    assert await asyncio.wait_for(store.exists("job", "task"), 3) is True
+    assert js.asked == [True, False]

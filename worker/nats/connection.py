@@ -181,7 +181,7 @@ def _callbacks(client: NATS, settings: NatsSettings, state: ConnectionState) -> 
             state.refused_reason = refused
             state.refused.set()
         else:
-            log.warning("nats_error", error=str(error))
+            log.warning("nats_error", error=str(error) or type(error).__name__)
         state.closed_reason = str(error)
 
     async def on_disconnect() -> None:
