@@ -20,6 +20,11 @@ log = structlog.get_logger(__name__)
 # An error reported this close before a disconnect explains it (nats-py reports the server's
 # close as an error, then disconnects, in one go); a disconnect with none is a stale one.
 _EXPLAINED_WITHIN_S = 1.0
+_CONNECT_TIMEOUT_S = 5  # one attempt at a server: TCP, its INFO, TLS
+_RECONNECT_WAIT_S = 1
+# A stale connection is said once the client has had time to try a server that does not
+# answer (it may pick the silent one first) and go on to the next.
+_STALE_GRACE_S = _CONNECT_TIMEOUT_S + _RECONNECT_WAIT_S
 
 
 class ConnectionState:
@@ -94,17 +99,19 @@ class ConnectionState:
 
         A disconnect the server announced (it closed the connection: a restart, a rolling
         upgrade) is said only after ``down_timeout_s``: such a server is usually back within
-        seconds. A stale connection is said at once: by the time its pings went unanswered
-        the server had been silent for ``MAX_OUTSTANDING_PINGS`` ping intervals (the grace
-        is spent), a hung server or a broken path seldom mends itself in a restart's seconds,
-        and until a server answers the worker can neither fetch nor store. Where the client
-        knows another server (a cluster) the reconnect takes a second and the answer clears
-        with it; on a single server it stays until that server answers again.
+        seconds. A stale connection is said after ``_STALE_GRACE_S`` (6 s), the time the client
+        needs to try one server that does not answer and go on to the next: by the time its
+        pings went unanswered the server had been silent for ``MAX_OUTSTANDING_PINGS`` ping
+        intervals already (the grace a restart gets is spent), a hung server or a broken path
+        seldom mends itself in a restart's seconds, and until a server answers the worker can
+        neither fetch nor store. Where the client knows another server (a cluster) it is
+        reconnected within the grace and nothing is said (no probe counts a strike against a
+        worker about to serve again); on a single server the answer stays until it answers.
         """
         if self.unexpectedly_closed():
             return "nats: the connection closed for good; the process exits for a fresh one"
         down_s = self.down_for_s()
-        if self.stale and self.disconnected_at is not None:
+        if self.stale and down_s >= _STALE_GRACE_S:
             return (
                 "nats: the connection went stale (its server stopped answering pings) and no "
                 f"server has answered in the {down_s:.0f}s since; reconnecting"
@@ -156,8 +163,8 @@ async def _connect(client: NATS, settings: NatsSettings, name: str, state: Conne
     await client.connect(
         servers=_servers(settings),
         name=name,
-        connect_timeout=5,
-        reconnect_time_wait=1,
+        connect_timeout=_CONNECT_TIMEOUT_S,
+        reconnect_time_wait=_RECONNECT_WAIT_S,
         # nats-py's own default (120 s, 2 outstanding) finds a silent server after 4-6 min.
         ping_interval=settings.ping_interval_s,  # type: ignore[arg-type]
         max_outstanding_pings=settings.max_outstanding_pings,
