@@ -98,3 +98,25 @@ async def test_a_stored_result_asked_of_a_silent_replica_is_found_through_the_le
     store = ResultStore(js, NatsSettings())  # type: ignore[arg-type]
     assert await asyncio.wait_for(store.exists("job", "task"), 3) is True
     assert js.asked == [True, False]
+
+
+def test_a_reconnect_tries_the_other_servers_before_the_one_that_went_silent():
+    from urllib.parse import urlparse
+
+    from nats.aio.client import Server
+
+    from worker.nats.connection import _NextServer
+
+    state = ConnectionState(Clock())
+    state.came_up("nats://127.0.0.1:4222")
+    state.went_down()
+    lost, b, c = (Server(urlparse(f"nats://127.0.0.1:{port}")) for port in (4222, 4223, 4224))
+    choose = _NextServer(state)
+    first, wait_s = choose([lost, b, c], {})
+    assert first is b and wait_s == 0
+    b.reconnects = 1  # b did not answer either
+    assert choose([lost, b, c], {}) == (c, 0.0)
+    c.reconnects = 1
+    assert choose([lost, b, c], {}) == (lost, 0.0)
+    lost.reconnects = 1
+    assert choose([lost, b, c], {})[1] == 1.0, "each known server tried once, then a second apart"

@@ -10,6 +10,7 @@ from typing import Any
 
 import structlog
 from nats.aio.client import Client as NATS
+from nats.aio.client import Server
 
 from config.errors import TransientError
 from config.redact import redact_url
@@ -170,6 +171,7 @@ async def _connect(client: NATS, settings: NatsSettings, name: str, state: Conne
         max_outstanding_pings=settings.max_outstanding_pings,
         max_reconnect_attempts=-1,
         allow_reconnect=True,
+        reconnect_to_server_handler=_NextServer(state),
         **_callbacks(client, settings, state),
         **connect_options(settings),
     )
@@ -227,6 +229,30 @@ def _callbacks(client: NATS, settings: NatsSettings, state: ConnectionState) -> 
         "reconnected_cb": on_reconnect,
         "closed_cb": on_closed,
     }
+
+
+class _NextServer:
+    """Which server a reconnect tries next (nats-py's ``reconnect_to_server_handler``).
+
+    nats-py's own choice is a shuffle, so after a stale connection it may try the silent
+    server first and wait out its connect timeout (5 s) before a healthy one. Here the least
+    tried comes first, the one just lost last among equals; every known server is tried
+    once at once, then one a second apart (nats-py's ``reconnect_time_wait``, which it does
+    not apply when a handler chooses).
+    """
+
+    def __init__(self, state: ConnectionState) -> None:
+        self._state = state
+        self._round: tuple[float | None, int] = (None, 0)  # (the disconnect, tries since)
+
+    def __call__(self, servers: list[Server], _info: dict[str, Any]) -> tuple[Server, float]:
+        since, tries = self._round
+        if since != self._state.disconnected_at:
+            since, tries = self._state.disconnected_at, 0
+        self._round = (since, tries + 1)
+        lost = self._state.server
+        chosen = min(servers, key=lambda s: (s.reconnects, redact_url(s.uri.geturl()) == lost))
+        return chosen, 0.0 if tries < len(servers) else float(_RECONNECT_WAIT_S)
 
 
 def _server_of(client: NATS) -> str:
