@@ -76,6 +76,20 @@ class NatsSettings(BaseModel):
         description="submit, watch, results and provision give up (exit 1) when NATS cannot be "
         "reached within this; `run` keeps trying until stopped",
     )
+    ping_interval_s: float = Field(
+        5.0,
+        description="the client pings its server this often, to find a connection that stopped "
+        "answering with its socket still open (a hung server, a paused VM, a half-open path "
+        "behind a NAT); costs one PING and PONG per interval per connection",
+        gt=0,
+    )
+    max_outstanding_pings: int = Field(
+        3,
+        description="pings left unanswered before the connection counts as stale: it is "
+        "dropped and the other servers the client knows (configured, or learned from the "
+        "cluster) are tried; noticed within PING_INTERVAL_S x (MAX_OUTSTANDING_PINGS + 1)",
+        ge=1,
+    )
     store_retry_s: float = Field(
         30.0,
         description="keep retrying a result the results stream did not confirm for this long "

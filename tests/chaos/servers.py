@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -22,10 +23,15 @@ class NatsCluster:
         self.ports = [free_port() for _ in range(3)]
         self.routes = [free_port() for _ in range(3)]
         self.procs: list[subprocess.Popen[bytes] | None] = [None, None, None]
+        self.frozen: set[int] = set()
 
     @property
     def url(self) -> str:
-        return ",".join(f"nats://127.0.0.1:{port}" for port in self.ports)
+        return self.urls()
+
+    def urls(self, *nodes: int) -> str:
+        """The client URLs of ``nodes`` (all three when none are named)."""
+        return ",".join(f"nats://127.0.0.1:{self.ports[i]}" for i in nodes or range(3))
 
     def _conf(self, i: int) -> Path:
         routes = ", ".join(
@@ -61,7 +67,24 @@ class NatsCluster:
             proc.wait(timeout=10)
             self.procs[i] = None
 
+    def freeze_node(self, i: int) -> int:
+        """SIGSTOP node ``i``: a hung server (or a paused VM): its sockets stay open, and
+        nothing answers. ``stop`` thaws it; returns its pid."""
+        proc = self.procs[i]
+        assert proc is not None, f"node n{i} is not running"
+        proc.send_signal(signal.SIGSTOP)
+        self.frozen.add(i)
+        return proc.pid
+
+    def thaw_node(self, i: int) -> None:
+        proc = self.procs[i]
+        if i in self.frozen and proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+        self.frozen.discard(i)
+
     def stop(self) -> None:
+        for i in list(self.frozen):
+            self.thaw_node(i)  # a stopped process would not act on its SIGTERM
         for i in range(3):
             proc = self.procs[i]
             if proc is not None:

@@ -12,6 +12,7 @@ the same scenarios under pytest (CI).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +163,7 @@ class Chaos:
     proxy: FlakyS3Proxy | None = None
     replicas: int = 1
     facts: dict[str, Any] = field(default_factory=dict)  # what a fault saw as it was injected
+    worker_nats_url: str = ""  # the workers' WORKER_NATS__URL, when not ``nats_url``
 
     def nats_settings(self) -> NatsSettings:
         return load_settings(
@@ -170,7 +173,7 @@ class Chaos:
     def start_worker(self) -> WorkerProc:
         settings = load_settings(
             for_worker=False,
-            nats={"url": self.nats_url, "replicas": self.replicas},
+            nats={"url": self.worker_nats_url or self.nats_url, "replicas": self.replicas},
             s3={"endpoint_url": self.s3_url},
             model={"pipeline": PIPELINE, "weights": self.weights},
         )
@@ -425,6 +428,83 @@ async def node_killed_shown(ctx: Chaos, _js: Any, _results: list[dict[str, Any]]
     return _missing("node n0 died of SIGKILL mid-job", killed)
 
 
+# The frozen node's scenario runs at the default NATS ping, store-retry and publish settings
+# (what is measured is the default's detection), with room for them: a stall and watchdog
+# longer than the detection, and an ack wait longer than the store retry. The messages a
+# pull request had on their way through the frozen node are redelivered after the ack wait.
+FROZEN_ENV = {
+    "WORKER_NATS__PUBLISH_TIMEOUT_S": "5",
+    "WORKER_NATS__STORE_RETRY_S": "30",
+    "WORKER_NATS__ACK_WAIT_S": "45",
+    "WORKER_HEALTH__STALL_TIMEOUT_S": "20",
+    "WORKER_HEALTH__WATCHDOG_TIMEOUT_S": "40",
+}
+STORES_AGAIN_WITHIN_S = 30.0
+
+
+def _log_time(line: str) -> float:
+    """The Unix time of a JSON log line of the worker."""
+    return datetime.fromisoformat(json.loads(line)["timestamp"]).timestamp()
+
+
+def _first_after(lines: list[str], since: float) -> float | None:
+    """Seconds from ``since`` (Unix time) to the first of ``lines`` at or after it."""
+    times = [t - since for t in map(_log_time, lines) if t >= since]
+    return round(min(times), 1) if times else None
+
+
+async def cluster_node_frozen(ctx: Chaos, _js: Any) -> str:
+    """SIGSTOP the node the worker is connected to (its only configured URL; it learned the
+    others from the cluster); the node stays frozen until the cluster stops (``stop`` thaws
+    it, in the scenario's ``finally``)."""
+    assert ctx.cluster is not None
+    worker = ctx.workers[0]
+    ctx.facts["frozen_at"] = frozen_at = time.time()
+    ctx.facts["frozen_pid"] = ctx.cluster.freeze_node(0)
+    deadline = time.monotonic() + 2 * STORES_AGAIN_WITHIN_S
+    while time.monotonic() < deadline:  # read from its log file: no event to wait on
+        if worker.events("nats_reconnected"):
+            break
+        await asyncio.sleep(0.5)
+    noticed_s = _first_after(worker.events("nats_disconnected"), frozen_at)
+    moved_s = _first_after(worker.events("nats_reconnected"), frozen_at)
+    return (
+        f"node n0 of three SIGSTOPped (sockets open); its worker noticed after {noticed_s} s, "
+        f"reconnected after {moved_s} s"
+    )
+
+
+async def node_frozen_shown(ctx: Chaos, _js: Any, _results: list[dict[str, Any]]) -> list[str]:
+    assert ctx.cluster is not None
+    worker, frozen_at = ctx.workers[0], ctx.facts["frozen_at"]
+    try:
+        frozen = psutil.Process(ctx.facts["frozen_pid"]).status() == psutil.STATUS_STOPPED
+    except psutil.NoSuchProcess:
+        frozen = False
+    n0 = f":{ctx.cluster.ports[0]}"
+    moved = [line for line in worker.events("nats_reconnected") if n0 not in line]
+    stored_s = _first_after(worker.events("task_done"), frozen_at)
+    given_back = [line for line in worker.events("task_retried") if "results stream" in line]
+    return (
+        _missing("node n0 stayed frozen (SIGSTOP) to the end of the job", frozen)
+        + _missing("the worker reconnected to another node", bool(moved))
+        + _missing(
+            f"the worker stored results again within {STORES_AGAIN_WITHIN_S:g} s of the freeze "
+            f"(first after {stored_s} s)",
+            stored_s is not None and stored_s <= STORES_AGAIN_WITHIN_S,
+        )
+        + _missing(
+            "no result was given back for the results stream (each stored on the new "
+            f"connection; {len(given_back)} given back)",
+            not given_back,
+        )
+        + _missing(
+            "the same worker process served throughout",
+            len(ctx.workers) == 1 and worker.proc.poll() is None,
+        )
+    )
+
+
 async def worker_sigterm(ctx: Chaos, _js: Any) -> str:
     ctx.facts["done_before_signal"] = len(ctx.workers[0].events("task_done"))
     ctx.workers[0].signal(signal.SIGTERM)
@@ -462,7 +542,9 @@ class Scenario:
     bad: bool = False
     workers: int = 1
     images: int = 24
-    nats: str = "single"  # single | cluster
+    # single | cluster | cluster_first (workers given node n0's URL only, the suite's own
+    # client the other two)
+    nats: str = "single"
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -483,6 +565,14 @@ def scenarios(workdir: Path) -> list[Scenario]:
         Scenario("malformed_messages", malformed_messages, dead_letters_shown),
         Scenario("nats_server_restart", nats_restart, reconnected_shown),
         Scenario("cluster_node_killed_r3", cluster_node_killed, node_killed_shown, nats="cluster"),
+        Scenario(
+            "cluster_node_frozen_r3",
+            cluster_node_frozen,
+            node_frozen_shown,
+            images=96,
+            nats="cluster_first",
+            env=FROZEN_ENV,
+        ),
         Scenario("sigterm_mid_batch", worker_sigterm, drained_shown),
         Scenario(
             "two_workers_one_killed", one_of_two_killed, second_killed_shown, workers=2, images=96
@@ -498,9 +588,12 @@ async def run_scenario(
     bucket = f"chaos-{scenario.name.replace('_', '-')}"[:60]
     s3.client().create_bucket(Bucket=bucket)
     nats = cluster = None
-    if scenario.nats == "cluster":
+    worker_url = ""
+    if scenario.nats.startswith("cluster"):
         cluster = NatsCluster().start()
         url = cluster.url
+        if scenario.nats == "cluster_first":
+            url, worker_url = cluster.urls(1, 2), cluster.urls(0)
     else:
         nats = NatsServer(store_dir=str(workdir / "nats")).start()
         url = nats.url
@@ -517,6 +610,7 @@ async def run_scenario(
         cluster=cluster,
         proxy=proxy,
         replicas=3 if cluster else 1,
+        worker_nats_url=worker_url,
     )
     try:
         if cluster is not None:

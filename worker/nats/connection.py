@@ -6,9 +6,11 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 from nats.aio.client import Client as NATS
+from nats.aio.client import Server
 
 from config.errors import TransientError
 from config.redact import redact_url
@@ -16,6 +18,14 @@ from config.settings import NatsSettings
 from worker.nats.auth import connect_options, refusal
 
 log = structlog.get_logger(__name__)
+# An error reported this close before a disconnect explains it (nats-py reports the server's
+# close as an error, then disconnects, in one go); a disconnect with none is a stale one.
+_EXPLAINED_WITHIN_S = 1.0
+_CONNECT_TIMEOUT_S = 5  # one attempt at a server: TCP, its INFO, TLS
+_RECONNECT_WAIT_S = 1
+# A stale connection is said once the client has had time to try a server that does not
+# answer (it may pick the silent one first) and go on to the next.
+_STALE_GRACE_S = _CONNECT_TIMEOUT_S + _RECONNECT_WAIT_S
 
 
 class ConnectionState:
@@ -24,11 +34,23 @@ class ConnectionState:
     nats-py closes a client for good on any protocol error the server reports, whatever
     ``max_reconnect_attempts`` says; a closed client fetches nothing ever again, so it must
     end the process, not leave an idle-looking worker behind.
+
+    A connection that stops answering with its socket open (a hung server, a paused VM, a
+    half-open path behind a NAT) is found by the client's pings (``WORKER_NATS__PING_INTERVAL_S``,
+    ``WORKER_NATS__MAX_OUTSTANDING_PINGS``): nats-py drops it as stale and tries the other
+    servers it knows. nats-py reports that disconnect with no error before it, where a server
+    that closes the connection (a restart) is reported as an error first; ``stale`` says which.
+    A connection reset while reading is reported with no error too, and counts as stale: the
+    reconnect after one usually takes milliseconds, and the answer goes with it.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self.disconnected_at: float | None = None
+        self.stale = False  # the last disconnect came with no error: the server went silent
+        self.server = ""  # the server connected to last (redacted)
+        self.error_at: float | None = None  # when the client last reported an error
+        self.up = asyncio.Event()  # connected now
         self.closed = asyncio.Event()
         self.lost = asyncio.Event()  # closed for good, and not by us
         self.closed_reason = ""
@@ -47,11 +69,54 @@ class ConnectionState:
     def connected(self) -> bool:
         return self.disconnected_at is None and not self.closed.is_set()
 
+    def errored(self) -> None:
+        self.error_at = self._clock()
+
+    def went_down(self, ours: bool = False) -> None:
+        """The client disconnected: stale unless it reported an error just before, or the
+        close is ``ours`` (a drain or close we asked for)."""
+        now = self._clock()
+        if self.disconnected_at is None:
+            self.disconnected_at = now
+            explained = self.error_at is not None and now - self.error_at <= _EXPLAINED_WITHIN_S
+            self.stale = not (ours or explained)
+        self.up.clear()
+
+    def came_up(self, server: str) -> None:
+        self.server = server
+        self.disconnected_at = None
+        self.stale = False
+        self.up.set()
+
+    async def until_connected(self, timeout_s: float) -> None:
+        """Return once connected (at once if it is), or after ``timeout_s``."""
+        if self.connected() or timeout_s <= 0:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.up.wait(), timeout_s)
+
     def problem(self, down_timeout_s: float) -> str | None:
-        """Why the connection makes this process unhealthy, or None."""
+        """Why the connection makes this process unhealthy, or None.
+
+        A disconnect the server announced (it closed the connection: a restart, a rolling
+        upgrade) is said only after ``down_timeout_s``: such a server is usually back within
+        seconds. A stale connection is said after ``_STALE_GRACE_S`` (6 s), the time the client
+        needs to try one server that does not answer and go on to the next: by the time its
+        pings went unanswered the server had been silent for ``MAX_OUTSTANDING_PINGS`` ping
+        intervals already (the grace a restart gets is spent), a hung server or a broken path
+        seldom mends itself in a restart's seconds, and until a server answers the worker can
+        neither fetch nor store. Where the client knows another server (a cluster) it is
+        reconnected within the grace and nothing is said (no probe counts a strike against a
+        worker about to serve again); on a single server the answer stays until it answers.
+        """
         if self.unexpectedly_closed():
             return "nats: the connection closed for good; the process exits for a fresh one"
         down_s = self.down_for_s()
+        if self.stale and down_s >= _STALE_GRACE_S:
+            return (
+                "nats: the connection went stale (its server stopped answering pings) and no "
+                f"server has answered in the {down_s:.0f}s since; reconnecting"
+            )
         if down_s >= down_timeout_s:
             return f"nats: disconnected for {down_s:.0f}s (timeout {down_timeout_s:g}s)"
         return None
@@ -96,30 +161,57 @@ async def connect(
 
 
 async def _connect(client: NATS, settings: NatsSettings, name: str, state: ConnectionState) -> NATS:
+    await client.connect(
+        servers=_servers(settings),
+        name=name,
+        connect_timeout=_CONNECT_TIMEOUT_S,
+        reconnect_time_wait=_RECONNECT_WAIT_S,
+        # nats-py's own default (120 s, 2 outstanding) finds a silent server after 4-6 min.
+        ping_interval=settings.ping_interval_s,  # type: ignore[arg-type]
+        max_outstanding_pings=settings.max_outstanding_pings,
+        max_reconnect_attempts=-1,
+        allow_reconnect=True,
+        reconnect_to_server_handler=_NextServer(state),
+        **_callbacks(client, settings, state),
+        **connect_options(settings),
+    )
+    state.came_up(_server_of(client))
+    return client
+
+
+def _callbacks(client: NATS, settings: NatsSettings, state: ConnectionState) -> dict[str, Any]:
+    """nats-py's callbacks, each telling ``state`` and the log what happened."""
 
     async def on_error(error: Exception) -> None:
+        state.errored()
         refused = refusal(settings, error)  # which setting's credential, never the credential
         if refused:
             log.error("nats_credentials_refused", error=refused)
             state.refused_reason = refused
             state.refused.set()
         else:
-            log.warning("nats_error", error=str(error))
+            log.warning("nats_error", error=str(error) or type(error).__name__)
         state.closed_reason = str(error)
 
     async def on_disconnect() -> None:
-        if state.disconnected_at is None:
-            state.disconnected_at = time.monotonic()
-        if not (client.is_closed or client.is_draining or state.closing):
-            log.warning("nats_disconnected", hint="reconnecting; work continues when it is back")
+        ours = client.is_closed or client.is_draining or state.closing
+        state.went_down(ours)
+        if not ours:
+            why = "stale: no answer to pings" if state.stale else "closed or failed (nats_error)"
+            log.warning(
+                "nats_disconnected",
+                server=state.server,
+                reason=why,
+                hint="reconnecting (to another server where one is known); work continues "
+                "when it is back",
+            )
 
     async def on_reconnect() -> None:
-        state.disconnected_at = None
-        log.info("nats_reconnected")
+        state.came_up(_server_of(client))
+        log.info("nats_reconnected", server=state.server)
 
     async def on_closed() -> None:
-        if state.disconnected_at is None:
-            state.disconnected_at = time.monotonic()
+        state.went_down(ours=state.closing or client.last_error is None)
         if client.last_error is None:
             state.closing = True  # no error: a close we asked for (drain, close)
         if not state.closing:
@@ -131,20 +223,41 @@ async def _connect(client: NATS, settings: NatsSettings, name: str, state: Conne
             )
         state.closed.set()
 
-    await client.connect(
-        servers=_servers(settings),
-        name=name,
-        connect_timeout=5,
-        reconnect_time_wait=1,
-        max_reconnect_attempts=-1,
-        allow_reconnect=True,
-        error_cb=on_error,
-        disconnected_cb=on_disconnect,
-        reconnected_cb=on_reconnect,
-        closed_cb=on_closed,
-        **connect_options(settings),
-    )
-    return client
+    return {
+        "error_cb": on_error,
+        "disconnected_cb": on_disconnect,
+        "reconnected_cb": on_reconnect,
+        "closed_cb": on_closed,
+    }
+
+
+class _NextServer:
+    """Which server a reconnect tries next (nats-py's ``reconnect_to_server_handler``).
+
+    nats-py's own choice is a shuffle, so after a stale connection it may try the silent
+    server first and wait out its connect timeout (5 s) before a healthy one. Here the least
+    tried comes first, the one just lost last among equals; every known server is tried
+    once at once, then one a second apart (nats-py's ``reconnect_time_wait``, which it does
+    not apply when a handler chooses).
+    """
+
+    def __init__(self, state: ConnectionState) -> None:
+        self._state = state
+        self._round: tuple[float | None, int] = (None, 0)  # (the disconnect, tries since)
+
+    def __call__(self, servers: list[Server], _info: dict[str, Any]) -> tuple[Server, float]:
+        since, tries = self._round
+        if since != self._state.disconnected_at:
+            since, tries = self._state.disconnected_at, 0
+        self._round = (since, tries + 1)
+        lost = self._state.server
+        chosen = min(servers, key=lambda s: (s.reconnects, redact_url(s.uri.geturl()) == lost))
+        return chosen, 0.0 if tries < len(servers) else float(_RECONNECT_WAIT_S)
+
+
+def _server_of(client: NATS) -> str:
+    url = client.connected_url
+    return redact_url(url.geturl()) if url is not None else ""
 
 
 def _servers(settings: NatsSettings) -> list[str]:

@@ -32,6 +32,7 @@ _TOO_LARGE_CODES = {10054}  # message size exceeds the stream's maximum
 # Room left in a message for the headers and the protocol line around the payload.
 _HEADER_ROOM_BYTES = 4096
 _OBJECT_TIMEOUT_S = 60.0  # one object-store put or get (megabytes in chunks)
+_DIRECT_GET_S = 1.0  # a replica answers a direct get in milliseconds (see ``exists``)
 _SAFE_SUBJECT = re.compile(r"results(\.[A-Za-z0-9_-]{1,400}){2}")
 
 
@@ -126,10 +127,22 @@ class ResultStore:
         return {**result, "response": None, "response_object": pointer}
 
     async def exists(self, job_id: str, task_id: str) -> bool:
+        """Whether the task's result is stored: asked of any replica (a direct get), and of
+        the stream's leader when that one does not answer within ``_DIRECT_GET_S``.
+
+        Any replica takes a direct get, and one that went silent (a frozen node, which the
+        other nodes keep routing to until they drop it, a minute or more) never answers:
+        without the second ask every admission it took waited the whole request timeout. The
+        leader is elected among the nodes that answer.
+        """
+        stream, subject = self._settings.results_stream, result_subject(job_id, task_id)
         try:
-            await self._js.get_last_msg(
-                self._settings.results_stream, result_subject(job_id, task_id), direct=True
-            )
+            try:
+                await asyncio.wait_for(
+                    self._js.get_last_msg(stream, subject, direct=True), _DIRECT_GET_S
+                )
+            except TimeoutError:
+                await self._js.get_last_msg(stream, subject)
         except NotFoundError:
             return False
         except (TimeoutError, nats.errors.Error) as error:

@@ -26,7 +26,7 @@ from config.errors import ErrorKind, Failure, ResultRefused, ResultsUnavailable
 from config.settings import NatsSettings
 from worker.nats.dead_letters import DeadLetters
 from worker.nats.delivery import own
-from worker.nats.patience import patiently
+from worker.nats.patience import UntilConnected, at_once, patiently
 from worker.nats.results import ResultStore
 from worker.nats.subjects import subject_job, subject_pipeline
 from worker.outcome import Outcome
@@ -54,6 +54,9 @@ class NatsRules:
     count: Callable[[str], None] = lambda _outcome: None
     # A result not written because one was already stored: a second completion of the task.
     completed_twice: Callable[[], None] = lambda: None
+    # A store retried while the client reconnects waits for the new connection (within
+    # ``store_retry_s``) and is made on it at once: see ``patience``.
+    until_connected: UntilConnected = at_once
 
     async def settle(self, task: Task, delivery: Delivery, outcome: Outcome) -> str:
         """Store-then-ack, or nak, for the engine's ``outcome``; returns what is counted (ok,
@@ -171,7 +174,7 @@ class NatsRules:
                 )
                 self.completed_twice()
 
-        await patiently(store, self.store_retry_s)
+        await patiently(store, self.store_retry_s, self.until_connected)
 
     async def _unconfirmed(
         self,

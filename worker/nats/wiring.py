@@ -64,6 +64,7 @@ class NatsParts:
         self.waiting = waiting = TasksWaiting(
             nats_waiting_read(js, s.nats, served.names), s.metrics.tasks_waiting_read_s
         )
+        rules.until_connected = self.connection.until_connected
         self._link = SourceLink(
             kind="nats",
             source=NatsSource(self.feed, max_deliver),

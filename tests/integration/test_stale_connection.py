@@ -1,0 +1,81 @@
+"""A connection that stops answering, its socket still open (a hung server, a paused VM, a
+half-open path behind a NAT), against a real nats-server behind a proxy that stops forwarding:
+the worker says so, at the default settings, long before the old minutes of silence."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.helpers import client, running_worker, submit, upload_images, wait_results
+from tests.tcp_proxy import StallingProxy
+from worker.commands.localservers import free_port
+
+pytestmark = pytest.mark.integration
+SAID_WITHIN_S = 35.0  # 15-20 s to notice at the defaults, then 6 s; it was 4-6 minutes
+GAUGE = 'inference_worker_source_connected{source="nats"}'
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def _gauge(port: int) -> float | None:
+    _, body = _get(f"http://127.0.0.1:{port}/metrics")
+    for line in body.splitlines():
+        if line.startswith(GAUGE):
+            return float(line.split()[-1])
+    return None
+
+
+async def _until(port: int, status: int, connected: float, within_s: float) -> str:
+    """Until /healthz answers ``status`` and the source gauge reads ``connected``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        code, body = await asyncio.to_thread(_get, f"http://127.0.0.1:{port}/healthz")
+        gauge = await asyncio.to_thread(_gauge, port)
+        if code == status and gauge == connected:
+            return body
+        assert time.monotonic() < deadline, (
+            f"after {within_s}s /healthz is {code} ({body.strip()}), the gauge {gauge}"
+        )
+        await asyncio.sleep(0.5)
+
+
+async def test_a_connection_that_stops_answering_is_reported_and_replaced_when_it_answers(
+    own_nats_server, s3_server, bucket, settings_for
+):
+    # Given a worker on a single nats-server, through a proxy, at the default NATS settings
+    proxy = await StallingProxy(own_nats_server.port).start()
+    port = free_port()
+    settings = settings_for(proxy.url, metrics={"port": port})
+    direct = settings_for(own_nats_server.url)  # the same streams, not through the proxy
+    (image,) = upload_images(s3_server.client(), bucket, 1)
+    try:
+        async with running_worker(settings) as app:
+            await _until(port, 200, 1.0, 30)
+            # When the path stops forwarding, both sockets left open
+            proxy.stall()
+            stalled_at = time.monotonic()
+            # Then the worker says so: the gauge reads 0, /healthz 503 naming the connection
+            body = await _until(port, 503, 0.0, SAID_WITHIN_S)
+            print(f"said after {time.monotonic() - stalled_at:.1f} s: {body.strip()}")
+            assert "nats" in body and "stale" in body, body
+            assert app.worker is not None and not app.parts.connection.closed.is_set()
+            # And when the path forwards again, the same process serves again
+            proxy.resume()
+            await _until(port, 200, 1.0, 30)
+            async with client(direct) as js:
+                await submit(js, direct, "job-after-stall", [image])
+                (result,) = await wait_results(js, direct, "job-after-stall", 1, timeout_s=60)
+            assert result["status"] == "ok"
+    finally:
+        await proxy.close()
