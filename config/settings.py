@@ -521,6 +521,12 @@ class FaultSettings(BaseModel):
         description="testing only: every model load takes this many seconds longer (a big "
         "model from S3, a slow build): a start as slow as it makes it",
     )
+    slow_store_s: float = Field(
+        0.0,
+        ge=0,
+        description="testing only: every result written to the NATS results stream takes this "
+        "many seconds longer first (a slow results stream): settles as slow as it makes them",
+    )
     device_error_once_file: str = Field(
         "",
         description="testing only: the first process to create this file, at its batch "
