@@ -228,6 +228,9 @@ class Worker:
         timed = Outcome(outcome.detections, outcome.failure, timings_s)
         try:
             await self.link.rules.settle(held.task, held.delivery, timed)
+        except asyncio.CancelledError:  # the drain's time ran out: given back, never stranded
+            await self.claims.give_back([held], "the drain ended before its result was stored")
+            raise
         except Exception:  # the per-task boundary: logged; its ack wait brings it back
             log.exception("settle_failed", task_id=held.task.id, job_id=held.task.job_id)
         finally:
@@ -363,12 +366,16 @@ class Worker:
             log.info(
                 "tasks_given_back", count=len(leftovers), reason="delivered after the last fetch"
             )
-        try:
-            await asyncio.wait_for(processor, max(self._drain_left_s(), 0.1))
-        except TimeoutError:
-            log.error("drain_timeout", held=len(self.claims))
-        except Exception:  # noqa: BLE001 - reported by run() from the task itself
-            pass
+        if not (await asyncio.wait({processor}, timeout=max(self._drain_left_s(), 0.1)))[0]:
+            log.error(
+                "drain_timeout",
+                held=len(self.claims),
+                action="giving back every held task whose result is not stored and acked",
+            )
+            # The batches' run passes the cancel on to the settles in flight; each gives back
+            # at once what it has not acked (no network wait: a nak, a local note).
+            processor.cancel()
+            await asyncio.wait({processor})
         rest = self.claims.all()
         self.batches.forget(rest)
         await self.claims.give_back(rest, "not finished before exit")
