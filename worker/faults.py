@@ -1,9 +1,8 @@
-"""Faults for chaos tests, installed by the wiring when a setting asks: a model load made slower,
-an engine thread wedged, a device that fails for good, a results stream made slower."""
+"""Faults for chaos tests on the engine, installed by the wiring when a setting asks: a model
+load made slower, an engine thread wedged, a device that fails for good."""
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -15,7 +14,6 @@ from datasets.faults import claim_once
 from datasets.images import Decoded
 from worker.engine import Engine
 from worker.engine.models import Models, Predictor
-from worker.nats.results import ResultStore
 from worker.ports import BatchReport
 
 log = structlog.get_logger(__name__)
@@ -32,20 +30,6 @@ def slow_loading(load: Callable[[A], T], seconds: float) -> Callable[[A], T]:
         return load(chosen)
 
     return slowly
-
-
-class SlowResultStore(ResultStore):
-    """The NATS results stream, each write ``seconds`` longer first: a settle takes that long
-    before its result is stored and its task acked (a slow or distant results stream)."""
-
-    def __init__(self, *args: Any, seconds: float, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._seconds = seconds
-
-    async def store(self, result: dict[str, Any]) -> bool:
-        log.warning("fault_hook_slow_result_store", seconds=self._seconds)
-        await asyncio.sleep(self._seconds)
-        return await super().store(result)
 
 
 class WedgingEngine:

@@ -37,7 +37,7 @@ def _result_store(s: Settings, js: Any, max_payload: Callable[[], int]) -> Resul
     """The results stream, or one made slower when a chaos test asks (``faults.slow_store_s``)."""
     if not s.faults.slow_store_s:
         return ResultStore(js, s.nats, max_payload)
-    from worker.faults import SlowResultStore
+    from worker.nats.faults import SlowResultStore
 
     return SlowResultStore(js, s.nats, max_payload, seconds=s.faults.slow_store_s)
 
