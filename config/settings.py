@@ -382,7 +382,11 @@ class HealthSettings(BaseModel):
     stall_timeout_s: float = Field(
         120.0, description="held work and no batch for this long = stalled"
     )
-    drain_timeout_s: float = Field(30.0, description="SIGTERM: time to finish or give back work")
+    drain_timeout_s: float = Field(
+        30.0,
+        description="SIGTERM: time to finish or give back work; shorter than "
+        "WORKER_HEALTH__WATCHDOG_TIMEOUT_S (when on)",
+    )
     disconnected_timeout_s: float = Field(
         60.0,
         description="NATS connection lost for this long: /readyz and /healthz answer 503, "
