@@ -218,3 +218,54 @@ async def test_a_drain_that_runs_out_mid_settle_acks_or_gives_back_every_task_an
     assert {json.loads(m.data)["id"] for m in given_back} == all_ids - stored, log[-3000:]
     assert done == stored, "each task acked says so, with its result stored"
     assert said_given_back == all_ids - stored, "each task given back says so"
+
+
+async def test_the_watchdog_does_not_end_a_drain_that_is_within_its_time(
+    nats_server, s3_server, bucket, settings_for, tmp_path
+):
+    """The last batch ran 4 s before the SIGTERM and its result store would take 30 s;
+    nothing feeds the watchdog meanwhile. The drain (6 s) is shorter than the watchdog (8 s),
+    but it ends 10 s after the batch: the watchdog's window starts over at the stop, so the
+    drain gives back the tasks and the process exits 0, not with the watchdog's thread dump."""
+    settings = settings_for(nats_server.url)
+    uris = upload_images(s3_server.client(), bucket, 4)
+    log_path = tmp_path / "worker.log"
+    async with client(settings) as js:
+        await provision(js, settings.nats, settings.model.pipeline)
+        env = worker_env(
+            settings,
+            WORKER_METRICS__PORT="0",
+            WORKER_LOADER__BATCH_SIZE="4",
+            WORKER_LOADER__TIMEOUT_S="1.5",
+            WORKER_S3__CONNECT_TIMEOUT_S="0.3",
+            WORKER_S3__READ_TIMEOUT_S="0.4",
+            WORKER_S3__MAX_ATTEMPTS="1",
+            WORKER_HEALTH__STALL_TIMEOUT_S="2",
+            WORKER_HEALTH__WATCHDOG_TIMEOUT_S="8",
+            WORKER_HEALTH__DRAIN_TIMEOUT_S="6",
+            WORKER_FAULTS__SLOW_STORE_S="30",
+        )
+        with worker_process(env, log_path) as proc:
+            tasks = await submit(js, settings, "job-drain-watchdog", uris)
+            deadline = time.monotonic() + 120
+            while _tasks_run(log_path) < len(tasks):  # the last batch's end: t0
+                assert proc.poll() is None, log_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(4)
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            proc.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(proc.wait, 30)
+        given_back = await take_back(js, settings, "job-drain-watchdog", len(tasks))
+
+    log = log_path.read_text()
+    assert code == 0, log[-3000:]
+    assert "Timeout (0:00:08)!" not in log
+    assert len(given_back) == len(tasks), "given back at the drain's end, not left to time out"
+
+
+def _tasks_run(log_path) -> int:
+    """The tasks of the batches the worker's log says were run (its whole lines only)."""
+    text = log_path.read_text()
+    lines = [json.loads(x) for x in text.splitlines() if x.startswith("{") and x.endswith("}")]
+    return sum(line["size"] for line in lines if line.get("event") == "batch_done")
