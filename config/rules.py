@@ -118,6 +118,15 @@ def watchdog_between_stall_and_redelivery(s: Settings) -> list[str]:
     ]
 
 
+def drain_before_watchdog(s: Settings) -> list[str]:
+    """A drain ends before the watchdog's window, which starts over at the stop: a drain
+    that is working is never ended by the watchdog's thread dump and exit 1."""
+    if not s.health.watchdog_timeout_s:
+        return []
+    why = ", so a drain ends before the watchdog would end the process"
+    return _shorter(s, ("health", "drain_timeout_s"), ("health", "watchdog_timeout_s"), why)
+
+
 def store_retry_within_ack_wait(s: Settings) -> list[str]:
     return _shorter(s, ("nats", "store_retry_s"), ("nats", "ack_wait_s"))
 
@@ -232,6 +241,7 @@ RULES: tuple[Rule, ...] = (
     sources_well_formed,
     fetch_within_stall,
     watchdog_between_stall_and_redelivery,
+    drain_before_watchdog,
     store_retry_within_ack_wait,
     drain_within_ack_wait,
     metrics_port_is_a_port,

@@ -396,7 +396,11 @@ class HealthSettings(BaseModel):
     stall_timeout_s: float = Field(
         120.0, description="held work and no batch for this long = stalled"
     )
-    drain_timeout_s: float = Field(30.0, description="SIGTERM: time to finish or give back work")
+    drain_timeout_s: float = Field(
+        30.0,
+        description="SIGTERM: time to finish or give back work; shorter than "
+        "WORKER_HEALTH__WATCHDOG_TIMEOUT_S (when on)",
+    )
     disconnected_timeout_s: float = Field(
         60.0,
         description="NATS connection lost for this long: /readyz and /healthz answer 503, "
@@ -534,6 +538,12 @@ class FaultSettings(BaseModel):
         ge=0,
         description="testing only: every model load takes this many seconds longer (a big "
         "model from S3, a slow build): a start as slow as it makes it",
+    )
+    slow_store_s: float = Field(
+        0.0,
+        ge=0,
+        description="testing only: every result written to the NATS results stream takes this "
+        "many seconds longer first (a slow results stream): settles as slow as it makes them",
     )
     device_error_once_file: str = Field(
         "",

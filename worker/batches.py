@@ -34,6 +34,8 @@ from worker.fairshare import FairQueue, JobKey
 from worker.outcome import Outcome
 from worker.ports import BatchEngine, BatchReport
 
+# Settles a batch run: each task acked with its result stored, or given back. Cancelled (the
+# drain's time ran out), it gives back at once every task it has not acked, then ends.
 SettleBatch = Callable[[list[Claim], BatchReport], Coroutine[Any, Any, None]]
 Prepare = Callable[[str], Coroutine[Any, Any, Failure | None]]
 MAX_HOLD_S = 30.0  # the longest a load keeps other unloaded pipelines waiting
@@ -51,6 +53,21 @@ class _Hold:
 
 async def _always_ready(_pipeline: str) -> Failure | None:
     return None
+
+
+async def _settled(settling: deque[asyncio.Task[None]]) -> None:
+    """Every settle in ``settling`` ended. A cancel meanwhile (the drain's time ran out) is
+    passed on to them and waited out (each gives back what it has not acked: no task is left
+    neither acked nor given back), then raised."""
+    if not settling:
+        return
+    try:
+        await asyncio.wait(settling)
+    except asyncio.CancelledError:
+        for task in settling:
+            task.cancel()
+        await asyncio.wait(settling)
+        raise
 
 
 class Batches:
@@ -117,39 +134,51 @@ class Batches:
         self._engine.forget([h.key for h in held])
 
     async def run(self) -> None:
-        """Form and run batches until ``stop``; the settling of every batch run is awaited."""
-        loop = asyncio.get_running_loop()
+        """Form and run batches until ``stop``; the settling of every batch run is awaited.
+
+        A cancel (the drain's time ran out) never leaves a settle half-way: it is passed on to
+        every settle in flight, each of which gives back at once the tasks it has not acked
+        (``SettleBatch``'s contract), and the run ends once they have."""
         settling: deque[asyncio.Task[None]] = deque()
 
         async def settle(batch: list[Claim], report: BatchReport) -> None:
             while len(settling) >= SETTLES_IN_FLIGHT:
-                await settling.popleft()
+                await asyncio.wait({settling[0]})  # a cancel here is not the settle's
+                settling.popleft()
             settling.append(asyncio.create_task(self._settle(batch, report)))
 
         try:
-            while batch := await self._next_batch():
-                pipeline = batch[0].task.pipeline
-                failure = await self._prepared(pipeline)
-                if failure is not None:
-                    batch += self._waiting.take_pipeline(pipeline)
-                    self._engine.forget([h.key for h in batch])
-                    report = BatchReport({h.key: Outcome(failure=failure) for h in batch}, 0, 0, 0)
-                    await settle(batch, report)
-                    continue
-                keys = [h.key for h in batch]
-                running = loop.run_in_executor(
-                    self._engine_thread, self._engine.run_batch, keys, pipeline
-                )
-                self._in_engine = running
-                report = await running
-                self._on_batch(batch, report)
-                await settle(batch, report)
+            await self._dispatch(settle)
         except DeviceFailed as failed:
             self._on_device_failed(failed)  # stop fetching now, not once the settles end
             raise
+        except asyncio.CancelledError:
+            for task in settling:
+                task.cancel()
+            raise
         finally:
-            while settling:
-                await asyncio.shield(settling.popleft())
+            await _settled(settling)
+
+    async def _dispatch(self, settle: SettleBatch) -> None:
+        """Run the batches until ``stop``, each one's report handed to ``settle``."""
+        loop = asyncio.get_running_loop()
+        while batch := await self._next_batch():
+            pipeline = batch[0].task.pipeline
+            failure = await self._prepared(pipeline)
+            if failure is not None:
+                batch += self._waiting.take_pipeline(pipeline)
+                self._engine.forget([h.key for h in batch])
+                report = BatchReport({h.key: Outcome(failure=failure) for h in batch}, 0, 0, 0)
+                await settle(batch, report)
+                continue
+            keys = [h.key for h in batch]
+            running = loop.run_in_executor(
+                self._engine_thread, self._engine.run_batch, keys, pipeline
+            )
+            self._in_engine = running
+            report = await running
+            self._on_batch(batch, report)
+            await settle(batch, report)
 
     async def _prepared(self, pipeline: str) -> Failure | None:
         """``prepare``; a load that happened starts a hold for ``pipeline``."""

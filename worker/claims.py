@@ -106,7 +106,8 @@ class Claims:
         for h in held:
             await self._give_back(h.delivery)
         self.release(held)
-        log.info("tasks_given_back", count=len(held), reason=reason)
+        ids = [h.task.id for h in held]
+        log.info("tasks_given_back", count=len(held), reason=reason, task_ids=ids)
 
 
 async def best_effort(action: Awaitable[None]) -> None:

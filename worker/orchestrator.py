@@ -129,6 +129,9 @@ class Worker:
         finally:
             self._stop.set()  # the caller's event stays theirs (a second signal means "now")
             self._drain_by = time.monotonic() + self.settings.health.drain_timeout_s
+            # The watchdog's window starts over: the drain timeout is shorter than it (a
+            # settings rule), and a drain that makes progress feeds it (``_drain``).
+            self.services.liveness.still_working()
             await self._let_fetch_finish(fetcher)
             for helper in [stopped, halted, *helpers]:
                 helper.cancel()
@@ -228,10 +231,15 @@ class Worker:
         timed = Outcome(outcome.detections, outcome.failure, timings_s)
         try:
             await self.link.rules.settle(held.task, held.delivery, timed)
+        except asyncio.CancelledError:  # the drain's time ran out: given back, never stranded
+            await self.claims.give_back([held], "the drain ended before its result was stored")
+            raise
         except Exception:  # the per-task boundary: logged; its ack wait brings it back
             log.exception("settle_failed", task_id=held.task.id, job_id=held.task.job_id)
         finally:
             self.claims.release([held])
+            if self._stop.is_set():
+                self.services.liveness.still_working()  # a drain that settles is working
 
     # -- why we stop ----------------------------------------------------------------------
     def _end(self, exit: Exit, log_as: str = "") -> None:
@@ -353,6 +361,7 @@ class Worker:
         (with ``finish_held_on_stop``: run the held tasks' batches first, while the drain time
         allows one more, and give back only what is left)."""
         leftovers = await self.link.source.close()
+        self.services.liveness.still_working()
         deadline = self._drain_by  # the drain timeout counts from the stop
         if self.link.finish_held_on_stop:
             await self._finish_held(processor, deadline)
@@ -363,12 +372,17 @@ class Worker:
             log.info(
                 "tasks_given_back", count=len(leftovers), reason="delivered after the last fetch"
             )
-        try:
-            await asyncio.wait_for(processor, max(self._drain_left_s(), 0.1))
-        except TimeoutError:
-            log.error("drain_timeout", held=len(self.claims))
-        except Exception:  # noqa: BLE001 - reported by run() from the task itself
-            pass
+        self.services.liveness.still_working()
+        if not (await asyncio.wait({processor}, timeout=max(self._drain_left_s(), 0.1)))[0]:
+            log.error(
+                "drain_timeout",
+                held=len(self.claims),
+                action="giving back every held task whose result is not stored and acked",
+            )
+            # The batches' run passes the cancel on to the settles in flight; each gives back
+            # at once what it has not acked (no network wait: a nak, a local note).
+            processor.cancel()
+            await asyncio.wait({processor})
         rest = self.claims.all()
         self.batches.forget(rest)
         await self.claims.give_back(rest, "not finished before exit")

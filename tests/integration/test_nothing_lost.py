@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import time
 
 import psutil
 import pytest
@@ -165,3 +167,105 @@ async def test_sigterm_mid_job_finishes_the_batch_gives_back_the_rest_and_exits_
     assert sorted(r["task_id"] for r in results) == sorted(t.id for t in tasks)
     # At most: the drained worker's delivery, this test's take-back, the next worker's.
     assert max(r["attempt"] for r in results) <= 3
+
+
+async def test_a_drain_that_runs_out_mid_settle_acks_or_gives_back_every_task_and_says_which(
+    nats_server, s3_server, bucket, settings_for, tmp_path
+):
+    """Each result takes 3 s to store and the drain has 1 s: the SIGTERM lands while two
+    batches are being settled. No task may be left for its ack wait (300 s): each one held is
+    acked with its result stored, or given back at once, and its line says which."""
+    settings = settings_for(nats_server.url)
+    uris = upload_images(s3_server.client(), bucket, 16)
+    log_path = tmp_path / "worker.log"
+    async with client(settings) as js:
+        await provision(js, settings.nats, settings.model.pipeline)
+        env = worker_env(
+            settings,
+            WORKER_METRICS__PORT="0",
+            WORKER_LOADER__BATCH_SIZE="4",
+            WORKER_FAULTS__SLOW_STORE_S="3",
+            WORKER_HEALTH__DRAIN_TIMEOUT_S="1",
+        )
+        with worker_process(env, log_path) as proc:
+            tasks = await submit(js, settings, "job-drain-settles", uris)
+            deadline = time.monotonic() + 120
+            # Two batches' settles under way (4 slow writes each), the third batch next.
+            while log_path.read_text().count("fault_hook_slow_result_store") < 8:
+                assert proc.poll() is None, log_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(proc.wait, 30)
+        stored = {r["task_id"] for r in await job_results(js, settings.nats, "job-drain-settles")}
+        # Given back with nak, so they come at once; none is left for its ack wait.
+        given_back = await take_back(
+            js, settings, "job-drain-settles", len(tasks) - len(stored), hand_on=True
+        )
+
+    log = log_path.read_text()
+    lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    done = {line["task_id"] for line in lines if line.get("event") == "task_done"}
+    said_given_back = {
+        task_id
+        for line in lines
+        if line.get("event") == "tasks_given_back"
+        for task_id in line.get("task_ids", [])
+    }
+    all_ids = {t.id for t in tasks}
+    assert code == 0, log[-3000:]
+    assert {json.loads(m.data)["id"] for m in given_back} == all_ids - stored, log[-3000:]
+    assert done == stored, "each task acked says so, with its result stored"
+    assert said_given_back == all_ids - stored, "each task given back says so"
+
+
+async def test_the_watchdog_does_not_end_a_drain_that_is_within_its_time(
+    nats_server, s3_server, bucket, settings_for, tmp_path
+):
+    """The last batch ran 4 s before the SIGTERM and its result store would take 30 s;
+    nothing feeds the watchdog meanwhile. The drain (6 s) is shorter than the watchdog (8 s),
+    but it ends 10 s after the batch: the watchdog's window starts over at the stop, so the
+    drain gives back the tasks and the process exits 0, not with the watchdog's thread dump."""
+    settings = settings_for(nats_server.url)
+    uris = upload_images(s3_server.client(), bucket, 4)
+    log_path = tmp_path / "worker.log"
+    async with client(settings) as js:
+        await provision(js, settings.nats, settings.model.pipeline)
+        env = worker_env(
+            settings,
+            WORKER_METRICS__PORT="0",
+            WORKER_LOADER__BATCH_SIZE="4",
+            WORKER_LOADER__TIMEOUT_S="1.5",
+            WORKER_S3__CONNECT_TIMEOUT_S="0.3",
+            WORKER_S3__READ_TIMEOUT_S="0.4",
+            WORKER_S3__MAX_ATTEMPTS="1",
+            WORKER_HEALTH__STALL_TIMEOUT_S="2",
+            WORKER_HEALTH__WATCHDOG_TIMEOUT_S="8",
+            WORKER_HEALTH__DRAIN_TIMEOUT_S="6",
+            WORKER_FAULTS__SLOW_STORE_S="30",
+        )
+        with worker_process(env, log_path) as proc:
+            tasks = await submit(js, settings, "job-drain-watchdog", uris)
+            deadline = time.monotonic() + 120
+            while _tasks_run(log_path) < len(tasks):  # the last batch's end: t0
+                assert proc.poll() is None, log_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(4)
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            proc.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(proc.wait, 30)
+        given_back = await take_back(js, settings, "job-drain-watchdog", len(tasks))
+
+    log = log_path.read_text()
+    assert code == 0, log[-3000:]
+    assert "Timeout (0:00:08)!" not in log
+    assert len(given_back) == len(tasks), "given back at the drain's end, not left to time out"
+
+
+def _tasks_run(log_path) -> int:
+    """The tasks of the batches the worker's log says were run (its whole lines only)."""
+    text = log_path.read_text()
+    lines = [json.loads(x) for x in text.splitlines() if x.startswith("{") and x.endswith("}")]
+    return sum(line["size"] for line in lines if line.get("event") == "batch_done")

@@ -10,6 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from config.errors import Failure
 from tests.fakes import FakeEngine, FakeSource, task_msg
 from tests.unit.test_orchestrator import a_worker
@@ -192,3 +194,47 @@ async def test_a_failed_device_is_told_at_once_not_after_the_settles_in_flight()
         "told while the first batch's store was still waiting"
     )
     assert stored == [0, 1], "the batch run before the failure is still stored"
+
+
+@pytest.mark.parametrize("when", ["waiting_for_a_settle", "after_stop"])
+async def test_a_cancelled_run_passes_the_cancel_to_every_settle_and_ends_when_they_have(when):
+    """The drain's time ran out (the orchestrator cancels the run) while batches are being
+    settled by a store that would take long: no settle is stranded half-way. Each one in
+    flight is cancelled, gives back the tasks it has not acked, and only then the run ends:
+    no task is left neither acked nor given back."""
+    engine = OneModelEngine(0.0)
+    engine.loaded.append("animals")
+    store = asyncio.Event()  # never set: a store slower than the drain
+    started: list[int] = []
+    given_back: list[int] = []
+    acked: list[int] = []
+
+    async def settle(batch: list[Any], report: BatchReport) -> None:
+        keys = [h.key for h in batch]
+        started.extend(keys)
+        try:
+            await store.wait()
+        except asyncio.CancelledError:
+            await asyncio.sleep(0)  # a nak takes a turn of the loop
+            given_back.extend(keys)
+            raise
+        acked.extend(keys)
+
+    tasks = 6 if when == "waiting_for_a_settle" else 4
+    with ThreadPoolExecutor(1) as thread:
+        batches = Batches(2, engine, thread, lambda _b, _r: None, settle)
+        batches.add([claim(i, "animals", "job-a") for i in range(tasks)])
+        running = asyncio.create_task(batches.run())
+        for _ in range(500):  # two batches being settled, and (waiting) the third one run
+            if len(started) == 4 and len(engine.ran) == tasks // 2:
+                break
+            await asyncio.sleep(0.01)
+        if when == "after_stop":
+            batches.stop()
+        await asyncio.sleep(0.05)
+        running.cancel()
+        done, _ = await asyncio.wait({running}, timeout=5)
+    assert done, "the run ended once its settles had given back their tasks"
+    assert started == [0, 1, 2, 3]
+    assert sorted(given_back) == started, "every settle in flight gave back its tasks"
+    assert acked == []

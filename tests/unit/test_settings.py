@@ -72,6 +72,10 @@ def test_defaults_match_the_spec(monkeypatch, weights):
             ["WORKER_HEALTH__WATCHDOG_TIMEOUT_S", "WORKER_NATS__ACK_WAIT_S"],
         ),
         (
+            {"health": {"drain_timeout_s": 180}},  # not before the watchdog (180 s)
+            ["WORKER_HEALTH__DRAIN_TIMEOUT_S", "WORKER_HEALTH__WATCHDOG_TIMEOUT_S"],
+        ),
+        (
             {"loader": {"fast_decode": True, "exact_decode": True}},
             ["WORKER_LOADER__FAST_DECODE", "WORKER_LOADER__EXACT_DECODE"],
         ),
@@ -89,7 +93,7 @@ def test_each_start_up_rule_holds_just_inside_its_bound_and_the_watchdog_can_be_
     load_settings(  # accepted: every bound strict, none crossed
         model={"weights": weights},
         nats={"ack_wait_s": 300, "store_retry_s": 299},
-        health={"stall_timeout_s": 120, "drain_timeout_s": 299, "watchdog_timeout_s": 299},
+        health={"stall_timeout_s": 120, "drain_timeout_s": 298, "watchdog_timeout_s": 299},
     )
     no_room = {"ack_wait_s": 121}  # no room for the watchdog between 120 s and 121 s
     with pytest.raises(ConfigError, match="WORKER_HEALTH__WATCHDOG_TIMEOUT_S"):
@@ -98,6 +102,9 @@ def test_each_start_up_rule_holds_just_inside_its_bound_and_the_watchdog_can_be_
         model={"weights": weights},
         nats=no_room,
         health={"stall_timeout_s": 120, "watchdog_timeout_s": 0},  # off: no rule for it
+    )
+    load_settings(  # the watchdog off: a drain as long as the ack wait allows
+        model={"weights": weights}, health={"drain_timeout_s": 299, "watchdog_timeout_s": 0}
     )
 
 

@@ -6,6 +6,7 @@ and their shutdown."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -30,6 +31,15 @@ from worker.sources import SourceLink
 
 log = structlog.get_logger(__name__)
 _CLOSE_WAIT_S = 10.0
+
+
+def _result_store(s: Settings, js: Any, max_payload: Callable[[], int]) -> ResultStore:
+    """The results stream, or one made slower when a chaos test asks (``faults.slow_store_s``)."""
+    if not s.faults.slow_store_s:
+        return ResultStore(js, s.nats, max_payload)
+    from worker.nats.faults import SlowResultStore
+
+    return SlowResultStore(js, s.nats, max_payload, seconds=s.faults.slow_store_s)
 
 
 class NatsParts:
@@ -58,7 +68,7 @@ class NatsParts:
         await provision(js, s.nats, served.names)
         self.feed = TaskFeed(nc, s.nats, served.names)
         await self.feed.open()
-        store = ResultStore(js, s.nats, lambda: int(nc.max_payload))
+        store = _result_store(s, js, lambda: int(nc.max_payload))
         max_deliver = await self.feed.max_deliver()
         self.rules = rules = nats_rules(js, s.nats, store, served.default, served.model_info)
         self.waiting = waiting = TasksWaiting(
