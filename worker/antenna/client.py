@@ -303,6 +303,15 @@ class AntennaClient:
         for conn in idle:
             conn.close()
 
+    def _headers(self, has_body: bool) -> dict[str, str]:
+        headers = {"Accept": "application/json", "User-Agent": "inference-worker"}
+        secret = self._token.get_secret_value()
+        if secret:
+            headers["Authorization"] = f"Token {secret}"
+        if has_body:
+            headers["Content-Type"] = "application/json"
+        return headers
+
     def _exchange(
         self,
         exchange: _Exchange,
@@ -313,13 +322,7 @@ class AntennaClient:
         deadline: float,
     ) -> tuple[int, str, str, bytes]:
         """Status, Location, Content-Type and body of one exchange."""
-        headers = {"Accept": "application/json", "User-Agent": "inference-worker"}
-        secret = self._token.get_secret_value()
-        if secret:
-            headers["Authorization"] = f"Token {secret}"
-        if body is not None:
-            headers["Content-Type"] = "application/json"
-        target = self._url.path + path
+        headers, target = self._headers(body is not None), self._url.path + path
         for attempt in range(2):
             conn, reused = self._connection(_left(deadline))
             exchange.hold(conn)
