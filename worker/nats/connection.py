@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from nats.aio.client import Client as NATS
-from nats.aio.client import Server
 
 from config.errors import TransientError
 from config.redact import redact_url
 from config.settings import NatsSettings
 from worker.nats.auth import connect_options, refusal
+
+if TYPE_CHECKING:
+    from nats.aio.client import Server  # nats-py 2.14 and later: _NextServer's argument
 
 log = structlog.get_logger(__name__)
 # An error reported this close before a disconnect explains it (nats-py reports the server's
@@ -171,7 +174,7 @@ async def _connect(client: NATS, settings: NatsSettings, name: str, state: Conne
         max_outstanding_pings=settings.max_outstanding_pings,
         max_reconnect_attempts=-1,
         allow_reconnect=True,
-        reconnect_to_server_handler=_NextServer(state),
+        **_reconnect_order(state),
         **_callbacks(client, settings, state),
         **connect_options(settings),
     )
@@ -229,6 +232,15 @@ def _callbacks(client: NATS, settings: NatsSettings, state: ConnectionState) -> 
         "reconnected_cb": on_reconnect,
         "closed_cb": on_closed,
     }
+
+
+def _reconnect_order(state: ConnectionState) -> dict[str, Any]:
+    """``_NextServer`` as the reconnect handler, where nats-py takes one (a recent option:
+    pyproject allows older nats-py, whose own shuffle is then kept, at up to one connect
+    timeout more to leave a silent server)."""
+    if "reconnect_to_server_handler" not in inspect.signature(NATS.connect).parameters:
+        return {}
+    return {"reconnect_to_server_handler": _NextServer(state)}
 
 
 class _NextServer:
