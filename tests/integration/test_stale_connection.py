@@ -5,6 +5,9 @@ the worker says so, at the default settings, long before the old minutes of sile
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -14,9 +17,11 @@ import pytest
 from tests.helpers import client, running_worker, submit, upload_images, wait_results
 from tests.tcp_proxy import StallingProxy
 from worker.commands.localservers import free_port
+from worker.nats.connection import ConnectionState, connect
 
 pytestmark = pytest.mark.integration
 SAID_WITHIN_S = 35.0  # 15-20 s to notice at the defaults, then 6 s; it was 4-6 minutes
+SILENT_SAID_S = 20.0  # 3 s of pings at 1 s, then 2 s for the old socket; it was never said
 GAUGE = 'inference_worker_source_connected{source="nats"}'
 
 
@@ -79,3 +84,42 @@ async def test_a_connection_that_stops_answering_is_reported_and_replaced_when_i
             assert result["status"] == "ok"
     finally:
         await proxy.close()
+
+
+async def test_a_silent_server_with_unsent_bytes_queued_is_left_and_said(
+    own_nats_server, settings_for
+):
+    """A frozen server stops reading: the client's unsent bytes fill the socket's buffers,
+    and nats-py's reconnect waits for that socket to close, which TCP does only after many
+    minutes. The worker's connection aborts it: the disconnect is said (stale) and the
+    reconnect goes on, the same connection object, once the server answers again."""
+    settings = settings_for(
+        own_nats_server.url, nats={"ping_interval_s": 1, "max_outstanding_pings": 2}
+    )
+    state = ConnectionState()
+    nc = await connect(settings.nats, state=state)
+    assert own_nats_server.proc is not None
+    pid = own_nats_server.proc.pid
+    payload = b"x" * 50_000
+    try:
+        # Given a client publishing large messages when its server freezes
+        os.kill(pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        while state.disconnected_at is None and time.monotonic() - frozen_at < SILENT_SAID_S:
+            with contextlib.suppress(Exception):
+                await nc.publish("stale.fill", payload)
+            await asyncio.sleep(0.02)
+        # Then the connection is said to be down, as stale, within seconds
+        assert state.disconnected_at is not None, (
+            f"after {SILENT_SAID_S}s of a frozen server the client still said connected"
+        )
+        print(f"said after {state.disconnected_at - frozen_at:.1f} s")
+        assert state.stale and not state.connected()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # And once the server answers again, the same client serves again
+    await state.until_connected(30)
+    assert state.connected()
+    await asyncio.wait_for(nc.flush(), 10)
+    state.closing = True
+    await asyncio.wait_for(nc.close(), 10)

@@ -114,9 +114,25 @@ def test_a_reconnect_tries_the_other_servers_before_the_one_that_went_silent():
     choose = _NextServer(state)
     first, wait_s = choose([lost, b, c], {})
     assert first is b and wait_s == 0
-    b.reconnects = 1  # b did not answer either
-    assert choose([lost, b, c], {}) == (c, 0.0)
-    c.reconnects = 1
+    assert choose([lost, b, c], {}) == (c, 0.0)  # b did not answer either
     assert choose([lost, b, c], {}) == (lost, 0.0)
-    lost.reconnects = 1
     assert choose([lost, b, c], {})[1] == 1.0, "each known server tried once, then a second apart"
+
+
+def test_servers_that_failed_in_an_earlier_outage_still_come_before_the_silent_one():
+    """nats-py's ``reconnects`` counts each server's failures since it last connected to it:
+    after an earlier outage the other nodes carry old counts and the node just lost none."""
+    from urllib.parse import urlparse
+
+    from nats.aio.client import Server
+
+    from worker.nats.connection import _NextServer
+
+    state = ConnectionState(Clock())
+    state.came_up("nats://127.0.0.1:4222")
+    state.went_down()
+    lost, b, c = (Server(urlparse(f"nats://127.0.0.1:{port}")) for port in (4222, 4223, 4224))
+    b.reconnects = c.reconnects = 20
+    choose = _NextServer(state)
+    picked = [choose([lost, b, c], {})[0] for _ in range(3)]
+    assert picked[:2] in ([b, c], [c, b]) and picked[2] is lost

@@ -29,6 +29,8 @@ _RECONNECT_WAIT_S = 1
 # A stale connection is said once the client has had time to try a server that does not
 # answer (it may pick the silent one first) and go on to the next.
 _STALE_GRACE_S = _CONNECT_TIMEOUT_S + _RECONNECT_WAIT_S
+_STUCK_CLOSE_S = 2.0  # a reconnect's wait for the old socket to close, before it is aborted
+_GUARD_TICK_S = 0.5
 
 
 class ConnectionState:
@@ -54,6 +56,7 @@ class ConnectionState:
         self.server = ""  # the server connected to last (redacted)
         self.error_at: float | None = None  # when the client last reported an error
         self.up = asyncio.Event()  # connected now
+        self.guard: asyncio.Task[None] | None = None  # _unstick_reconnects, while not closed
         self.closed = asyncio.Event()
         self.lost = asyncio.Event()  # closed for good, and not by us
         self.closed_reason = ""
@@ -117,7 +120,8 @@ class ConnectionState:
         down_s = self.down_for_s()
         if self.stale and down_s >= _STALE_GRACE_S:
             return (
-                "nats: the connection went stale (its server stopped answering pings) and no "
+                "nats: the connection went stale (its server stopped answering pings, or the "
+                "connection reset) and no "
                 f"server has answered in the {down_s:.0f}s since; reconnecting"
             )
         if down_s >= down_timeout_s:
@@ -179,7 +183,57 @@ async def _connect(client: NATS, settings: NatsSettings, name: str, state: Conne
         **connect_options(settings),
     )
     state.came_up(_server_of(client))
+    state.guard = asyncio.get_running_loop().create_task(_unstick_reconnects(client, state))
     return client
+
+
+async def _unstick_reconnects(client: NATS, state: ConnectionState) -> None:
+    """Abort the old socket of a reconnect that waits for it to close, until the client closes.
+
+    nats-py starts a reconnect (a stale connection, a read error) by closing the old socket and
+    waiting until it is closed. A socket with bytes still to send to a peer that stopped reading
+    (a frozen server, a half-open path: what made the pings go unanswered) closes only once
+    TCP gives up, many minutes later; meanwhile nothing is said (no disconnect callback), no
+    other server is tried and, once its buffer is full, every publish and nak waits. After
+    ``_STUCK_CLOSE_S`` of that the socket is aborted (its unsent bytes dropped: what they carried
+    is published again or comes back by redelivery), the disconnect is said, and the reconnect
+    goes on to the next server. Looked at every ``_GUARD_TICK_S``.
+    """
+    stuck_since: float | None = None
+    while not state.closed.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(state.closed.wait(), _GUARD_TICK_S)
+        if not (client.is_reconnecting and state.connected()):
+            stuck_since = None  # connected, or the reconnect said its disconnect: not stuck
+            continue
+        now = time.monotonic()
+        stuck_since = stuck_since or now
+        if now - stuck_since >= _STUCK_CLOSE_S:
+            stuck_since = None
+            state.went_down()  # no error before it: said as stale at once (gauge, /readyz)
+            log.warning(
+                "nats_socket_aborted",
+                server=state.server,
+                reason=f"the old connection did not close within {_STUCK_CLOSE_S:g}s "
+                "(unsent bytes, its server not reading)",
+                aborted=_abort_socket(client),
+            )
+
+
+def _abort_socket(client: NATS) -> bool:
+    """Drop the client's socket now, unsent bytes and all (asyncio's ``abort``), so nats-py's
+    wait for it to close ends. nats-py has no public call for it: this reads its TCP
+    transport's writers (nats-py 2.x, plain and TLS); where they are not found (another
+    transport, another version) nothing is done, and False says so in the log line."""
+    transport = getattr(client, "_transport", None)
+    aborted = False
+    for name in ("_io_writer", "_bare_io_writer"):
+        writer = getattr(transport, name, None)
+        raw = getattr(writer, "transport", None)
+        if raw is not None and hasattr(raw, "abort"):
+            raw.abort()
+            aborted = True
+    return aborted
 
 
 def _callbacks(client: NATS, settings: NatsSettings, state: ConnectionState) -> dict[str, Any]:
@@ -200,7 +254,11 @@ def _callbacks(client: NATS, settings: NatsSettings, state: ConnectionState) -> 
         ours = client.is_closed or client.is_draining or state.closing
         state.went_down(ours)
         if not ours:
-            why = "stale: no answer to pings" if state.stale else "closed or failed (nats_error)"
+            why = (
+                "stale: no answer to pings, or the connection reset"
+                if state.stale
+                else "closed or failed (nats_error)"
+            )
             log.warning(
                 "nats_disconnected",
                 server=state.server,
@@ -255,15 +313,25 @@ class _NextServer:
 
     def __init__(self, state: ConnectionState) -> None:
         self._state = state
-        self._round: tuple[float | None, int] = (None, 0)  # (the disconnect, tries since)
+        self._since: float | None = None  # the disconnect this round of tries is for
+        self._tried: dict[str, int] = {}  # tries of each server in this round
 
     def __call__(self, servers: list[Server], _info: dict[str, Any]) -> tuple[Server, float]:
-        since, tries = self._round
-        if since != self._state.disconnected_at:
-            since, tries = self._state.disconnected_at, 0
-        self._round = (since, tries + 1)
+        """The least tried in this round first (nats-py's ``reconnects`` counts failures since
+        each server's last connection, so a server that failed in an earlier outage would lose
+        its turn to the silent one for as many tries), the one just lost last among equals."""
+        if self._since != self._state.disconnected_at:
+            self._since, self._tried = self._state.disconnected_at, {}
         lost = self._state.server
-        chosen = min(servers, key=lambda s: (s.reconnects, redact_url(s.uri.geturl()) == lost))
+        tries = sum(self._tried.values())
+
+        def order(server: Server) -> tuple[int, bool, int]:
+            uri = redact_url(server.uri.geturl())
+            return self._tried.get(uri, 0), uri == lost, server.reconnects
+
+        chosen = min(servers, key=order)
+        uri = redact_url(chosen.uri.geturl())
+        self._tried[uri] = self._tried.get(uri, 0) + 1
         return chosen, 0.0 if tries < len(servers) else float(_RECONNECT_WAIT_S)
 
 
