@@ -140,3 +140,57 @@ def test_the_dashboards_dcgm_panels_show_each_process_its_own_gpu_or_mig_slice(t
         check=False,
     )
     assert done.returncode == 0, f"{done.stdout}{done.stderr}"
+
+
+def _readme_keda_query() -> str:
+    """The Prometheus query of the README's KEDA recipe (its one ``query:`` line)."""
+    readme = (ROOT / "README.md").read_text()
+    recipe = readme[readme.index("**Autoscaling.**") :]
+    recipe = recipe[: recipe.index("```\n", recipe.index("```yaml") + 7)]
+    lines = [line.strip() for line in recipe.splitlines() if line.strip().startswith("query:")]
+    assert len(lines) == 1, "the recipe has one query"
+    return lines[0].removeprefix("query:").strip()
+
+
+def test_the_readmes_keda_query_counts_a_multi_pipeline_fleets_shared_backlog(tmp_path):
+    """A fleet serving moths and orders: each process exports its job consumers' counts under
+    each pipeline and the shared consumer's under ``moths,orders``. The recipe's query for
+    ``moths`` takes both (once, not once per process), and nothing of another pipeline whose
+    name merely contains ``moths``."""
+    tool = promtool()
+    waiting = "inference_worker_tasks_waiting"
+    # (process, pipeline label, tasks waiting): p2's reads lag p1's by one sweep.
+    counts = [
+        ("p1", "moths", 100),
+        ("p1", "orders", 7),
+        ("p1", "moths,orders", 30),
+        ("p2", "moths", 90),
+        ("p2", "orders", 7),
+        ("p2", "moths,orders", 30),
+        ("p3", "big-moths", 999),  # another fleet's pipeline
+        ("p3", "big-moths,moths-x", 999),
+    ]
+    series = [
+        {
+            "series": _series(waiting, {"job": "inference-worker", "instance": p, "pipeline": pl}),
+            "values": f"{n}x5",
+        }
+        for p, pl, n in counts
+    ]
+    test = {
+        "expr": _readme_keda_query(),
+        "eval_time": "5m",
+        "exp_samples": [{"labels": "{}", "value": 130}],
+    }
+    plan = {"rule_files": [], "tests": [{"interval": "1m", "input_series": series}]}
+    plan["tests"][0]["promql_expr_test"] = [test]
+    (tmp_path / "keda_test.yml").write_text(json.dumps(plan))  # JSON is YAML
+
+    done = subprocess.run(
+        [tool, "test", "rules", str(tmp_path / "keda_test.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, f"{done.stdout}{done.stderr}"
