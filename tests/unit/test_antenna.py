@@ -61,7 +61,7 @@ def source_of(
     return AntennaSource(
         client,
         jobs,
-        Reservations(fake.ttr_s, 60.0, size),
+        Reservations(fake.ttr_s, 60.0, size, batch_size=size),
         reservation_size=size,
         wait_s=0.05,
         max_deliver=2,
@@ -624,7 +624,7 @@ def test_the_delivery_count_is_read_from_the_reply_subject() -> None:
 def test_nothing_more_is_reserved_while_the_oldest_reservation_is_late() -> None:
     from worker.antenna.reservations import AntennaDelivery
 
-    reservations = Reservations(ttr_s=10.0, finish_within_s=5.0, first_size=4)
+    reservations = Reservations(ttr_s=10.0, finish_within_s=5.0, first_size=4, batch_size=4)
     assert reservations.allowed() == 4
 
     def reserved(age_s: float) -> AntennaDelivery:
@@ -648,7 +648,7 @@ def test_a_rate_too_slow_for_finish_within_still_reserves_a_batch_with_nothing_h
     nothing held does not lower it."""
     from worker.antenna.reservations import AntennaDelivery
 
-    reservations = Reservations(ttr_s=0.2, finish_within_s=0.05, first_size=4)
+    reservations = Reservations(ttr_s=0.2, finish_within_s=0.05, first_size=4, batch_size=4)
 
     def reserved() -> AntennaDelivery:
         at = time.monotonic()
@@ -675,6 +675,38 @@ def test_a_rate_too_slow_for_finish_within_still_reserves_a_batch_with_nothing_h
             reservations.settled(delivery, posted=True)
     reserved()
     assert reservations.allowed() > 0  # the rate recovered: more may queue behind one
+
+
+def test_a_reservation_size_over_the_batch_reserves_one_batch_with_nothing_held() -> None:
+    """Given WORKER_ANTENNA__RESERVATION_SIZE 64, batches of 8 and a measured rate that
+    finishes less than one task within ``finish_within_s``, a process holding nothing reserves
+    one batch (8), not 64 that would run past their TTR and lose a delivery each; it says once
+    that the floor overrides the rate."""
+    from worker.antenna.reservations import AntennaDelivery
+
+    reservations = Reservations(ttr_s=0.2, finish_within_s=0.05, first_size=64, batch_size=8)
+    assert reservations.allowed() == 64  # no rate measured yet: the reservation size
+
+    def reserved() -> AntennaDelivery:
+        at = time.monotonic()
+        delivery = AntennaDelivery(
+            b"{}", 1, SLUG, "i", "r", at, at + 0.2, 1, 2, reservations.settled
+        )
+        reservations.add(delivery)
+        return delivery
+
+    held = [reserved() for _ in range(2)]
+    time.sleep(0.1)  # 2 tasks over at least 0.1 s held: at most 1 within 0.05 s
+    for delivery in held:
+        reservations.settled(delivery, posted=True)
+    slow = reservations.rate_per_s()
+    assert slow is not None and slow * reservations.finish_within_s < 8
+    with structlog.testing.capture_logs() as logs:
+        assert reservations.allowed() == 8  # nothing held: one batch, not the 64
+        assert reservations.allowed() == 8
+    (said,) = [e for e in logs if e["event"] == "antenna_reservation_floor"]
+    assert said["log_level"] == "info" and said["floor"] == 8
+    assert said["rate_per_s"] == round(slow, 3) and said["finish_within_s"] == 0.05
 
 
 def test_the_antenna_source_needs_a_base_url_and_full_score_vectors() -> None:
