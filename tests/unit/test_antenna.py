@@ -280,6 +280,35 @@ async def test_a_reservation_whose_answer_is_lost_is_left_to_redelivery_and_said
     assert delivered == {"i0": 1, "i1": 1, "i2": 0}
 
 
+async def test_a_reservation_answered_after_the_deadline_is_left_to_redelivery_and_said(
+    fake: FakeAntenna, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given Antenna reserves a task and its answer comes too slowly for the call's deadline,
+    the fetch gets nothing and says the reservation went unanswered (Antenna may hold tasks
+    for it until the TTR), not that Antenna was unreachable; it is not asked again."""
+    import worker.antenna.source as source_module
+
+    monkeypatch.setattr(source_module, "_UNAVAILABLE_BACKOFF_S", 0.0)
+    job = fake.add_job(SLUG, images(2))
+    client = AntennaClient(fake.url, SecretStr(TOKEN), 0.5)
+    jobs = JobRotation(client, (SLUG,), 0.05, 100)
+    reservations = Reservations(fake.ttr_s, 60.0, 1, batch_size=1)
+    source = AntennaSource(
+        client, jobs, reservations, reservation_size=1, wait_s=0.05, max_deliver=2
+    )
+    fake.misbehave("tasks", "slow", times=1, interval_s=0.1)  # served, then dripped
+    with structlog.testing.capture_logs() as logs:
+        assert await source.fetch(1) == []
+    events = [e["event"] for e in logs]
+    assert "antenna_reserve_unreachable" not in events
+    (said,) = [e for e in logs if e["event"] == "antenna_reservation_unanswered"]
+    assert said["job_id"] == job and said["action"] == "left to Antenna's redelivery"
+    assert "not sent again" in said["error"]
+    assert len([r for r in fake.requests if r[1].endswith("/tasks/")]) == 1  # not replayed
+    delivered = {t.image_id: t.delivered for t in fake.jobs[job].tasks.values()}
+    assert delivered == {"i0": 1, "i1": 0}
+
+
 async def test_accepted_results_antenna_drops_are_not_saved_and_come_back(
     fake: FakeAntenna,
 ) -> None:
