@@ -309,6 +309,37 @@ async def test_a_reservation_answered_after_the_deadline_is_left_to_redelivery_a
     assert delivered == {"i0": 1, "i1": 0}
 
 
+async def test_the_token_echoed_in_a_task_is_masked_in_the_log_and_intact_in_the_data(
+    fake: FakeAntenna, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Given Antenna's answer echoes the token in a task's image id, the log line that names
+    the malformed task shows it masked, while a well-formed task's data keeps it as it came
+    (an image id is matched, not shown)."""
+    import logging
+
+    from config.logging import configure_logging
+
+    fake.add_job(
+        SLUG, [(f"bad-{TOKEN}", "http://127.0.0.1:1/a.jpg"), (f"good-{TOKEN}", "http://x/b.jpg")]
+    )
+    fake.spoil(f"bad-{TOKEN}", lambda t: {**t, "image_url": None})
+    source = source_of(fake)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    configure_logging("INFO", json=True, secrets=(TOKEN,))
+    try:
+        got = await reserve_all(source, 2)
+    finally:
+        structlog.reset_defaults()
+        root.handlers[:], root.level = handlers, level
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    (malformed,) = [e for e in lines if e["event"] == "antenna_task_malformed"]
+    assert malformed["image_id"] == "bad-<redacted>"
+    assert not [e for e in lines if TOKEN in json.dumps(e)]
+    (good,) = [d for d in got if d.image_id.startswith("good-")]
+    assert json.loads(good.data)["image_id"] == f"good-{TOKEN}" == good.image_id
+
+
 async def test_accepted_results_antenna_drops_are_not_saved_and_come_back(
     fake: FakeAntenna,
 ) -> None:

@@ -25,6 +25,8 @@ Antenna may have reserved tasks for it all the same.
 
 The token is masked in what is shown (``Reply.text``, ``Reply.why``, every error message), never
 in what is parsed: a token that happens to occur in the data (an image id) leaves it intact.
+Where parsed values are logged (a malformed task's image id), the log processor masks it
+(``config.logging.configure_logging``'s ``secrets``, given the token by the CLI).
 
 Each call is counted by endpoint and status (``count``); the time since calls first found
 Antenna unavailable (no answer, a bad one, or 502/503/504) is ``unreachable_since``, cleared by
