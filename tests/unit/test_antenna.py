@@ -61,7 +61,7 @@ def source_of(
     return AntennaSource(
         client,
         jobs,
-        Reservations(fake.ttr_s, 60.0, size),
+        Reservations(fake.ttr_s, 60.0, size, batch_size=size),
         reservation_size=size,
         wait_s=0.05,
         max_deliver=2,
@@ -278,6 +278,66 @@ async def test_a_reservation_whose_answer_is_lost_is_left_to_redelivery_and_said
     assert len([r for r in fake.requests if r[1].endswith("/tasks/")]) == 2  # one per fetch
     delivered = {t.image_id: t.delivered for t in fake.jobs[job].tasks.values()}
     assert delivered == {"i0": 1, "i1": 1, "i2": 0}
+
+
+async def test_a_reservation_answered_after_the_deadline_is_left_to_redelivery_and_said(
+    fake: FakeAntenna, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given Antenna reserves a task and its answer comes too slowly for the call's deadline,
+    the fetch gets nothing and says the reservation went unanswered (Antenna may hold tasks
+    for it until the TTR), not that Antenna was unreachable; it is not asked again."""
+    import worker.antenna.source as source_module
+
+    monkeypatch.setattr(source_module, "_UNAVAILABLE_BACKOFF_S", 0.0)
+    job = fake.add_job(SLUG, images(2))
+    client = AntennaClient(fake.url, SecretStr(TOKEN), 0.5)
+    jobs = JobRotation(client, (SLUG,), 0.05, 100)
+    reservations = Reservations(fake.ttr_s, 60.0, 1, batch_size=1)
+    source = AntennaSource(
+        client, jobs, reservations, reservation_size=1, wait_s=0.05, max_deliver=2
+    )
+    fake.misbehave("tasks", "slow", times=1, interval_s=0.1)  # served, then dripped
+    with structlog.testing.capture_logs() as logs:
+        assert await source.fetch(1) == []
+    events = [e["event"] for e in logs]
+    assert "antenna_reserve_unreachable" not in events
+    (said,) = [e for e in logs if e["event"] == "antenna_reservation_unanswered"]
+    assert said["job_id"] == job and said["action"] == "left to Antenna's redelivery"
+    assert "not sent again" in said["error"]
+    assert len([r for r in fake.requests if r[1].endswith("/tasks/")]) == 1  # not replayed
+    delivered = {t.image_id: t.delivered for t in fake.jobs[job].tasks.values()}
+    assert delivered == {"i0": 1, "i1": 0}
+
+
+async def test_the_token_echoed_in_a_task_is_masked_in_the_log_and_intact_in_the_data(
+    fake: FakeAntenna, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Given Antenna's answer echoes the token in a task's image id, the log line that names
+    the malformed task shows it masked, while a well-formed task's data keeps it as it came
+    (an image id is matched, not shown)."""
+    import logging
+
+    from config.logging import configure_logging
+
+    fake.add_job(
+        SLUG, [(f"bad-{TOKEN}", "http://127.0.0.1:1/a.jpg"), (f"good-{TOKEN}", "http://x/b.jpg")]
+    )
+    fake.spoil(f"bad-{TOKEN}", lambda t: {**t, "image_url": None})
+    source = source_of(fake)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    configure_logging("INFO", json=True, secrets=(TOKEN,))
+    try:
+        got = await reserve_all(source, 2)
+    finally:
+        structlog.reset_defaults()
+        root.handlers[:], root.level = handlers, level
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    (malformed,) = [e for e in lines if e["event"] == "antenna_task_malformed"]
+    assert malformed["image_id"] == "bad-<redacted>"
+    assert not [e for e in lines if TOKEN in json.dumps(e)]
+    (good,) = [d for d in got if d.image_id.startswith("good-")]
+    assert json.loads(good.data)["image_id"] == f"good-{TOKEN}" == good.image_id
 
 
 async def test_accepted_results_antenna_drops_are_not_saved_and_come_back(
@@ -624,7 +684,7 @@ def test_the_delivery_count_is_read_from_the_reply_subject() -> None:
 def test_nothing_more_is_reserved_while_the_oldest_reservation_is_late() -> None:
     from worker.antenna.reservations import AntennaDelivery
 
-    reservations = Reservations(ttr_s=10.0, finish_within_s=5.0, first_size=4)
+    reservations = Reservations(ttr_s=10.0, finish_within_s=5.0, first_size=4, batch_size=4)
     assert reservations.allowed() == 4
 
     def reserved(age_s: float) -> AntennaDelivery:
@@ -648,7 +708,7 @@ def test_a_rate_too_slow_for_finish_within_still_reserves_a_batch_with_nothing_h
     nothing held does not lower it."""
     from worker.antenna.reservations import AntennaDelivery
 
-    reservations = Reservations(ttr_s=0.2, finish_within_s=0.05, first_size=4)
+    reservations = Reservations(ttr_s=0.2, finish_within_s=0.05, first_size=4, batch_size=4)
 
     def reserved() -> AntennaDelivery:
         at = time.monotonic()
@@ -675,6 +735,38 @@ def test_a_rate_too_slow_for_finish_within_still_reserves_a_batch_with_nothing_h
             reservations.settled(delivery, posted=True)
     reserved()
     assert reservations.allowed() > 0  # the rate recovered: more may queue behind one
+
+
+def test_a_reservation_size_over_the_batch_reserves_one_batch_with_nothing_held() -> None:
+    """Given WORKER_ANTENNA__RESERVATION_SIZE 64, batches of 8 and a measured rate that
+    finishes less than one task within ``finish_within_s``, a process holding nothing reserves
+    one batch (8), not 64 that would run past their TTR and lose a delivery each; it says once
+    that the floor overrides the rate."""
+    from worker.antenna.reservations import AntennaDelivery
+
+    reservations = Reservations(ttr_s=0.2, finish_within_s=0.05, first_size=64, batch_size=8)
+    assert reservations.allowed() == 64  # no rate measured yet: the reservation size
+
+    def reserved() -> AntennaDelivery:
+        at = time.monotonic()
+        delivery = AntennaDelivery(
+            b"{}", 1, SLUG, "i", "r", at, at + 0.2, 1, 2, reservations.settled
+        )
+        reservations.add(delivery)
+        return delivery
+
+    held = [reserved() for _ in range(2)]
+    time.sleep(0.1)  # 2 tasks over at least 0.1 s held: at most 1 within 0.05 s
+    for delivery in held:
+        reservations.settled(delivery, posted=True)
+    slow = reservations.rate_per_s()
+    assert slow is not None and slow * reservations.finish_within_s < 8
+    with structlog.testing.capture_logs() as logs:
+        assert reservations.allowed() == 8  # nothing held: one batch, not the 64
+        assert reservations.allowed() == 8
+    (said,) = [e for e in logs if e["event"] == "antenna_reservation_floor"]
+    assert said["log_level"] == "info" and said["floor"] == 8
+    assert said["rate_per_s"] == round(slow, 3) and said["finish_within_s"] == 0.05
 
 
 def test_the_antenna_source_needs_a_base_url_and_full_score_vectors() -> None:

@@ -19,10 +19,14 @@ handshake per connection, not per call (README, Antenna: connections). A reused 
 drops unanswered is tried once more on a fresh one only when that cannot make Antenna act twice:
 the request never left in full, or Antenna takes it twice as once (a GET, a result, a
 registration); a reservation sent in full is not sent again (``Unanswered``): sent twice it
-reserves twice, and the first reservation's tasks would reach no worker until Antenna's TTR.
+reserves twice, and the first reservation's tasks would reach no worker until Antenna's TTR. A
+reservation sent in full whose answer does not come by the deadline is ``Unanswered`` too:
+Antenna may have reserved tasks for it all the same.
 
 The token is masked in what is shown (``Reply.text``, ``Reply.why``, every error message), never
 in what is parsed: a token that happens to occur in the data (an image id) leaves it intact.
+Where parsed values are logged (a malformed task's image id), the log processor masks it
+(``config.logging.configure_logging``'s ``secrets``, given the token by the CLI).
 
 Each call is counted by endpoint and status (``count``); the time since calls first found
 Antenna unavailable (no answer, a bad one, or 502/503/504) is ``unreachable_since``, cleared by
@@ -76,8 +80,9 @@ class BadAnswer(AntennaUnreachable):
 
 
 class Unanswered(AntennaUnreachable):
-    """The request left in full and its connection dropped with no answer: Antenna may have
-    acted on it. Raised, not sent again, for a request Antenna would act on twice."""
+    """The request left in full and no answer came (its connection dropped, or the deadline
+    passed): Antenna may have acted on it. Raised, not sent again, for a request Antenna would
+    act on twice."""
 
 
 # POSTs Antenna takes twice as once, so that one whose connection dropped unanswered may be
@@ -85,6 +90,8 @@ class Unanswered(AntennaUnreachable):
 # set of image ids, and acking a task acked already changes nothing) and a registration (it
 # creates only what is missing). A reservation (``tasks``) is not: sent twice, it reserves twice.
 _REPLAYABLE_POSTS = frozenset({"result", "register"})
+_NOT_SENT_AGAIN = "not sent again, since Antenna may have acted on it"
+_SETTLE_S = 1.0  # how long a call given up mid-write waits for its thread to say how far
 _MASK = "<redacted>"
 
 
@@ -115,12 +122,21 @@ def api_root(base_url: str) -> str:
 
 class _Exchange:
     """One call's connection, so that the event loop can close it under the thread at the
-    deadline (a blocked read then ends at once)."""
+    deadline (a blocked read then ends at once), and how far its request went: ``sending``
+    once the thread starts to write it, ``sent`` once it is written in full (from then on
+    Antenna may act on it)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._conn: http.client.HTTPConnection | None = None
         self.aborted = False
+        self.sending = False
+        self.sent = False
+
+    def mark(self, *, sending: bool = False, sent: bool = False) -> None:
+        with self._lock:
+            self.sending = self.sending or sending
+            self.sent = self.sent or sent
 
     def hold(self, conn: http.client.HTTPConnection) -> None:
         with self._lock:
@@ -129,11 +145,14 @@ class _Exchange:
                 _close(conn)
                 raise AntennaUnreachable("the call was given up")
 
-    def abort(self) -> None:
+    def abort(self) -> bool | None:
+        """Close the connection under the thread; whether the request was sent in full by
+        then (None: it was being written, and the thread alone knows how far it got)."""
         with self._lock:
             self.aborted = True
             if self._conn is not None:
                 _close(self._conn)
+            return True if self.sent else None if self.sending else False
 
 
 def _close(conn: http.client.HTTPConnection) -> None:
@@ -201,9 +220,14 @@ class AntennaClient:
         try:
             reply = await asyncio.wait_for(asyncio.shield(running), timeout_s)
         except TimeoutError:
-            exchange.abort()
+            sent = exchange.abort()
+            if sent is None:  # being written: the closed socket ends the write at once
+                await asyncio.wait({running}, timeout=_SETTLE_S)
+                sent = exchange.sent
             message = f"Antenna unreachable ({where}): no complete answer within {timeout_s:g}s"
             self._unavailable(endpoint, message, started)
+            if sent and not _replayable(method, endpoint):
+                raise Unanswered(f"{message} {_NOT_SENT_AGAIN}") from None
             raise AntennaUnreachable(message) from None
         except AntennaUnreachable as error:
             self._unavailable(endpoint, str(error), started, isinstance(error, BadAnswer))
@@ -326,27 +350,39 @@ class AntennaClient:
         for attempt in range(2):
             conn, reused = self._connection(_left(deadline))
             exchange.hold(conn)
+            exchange.mark(sending=True)
             sent = False
+            where = f"{method} {redact_url(self.root + path)}"
             try:
                 conn.request(method, target, body, headers)
                 sent = True  # in full: Antenna may act on it from here
+                exchange.mark(sent=True)
                 response = conn.getresponse()
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
                 conn.close()
                 if sent and not _replayable(method, endpoint):
                     raise Unanswered(
-                        f"Antenna unreachable ({method} {redact_url(self.root + path)}): the "
-                        "connection closed after the request was sent, with no answer; not sent "
-                        "again, since Antenna may have acted on it"
+                        f"Antenna unreachable ({where}): the connection closed after the "
+                        f"request was sent, with no answer; {_NOT_SENT_AGAIN}"
                     ) from None
                 if reused and attempt == 0 and not exchange.aborted:
                     continue  # the server closed the idle connection: once on a fresh one
+                raise
+            except TimeoutError:  # the socket's own timeout: the deadline, on this thread
+                conn.close()
+                if sent and not _replayable(method, endpoint):
+                    raise _late(where) from None
                 raise
             except BaseException:
                 conn.close()
                 raise
             try:
                 raw = _body(conn, response, deadline)
+            except TimeoutError:
+                conn.close()
+                if not _replayable(method, endpoint):
+                    raise _late(where) from None
+                raise
             except BaseException:
                 conn.close()
                 raise
@@ -361,6 +397,13 @@ class AntennaClient:
                 raw,
             )
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _late(where: str) -> Unanswered:
+    return Unanswered(
+        f"Antenna unreachable ({where}): no complete answer by the call's deadline after the "
+        f"request was sent; {_NOT_SENT_AGAIN}"
+    )
 
 
 def _replayable(method: str, endpoint: str) -> bool:

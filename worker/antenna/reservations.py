@@ -10,7 +10,7 @@ the log. ``ack`` is called once its result is posted.
 ``Reservations`` keeps what is reserved and not settled, and the rate at which this process
 settles tasks while it holds some (its busy rate): ``allowed`` is how many more it may reserve
 so that everything reserved is finished within ``finish_within_s`` of its reservation, and
-never fewer than the batch's worth while it holds none (the rate then cannot stop it).
+never fewer than one batch while it holds none (the rate then cannot stop it).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
+
+from config.names import env_name
 
 log = structlog.get_logger(__name__)
 _DECAY_AFTER_BUSY_S = 120.0  # the rate follows the last two minutes or so of work
@@ -103,10 +105,14 @@ class AntennaDelivery:
 class Reservations:
     """What is reserved and not settled, and the busy rate; one event loop owns it."""
 
-    def __init__(self, ttr_s: float, finish_within_s: float, first_size: int) -> None:
+    def __init__(
+        self, ttr_s: float, finish_within_s: float, first_size: int, *, batch_size: int
+    ) -> None:
         self.ttr_s = ttr_s
         self.finish_within_s = finish_within_s
-        self.first_size = first_size
+        self.first_size = first_size  # WORKER_ANTENNA__RESERVATION_SIZE (or the batch size)
+        self.floor = max(1, min(first_size, batch_size))  # one batch: WORKER_LOADER__BATCH_SIZE
+        self._floor_said: str | None = None  # the rate last said to be overridden
         self._reserved: dict[int, AntennaDelivery] = {}
         self._busy_s = 0.0
         self._settled = 0.0
@@ -142,11 +148,12 @@ class Reservations:
         return self._settled / self._busy_s
 
     def allowed(self) -> int:
-        """How many more tasks may be reserved now. With none held, at least ``first_size``
-        (the batch's worth), whatever the rate: a reservation then waits behind nothing of
-        ours. Else none while the oldest reservation is older than ``finish_within_s`` (this
-        process is behind), and otherwise what the busy rate finishes within it, less what
-        is held (before a rate is measured: ``first_size``, less what is held).
+        """How many more tasks may be reserved now. With none held, at least ``floor`` (one
+        batch, at most ``first_size``), whatever the rate: a reservation then waits behind
+        nothing of ours. Else none while the oldest reservation is older than
+        ``finish_within_s`` (this process is behind), and otherwise what the busy rate
+        finishes within it, less what is held (before a rate is measured: ``first_size``,
+        less what is held).
 
         The rate limits what would queue behind what is held; it never stops reserving: it
         is measured only while tasks are held, so a rule that allowed none with none held
@@ -157,7 +164,12 @@ class Reservations:
         time one task alone takes (the forward pass, the post and Antenna's answer are per
         batch), so one task would cut the throughput by the batch size and finish nothing
         sooner; and the rate one-task reservations measure is one task per batch time, so a
-        floor of one would keep it there. It is what the first reservation takes too."""
+        floor of one would keep it there. One batch, not ``first_size``: a reservation size
+        over the batch size (``WORKER_ANTENNA__RESERVATION_SIZE`` 64, batches of 8) is several
+        batches in turn, which a slow rate does not finish within the TTR (0.05 tasks/s: 64
+        tasks need some 1,280 s against a 30 s TTR), so they would run out, come back and lose
+        one of their deliveries. When the rate allows less than the floor, that is said once
+        per rate (``antenna_reservation_floor``)."""
         held = len(self._reserved)
         oldest = self.oldest_age_s()
         if oldest is not None and oldest > self.finish_within_s:
@@ -165,8 +177,29 @@ class Reservations:
         rate = self.rate_per_s()
         budget = self.first_size if rate is None else int(rate * self.finish_within_s)
         if not held:
-            return max(self.first_size, budget)
+            if rate is not None and budget < self.floor:
+                self._say_floor(rate, budget)
+            else:
+                self._floor_said = None
+            return max(self.floor, budget)
         return max(0, budget - held)
+
+    def _say_floor(self, rate: float, budget: int) -> None:
+        """Once per rate (to two significant figures): the floor, not the rate, decides."""
+        shown = f"{rate:.2g}"
+        if shown == self._floor_said:
+            return
+        self._floor_said = shown
+        log.info(
+            "antenna_reservation_floor",
+            rate_per_s=round(rate, 3),
+            finish_within_s=self.finish_within_s,
+            allowed_by_rate=budget,
+            floor=self.floor,
+            hint=f"nothing is held: one batch ({env_name('loader', 'batch_size')}, at most "
+            f"{env_name('antenna', 'reservation_size')}) is reserved whatever the rate, which "
+            f"finishes fewer within {env_name('antenna', 'finish_within_s')}",
+        )
 
     def oldest_age_s(self) -> float | None:
         if not self._reserved:

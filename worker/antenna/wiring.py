@@ -61,7 +61,9 @@ class AntennaParts:
         self.catalog = Catalog(served.names)
         self.client = AntennaClient(a.base_url, a.token, a.request_timeout_s)
         self.jobs = JobRotation(self.client, self.catalog.slugs, a.poll_interval_s, a.jobs_limit)
-        reservations = Reservations(a.ttr_s, finish_within_s(s), reservation_size(s))
+        reservations = Reservations(
+            a.ttr_s, finish_within_s(s), reservation_size(s), batch_size=s.loader.batch_size
+        )
         # Antenna's source waits as long as a NATS fetch would (WORKER_NATS__FETCH_TIMEOUT_S).
         self.source = AntennaSource(
             self.client,

@@ -140,13 +140,16 @@ def main(argv: list[str] | None = None) -> int:
         from worker.commands.demo import run_demo
 
         return asyncio.run(run_demo())
-    configure_logging(args.log_level)
     try:
         settings = load_settings(for_worker=args.command in ("run", "check", "register"))
     except ConfigError as error:
+        configure_logging(args.log_level)
         for line in str(error).splitlines():
             print(f"config error: {line}", file=sys.stderr)
         return CommandExit.CONFIG
+    # After the settings, so that the Antenna token is masked in every log line (an answer
+    # of Antenna's may echo it); loading them logs nothing.
+    configure_logging(args.log_level, secrets=(settings.antenna.token.get_secret_value(),))
     handlers: dict[str, Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]] = {
         "run": _run,
         "submit": _submit,
