@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
-from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
+
+import structlog
 
 from config.errors import DeviceFailed, Failure
 from worker.claims import Claim
@@ -41,6 +43,15 @@ Prepare = Callable[[str], Coroutine[Any, Any, Failure | None]]
 MAX_HOLD_S = 30.0  # the longest a load keeps other unloaded pipelines waiting
 SWITCH_WAIT_S = 0.25  # under a hold, how long the engine waits for runnable tasks to arrive
 SETTLES_IN_FLIGHT = 2  # batches being settled at once; the next one then waits for the oldest
+# A cancelled settle's give-back is no network round trip (a nak per task, a local note), but
+# nats-py's publish waits for a forced flush once its pending buffer is full, which a hung
+# connection (a frozen server) never drains: each give-back of a drain is bounded by this, and
+# what it could not give back comes back after its ack wait (or its reservation's TTR).
+GIVE_BACK_WAIT_S = 5.0
+# How long a cancelled run waits for its settles to give back: their bound and a second more.
+CANCELLED_SETTLES_WAIT_S = GIVE_BACK_WAIT_S + 1.0
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,19 +66,69 @@ async def _always_ready(_pipeline: str) -> Failure | None:
     return None
 
 
-async def _settled(settling: deque[asyncio.Task[None]]) -> None:
-    """Every settle in ``settling`` ended. A cancel meanwhile (the drain's time ran out) is
-    passed on to them and waited out (each gives back what it has not acked: no task is left
-    neither acked nor given back), then raised."""
-    if not settling:
-        return
+async def _settled(settling: dict[asyncio.Task[None], list[Claim]], *, cancel: bool) -> None:
+    """Every settle in ``settling`` ended. Cancelled (``cancel``, or a cancel meanwhile: the
+    drain's time ran out), they are cancelled too and waited out for at most
+    ``CANCELLED_SETTLES_WAIT_S``: each gives back what it has not acked, so no task is left
+    neither acked nor given back, unless its give-back hangs (then it is named, and left for
+    its ack wait). A cancel meanwhile is raised afterwards."""
     try:
-        await asyncio.wait(settling)
+        if settling and not cancel:
+            await asyncio.wait(settling)
     except asyncio.CancelledError:
-        for task in settling:
-            task.cancel()
-        await asyncio.wait(settling)
+        cancel = True
         raise
+    finally:
+        if cancel and settling:
+            await _given_back(settling)
+
+
+async def _given_back(settling: dict[asyncio.Task[None], list[Claim]]) -> None:
+    for task in settling:
+        task.cancel()
+    _, stuck = await asyncio.wait(settling, timeout=CANCELLED_SETTLES_WAIT_S)
+    if stuck:
+        ids = [held.task.id for task in stuck for held in settling[task]]
+        log.error(
+            "drain_settles_stuck",
+            count=len(ids),
+            task_ids=ids,
+            waited_s=CANCELLED_SETTLES_WAIT_S,
+            action="exiting without them: they come back after their ack wait (NATS) or "
+            "their reservation's TTR (Antenna)",
+        )
+
+
+def _forget_ended(settling: dict[asyncio.Task[None], list[Claim]]) -> None:
+    """The settles that ended, out of ``settling``; the first that raised ends the run, as a
+    settle's error did when settles were awaited in turn (the process exits 1, and its drain
+    gives back what is held)."""
+    ended = [task for task in settling if task.done()]
+    for task in ended:
+        del settling[task]
+    if (failure := _failure(ended)) is not None:
+        raise failure
+
+
+def _report_failure(batch: list[Claim], task: asyncio.Task[None]) -> None:
+    """A settle that raised (past its per-task boundary: a bug) is said at once, naming its
+    tasks; retrieved here, its error is never asyncio's "Task exception was never retrieved"."""
+    if task.cancelled() or (error := task.exception()) is None:
+        return
+    log.error(
+        "settle_failed",
+        error=f"{type(error).__name__}: {error}",
+        task_ids=[held.task.id for held in batch],
+        exc_info=error,
+    )
+
+
+def _failure(settles: Iterable[asyncio.Task[None]]) -> BaseException | None:
+    """The error of the first of ``settles`` that ended raising one."""
+    for task in settles:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            return task.exception()
+    return None
 
 
 class Batches:
@@ -138,26 +199,34 @@ class Batches:
 
         A cancel (the drain's time ran out) never leaves a settle half-way: it is passed on to
         every settle in flight, each of which gives back at once the tasks it has not acked
-        (``SettleBatch``'s contract), and the run ends once they have."""
-        settling: deque[asyncio.Task[None]] = deque()
+        (``SettleBatch``'s contract), and the run ends once they have, or once
+        ``CANCELLED_SETTLES_WAIT_S`` has passed. A settle that raised ends the run with its
+        error (after the settles in flight), once it is seen: when the next batch is handed
+        over, or at the end."""
+        settling: dict[asyncio.Task[None], list[Claim]] = {}  # in the order they started
 
         async def settle(batch: list[Claim], report: BatchReport) -> None:
             while len(settling) >= SETTLES_IN_FLIGHT:
-                await asyncio.wait({settling[0]})  # a cancel here is not the settle's
-                settling.popleft()
-            settling.append(asyncio.create_task(self._settle(batch, report)))
+                await asyncio.wait({next(iter(settling))})  # a cancel here is not the settle's
+                _forget_ended(settling)
+            _forget_ended(settling)
+            task = asyncio.create_task(self._settle(batch, report))
+            task.add_done_callback(functools.partial(_report_failure, batch))
+            settling[task] = batch
 
+        cancelled = False
         try:
             await self._dispatch(settle)
         except DeviceFailed as failed:
             self._on_device_failed(failed)  # stop fetching now, not once the settles end
             raise
         except asyncio.CancelledError:
-            for task in settling:
-                task.cancel()
+            cancelled = True
             raise
         finally:
-            await _settled(settling)
+            await _settled(settling, cancel=cancelled)
+        if (failure := _failure(settling)) is not None:
+            raise failure
 
     async def _dispatch(self, settle: SettleBatch) -> None:
         """Run the batches until ``stop``, each one's report handed to ``settle``."""

@@ -31,7 +31,7 @@ from config.derived import chosen_device, max_held_tasks
 from config.errors import DeviceFailed, Failure, LoaderGaveUp
 from config.settings import Settings
 from worker.admission import Admission
-from worker.batches import Batches
+from worker.batches import CANCELLED_SETTLES_WAIT_S, GIVE_BACK_WAIT_S, Batches
 from worker.claims import Claim, Claims
 from worker.exits import STOPPED, Exit, ExitReason
 from worker.health.liveness import Liveness
@@ -49,6 +49,13 @@ _BURST_FAILED_FETCHES = 5  # in a row, with --until-idle: the run ends NOT_SERVE
 _BLOCKED_TICK_S = 1.0
 _LOAD_TICK_S = 5.0  # while a model loads: progress noted, held tasks kept alive
 _DRAIN_TICK_S = 0.05  # how often a drain that finishes the held tasks looks again
+# A cancelled processor ends once its settles have given back (``CANCELLED_SETTLES_WAIT_S`` at
+# most); a second more, then the drain goes on without it.
+_PROCESSOR_END_S = CANCELLED_SETTLES_WAIT_S + 1.0
+_LEFT_FOR_ACK_WAIT = (
+    "exiting without them: they come back after their ack wait (NATS) or their "
+    "reservation's TTR (Antenna)"
+)
 
 
 @dataclass
@@ -232,7 +239,8 @@ class Worker:
         try:
             await self.link.rules.settle(held.task, held.delivery, timed)
         except asyncio.CancelledError:  # the drain's time ran out: given back, never stranded
-            await self.claims.give_back([held], "the drain ended before its result was stored")
+            why = "the drain ended before its result was stored"
+            await self._give_back_within([held], why)
             raise
         except Exception:  # the per-task boundary: logged; its ack wait brings it back
             log.exception("settle_failed", task_id=held.task.id, job_id=held.task.job_id)
@@ -365,13 +373,25 @@ class Worker:
         deadline = self._drain_by  # the drain timeout counts from the stop
         if self.link.finish_held_on_stop:
             await self._finish_held(processor, deadline)
-        await self.claims.give_back(self.batches.stop(), "shutting down")
-        for delivery in leftovers:
-            await self.link.rules.give_back(delivery)
+        await self._give_back_within(self.batches.stop(), "shutting down")
         if leftovers:
-            log.info(
-                "tasks_given_back", count=len(leftovers), reason="delivered after the last fetch"
-            )
+            try:
+                async with asyncio.timeout(GIVE_BACK_WAIT_S):
+                    for delivery in leftovers:
+                        await self.link.rules.give_back(delivery)
+                log.info(
+                    "tasks_given_back",
+                    count=len(leftovers),
+                    reason="delivered after the last fetch",
+                )
+            except TimeoutError:
+                log.error(
+                    "drain_give_back_stuck",
+                    count=len(leftovers),
+                    reason="delivered after the last fetch",
+                    waited_s=GIVE_BACK_WAIT_S,
+                    action=_LEFT_FOR_ACK_WAIT,
+                )
         self.services.liveness.still_working()
         if not (await asyncio.wait({processor}, timeout=max(self._drain_left_s(), 0.1)))[0]:
             log.error(
@@ -380,9 +400,36 @@ class Worker:
                 action="giving back every held task whose result is not stored and acked",
             )
             # The batches' run passes the cancel on to the settles in flight; each gives back
-            # at once what it has not acked (no network wait: a nak, a local note).
+            # at once what it has not acked: a nak, a local note, but one that can hang on a
+            # hung connection, so each give-back and the wait for the run are bounded.
             processor.cancel()
-            await asyncio.wait({processor})
+            if not (await asyncio.wait({processor}, timeout=_PROCESSOR_END_S))[0]:
+                log.error(
+                    "drain_processor_stuck",
+                    waited_s=_PROCESSOR_END_S,
+                    held=len(self.claims),
+                    action="giving back what is held and exiting without waiting for it",
+                )
+            self.services.liveness.still_working()  # the bounded waits are over
         rest = self.claims.all()
         self.batches.forget(rest)
-        await self.claims.give_back(rest, "not finished before exit")
+        await self._give_back_within(rest, "not finished before exit")
+
+    async def _give_back_within(self, held: list[Claim], reason: str) -> None:
+        """``held`` given back (``Claims.give_back``), in ``GIVE_BACK_WAIT_S`` at most: a nak
+        can hang on a hung connection, and a drain must end. When it did not end, its tasks are
+        named (the first ones may have been given back) and released; the others come back
+        after their ack wait (or their reservation's TTR)."""
+        try:
+            await asyncio.wait_for(self.claims.give_back(held, reason), GIVE_BACK_WAIT_S)
+        except TimeoutError:
+            ids = [h.task.id for h in held]
+            log.error(
+                "drain_give_back_stuck",
+                count=len(held),
+                task_ids=ids,
+                reason=reason,
+                waited_s=GIVE_BACK_WAIT_S,
+                action=_LEFT_FOR_ACK_WAIT,
+            )
+            self.claims.release(held)

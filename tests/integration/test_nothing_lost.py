@@ -172,9 +172,12 @@ async def test_sigterm_mid_job_finishes_the_batch_gives_back_the_rest_and_exits_
 async def test_a_drain_that_runs_out_mid_settle_acks_or_gives_back_every_task_and_says_which(
     nats_server, s3_server, bucket, settings_for, tmp_path
 ):
-    """Each result takes 3 s to store and the drain has 1 s: the SIGTERM lands while two
+    """Each result takes 10 s to store and the drain has 1 s: the SIGTERM lands while two
     batches are being settled. No task may be left for its ack wait (300 s): each one held is
-    acked with its result stored, or given back at once, and its line says which."""
+    acked with its result stored, or given back at once, and its line says which. (The stores
+    are long so that, however slowly a busy runner starts the second batch's, none of the
+    first batch's ends just as the drain's time runs out: a result stored whose store's reply
+    the cancel beats is then given back too, and would count as both.)"""
     settings = settings_for(nats_server.url)
     uris = upload_images(s3_server.client(), bucket, 16)
     log_path = tmp_path / "worker.log"
@@ -184,7 +187,7 @@ async def test_a_drain_that_runs_out_mid_settle_acks_or_gives_back_every_task_an
             settings,
             WORKER_METRICS__PORT="0",
             WORKER_LOADER__BATCH_SIZE="4",
-            WORKER_FAULTS__SLOW_STORE_S="3",
+            WORKER_FAULTS__SLOW_STORE_S="10",
             WORKER_HEALTH__DRAIN_TIMEOUT_S="1",
         )
         with worker_process(env, log_path) as proc:
@@ -223,10 +226,14 @@ async def test_a_drain_that_runs_out_mid_settle_acks_or_gives_back_every_task_an
 async def test_the_watchdog_does_not_end_a_drain_that_is_within_its_time(
     nats_server, s3_server, bucket, settings_for, tmp_path
 ):
-    """The last batch ran 4 s before the SIGTERM and its result store would take 30 s;
-    nothing feeds the watchdog meanwhile. The drain (6 s) is shorter than the watchdog (8 s),
-    but it ends 10 s after the batch: the watchdog's window starts over at the stop, so the
-    drain gives back the tasks and the process exits 0, not with the watchdog's thread dump."""
+    """The last batch ran 11 s before the SIGTERM and its result store would take 60 s;
+    nothing feeds the watchdog meanwhile. The drain (13 s) is shorter than the watchdog (20 s),
+    but it ends 24 s after the batch: the watchdog's window starts over at the stop, so the
+    drain gives back the tasks and the process exits 0, not with the watchdog's thread dump.
+
+    Each way, seconds to spare on a busy runner: the SIGTERM comes 9 s before the watchdog
+    would fire, the drain ends 7 s before a window started at the stop runs out, and without
+    that restart the watchdog would fire 4 s before the drain ends."""
     settings = settings_for(nats_server.url)
     uris = upload_images(s3_server.client(), bucket, 4)
     log_path = tmp_path / "worker.log"
@@ -241,9 +248,9 @@ async def test_the_watchdog_does_not_end_a_drain_that_is_within_its_time(
             WORKER_S3__READ_TIMEOUT_S="0.4",
             WORKER_S3__MAX_ATTEMPTS="1",
             WORKER_HEALTH__STALL_TIMEOUT_S="2",
-            WORKER_HEALTH__WATCHDOG_TIMEOUT_S="8",
-            WORKER_HEALTH__DRAIN_TIMEOUT_S="6",
-            WORKER_FAULTS__SLOW_STORE_S="30",
+            WORKER_HEALTH__WATCHDOG_TIMEOUT_S="20",
+            WORKER_HEALTH__DRAIN_TIMEOUT_S="13",
+            WORKER_FAULTS__SLOW_STORE_S="60",
         )
         with worker_process(env, log_path) as proc:
             tasks = await submit(js, settings, "job-drain-watchdog", uris)
@@ -252,15 +259,15 @@ async def test_the_watchdog_does_not_end_a_drain_that_is_within_its_time(
                 assert proc.poll() is None, log_path.read_text()[-3000:]
                 assert time.monotonic() < deadline, log_path.read_text()[-3000:]
                 await asyncio.sleep(0.1)
-            await asyncio.sleep(4)
+            await asyncio.sleep(11)
             assert proc.poll() is None, log_path.read_text()[-3000:]
             proc.send_signal(signal.SIGTERM)
             code = await asyncio.to_thread(proc.wait, 30)
+        log = log_path.read_text()
+        assert "Timeout (0:00:20)!" not in log, log[-3000:]  # the watchdog's thread dump
+        assert code == 0, log[-3000:]
         given_back = await take_back(js, settings, "job-drain-watchdog", len(tasks))
 
-    log = log_path.read_text()
-    assert code == 0, log[-3000:]
-    assert "Timeout (0:00:08)!" not in log
     assert len(given_back) == len(tasks), "given back at the drain's end, not left to time out"
 
 

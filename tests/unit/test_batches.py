@@ -4,6 +4,7 @@ paid for by a hold (``WORKER_MODEL__HOLD_PER_LOAD``), not made for every batch."
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -11,10 +12,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import structlog
 
 from config.errors import Failure
 from tests.fakes import FakeEngine, FakeSource, task_msg
 from tests.unit.test_orchestrator import a_worker
+from worker import batches as batches_module
 from worker.batches import MAX_HOLD_S, Batches
 from worker.ports import BatchReport
 
@@ -45,7 +48,9 @@ class OneModelEngine(FakeEngine):
 
 
 def claim(key: int, pipeline: str, job: str) -> Any:
-    task = SimpleNamespace(pipeline=pipeline, job_id=job, image_url=f"s3://b/{job}/{key}.jpg")
+    task = SimpleNamespace(
+        id=f"{job}-{key}", pipeline=pipeline, job_id=job, image_url=f"s3://b/{job}/{key}.jpg"
+    )
     return SimpleNamespace(key=key, task=task, msg=None, delivered=1, fetched_at=0.0)
 
 
@@ -238,3 +243,72 @@ async def test_a_cancelled_run_passes_the_cancel_to_every_settle_and_ends_when_t
     assert started == [0, 1, 2, 3]
     assert sorted(given_back) == started, "every settle in flight gave back its tasks"
     assert acked == []
+
+
+async def test_a_cancelled_settle_whose_give_back_hangs_does_not_hold_the_run_and_is_named(
+    monkeypatch,
+):
+    """The drain's time ran out and a settle's give-back hangs (a nak on a connection to a
+    frozen server): the run still ends, after a bounded wait, and says which tasks were left
+    for their ack wait, instead of waiting for the watchdog or SIGKILL."""
+    monkeypatch.setattr(batches_module, "CANCELLED_SETTLES_WAIT_S", 0.2)
+    engine = OneModelEngine(0.0)
+    engine.loaded.append("animals")
+    hung = asyncio.Event()  # set only to clean up: the give-back never ends by itself
+    started: list[int] = []
+
+    async def settle(batch: list[Any], report: BatchReport) -> None:
+        started.extend(h.key for h in batch)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await hung.wait()
+            raise
+
+    with ThreadPoolExecutor(1) as thread, structlog.testing.capture_logs() as logs:
+        batches = Batches(2, engine, thread, lambda _b, _r: None, settle)
+        batches.add([claim(i, "animals", "job-a") for i in range(2)])
+        running = asyncio.create_task(batches.run())
+        for _ in range(500):
+            if started:
+                break
+            await asyncio.sleep(0.01)
+        running.cancel()
+        done, _ = await asyncio.wait({running}, timeout=5)
+        hung.set()
+        await asyncio.sleep(0.05)
+    assert done, "the run ended though a settle's give-back hung"
+    stuck = [line for line in logs if line["event"] == "drain_settles_stuck"]
+    assert [(s["count"], s["task_ids"]) for s in stuck] == [(2, ["job-a-0", "job-a-1"])]
+
+
+async def test_a_settle_that_raises_is_reported_and_ends_the_run(caplog):
+    """A settle that raises (a bug past the per-task boundary) is not dropped with asyncio's
+    "Task exception was never retrieved": its error and its tasks are logged, and the run
+    ends with it (the process exits 1 and its drain gives back what is held), as before
+    settles ran alongside the engine."""
+    engine = OneModelEngine(0.0)
+    engine.loaded.append("animals")
+
+    async def settle(batch: list[Any], report: BatchReport) -> None:
+        raise RuntimeError("the settle broke")
+
+    with ThreadPoolExecutor(1) as thread, structlog.testing.capture_logs() as logs:
+        batches = Batches(2, engine, thread, lambda _b, _r: None, settle)
+        batches.add([claim(i, "animals", "job-a") for i in range(2)])
+        running = asyncio.create_task(batches.run())
+        for _ in range(500):
+            if engine.ran:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        batches.stop()
+        done, _ = await asyncio.wait({running}, timeout=5)
+    gc.collect()
+    assert done
+    assert isinstance(running.exception(), RuntimeError), "the run ends with the settle's error"
+    failed = [line for line in logs if line["event"] == "settle_failed"]
+    assert [(f["task_ids"], f["error"]) for f in failed] == [
+        (["job-a-0", "job-a-1"], "RuntimeError: the settle broke")
+    ]
+    assert "never retrieved" not in caplog.text

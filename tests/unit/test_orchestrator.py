@@ -5,12 +5,25 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
+import structlog
 from prometheus_client import CollectorRegistry
 
 from config.errors import Failure, LoaderGaveUp
 from config.settings import load_settings
-from tests.fakes import FakeEngine, FakeJetStream, FakeSource, FakeStore, nats_rules, task_msg
+from tests.fakes import (
+    FakeEngine,
+    FakeJetStream,
+    FakeMsg,
+    FakeSource,
+    FakeStore,
+    nats_rules,
+    task_msg,
+)
+from worker import batches as batches_module
+from worker import orchestrator
 from worker.exits import ExitReason
 from worker.health.liveness import Liveness
 from worker.health.metrics import Metrics
@@ -271,3 +284,47 @@ async def test_the_next_batches_are_fetched_while_two_are_settled_and_no_more():
     assert stores_waiting == 2 * BATCH, "two batches' stores in flight at once"
     assert most_held == cap + 2 * BATCH, "two settling, one run waiting for them, one to load"
     assert sorted(r["task_id"] for r in store.stored) == sorted(f"t{i}" for i in range(5 * BATCH))
+
+
+class HungStore(FakeStore):
+    """A results stream that never answers: every settle is still storing at the drain's end."""
+
+    async def store(self, result: dict[str, Any]) -> bool:
+        await asyncio.Event().wait()
+        return True
+
+
+@dataclass
+class HungNakMsg(FakeMsg):
+    """A nak that never returns: nats-py's forced flush on a connection to a frozen server."""
+
+    async def nak(self, delay: float | None = None) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_a_drain_whose_give_backs_hang_still_ends_and_names_the_tasks_left(monkeypatch):
+    """The drain's time runs out while every result is being stored, and every nak hangs: the
+    drain still ends (it does not wait for the watchdog or SIGKILL), and the tasks it could
+    not give back are named, left for their ack wait."""
+    monkeypatch.setattr(orchestrator, "GIVE_BACK_WAIT_S", 0.2)
+    monkeypatch.setattr(orchestrator, "_PROCESSOR_END_S", 0.5)
+    monkeypatch.setattr(batches_module, "CANCELLED_SETTLES_WAIT_S", 0.4)
+    msgs = [HungNakMsg(**vars(task_msg(f"t{i}"))) for i in range(BATCH)]
+    worker, _store, _js, _metrics = a_worker(
+        FakeSource(list(msgs)), FakeEngine(), store=HungStore()
+    )
+    worker.settings.health.drain_timeout_s = 0.2
+    stop = asyncio.Event()
+    with structlog.testing.capture_logs() as logs:
+        running = asyncio.create_task(worker.run(stop))
+        for _ in range(500):  # every task's result being stored
+            if len(worker.claims) == BATCH and not worker.batches.engine_busy():
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        stop.set()
+        done, _ = await asyncio.wait({running}, timeout=10)
+    assert done, "the drain ended though its give-backs hung"
+    stuck = [line for line in logs if line["event"] == "drain_give_back_stuck"]
+    assert sorted(i for line in stuck for i in line["task_ids"]) == [f"t{i}" for i in range(BATCH)]
+    assert all(m.actions == [] for m in msgs), "none acked"
