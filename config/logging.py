@@ -18,6 +18,7 @@ import structlog
 from config.redact import scrub
 
 _MASK = "<redacted>"
+_NOT_MASKED = frozenset({"exc_info", "_record", "_from_structlog"})  # not shown as they are
 
 
 def configure_logging(
@@ -74,6 +75,8 @@ class _Scrubber:
         self, _logger: object, _name: str, event_dict: structlog.types.EventDict
     ) -> structlog.types.EventDict:
         for key, value in event_dict.items():
+            if key in _NOT_MASKED:
+                continue  # the exception itself (formatted later, then masked) and its record
             value = self._masked(value)
             event_dict[key] = scrub(value) if isinstance(value, str) else value
         return event_dict
@@ -85,8 +88,10 @@ class _Scrubber:
             for secret in self._secrets:
                 value = value.replace(secret, _MASK)
             return value
-        if isinstance(value, list | tuple | set | frozenset):
+        if isinstance(value, list):
             return [self._masked(item) for item in value]
+        if isinstance(value, tuple):
+            return tuple(self._masked(item) for item in value)
         if isinstance(value, dict):
             return {self._masked(k): self._masked(v) for k, v in value.items()}
         return value

@@ -115,11 +115,10 @@ def _report_failure(batch: list[Claim], task: asyncio.Task[None]) -> None:
     tasks; retrieved here, its error is never asyncio's "Task exception was never retrieved"."""
     if task.cancelled() or (error := task.exception()) is None:
         return
-    log.error(
-        "settle_failed",
+    log.error(  # the traceback comes with worker_part_failed, once the run ends on it
+        "batch_settle_failed",
         error=f"{type(error).__name__}: {error}",
         task_ids=[held.task.id for held in batch],
-        exc_info=error,
     )
 
 

@@ -327,6 +327,8 @@ async def test_the_token_echoed_in_a_task_is_masked_in_the_log_and_intact_in_the
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     configure_logging("INFO", json=True, secrets=(TOKEN,))
+    # No logger of the modules used here may keep this chain for later tests' capture_logs.
+    structlog.configure(cache_logger_on_first_use=False)
     try:
         got = await reserve_all(source, 2)
     finally:

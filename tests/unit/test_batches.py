@@ -307,7 +307,7 @@ async def test_a_settle_that_raises_is_reported_and_ends_the_run(caplog):
     gc.collect()
     assert done
     assert isinstance(running.exception(), RuntimeError), "the run ends with the settle's error"
-    failed = [line for line in logs if line["event"] == "settle_failed"]
+    failed = [line for line in logs if line["event"] == "batch_settle_failed"]
     assert [(f["task_ids"], f["error"]) for f in failed] == [
         (["job-a-0", "job-a-1"], "RuntimeError: the settle broke")
     ]

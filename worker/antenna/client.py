@@ -376,27 +376,40 @@ class AntennaClient:
             except BaseException:
                 conn.close()
                 raise
-            try:
-                raw = _body(conn, response, deadline)
-            except TimeoutError:
-                conn.close()
-                if not _replayable(method, endpoint):
-                    raise _late(where) from None
-                raise
-            except BaseException:
-                conn.close()
-                raise
-            if response.will_close:
-                conn.close()
-            else:
-                self._give_back(conn)
-            return (
-                response.status,
-                response.getheader("Location") or "",
-                response.getheader("Content-Type") or "",
-                raw,
-            )
+            return self._answer(conn, response, deadline, where, _replayable(method, endpoint))
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _answer(
+        self,
+        conn: http.client.HTTPConnection,
+        response: http.client.HTTPResponse,
+        deadline: float,
+        where: str,
+        replayable: bool,
+    ) -> tuple[int, str, str, bytes]:
+        """Status, Location, Content-Type and body of an answer; its connection kept for the
+        next call where the answer allows. A body not in by the deadline of a request that may
+        not be sent again is ``Unanswered``."""
+        try:
+            raw = _body(conn, response, deadline)
+        except TimeoutError:
+            conn.close()
+            if not replayable:
+                raise _late(where) from None
+            raise
+        except BaseException:
+            conn.close()
+            raise
+        if response.will_close:
+            conn.close()
+        else:
+            self._give_back(conn)
+        return (
+            response.status,
+            response.getheader("Location") or "",
+            response.getheader("Content-Type") or "",
+            raw,
+        )
 
 
 def _late(where: str) -> Unanswered:

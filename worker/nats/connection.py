@@ -31,6 +31,7 @@ _RECONNECT_WAIT_S = 1
 _STALE_GRACE_S = _CONNECT_TIMEOUT_S + _RECONNECT_WAIT_S
 _STUCK_CLOSE_S = 2.0  # a reconnect's wait for the old socket to close, before it is aborted
 _GUARD_TICK_S = 0.5
+_WHY_STALE = "stale: no answer to pings, or the connection reset"
 
 
 class ConnectionState:
@@ -216,11 +217,11 @@ async def _unstick_reconnects(client: NATS, state: ConnectionState) -> None:
                 server=state.server,
                 reason=f"the old connection did not close within {_STUCK_CLOSE_S:g}s "
                 "(unsent bytes, its server not reading)",
-                aborted=_abort_socket(client),
+                aborted=abort_socket(client),
             )
 
 
-def _abort_socket(client: NATS) -> bool:
+def abort_socket(client: NATS) -> bool:
     """Drop the client's socket now, unsent bytes and all (asyncio's ``abort``), so nats-py's
     wait for it to close ends. nats-py has no public call for it: this reads its TCP
     transport's writers (nats-py 2.x, plain and TLS); where they are not found (another
@@ -254,11 +255,7 @@ def _callbacks(client: NATS, settings: NatsSettings, state: ConnectionState) -> 
         ours = client.is_closed or client.is_draining or state.closing
         state.went_down(ours)
         if not ours:
-            why = (
-                "stale: no answer to pings, or the connection reset"
-                if state.stale
-                else "closed or failed (nats_error)"
-            )
+            why = _WHY_STALE if state.stale else "closed or failed (nats_error)"
             log.warning(
                 "nats_disconnected",
                 server=state.server,

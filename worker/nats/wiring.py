@@ -17,7 +17,7 @@ from worker.health.metrics import Metrics
 from worker.health.waiting import TasksWaiting
 from worker.nats.advisories import ExhaustedTasks
 from worker.nats.algorithms import publish_algorithms
-from worker.nats.connection import ConnectionState, connect
+from worker.nats.connection import ConnectionState, abort_socket, connect
 from worker.nats.feed import TaskFeed
 from worker.nats.metrics import JobConsumersCollector
 from worker.nats.provision import provision, refuse_other_fair_jobs
@@ -127,4 +127,14 @@ class NatsParts:
             try:
                 await asyncio.wait_for(nc.drain(), _CLOSE_WAIT_S)
             except Exception:  # noqa: BLE001 - closing anyway
-                await nc.close()
+                await _closed(nc)
+
+
+async def _closed(nc: NATS) -> None:
+    """Close, within ``_CLOSE_WAIT_S``: nats-py's close flushes what is pending and waits for
+    the socket to close, which a server that stopped reading never lets happen (the given-back
+    naks a drain gave up on are pending then); past the bound the socket is aborted."""
+    try:
+        await asyncio.wait_for(nc.close(), _CLOSE_WAIT_S)
+    except Exception:  # noqa: BLE001 - the process is ending either way
+        log.warning("nats_close_stuck", action="aborting the socket", aborted=abort_socket(nc))
