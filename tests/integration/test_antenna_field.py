@@ -53,6 +53,7 @@ QUICK_HEALTH = {
     "WORKER_LOADER__TIMEOUT_S": "5",
     "WORKER_HEALTH__STALL_TIMEOUT_S": "8",
     "WORKER_HEALTH__WATCHDOG_TIMEOUT_S": "12",
+    "WORKER_HEALTH__DRAIN_TIMEOUT_S": "10",  # shorter than the watchdog (a settings rule)
 }
 
 
