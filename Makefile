@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test promtool chaos bench clean gpu-kit
+.PHONY: demo check test promtool chaos bench clean gpu-kit
 # Our own code, compiled to bytecode before the tests: the suite starts more than 300 Python
 # processes (workers, their fork servers, CLI commands, benchmarks), and where
 # PYTHONDONTWRITEBYTECODE is set (it is on the development machine) each would compile every
@@ -21,6 +21,14 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(BIN)/inference-worker demo
+
+# make check: the inner loop before a commit (CONTRIBUTING.md): lint, types and the unit tests
+# (tests/unit: no nats-server, S3 or supervisord started).
+check: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/python -m pytest -q -n 2 tests/unit
 
 # promtool (Debian's prometheus package) unit-tests the alert rules.
 promtool:
