@@ -319,7 +319,7 @@ class ModelSettings(BaseModel):
         600.0,
         description="a model file's whole download, every attempt included (each attempt's "
         "connect and stall timeouts are WORKER_S3__CONNECT_TIMEOUT_S and "
-        "WORKER_S3__HTTP_TIMEOUT_S)",
+        "WORKER_S3__HTTP_TIMEOUT_S, WORKER_S3__READ_TIMEOUT_S for s3://)",
         gt=0,
     )
     memory_budget_bytes: int = Field(

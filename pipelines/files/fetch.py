@@ -114,7 +114,9 @@ class ModelFiles:
                 fetched = Fetched(redact_url(uri), path, found[0], record.size_bytes, pinned, False)
                 return fetched, found[1]
             store.drop(key)  # missing or damaged: downloaded again, against the same pin
-        pin = record.sha256 if record is not None and not wanted.hex else None
+        # The recorded sha256 holds unless a full one is declared, or a new prefix it misses.
+        held = record is not None and not wanted.full and wanted.fits(record.sha256)
+        pin = record.sha256 if held and record is not None else None
         data = self._download(uri)
         sha256 = _checked(uri, data, wanted, pin)
         pinned = wanted.pinned(True)

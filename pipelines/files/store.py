@@ -126,6 +126,7 @@ class Store:
         fd, temporary = tempfile.mkstemp(dir=self.root, prefix=f".{name[:40]}.", suffix=".part")
         try:
             with os.fdopen(fd, "wb") as file:
+                os.fchmod(file.fileno(), 0o644)  # mkstemp's 0600 would hide it from other users
                 file.write(data)
                 file.flush()
                 os.fsync(file.fileno())

@@ -10,58 +10,17 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Iterator
-from functools import partial
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from config.errors import ConfigError, PermanentError, TransientError
 from datasets.sources import SourceConfig
 from pipelines.files.fetch import ModelFiles
+from tests.served_files import Served
 
 ROOT = Path(__file__).parents[2]
 QUICK = SourceConfig(connect_timeout_s=1.0, http_timeout_s=1.0, read_timeout_s=1.0)
-
-
-class Served:
-    """A directory served over HTTP on 127.0.0.1, its GETs counted (each may be delayed)."""
-
-    def __init__(self, root: Path, delay_s: float = 0.0) -> None:
-        self.root = root
-        self.gets = 0
-        served = self
-
-        class Handler(SimpleHTTPRequestHandler):
-            def do_GET(self) -> None:
-                served.gets += 1
-                time.sleep(delay_s)
-                super().do_GET()
-
-            def log_message(self, *_args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), partial(Handler, directory=str(root)))
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/{name}"
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def served(tmp_path) -> Iterator[Served]:
-    (tmp_path / "www").mkdir()
-    server = Served(tmp_path / "www")
-    yield server
-    server.stop()
 
 
 def _publish(served: Served, name: str, data: bytes) -> str:
@@ -199,3 +158,26 @@ def test_a_local_path_is_read_as_it_is_and_checked_when_declared(tmp_path):
     with pytest.raises(ConfigError, match=sha):
         files.read(str(path), "0" * 64)
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_classifier_loads_its_weights_and_labels_by_url_then_offline(served, tmp_path):
+    import torch
+
+    from pipelines.declare import Classifier
+    from pipelines.models import ClassifierModel, save_classifier
+
+    weights = Path(save_classifier("mobilenet_v3_small", ["moth", "beetle"], str(served.root)))
+    sha = hashlib.sha256(weights.read_bytes()).hexdigest()
+    stage = Classifier(
+        "moths",
+        architecture="mobilenet_v3_small",
+        weights=served.url("model.pt"),
+        weights_digest=sha[:8],
+    )
+    cache = tmp_path / "cache"
+    model = ClassifierModel(stage, QUICK, torch.device("cpu"), files=ModelFiles(QUICK, cache))
+    assert (model.algorithm.weights_sha256, model.algorithm.labels) == (sha, ("moth", "beetle"))
+    served.stop()
+    again = ClassifierModel(stage, QUICK, torch.device("cpu"), files=ModelFiles(QUICK, cache))
+    assert again.algorithm.weights_sha256 == sha
+    assert served.gets == 2  # the weights and labels.txt, once each
