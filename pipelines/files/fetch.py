@@ -19,12 +19,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import structlog
+
 from config.errors import ConfigError, PermanentError
 from config.redact import redact_url
 from datasets.sources import SourceConfig, read_bytes
 from pipelines.files.digest import Pinned, Wanted, refusal
 from pipelines.files.store import Record, Store, file_sha256
 
+log = structlog.get_logger(__name__)
 MAX_FILE_BYTES = 4 * 1024**3
 _LOCK_SLACK_S = 60.0  # past the download deadline: writing the file, a slow disk
 
@@ -121,6 +124,13 @@ class ModelFiles:
         sha256 = _checked(uri, data, wanted, pin)
         pinned = wanted.pinned(True)
         path = store.put(key, uri, data, Record(sha256, len(data), pinned))
+        log.info(
+            "model_file_downloaded",
+            uri=redact_url(uri),
+            sha256=sha256,
+            bytes=len(data),
+            pinned=pinned,
+        )
         fetched = Fetched(redact_url(uri), path, sha256, len(data), pinned, True)
         return fetched, data if keep else b""
 

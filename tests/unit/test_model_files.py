@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,7 +72,7 @@ def test_two_processes_starting_at_once_download_once(tmp_path):
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         argv = [sys.executable, "-c", script, server.url("big.pt"), str(tmp_path / "cache")]
         procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True) for _ in "ab"]
-        outputs = sorted(proc.communicate(timeout=60)[0].split() for proc in procs)
+        outputs = sorted(proc.communicate(timeout=60)[0].splitlines()[-1].split() for proc in procs)
     finally:
         server.stop()
     assert [proc.returncode for proc in procs] == [0, 0]
@@ -181,3 +182,29 @@ def test_a_classifier_loads_its_weights_and_labels_by_url_then_offline(served, t
     again = ClassifierModel(stage, QUICK, torch.device("cpu"), files=ModelFiles(QUICK, cache))
     assert again.algorithm.weights_sha256 == sha
     assert served.gets == 2  # the weights and labels.txt, once each
+
+
+def test_a_redirect_to_another_scheme_is_refused(tmp_path):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Redirecting(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(302)
+            self.send_header("Location", "https://127.0.0.1:9/model.pt")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *_args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Redirecting)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/model.pt"
+        with pytest.raises(PermanentError, match="another scheme"):
+            ModelFiles(QUICK, tmp_path / "cache").fetch(url)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert _kept(tmp_path / "cache") == []
