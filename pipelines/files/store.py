@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from config.errors import TransientError
+from config.errors import ConfigError, TransientError
+from config.names import env_name
 from config.redact import redact_url
 from pipelines.files.digest import Pinned
 
@@ -72,8 +73,11 @@ class Store:
     @contextlib.contextmanager
     def locked(self, key: str, uri: str, wait_s: float) -> Iterator[None]:
         """Hold ``key``'s lock; TransientError when another process holds it past ``wait_s``."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / f"{key}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.root / f"{key}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            raise self.unusable(error) from None
         try:
             give_up = time.monotonic() + wait_s
             while True:
@@ -111,10 +115,19 @@ class Store:
 
     def put(self, key: str, uri: str, data: bytes, record: Record) -> Path:
         """``data`` as ``key``'s content, then its record; each written whole or not at all."""
-        self._write(key, data)
-        shown = {"uri": redact_url(uri), **record.__dict__}
-        self._write(f"{key}.json", json.dumps(shown, sort_keys=True).encode())
+        try:
+            self._write(key, data)
+            shown = {"uri": redact_url(uri), **record.__dict__}
+            self._write(f"{key}.json", json.dumps(shown, sort_keys=True).encode())
+        except OSError as error:  # a full disk, a read-only directory
+            raise self.unusable(error) from None
         return self.path(key)
+
+    def unusable(self, error: OSError) -> ConfigError:
+        return ConfigError(
+            f"{env_name('model', 'cache_dir')}: cannot write model files in {self.root}: "
+            f"{error.strerror or type(error).__name__}"
+        )
 
     def drop(self, key: str) -> None:
         """Remove ``key``'s content (its record, a pin, stays)."""

@@ -208,3 +208,11 @@ def test_a_redirect_to_another_scheme_is_refused(tmp_path):
         server.shutdown()
         server.server_close()
     assert _kept(tmp_path / "cache") == []
+
+
+def test_a_cache_directory_that_cannot_be_made_is_a_config_error_naming_it(served, tmp_path):
+    _publish(served, "model.pt", b"weights")
+    (tmp_path / "taken").write_text("a file, not a directory")
+    files = ModelFiles(QUICK, tmp_path / "taken" / "cache")
+    with pytest.raises(ConfigError, match="WORKER_MODEL__CACHE_DIR: cannot write model files"):
+        files.fetch(served.url("model.pt"))
