@@ -38,6 +38,7 @@ def fetch_command(settings: Settings) -> int:
     """Exit 0 when every file is in the cache (or read locally) and checked; 2 when one is
     refused or misdeclared (a wrong digest, too big, missing); 1 when one could not be
     downloaded (the network, a deadline)."""
+    from pipelines.files.fetch import is_remote
     from worker.engine.build import model_files
 
     files = model_files(settings)
@@ -52,8 +53,8 @@ def fetch_command(settings: Settings) -> int:
                 failed = CommandExit.FAILED
             print(f"not fetched: {redact_url(uri)}: {error}", file=sys.stderr)
             continue
-        came = "downloaded" if got.downloaded else ("cached" if got.path else "read")
-        if got.pinned == "unpinned":
+        came = "downloaded" if got.downloaded else "cached"
+        if not is_remote(uri):
             came = "local"
         print(f"{got.uri} {got.size_bytes} bytes sha256 {got.sha256} {got.pinned} ({came})")
     return failed
