@@ -116,6 +116,8 @@ class Store:
     def put(self, key: str, uri: str, data: bytes, record: Record) -> Path:
         """``data`` as ``key``'s content, then its record; each written whole or not at all."""
         try:
+            for stale in self.root.glob(f".{key[:40]}.*.part"):  # a writer killed mid-write
+                stale.unlink(missing_ok=True)  # (the key's lock is held: no writer now)
             self._write(key, data)
             shown = {"uri": redact_url(uri), **record.__dict__}
             self._write(f"{key}.json", json.dumps(shown, sort_keys=True).encode())

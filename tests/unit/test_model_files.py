@@ -216,3 +216,17 @@ def test_a_cache_directory_that_cannot_be_made_is_a_config_error_naming_it(serve
     files = ModelFiles(QUICK, tmp_path / "taken" / "cache")
     with pytest.raises(ConfigError, match="WORKER_MODEL__CACHE_DIR: cannot write model files"):
         files.fetch(served.url("model.pt"))
+
+
+def test_a_part_file_left_by_a_killed_writer_is_cleared_at_the_next_download(served, tmp_path):
+    from pipelines.files.store import Store
+
+    url = served.url("model.pt")
+    _publish(served, "model.pt", b"weights")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    left = cache / f".{Store.key(url)[:40]}.abc123.part"
+    left.write_bytes(b"half a download")
+    ModelFiles(QUICK, cache).fetch(url)
+    assert not left.exists()
+    assert not [p for p in cache.iterdir() if p.name.endswith(".part")]
