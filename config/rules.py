@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from config.derived import healthz_port, metrics_port
 from config.names import env_name as n
@@ -282,14 +283,16 @@ def weights_problems(weights: str, where: str) -> list[str]:
     The value is written redacted: a presigned URL's signature is a credential."""
     shown = redact_url(weights)
     if not weights:
-        return [f"{where} is not set; give a state_dict path or an s3:// URI"]
+        return [f"{where} is not set; give a state_dict path, an https:// or s3:// URI"]
     if weights.startswith("s3://"):
         bucket, _, key = weights[len("s3://") :].partition("/")
         if not bucket or not key:
             return [f"{where}={shown!r} must be s3://bucket/key"]
         return []
+    if weights.startswith(("https://", "http://")):
+        return [] if urlsplit(weights).hostname else [f"{where}={shown!r} names no host"]
     if "://" in weights and not weights.startswith("file://"):
-        return [f"{where}={shown!r}: only a local path or s3:// URI is allowed"]
+        return [f"{where}={shown!r}: only a local path, https:// or s3:// URI is allowed"]
     path = Path(weights.removeprefix("file://"))
     if not path.is_file():
         return [f"{where}={shown!r}: no such file"]

@@ -300,8 +300,27 @@ class ModelSettings(BaseModel):
     )
     weights: str = Field(
         "",
-        description="built-in single-stage pipelines: state_dict (or .pt2) path or s3:// URI; "
-        "labels.txt lies beside it",
+        description="built-in single-stage pipelines: state_dict (or .pt2) path, https:// or "
+        "s3:// URI; labels.txt lies beside it",
+    )
+    cache_dir: str = Field(
+        "",
+        description="where downloaded model files (https://, s3://) are kept, shared by the "
+        "host's processes, with the sha256 each is pinned to; empty: "
+        "$XDG_CACHE_HOME/inference-worker/models, or ~/.cache/inference-worker/models",
+    )
+    file_max_bytes: int = Field(
+        4 * 1024**3,
+        description="largest model file downloaded (weights, labels); a bigger one is refused "
+        "while it is read",
+        ge=1,
+    )
+    download_deadline_s: float = Field(
+        600.0,
+        description="a model file's whole download, every attempt included (each attempt's "
+        "connect and stall timeouts are WORKER_S3__CONNECT_TIMEOUT_S and "
+        "WORKER_S3__HTTP_TIMEOUT_S, WORKER_S3__READ_TIMEOUT_S for s3://)",
+        gt=0,
     )
     memory_budget_bytes: int = Field(
         0,

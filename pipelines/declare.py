@@ -11,10 +11,12 @@ a ``Pipeline`` value; a package publishes one under the entry-point group
   A detector module follows torchvision's detection interface: a list of float (3, H, W)
   images in [0, 1] to a list of ``{"boxes": (K, 4) x1 y1 x2 y2 in that image's pixels,
   "scores": (K,), "labels": (K,)}``.
-- ``weights``: a ``state_dict`` (or ``.pt2``) path or ``s3://`` URI; ``None`` when the callable
-  builds a complete model (its results then show ``weights_sha256: "none"``).
+- ``weights``: a ``state_dict`` (or ``.pt2``) path, ``https://`` or ``s3://`` URI; ``None``
+  when the callable builds a complete model (its results then show ``weights_sha256: "none"``).
 - ``labels``: a URI of a text file (one label a line), the labels themselves, or ``None`` for
   ``labels.txt`` beside the weights.
+- ``weights_digest`` / ``labels_digest``: the file's sha256, or a prefix of at least 8 hex
+  digits; ``None``: the first download's sha256 is recorded and held (``pipelines.files``).
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ class Classifier:
     name: str = ""
     architecture: Architecture = "resnet18"
     weights: str | None = None
+    weights_digest: str | None = None
     labels: str | tuple[str, ...] | None = None
+    labels_digest: str | None = None
     preprocess: Preprocess = field(default_factory=Preprocess)
     # As a filter before another classifier: crops whose top label is one of these go on.
     keep: tuple[str, ...] = ()
@@ -65,7 +69,9 @@ class Detector:
     name: str = ""
     architecture: Architecture = "fasterrcnn_mobilenet_v3_large_fpn"
     weights: str | None = None
+    weights_digest: str | None = None
     labels: str | tuple[str, ...] | None = ("object",)
+    labels_digest: str | None = None
     num_classes: int | None = None  # None: len(labels) + 1 (torchvision counts the background)
     score_threshold: float = 0.8
     max_detections: int = 500

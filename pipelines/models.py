@@ -1,5 +1,6 @@
-"""A declared stage made real: weights read once (path or s3://), the model built and
-prepared for inference on a device. Takes tensors, returns tensors."""
+"""A declared stage made real: weights read once (a path, https:// or s3://, through the
+model-file cache, ``pipelines.files``), the model built and prepared for inference on a device.
+Takes tensors, returns tensors."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from config.errors import ConfigError, PermanentError
 from config.names import env_name
-from datasets.sources import SourceConfig, read_trusted
+from datasets.sources import SourceConfig
 from pipelines import architectures
 from pipelines.declare import Classifier, Detector
 from pipelines.device import autocast
+from pipelines.files.fetch import ModelFiles
 
 LABELS_FILE = "labels.txt"
 NO_WEIGHTS = "none"
@@ -74,12 +76,12 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def _labels(stage: Classifier | Detector, sources: SourceConfig) -> tuple[str, ...]:
+def _labels(stage: Classifier | Detector, files: ModelFiles) -> tuple[str, ...]:
     if isinstance(stage.labels, tuple):
         labels = stage.labels
     else:
         uri = stage.labels if stage.labels else labels_uri(stage.weights or "")
-        text = read_trusted(as_uri(uri), sources).decode("utf-8")
+        text = files.read(as_uri(uri), stage.labels_digest).decode("utf-8")
         labels = tuple(line.strip() for line in text.splitlines() if line.strip())
     if not labels:
         raise ConfigError(f"stage {stage.key!r} has no labels")
@@ -87,13 +89,13 @@ def _labels(stage: Classifier | Detector, sources: SourceConfig) -> tuple[str, .
 
 
 def _load(
-    stage: Classifier | Detector, num_classes: int, sources: SourceConfig, **options: Any
+    stage: Classifier | Detector, num_classes: int, files: ModelFiles, **options: Any
 ) -> tuple[nn.Module, str, bool]:
     """(model, weights sha256, whether it is an exported program)."""
     if stage.weights is None:
         assert callable(stage.architecture)  # declare.problems() rules out the rest
         return stage.architecture(num_classes), NO_WEIGHTS, False
-    blob = read_trusted(as_uri(stage.weights), sources)
+    blob = files.read(as_uri(stage.weights), stage.weights_digest)
     sha256 = hashlib.sha256(blob).hexdigest()
     if stage.architecture == "exported":
         program = torch.export.load(io.BytesIO(blob))
@@ -124,15 +126,19 @@ class ClassifierModel:
         sources: SourceConfig,
         device: torch.device,
         precision: str = "float32",
+        files: ModelFiles | None = None,
     ) -> None:
+        """``files``: the host's model-file cache (built once from the settings); None reads
+        through ``sources`` uncached (tests, benchmarks)."""
+        files = files or ModelFiles(sources)
         self.stage = stage
         self.device = device
         self.precision = precision
-        labels = _labels(stage, sources)
+        labels = _labels(stage, files)
         unknown = [label for label in stage.keep if label not in labels]
         if unknown:
             raise ConfigError(f"stage {stage.key!r} keeps labels it does not have: {unknown}")
-        model, sha256, exported = _load(stage, len(labels), sources)
+        model, sha256, exported = _load(stage, len(labels), files)
         self.model = model.to(device) if exported else prepare_for_inference(model, device)
         self.algorithm = Algorithm(
             stage.key, stage.name or stage.key, "classification", sha256, labels
@@ -195,11 +201,15 @@ class DetectorModel:
         sources: SourceConfig,
         device: torch.device,
         precision: str = "float32",
+        files: ModelFiles | None = None,
     ) -> None:
+        """``files``: the host's model-file cache (built once from the settings); None reads
+        through ``sources`` uncached (tests, benchmarks)."""
+        files = files or ModelFiles(sources)
         self.stage = stage
         self.device = device
         self.precision = precision
-        labels = _labels(stage, sources)
+        labels = _labels(stage, files)
         options = {
             "min_size": stage.min_size,
             "max_size": stage.max_size,
@@ -207,7 +217,7 @@ class DetectorModel:
             "box_detections_per_img": stage.max_detections,
         }
         num_classes = stage.num_classes or len(labels) + 1
-        model, sha256, _exported = _load(stage, num_classes, sources, **options)
+        model, sha256, _exported = _load(stage, num_classes, files, **options)
         self.model = model.eval().to(device)
         self.algorithm = Algorithm(stage.key, stage.name or stage.key, "detection", sha256, labels)
 

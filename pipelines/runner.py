@@ -28,6 +28,7 @@ from pipelines.device import (
     to_host,
 )
 from pipelines.device import copy_ahead as device_copy_ahead
+from pipelines.files.fetch import ModelFiles
 from pipelines.models import Algorithm, ClassifierModel, DetectorModel
 
 
@@ -331,9 +332,11 @@ def load_runner(
     limits: DeviceLimits | None = None,
     response_format: response.ResponseFormat | None = None,
     precision: str = "float32",
+    files: ModelFiles | None = None,
 ) -> Runner:
-    """Every stage of ``pipeline`` loaded on ``device`` (weights read once, here). ConfigError
-    for anything that stops it loading, but a TransientError (its weights' store is down)."""
+    """Every stage of ``pipeline`` loaded on ``device`` (weights read once, here, through
+    ``files``, the host's model-file cache). ConfigError for anything that stops it loading,
+    but a TransientError (its weights' store is down)."""
     from pipelines.models import resolve_device
 
     try:
@@ -341,9 +344,9 @@ def load_runner(
         d, f, c = pipeline.detector, pipeline.filter, pipeline.classifier
         return Runner(
             pipeline,
-            DetectorModel(d, sources, where, precision) if d else None,
-            ClassifierModel(f, sources, where, precision) if f else None,
-            ClassifierModel(c, sources, where, precision) if c else None,
+            DetectorModel(d, sources, where, precision, files) if d else None,
+            ClassifierModel(f, sources, where, precision, files) if f else None,
+            ClassifierModel(c, sources, where, precision, files) if c else None,
             limits or DeviceLimits(),
             response_format or response.ResponseFormat(),
         )

@@ -109,6 +109,21 @@ def aws_env() -> Iterator[None]:
             os.environ[key] = value
 
 
+@pytest.fixture(scope="session", autouse=True)
+def model_file_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Model files the tests' workers download go to a cache of this session's (passed on by
+    ``tests.helpers.worker_env``), never to the user's ``~/.cache``."""
+    name = "WORKER_MODEL__CACHE_DIR"
+    saved = os.environ.get(name)
+    path = tmp_path_factory.mktemp("model-files")
+    os.environ[name] = str(path)
+    yield path
+    if saved is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = saved
+
+
 def _started_nats(store_dir: str) -> NatsServer:
     server = NatsServer(store_dir=store_dir)
     try:

@@ -214,6 +214,7 @@ def worker_env(settings, *, inherit: bool = True, **extra: str) -> dict[str, str
             "WORKER_MODEL__PIPELINE": settings.model.pipeline,
             "WORKER_MODEL__WEIGHTS": settings.model.weights,
             "WORKER_MODEL__DEVICE": "cpu",
+            "WORKER_MODEL__CACHE_DIR": os.environ.get("WORKER_MODEL__CACHE_DIR", ""),
             "WORKER_HEALTH__STALL_TIMEOUT_S": "30",
             "WORKER_LOG_LEVEL": "INFO",
         }

@@ -40,7 +40,8 @@ class JobEnd(enum.IntEnum):
 
 
 class CommandExit(enum.IntEnum):
-    """How the commands that run once end (submit, results, check, provision, register, demo)."""
+    """How the commands that run once end (submit, results, check, provision, register,
+    models fetch, demo)."""
 
     OK = 0
     FAILED = 1  # NATS not reachable in time, nothing to submit, not ready, a demo task missing
@@ -67,6 +68,7 @@ def documented() -> dict[str, set[int]]:
         "check": {int(c) for c in once},
         "provision": {int(c) for c in once},
         "register": {int(c) for c in once},
+        "models fetch": {int(c) for c in once},
         "demo": {int(CommandExit.OK), int(CommandExit.FAILED)},
         "healthwatch": {int(CommandExit.OK)},
     }

@@ -16,3 +16,14 @@ def toy(monkeypatch, tmp_path):
 
     monkeypatch.setenv("TOY_MOTHS_WEIGHTS", toy_moths.colour_weights(str(tmp_path / "colour.pt")))
     return toy_moths
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A directory (``served.root``) on a real HTTP server on 127.0.0.1, stopped at the end."""
+    from tests.served_files import Served
+
+    (tmp_path / "www").mkdir()
+    server = Served(tmp_path / "www")
+    yield server
+    server.stop()

@@ -37,7 +37,8 @@ def test_every_command_of_the_cli_has_its_exit_codes_listed():
 
     (choices,) = re.findall(r"\{([a-z,]+)\}", _parser().format_usage())
     commands = set(choices.split(","))
-    assert "run" in commands and commands <= set(documented())
+    listed = {name.split()[0] for name in documented()}  # "models fetch": the command "models"
+    assert "run" in commands and commands <= listed
 
 
 def test_the_second_signal_codes_are_the_shells_and_no_run_reason_collides_with_them():

@@ -225,7 +225,7 @@ def test_one_pipeline_keeps_working_when_no_list_is_given(monkeypatch):
 
 
 def test_weights_named_in_a_refusal_never_show_a_presigned_signature():
-    presigned = "https://bucket.example/w.pt?X-Amz-Signature=deadbeefcafe&X-Amz-Credential=AKIA"
+    presigned = "ftp://bucket.example/w.pt?X-Amz-Signature=deadbeefcafe&X-Amz-Credential=AKIA"
     with pytest.raises(ConfigError) as refused:
         load_settings(model={"weights": presigned})
     assert "WORKER_MODEL__WEIGHTS" in str(refused.value)

@@ -73,7 +73,7 @@ def _model_problems(settings: Settings) -> list[str]:
     from pipelines.device import release_cached_memory, visibility
     from pipelines.runner import load_runner
     from pipelines.setup import choose_all
-    from worker.engine.build import source_config
+    from worker.engine.build import model_files, source_config
 
     try:
         everything = choose_all(settings)
@@ -93,6 +93,7 @@ def _model_problems(settings: Settings) -> list[str]:
                 device,
                 chosen.limits,
                 chosen.response_format,
+                files=model_files(settings),
             )
             del runner
             release_cached_memory()

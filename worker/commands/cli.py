@@ -1,5 +1,5 @@
 """``inference-worker`` / ``python -m worker``: run, demo, submit, results, check, provision,
-register."""
+register, models fetch."""
 
 from __future__ import annotations
 
@@ -44,6 +44,13 @@ def _parser() -> argparse.ArgumentParser:
         "(idempotent)",
     )
     commands.add_parser("provision", help="create or update streams and the durable consumer")
+    models = commands.add_parser("models", help="the served pipelines' model files")
+    models_commands = models.add_subparsers(dest="models_command", required=True)
+    models_commands.add_parser(
+        "fetch",
+        help="download every served pipeline's weights and labels into the host's cache "
+        "(WORKER_MODEL__CACHE_DIR), checked; one line per file: URI, size, sha256, how pinned",
+    )
     _add_healthwatch(commands)
     return parser
 
@@ -141,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return asyncio.run(run_demo())
     try:
-        settings = load_settings(for_worker=args.command in ("run", "check", "register"))
+        settings = load_settings(for_worker=args.command in ("run", "check", "register", "models"))
     except ConfigError as error:
         configure_logging(args.log_level)
         for line in str(error).splitlines():
@@ -158,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "check": _check,
         "register": _register,
         "provision": _provision,
+        "models": _models,
     }
     try:
         return asyncio.run(handlers[args.command](settings, args))
@@ -334,10 +342,20 @@ async def _check(settings: Settings, _args: argparse.Namespace) -> int:
     problems = await readiness_problems(settings)
     for problem in problems:
         print(f"not ready: {problem}", file=sys.stderr)
+    from worker.commands.models import pin_lines
+
+    for line in await asyncio.to_thread(pin_lines, settings):
+        print(line)
     source = "Antenna" if settings.source == "antenna" else "NATS"
     if not problems:
         print(f"ready: settings valid; {source}, S3 and the model reachable")
     return CommandExit.FAILED if problems else CommandExit.OK
+
+
+async def _models(settings: Settings, _args: argparse.Namespace) -> int:
+    from worker.commands.models import fetch_command
+
+    return await asyncio.to_thread(fetch_command, settings)
 
 
 async def _register(settings: Settings, _args: argparse.Namespace) -> int:

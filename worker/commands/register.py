@@ -22,14 +22,14 @@ def _served(settings: Settings) -> list[AntennaPipeline]:
     from pipelines.runner import load_runner
     from pipelines.setup import choose_all
     from worker.antenna.wiring import pipeline_entry
-    from worker.engine.build import source_config
+    from worker.engine.build import model_files, source_config
 
     _visible, device = visibility(chosen_device(settings))
-    sources = source_config(settings)
+    sources, files = source_config(settings), model_files(settings)
     pipelines = []
     for chosen in choose_all(settings):
         runner = load_runner(
-            chosen.pipeline, sources, device, chosen.limits, chosen.response_format
+            chosen.pipeline, sources, device, chosen.limits, chosen.response_format, files=files
         )
         pipelines.append(pipeline_entry(chosen.pipeline, runner.algorithms()))
         del runner

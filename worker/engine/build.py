@@ -7,6 +7,7 @@ import asyncio
 import os
 from collections.abc import Callable
 from concurrent.futures import Executor
+from pathlib import Path
 from typing import Any
 
 from config.derived import max_held_tasks, object_deadline_s, torch_threads
@@ -15,6 +16,8 @@ from config.settings import Settings
 from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.sources import SourceConfig
 from pipelines.device import release_cached_memory, sticky_cause
+from pipelines.files.fetch import ModelFiles
+from pipelines.files.store import default_root
 from pipelines.runner import load_runner
 from pipelines.setup import Chosen
 from worker.engine import Engine
@@ -43,15 +46,22 @@ def source_config(s: Settings) -> SourceConfig:
     )
 
 
+def model_files(s: Settings) -> ModelFiles:
+    """The host's model-file cache (WORKER_MODEL__CACHE_DIR, or the per-user default)."""
+    root = Path(s.model.cache_dir) if s.model.cache_dir else default_root(os.environ)
+    return ModelFiles(source_config(s), root, s.model.file_max_bytes, s.model.download_deadline_s)
+
+
 def served_pipelines(
     s: Settings, chosen: list[Chosen], device: str, budget_bytes: int
 ) -> ServedPipelines:
     """The served pipelines' models, none loaded yet, under ``budget_bytes``."""
     sources = source_config(s)
+    files = model_files(s)
 
     def load(c: Chosen) -> Any:
         return load_runner(
-            c.pipeline, sources, device, c.limits, c.response_format, s.model.precision
+            c.pipeline, sources, device, c.limits, c.response_format, s.model.precision, files
         )
 
     return ServedPipelines(

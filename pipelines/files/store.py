@@ -1,0 +1,152 @@
+"""The model-file cache directory, shared by every process of the host.
+
+Per URI, a key ``<first 32 hex of sha256(uri)>-<file name>`` names three files: the content
+``<key>``, its record ``<key>.json`` (the URI redacted, its sha256, size and how it is
+pinned) and a lock ``<key>.lock``. Writes go to a temporary file in the same directory, are
+flushed to disk and renamed over the target, so a reader sees a whole file or none. The lock
+is ``fcntl.flock`` on the key's lock file: the process that holds it downloads, the others
+wait for it and then find the file. Imports nothing of the network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+from config.errors import ConfigError, TransientError
+from config.names import env_name
+from config.redact import redact_url
+from pipelines.files.digest import Pinned
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_NAME_CHARS = 64
+_LOCK_POLL_S = 0.05
+_CHUNK_BYTES = 1024 * 1024
+
+
+def default_root(environ: Mapping[str, str]) -> Path:
+    """``$XDG_CACHE_HOME/inference-worker/models``, or ``~/.cache/inference-worker/models``."""
+    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "inference-worker" / "models"
+
+
+@dataclass(frozen=True)
+class Record:
+    sha256: str
+    size_bytes: int
+    pinned: Pinned
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class Store:
+    """The cache directory ``root`` (made on first use)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @staticmethod
+    def key(uri: str) -> str:
+        name = uri.split("?", 1)[0].rstrip("/").rpartition("/")[2]
+        safe = _UNSAFE.sub("_", name)[-_NAME_CHARS:] or "file"
+        return f"{hashlib.sha256(uri.encode()).hexdigest()[:32]}-{safe}"
+
+    def path(self, key: str) -> Path:
+        return self.root / key
+
+    @contextlib.contextmanager
+    def locked(self, key: str, uri: str, wait_s: float) -> Iterator[None]:
+        """Hold ``key``'s lock; TransientError when another process holds it past ``wait_s``."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.root / f"{key}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            raise self.unusable(error) from None
+        try:
+            give_up = time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= give_up:
+                        raise TransientError(
+                            f"model file {redact_url(uri)}: another process of this host has "
+                            f"been downloading it for over {wait_s:g}s",
+                            kind="deadline_exceeded",
+                        ) from None
+                    time.sleep(_LOCK_POLL_S)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def record(self, key: str) -> Record | None:
+        """What was recorded of ``key``'s file, or None (none, or unreadable: made again)."""
+        try:
+            data = json.loads((self.root / f"{key}.json").read_text())
+            return Record(
+                str(data["sha256"]), int(data["size_bytes"]), cast(Pinned, data["pinned"])
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def cached_sha256(self, key: str) -> str | None:
+        """The sha256 of ``key``'s content as it is on disk now, or None when there is none."""
+        try:
+            return file_sha256(self.path(key))
+        except FileNotFoundError:
+            return None
+
+    def put(self, key: str, uri: str, data: bytes, record: Record) -> Path:
+        """``data`` as ``key``'s content, then its record; each written whole or not at all."""
+        try:
+            for stale in self.root.glob(f".{key[:40]}.*.part"):  # a writer killed mid-write
+                stale.unlink(missing_ok=True)  # (the key's lock is held: no writer now)
+            self._write(key, data)
+            shown = {"uri": redact_url(uri), **record.__dict__}
+            self._write(f"{key}.json", json.dumps(shown, sort_keys=True).encode())
+        except OSError as error:  # a full disk, a read-only directory
+            raise self.unusable(error) from None
+        return self.path(key)
+
+    def unusable(self, error: OSError) -> ConfigError:
+        return ConfigError(
+            f"{env_name('model', 'cache_dir')}: cannot write model files in {self.root}: "
+            f"{error.strerror or type(error).__name__}"
+        )
+
+    def drop(self, key: str) -> None:
+        """Remove ``key``'s content (its record, a pin, stays)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.path(key).unlink()
+
+    def _write(self, name: str, data: bytes) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=self.root, prefix=f".{name[:40]}.", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as file:
+                os.fchmod(file.fileno(), 0o644)  # mkstemp's 0600 would hide it from other users
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, self.root / name)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary)
+            raise
