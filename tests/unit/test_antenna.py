@@ -521,15 +521,15 @@ async def test_a_transient_failure_is_left_to_redelivery_before_the_last_deliver
     assert body["error"] == "deliveries ran out after 2 attempts; last error: loader_timeout: slow"
 
 
-def test_a_29176_class_result_with_500_detections_is_compacted_under_the_cap() -> None:
+def test_an_oversized_result_keeps_every_logit_and_what_antenna_reads_of_its_scores() -> None:
+    import math
     import random
 
     classes = 29_176
-    import math
-
     rng = random.Random(0)
     logits = [rng.gauss(0.0, 2.0) for _ in range(classes)]
     logits[7] = 20.0  # a confident top class, as a trained classifier gives
+    logits[8] = 19.9995  # a runner-up that rounding would tie with it
     raw = [math.exp(v) for v in logits]
     total = sum(raw)
     scores = [round(v / total, 6) for v in raw]
@@ -553,22 +553,58 @@ def test_a_29176_class_result_with_500_detections_is_compacted_under_the_cap() -
             "errors": None,
         }
 
-    entry = item(task, result_of(500))
-    # The post holds the 500 boxes one after another, so 500 times one box's encoding is
-    # less than the whole (the whole, about 300 MB, is encoded by fit and need not be again).
-    before = 500 * len(encoded(entry["result"]["detections"][0]))
+    entry = item(task, result_of(115))
+    before = len(encoded(entry))
     fitted, steps = fit(task, entry, 32 * 1024 * 1024)
     after = len(encoded(fitted))
-    print(f"29176 classes x 500 detections: over {before} bytes -> {after} bytes ({steps})")
+    print(f"29176 classes x 115 detections: {before} bytes -> {after} bytes ({steps})")
     assert before > 32 * 1024 * 1024 >= after
-    assert steps == ["logits_dropped", "scores_compacted"]
-    first = fitted["result"]["detections"][0]["classifications"][0]
-    assert first["logits"] is None and len(first["scores"]) == classes
+    assert steps == ["scores_compacted", "logits_rounded"]
+    for found in fitted["result"]["detections"]:
+        (kept,) = found["classifications"]
+        # Antenna's class masking reads the logits alone, whole: every one is there
+        assert len(kept["logits"]) == classes
+        assert max(abs(a - b) for a, b in zip(kept["logits"], rounded, strict=True)) <= 5.001e-4
+        # its save reads max(scores) and the first index of it: both as they were
+        assert len(kept["scores"]) == classes
+        assert max(kept["scores"]) == max(scores) == scores[7]
+        assert kept["scores"].index(max(kept["scores"])) == 7
     assert served.classes()[antenna_key(big)] == classes
-    # Past every step: 50 such boxes compacted are still over 1 MiB (a tenth of the 500's
-    # input is enough to prove the last step, and does not encode the 300 MB one again).
-    small, small_steps = fit(task, item(task, result_of(50)), 1024 * 1024)
+    # Past every step: logits are never dropped, the result becomes an error result instead.
+    small, small_steps = fit(task, item(task, result_of(5)), 1024 * 1024)
     assert small_steps[-1] == "error_result" and small["result"]["image_id"] == "1"
+
+
+async def test_a_result_over_the_cap_reaches_antenna_with_every_logit() -> None:
+    import math
+
+    classes = 2000
+    big = Algorithm("clf", "Species", "classification", "ef" * 32, tuple(map(str, range(classes))))
+    served = AntennaPipeline(SLUG, "", (DETECTOR, big))
+    logits = [math.sin(i) * 3 + 0.1234567 for i in range(classes)]
+    total = sum(math.exp(v) for v in logits)
+    scores = [math.exp(v) / total for v in logits]
+    found = detection("ignored", "clf", scores, by="det")
+    found.pop("source_image_id")
+    found["classifications"][0]["logits"] = logits
+    fake = FakeAntenna(token=TOKEN, ttr_s=30.0)
+    fake.register_direct(1, served.config())
+    with fake.running():
+        job = fake.add_job(SLUG, images(1))
+        (got,) = await reserve_all(source_of(fake, size=1), 1)
+        poster = Poster(client_of(fake), 30_000, 5.0)
+        catalog = Catalog([SLUG])
+        catalog.add(served)
+        rules = AntennaRules(poster, catalog, 30_000)
+        done = Outcome(detections=[found], timings_s={"load_s": 0.01, "infer_s": 0.01})
+        assert await rules.settle(task_of(got), got, done) == "ok"
+    (body,) = fake.bodies
+    assert len(json.dumps({"results": [{"result": {"detections": [found]}}]})) > 30_000
+    assert len(body) <= 30_000
+    assert fake.jobs[job].done == {"i0"}
+    (saved,) = fake.jobs[job].saved["i0"][0]["classifications"]
+    assert fake.maskable(saved, classes)  # what Antenna's class masking reads: all there
+    assert saved["scores"].index(max(saved["scores"])) == scores.index(max(scores))
 
 
 # -- register, check, settings --------------------------------------------------------------
