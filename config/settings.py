@@ -460,11 +460,20 @@ class AntennaSettings(BaseModel):
     )
     token: SecretStr = Field(
         SecretStr(""),
-        description="API token (sent as `Authorization: Token ...`, never logged); alias "
-        "AMI_ANTENNA_API_AUTH_TOKEN",
+        description="API token (sent as `Authorization: <AUTH_SCHEME> ...`, never logged); "
+        "alias AMI_ANTENNA_API_AUTH_TOKEN",
+    )
+    auth_scheme: Literal["Token", "Api-Key"] = Field(
+        "Token",
+        description="the Authorization scheme the token is sent with: Token (a user's API "
+        "token, what Antenna's main authenticates) or Api-Key (a processing service's key, "
+        "where an Antenna takes them)",
     )
     project_ids: str = Field(
-        "", description="comma-separated project ids that `register` registers the pipeline in"
+        "",
+        description="comma-separated project ids: `register` registers the pipelines in each, "
+        "`check` checks them, and `run` serves only these projects' jobs; empty: `run` serves "
+        "every project's jobs the token lists",
     )
     service_name: str = Field(
         "inference-worker",

@@ -14,11 +14,14 @@ import structlog
 from pydantic import SecretStr
 
 from config.aliases import alias_overrides
+from config.redact import scrub
+from config.settings import ConfigError, load_settings
 from pipelines.models import Algorithm
 from tests.antenna_fake import FakeAntenna
 from worker.admission import Admission
 from worker.antenna.catalog import Catalog
 from worker.antenna.client import AntennaClient
+from worker.antenna.identity import client_info
 from worker.antenna.jobs import JobRotation
 from worker.antenna.post import Poster
 from worker.antenna.register import antenna_problems, register
@@ -605,6 +608,64 @@ async def test_a_result_over_the_cap_reaches_antenna_with_every_logit() -> None:
     (saved,) = fake.jobs[job].saved["i0"][0]["classifications"]
     assert fake.maskable(saved, classes)  # what Antenna's class masking reads: all there
     assert saved["scores"].index(max(saved["scores"])) == scores.index(max(scores))
+
+
+async def test_client_info_goes_with_each_reservation_and_result_and_holds_no_secret(
+    fake: FakeAntenna,
+) -> None:
+    info = client_info("svc", (SLUG,), 3)
+    job = fake.add_job(SLUG, images(2))
+    client = client_of(fake)
+    source = AntennaSource(
+        client,
+        JobRotation(client, (SLUG,), 0.05, 100),
+        Reservations(fake.ttr_s, 60.0, 2, batch_size=2),
+        reservation_size=2,
+        wait_s=0.05,
+        max_deliver=2,
+        client_info=info,
+    )
+    got = await reserve_all(source, 2)
+    poster = Poster(client, 10**6, 5.0, client_info=info)
+    catalog = Catalog([SLUG])
+    catalog.add(SERVED)
+    rules = AntennaRules(poster, catalog, 10**6)
+    verdicts = await asyncio.gather(*(rules.settle(task_of(d), d, outcome()) for d in got))
+    assert verdicts == ["ok", "ok"] and fake.jobs[job].done == {"i0", "i1"}
+    endpoints = [endpoint for endpoint, _ in fake.client_infos]
+    assert "tasks" in endpoints and "result" in endpoints
+    assert all(seen == info for _, seen in fake.client_infos)
+    assert info["hostname"] and info["pid"] and info["pipelines"] == [SLUG]
+    assert info["software"] == "inference-worker" and info["version"]
+    assert TOKEN not in json.dumps(fake.client_infos)
+    # Antenna refuses a client_info that is not an object: the fake does too
+    refused = await client.post(
+        f"jobs/{job}/tasks/", "tasks", b'{"batch_size": 1, "client_info": "me"}'
+    )
+    assert refused.status == 400
+
+
+async def test_the_token_goes_with_the_configured_scheme_and_is_masked_in_what_is_shown(
+    fake: FakeAntenna,
+) -> None:
+    job = fake.add_job(SLUG, images(1))
+    ask = b'{"batch_size": 1}'
+    fake.schemes = {"Api-Key"}  # an Antenna that takes processing-service keys only
+    as_token = await client_of(fake).post(f"jobs/{job}/tasks/", "tasks", ask)
+    api_key = AntennaClient(fake.url, SecretStr(TOKEN), 5.0, scheme="Api-Key")
+    as_key = await api_key.post(f"jobs/{job}/tasks/", "tasks", ask)
+    assert as_token.status == 401  # another scheme: anonymous there
+    assert as_key.status == 200 and len(as_key.body["tasks"]) == 1
+    fake.schemes = {"Token"}  # Antenna's main
+    assert (await api_key.post(f"jobs/{job}/tasks/", "tasks", ask)).status == 401
+    assert set(fake.headers_seen) == {f"Token {TOKEN}", f"Api-Key {TOKEN}"}
+    echoed = json.dumps({"detail": f"bad header Api-Key {TOKEN}"}).encode()
+    fake.misbehave("tasks", "json", status=500, body=echoed)
+    shown = await api_key.post(f"jobs/{job}/tasks/", "tasks", ask)
+    assert shown.status == 500 and TOKEN not in shown.why() and TOKEN not in shown.text
+    assert "Api-Key <redacted>" in scrub(f"Authorization: Api-Key {TOKEN}")
+    with pytest.raises(ConfigError, match="WORKER_ANTENNA__AUTH_SCHEME"):
+        load_settings(for_worker=False, antenna={"auth_scheme": "Bearer"})
 
 
 # -- register, check, settings --------------------------------------------------------------

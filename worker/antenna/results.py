@@ -178,10 +178,13 @@ def encoded(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode()
 
 
-def fit(task: Task, entry: dict[str, Any], max_bytes: int) -> tuple[dict[str, Any], list[str]]:
-    """``entry`` as it can be posted in a body of at most ``max_bytes``, and the steps taken."""
+def fit(
+    task: Task, entry: dict[str, Any], max_bytes: int, envelope_bytes: int = ENVELOPE_BYTES
+) -> tuple[dict[str, Any], list[str]]:
+    """``entry`` as it can be posted alone in a body of at most ``max_bytes`` (of which the
+    envelope around it takes ``envelope_bytes``), and the steps taken."""
     steps: list[str] = []
-    limit = max_bytes - ENVELOPE_BYTES
+    limit = max_bytes - envelope_bytes
     size = len(encoded(entry))
     if size <= limit or "detections" not in entry["result"]:
         return entry, steps

@@ -38,8 +38,10 @@ class AntennaSource:
         wait_s: float,
         max_deliver: int,
         idle_wait_s: float = 0.0,
+        client_info: dict[str, Any] | None = None,
     ) -> None:
         self._client = client
+        self._client_info = client_info  # sent with each reservation (Antenna's client_info)
         self._jobs = jobs
         self.reservations = reservations
         self._size = reservation_size
@@ -88,7 +90,10 @@ class AntennaSource:
         return []
 
     async def _reserve(self, job: Job, wanted: int) -> list[AntennaDelivery]:
-        body = json.dumps({"batch_size": wanted}).encode()
+        asked: dict[str, Any] = {"batch_size": wanted}
+        if self._client_info is not None:
+            asked["client_info"] = self._client_info
+        body = json.dumps(asked).encode()
         try:
             reply = await self._client.post(f"jobs/{job.id}/tasks/", "tasks", body)
         except Unanswered as error:  # not asked again: that would reserve twice

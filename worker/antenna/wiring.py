@@ -12,6 +12,7 @@ from pipelines.declare import Pipeline
 from pipelines.models import Algorithm
 from worker.antenna.catalog import Catalog
 from worker.antenna.client import AntennaClient
+from worker.antenna.identity import client_info
 from worker.antenna.jobs import JobRotation
 from worker.antenna.metrics import AntennaMetrics
 from worker.antenna.post import Poster
@@ -59,8 +60,9 @@ class AntennaParts:
         self._served = served
         self._pipelines = pipelines
         self.catalog = Catalog(served.names)
-        self.client = AntennaClient(a.base_url, a.token, a.request_timeout_s)
+        self.client = AntennaClient(a.base_url, a.token, a.request_timeout_s, scheme=a.auth_scheme)
         self.jobs = JobRotation(self.client, self.catalog.slugs, a.poll_interval_s, a.jobs_limit)
+        info = client_info(a.service_name, self.catalog.slugs, s.process_index)
         reservations = Reservations(
             a.ttr_s, finish_within_s(s), reservation_size(s), batch_size=s.loader.batch_size
         )
@@ -73,8 +75,9 @@ class AntennaParts:
             wait_s=s.nats.fetch_timeout_s,
             max_deliver=a.max_deliver,
             idle_wait_s=a.idle_wait_s or a.ttr_s + self.jobs.longest_skip_s() + a.poll_interval_s,
+            client_info=info,
         )
-        self.poster = Poster(self.client, a.max_post_bytes, a.post_timeout_s)
+        self.poster = Poster(self.client, a.max_post_bytes, a.post_timeout_s, client_info=info)
         self.rules = AntennaRules(self.poster, self.catalog, a.max_post_bytes)
         self.waiting = TasksWaiting(
             antenna_waiting_read(self.client, self.catalog.slugs, a.jobs_limit),
