@@ -668,6 +668,40 @@ async def test_the_token_goes_with_the_configured_scheme_and_is_masked_in_what_i
         load_settings(for_worker=False, antenna={"auth_scheme": "Bearer"})
 
 
+async def test_project_ids_scope_which_jobs_are_reserved_from(fake: FakeAntenna) -> None:
+    fake.projects[2] = {}
+    fake.register_direct(2, SERVED.config())
+    ours = fake.add_job(SLUG, images(3, "a"), project=1)
+    theirs = fake.add_job(SLUG, images(3, "b"), project=2)
+
+    def scoped(projects: tuple[int, ...]) -> AntennaSource:
+        client = client_of(fake)
+        return AntennaSource(
+            client,
+            JobRotation(client, (SLUG,), 0.05, 100, projects),
+            Reservations(fake.ttr_s, 60.0, 10, batch_size=10),
+            reservation_size=10,
+            wait_s=0.05,
+            max_deliver=2,
+        )
+
+    got = await reserve_all(scoped((1,)), 6)  # asks for more than project 1 holds
+    assert {d.image_id for d in got} == {"a0", "a1", "a2"}  # (some twice: a TTR of 0.4 s)
+    assert all(t.delivered == 0 for t in fake.jobs[theirs].tasks.values())  # untouched
+    # A mistyped project is a refused listing, never every project's jobs: Antenna's
+    # project_id alone would list them all (an id no project has filters nothing).
+    typo = scoped((99,))
+    assert await reserve_all(typo, 6) == []
+    assert any(r[0] == "GET" and r[2] == 400 for r in fake.requests)
+    everyone = await client_of(fake).get("jobs/", "jobs", {"project_id": 99, "limit": 10})
+    assert {j["id"] for j in everyone.body["results"]} == {ours, theirs}
+    assert all(t.delivered == 0 for t in fake.jobs[theirs].tasks.values())
+    # Both projects named: both served, each listed on its own (project 1's tasks have had
+    # their two deliveries by now).
+    both = await reserve_all(scoped((1, 2)), 3)
+    assert {d.image_id for d in both} == {"b0", "b1", "b2"}
+
+
 # -- register, check, settings --------------------------------------------------------------
 async def test_register_says_what_each_refusal_means(fake: FakeAntenna) -> None:
     fake.projects[3] = {}

@@ -10,6 +10,13 @@ each job kept once. A job's own page is read only when the list does not name it
 and this process serves several (once per job), so an idle process asks Antenna for about
 ``2 * pages / poll_interval_s`` listings a second, whatever the number of jobs.
 
+With projects given (``WORKER_ANTENNA__PROJECT_IDS``) only their jobs are listed, one listing
+per project (Antenna's jobs list takes one project a call): each page names the project twice,
+as ``project_id`` (the active project: it scopes the listing, but an id no project has scopes
+nothing, ``ami/base/views.py`` ``get_active_project``) and as ``project`` (the jobs filterset's
+field, which answers 400 for an id no project has): a mistyped id is then a refused listing,
+never every project's jobs. Without projects every job the token can list is served.
+
 ``next_jobs`` hands the jobs out in turn, starting after the job served last, so every active
 job gets a reservation before any gets a second one. A job that had nothing to give is skipped
 until the next poll, then for twice as long each time it gives nothing again, up to
@@ -33,6 +40,11 @@ _MAX_PAGES = 50  # per status: 5,000 jobs at the default page of 100
 _EMPTY_MAX_POLLS = 12
 
 
+def project_params(project: int | None) -> dict[str, int]:
+    """The jobs listing's query naming one project (see the module's docstring)."""
+    return {} if project is None else {"project_id": project, "project": project}
+
+
 @dataclass(frozen=True)
 class Job:
     id: int
@@ -41,10 +53,16 @@ class Job:
 
 class JobRotation:
     def __init__(
-        self, client: AntennaClient, pipelines: tuple[str, ...], poll_interval_s: float, limit: int
+        self,
+        client: AntennaClient,
+        pipelines: tuple[str, ...],
+        poll_interval_s: float,
+        limit: int,
+        projects: tuple[int, ...] = (),
     ) -> None:
         self._client = client
         self._pipelines = pipelines
+        self._projects = projects
         self._poll_interval_s = poll_interval_s
         self._limit = limit
         self._jobs: list[Job] = []
@@ -95,22 +113,25 @@ class JobRotation:
         """Every active job Antenna lists for our pipelines, once each, by id; None when
         Antenna refused the listing."""
         found: dict[int, Job] = {}
-        for status in ACTIVE:
-            for offset in range(0, _MAX_PAGES * self._limit, self._limit):
-                page = await self._page(status, offset)
-                if page is None:
-                    return None
-                items, more = page
-                for job in items:
-                    found.setdefault(job.id, job)  # listed twice for a non-superuser
-                if not more:
-                    break
-            else:
-                log.warning("antenna_jobs_pages_cut", status=status, pages=_MAX_PAGES)
+        for project in self._projects or (None,):
+            for status in ACTIVE:
+                for offset in range(0, _MAX_PAGES * self._limit, self._limit):
+                    page = await self._page(status, offset, project)
+                    if page is None:
+                        return None
+                    items, more = page
+                    for job in items:
+                        found.setdefault(job.id, job)  # listed twice for a non-superuser
+                    if not more:
+                        break
+                else:
+                    log.warning("antenna_jobs_pages_cut", status=status, pages=_MAX_PAGES)
         return sorted(found.values(), key=lambda j: j.id)
 
-    async def _page(self, status: str, offset: int) -> tuple[list[Job], bool] | None:
-        params = {
+    async def _page(
+        self, status: str, offset: int, project: int | None
+    ) -> tuple[list[Job], bool] | None:
+        params: dict[str, object] = {
             "pipeline__slug__in": ",".join(self._pipelines),
             "ids_only": 1,
             "incomplete_only": 1,
@@ -119,6 +140,7 @@ class JobRotation:
             "ordering": "created_at",
             "limit": self._limit,
             "offset": offset,
+            **project_params(project),
         }
         reply = await self._client.get("jobs/", "jobs", params)
         self.last_refusal = f"listing jobs: {reply.why()}" if reply.status in (401, 403) else None

@@ -16,6 +16,7 @@ from worker.antenna.identity import client_info
 from worker.antenna.jobs import JobRotation
 from worker.antenna.metrics import AntennaMetrics
 from worker.antenna.post import Poster
+from worker.antenna.register import project_ids
 from worker.antenna.reservations import Reservations
 from worker.antenna.results import AntennaPipeline
 from worker.antenna.rules import AntennaRules
@@ -61,7 +62,10 @@ class AntennaParts:
         self._pipelines = pipelines
         self.catalog = Catalog(served.names)
         self.client = AntennaClient(a.base_url, a.token, a.request_timeout_s, scheme=a.auth_scheme)
-        self.jobs = JobRotation(self.client, self.catalog.slugs, a.poll_interval_s, a.jobs_limit)
+        projects = tuple(project_ids(a.project_ids))  # checked as a setting (config/rules.py)
+        self.jobs = JobRotation(
+            self.client, self.catalog.slugs, a.poll_interval_s, a.jobs_limit, projects
+        )
         info = client_info(a.service_name, self.catalog.slugs, s.process_index)
         reservations = Reservations(
             a.ttr_s, finish_within_s(s), reservation_size(s), batch_size=s.loader.batch_size
@@ -80,7 +84,7 @@ class AntennaParts:
         self.poster = Poster(self.client, a.max_post_bytes, a.post_timeout_s, client_info=info)
         self.rules = AntennaRules(self.poster, self.catalog, a.max_post_bytes)
         self.waiting = TasksWaiting(
-            antenna_waiting_read(self.client, self.catalog.slugs, a.jobs_limit),
+            antenna_waiting_read(self.client, self.catalog.slugs, a.jobs_limit, projects),
             s.metrics.tasks_waiting_read_s,
         )
         self.link = SourceLink(
