@@ -521,6 +521,14 @@ class AntennaSettings(BaseModel):
         ge=0,
     )
     post_timeout_s: float = Field(120.0, description="one POST .../result/ call")
+    unreachable_wait_s: float = Field(
+        120.0,
+        description="`run --until-idle`: how long every listing of the jobs may find Antenna "
+        "unavailable (no answer, or 5xx: a restart) before the run takes it as idle and ends "
+        "NOT_SERVED (6); meanwhile the listing is tried again after POLL_INTERVAL_S, then twice "
+        "as late each time, up to 4 intervals; 0 = at the first failed listing",
+        ge=0,
+    )
 
 
 class FaultSettings(BaseModel):

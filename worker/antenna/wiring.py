@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from config.names import env_name
 from config.settings import Settings
 from pipelines.declare import Pipeline
 from pipelines.models import Algorithm
@@ -80,6 +81,7 @@ class AntennaParts:
             max_deliver=a.max_deliver,
             idle_wait_s=a.idle_wait_s or a.ttr_s + self.jobs.longest_skip_s() + a.poll_interval_s,
             client_info=info,
+            unreachable_wait_s=a.unreachable_wait_s,
         )
         self.poster = Poster(self.client, a.max_post_bytes, a.post_timeout_s, client_info=info)
         self.rules = AntennaRules(self.poster, self.catalog, a.max_post_bytes)
@@ -129,6 +131,13 @@ class AntennaParts:
         refusal = self.source.refusal()
         if refusal:
             return f"Antenna refused: {refusal}"
+        failing_s = self.jobs.failing_for_s()
+        if failing_s is not None:
+            return (
+                f"Antenna at {self.client.shown()} found unavailable by every listing of its "
+                f"jobs for {failing_s:.0f}s ({env_name('antenna', 'unreachable_wait_s')}="
+                f"{self._settings.antenna.unreachable_wait_s:g}): {self.jobs.last_failure}"
+            )
         if not self.jobs.ever_listed:
             return (
                 f"Antenna at {self.client.shown()} never listed its jobs (unreachable or failing)"
