@@ -148,6 +148,33 @@ def test_register_is_idempotent_and_a_mixed_job_completes_with_every_image_saved
     assert antenna.headers_seen and set(antenna.headers_seen) == {f"Token {TOKEN}"}
 
 
+def test_run_serves_only_its_projects_jobs_with_its_auth_scheme_and_says_who_it_is(
+    antenna: FakeAntenna, tmp_path: Path
+) -> None:
+    antenna.schemes = {"Api-Key"}  # an Antenna that takes processing-service keys only
+    antenna.projects[2] = {}
+    env = env_for(antenna, WORKER_ANTENNA__AUTH_SCHEME="Api-Key")
+    done = cli("register", env=env, timeout=120)
+    assert done.returncode == 0, done.stderr + done.stdout
+    ours = antenna.add_job(PIPELINE, add_images(antenna, "p", 3), project=1)
+    theirs = antenna.add_job(PIPELINE, add_images(antenna, "q", 3), project=2)
+    log = tmp_path / "worker.log"
+    proc = start_run(env, log, "--until-idle")  # WORKER_ANTENNA__PROJECT_IDS=1
+    try:
+        assert proc.wait(timeout=180) == 0, log.read_text()[-4000:]
+    finally:
+        stop_process(proc)
+    assert antenna.jobs[ours].status == "SUCCESS"
+    assert antenna.jobs[theirs].status == "STARTED"
+    assert all(t.delivered == 0 for t in antenna.jobs[theirs].tasks.values())
+    assert set(antenna.headers_seen) == {f"Api-Key {TOKEN}"}
+    sent = {endpoint for endpoint, _ in antenna.client_infos}
+    assert sent == {"tasks", "result"}, sent
+    (info,) = {json.dumps(i, sort_keys=True) for _, i in antenna.client_infos}
+    assert json.loads(info)["pipelines"] == [PIPELINE] and json.loads(info)["pid"] == proc.pid
+    assert TOKEN not in info and TOKEN not in log.read_text()
+
+
 def test_sigkill_mid_job_and_a_restart_lose_nothing_antenna_would_not_redeliver(
     tmp_path: Path,
 ) -> None:
@@ -391,6 +418,7 @@ def test_until_idle_rides_out_an_antenna_restart_then_serves_its_job(tmp_path: P
         env = env_for(fake, WORKER_ANTENNA__UNREACHABLE_WAIT_S="120")
     proc = start_run(env, log, "--until-idle")  # Antenna down: nothing listens
     try:
+
         def failed() -> int:
             return sum(e.get("event") == "antenna_jobs_unreachable" for e in events(log))
 
