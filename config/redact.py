@@ -17,7 +17,7 @@ _SECRET_PARAM = re.compile(
     r"(?i)(x-amz-[a-z-]+|signature|awsaccesskeyid|token|password|secret|sig)=[^&\s\"']*"
 )
 
-_CREDENTIAL = re.compile(r"\b(Token|Bearer|Basic)\s+[A-Za-z0-9._~+/=-]{8,}")
+_CREDENTIAL = re.compile(r"\b(Token|Api-Key|Bearer|Basic)\s+[A-Za-z0-9._~+/=-]{8,}")
 
 
 def redact_url(url: str) -> str:
@@ -43,8 +43,8 @@ def shorten(text: str, limit: int = MAX_SHOWN_CHARS) -> str:
 
 def scrub(text: str) -> str:
     """``text`` with every URL in it redacted, any ``secret=value`` pair masked, and any
-    ``Authorization`` credential (``Token <key>``, ``Bearer <key>``: a page that echoes the
-    request's headers) masked."""
+    ``Authorization`` credential (``Token <key>``, ``Api-Key <key>``, ``Bearer <key>``: a page
+    that echoes the request's headers) masked."""
     text = _SCHEME_URL.sub(lambda match: redact_url(match.group(0)), text)
     text = _SECRET_PARAM.sub(lambda match: f"{match.group(1)}=<redacted>", text)
     return _CREDENTIAL.sub(lambda match: f"{match.group(1)} <redacted>", text)

@@ -172,6 +172,12 @@ def antenna_source_usable(s: Settings) -> list[str]:
             "AMI_ANTENNA_API_BASE_URL): an http(s):// URL of Antenna's API, e.g. "
             "https://antenna.insectai.org/api/v2"
         )
+    bad_ids = [p for p in a.project_ids.split(",") if p.strip() and not p.strip().isdigit()]
+    if bad_ids:
+        problems.append(
+            f"{n('antenna', 'project_ids')}={a.project_ids!r}: {bad_ids[0].strip()!r} is not a "
+            "project id (comma-separated integers)"
+        )
     if s.model.scores != "all":
         problems.append(
             f"{n('source')}=antenna needs {n('model', 'scores')}=all: Antenna saves a "

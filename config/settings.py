@@ -479,11 +479,20 @@ class AntennaSettings(BaseModel):
     )
     token: SecretStr = Field(
         SecretStr(""),
-        description="API token (sent as `Authorization: Token ...`, never logged); alias "
-        "AMI_ANTENNA_API_AUTH_TOKEN",
+        description="API token (sent as `Authorization: <AUTH_SCHEME> ...`, never logged); "
+        "alias AMI_ANTENNA_API_AUTH_TOKEN",
+    )
+    auth_scheme: Literal["Token", "Api-Key"] = Field(
+        "Token",
+        description="the Authorization scheme the token is sent with: Token (a user's API "
+        "token, what Antenna's main authenticates) or Api-Key (a processing service's key, "
+        "where an Antenna takes them)",
     )
     project_ids: str = Field(
-        "", description="comma-separated project ids that `register` registers the pipeline in"
+        "",
+        description="comma-separated project ids: `register` registers the pipelines in each, "
+        "`check` checks them, and `run` serves only these projects' jobs; empty: `run` serves "
+        "every project's jobs the token lists",
     )
     service_name: str = Field(
         "inference-worker",
@@ -531,6 +540,14 @@ class AntennaSettings(BaseModel):
         ge=0,
     )
     post_timeout_s: float = Field(120.0, description="one POST .../result/ call")
+    unreachable_wait_s: float = Field(
+        120.0,
+        description="`run --until-idle`: how long every listing of the jobs may find Antenna "
+        "unavailable (no answer, or 5xx: a restart) before the run takes it as idle and ends "
+        "NOT_SERVED (6); meanwhile the listing is tried again after POLL_INTERVAL_S, then twice "
+        "as late each time, up to 4 intervals; 0 = at the first failed listing",
+        ge=0,
+    )
 
 
 class FaultSettings(BaseModel):

@@ -10,12 +10,19 @@ on a running Antenna, /work/antenna-real/OBSERVED.md), not from its code:
   ``incomplete_only`` still lists CREATED, PENDING and CANCELING jobs. A token that is not a
   superuser's sees every job twice (``count`` too); a superuser's listing says ``create`` in
   its ``user_permissions`` (no project named). Anonymous calls may list; a wrong token gets
-  401 everywhere.
+  401 everywhere. ``project_id=<id>`` (the active project, ``ami/base/views.py``
+  ``get_active_project``: one integer, 400 otherwise) lists that project's jobs only, and an id
+  no project has lists every project's (no project found, no filter); ``project=<id>`` (the
+  jobs filterset's field) lists that project's jobs and answers 400 for an id no project has.
+  Neither takes several ids.
   Without ``ids_only`` each job as ``JobListSerializer`` gives it: ``status``, ``pipeline``
   (nested, with its ``slug``) and ``progress`` (``JobProgress``: ``collect`` with
   ``total_images``; ``process`` with ``processed``, ``remaining`` and ``failed`` once a result
   was processed, none before).
 - ``GET jobs/{id}/``: the job with its ``status`` and ``progress``; 404 for an unknown job.
+- ``client_info`` (``ProcessingServiceClientInfo``: any JSON object, optional) may come with
+  ``tasks/`` and ``result/`` bodies; anything but an object (or null) is a 400. Antenna
+  validates it and keeps nothing of it; the fake records it in ``client_infos``.
 - ``POST jobs/{id}/tasks/`` ``{"batch_size": N}``: ``{"tasks": [...]}``, each reserved for
   ``ttr_s`` and delivered at most ``max_deliver`` (2) times; ``[]`` for a job that is not
   STARTED/RETRY or has nothing left to reserve; 503 while ``tasks_unavailable``.
@@ -32,14 +39,20 @@ on a running Antenna, /work/antenna-real/OBSERVED.md), not from its code:
   pending with no message left); detections dedupe on (image, bbox). An error result with
   ``image_id`` marks that image failed; without one it is acked and counts nothing. Results for
   a job that is no longer active are accepted and ignored. A job whose images are all done
-  ends SUCCESS, or FAILURE when more than half failed.
+  ends SUCCESS, or FAILURE when more than half failed. A classification is saved with its
+  ``scores`` and ``logits`` as sent (``create_classification``); ``maskable`` says whether
+  Antenna's class masking would use it (logits stored, one per category).
 - ``POST projects/{id}/pipelines/``: registers pipelines (201; ``pipelines_created`` lists the
   new slugs and algorithm keys, empty on a repeat); algorithm keys are global and write-once
   (a known key with another version: 500); a new classifier without a category map: 500;
   no ``version``: 400. ``GET projects/{id}/pipelines/`` lists them.
 - Jobs not dispatched as ``async_api``: 400 on ``tasks/``. A bad ``tasks/`` body gets its 400
   before the job is looked up; ``result/`` looks the job up first.
-- No token or a wrong one: 401. ``tasks/`` and ``result/`` need ``tasks_ml_job`` and
+- Authorization ``<scheme> <key>``: the schemes in ``schemes`` (``Token`` alone, as DRF's
+  ``TokenAuthentication`` on Antenna's main; ``Api-Key`` where a test adds it, as Antenna's
+  processing-service key branch does). A header of another scheme is no credential (DRF's
+  authenticators pass it over): the call is anonymous. No token or a wrong one: 401.
+  ``tasks/`` and ``result/`` need ``tasks_ml_job`` and
   ``result_ml_job``, which no role grants: any token but a superuser's gets 403 there.
   Registering needs the project's manager (``tokens``) or a superuser: else 403.
 
@@ -220,6 +233,8 @@ class FakeAntenna:
         self.requests: list[tuple[str, str, int]] = []  # method, path, status
         self.bodies: list[bytes] = []  # every result body received
         self.headers_seen: list[str] = []
+        self.schemes = {"Token"}  # the Authorization schemes Antenna's authenticators take
+        self.client_infos: list[tuple[str, Any]] = []  # (endpoint, client_info) as received
         self.connections = 0
         self.modes: dict[str, Misbehaviour] = {}
         self.spoiled: dict[str, tuple[Callable[[dict[str, Any]], Any], int | None]] = {}
@@ -266,13 +281,14 @@ class FakeAntenna:
             return job_id
 
     @contextmanager
-    def running(self) -> Iterator[FakeAntenna]:
+    def running(self, port: int = 0) -> Iterator[FakeAntenna]:
+        """Serve on ``port`` (0: any free one) until the block ends."""
         fake = self
 
         class Handler(_Handler):
             antenna = fake
 
-        self._server = _Server(("127.0.0.1", 0), Handler)
+        self._server = _Server(("127.0.0.1", port), Handler)
         self._server.daemon_threads = True
         thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         thread.start()
@@ -349,6 +365,19 @@ class FakeAntenna:
                 and t.image_id not in job.done | job.failed
             }
 
+    @staticmethod
+    def maskable(classification: dict[str, Any], categories: int) -> bool:
+        """Whether Antenna's class masking would re-score this saved classification: it takes
+        only those with scores and logits stored, and reads the logits alone, one per category
+        (``ami/ml/post_processing/class_masking.py``)."""
+        logits = classification.get("logits")
+        return (
+            classification.get("scores") is not None
+            and isinstance(logits, list)
+            and len(logits) == categories
+            and all(isinstance(v, int | float) for v in logits)
+        )
+
     def expire_reservations(self) -> None:
         """Let every reservation run out now (as ``ttr_s`` passing would)."""
         with self.lock:
@@ -399,19 +428,48 @@ class FakeAntenna:
         if not auth:
             return None
         scheme, _, key = auth.partition(" ")
-        if scheme != "Token" or key not in self.tokens:
+        if scheme not in self.schemes:
+            return None  # no authenticator takes it: anonymous
+        if key not in self.tokens:
             return "invalid"
         return _User(frozenset(self.tokens[key]), key in self.superusers)
 
     def _job(self, text: str) -> FakeJob | None:
         return self.jobs.get(int(text)) if text.isdigit() else None
 
+    def _projects_of(self, query: dict[str, str]) -> set[int] | tuple[int, Any]:
+        """The projects ``project_id`` and ``project`` name (an empty set: every project), or
+        Antenna's 400 answer."""
+        named: set[int] = set()
+        active = query.get("project_id")
+        if active:
+            if not active.isdigit():
+                return 400, {"project_id": ["A valid integer is required."]}
+            if int(active) in self.projects:  # an unknown id filters nothing
+                named.add(int(active))
+        chosen = query.get("project")
+        if chosen:
+            if not chosen.isdigit() or int(chosen) not in self.projects:
+                return 400, {
+                    "project": [
+                        "Select a valid choice. That choice is not one of the available choices."
+                    ]
+                }
+            if named and int(chosen) not in named:
+                return {-1}  # both filters: no job is in two projects
+            named = {int(chosen)}
+        return named
+
     def _list(self, query: dict[str, str], user: _User | None = None) -> tuple[int, Any]:
         slugs = set(query.get("pipeline__slug__in", "").split(",")) - {""}
+        projects = self._projects_of(query)
+        if isinstance(projects, tuple):
+            return projects
         jobs = [
             j
             for j in sorted(self.jobs.values(), key=lambda j: j.id)  # created in id order
             if (not slugs or j.pipeline in slugs)
+            and (not projects or j.project in projects)
             and not (query.get("incomplete_only") in ("1", "true") and j.status in FINAL)
             and query.get("dispatch_mode", j.dispatch_mode) == j.dispatch_mode
             and query.get("status", j.status) == j.status
@@ -500,6 +558,8 @@ class FakeAntenna:
         size = payload.get("batch_size") if isinstance(payload, dict) else None
         if parts[2] == "tasks" and (not isinstance(size, int) or size < 1):
             return 400, {"batch_size": ["Ensure this value is greater than or equal to 1."]}
+        if parts[2] == "tasks" and (refused := self._client_info(parts[2], payload)):
+            return refused  # the serializer is checked before the job is looked up
         job = self._job(parts[1])
         if job is None:
             return 404, {"detail": "Not found."}
@@ -510,8 +570,19 @@ class FakeAntenna:
                 return 400, ["Only async_api jobs have fetchable tasks"]
             return self._reserve(job, int(size or 0))
         if parts[2] == "result":
+            if refused := self._client_info(parts[2], payload):
+                return refused
             return self._result(job, payload, body)
         return 404, {"detail": "Not found."}
+
+    def _client_info(self, endpoint: str, payload: Any) -> tuple[int, Any] | None:
+        """Antenna's ``SchemaField(ProcessingServiceClientInfo)``: an object or nothing."""
+        info = payload.get("client_info") if isinstance(payload, dict) else None
+        if info is not None and not isinstance(info, dict):
+            return 400, {"client_info": ["Input should be a valid dictionary"]}
+        if isinstance(payload, dict) and "client_info" in payload:
+            self.client_infos.append((endpoint, info))
+        return None
 
     def _reserve(self, job: FakeJob, size: int) -> tuple[int, Any]:
         if self.tasks_unavailable:

@@ -148,6 +148,33 @@ def test_register_is_idempotent_and_a_mixed_job_completes_with_every_image_saved
     assert antenna.headers_seen and set(antenna.headers_seen) == {f"Token {TOKEN}"}
 
 
+def test_run_serves_only_its_projects_jobs_with_its_auth_scheme_and_says_who_it_is(
+    antenna: FakeAntenna, tmp_path: Path
+) -> None:
+    antenna.schemes = {"Api-Key"}  # an Antenna that takes processing-service keys only
+    antenna.projects[2] = {}
+    env = env_for(antenna, WORKER_ANTENNA__AUTH_SCHEME="Api-Key")
+    done = cli("register", env=env, timeout=120)
+    assert done.returncode == 0, done.stderr + done.stdout
+    ours = antenna.add_job(PIPELINE, add_images(antenna, "p", 3), project=1)
+    theirs = antenna.add_job(PIPELINE, add_images(antenna, "q", 3), project=2)
+    log = tmp_path / "worker.log"
+    proc = start_run(env, log, "--until-idle")  # WORKER_ANTENNA__PROJECT_IDS=1
+    try:
+        assert proc.wait(timeout=180) == 0, log.read_text()[-4000:]
+    finally:
+        stop_process(proc)
+    assert antenna.jobs[ours].status == "SUCCESS"
+    assert antenna.jobs[theirs].status == "STARTED"
+    assert all(t.delivered == 0 for t in antenna.jobs[theirs].tasks.values())
+    assert set(antenna.headers_seen) == {f"Api-Key {TOKEN}"}
+    sent = {endpoint for endpoint, _ in antenna.client_infos}
+    assert sent == {"tasks", "result"}, sent
+    (info,) = {json.dumps(i, sort_keys=True) for _, i in antenna.client_infos}
+    assert json.loads(info)["pipelines"] == [PIPELINE] and json.loads(info)["pid"] == proc.pid
+    assert TOKEN not in info and TOKEN not in log.read_text()
+
+
 def test_sigkill_mid_job_and_a_restart_lose_nothing_antenna_would_not_redeliver(
     tmp_path: Path,
 ) -> None:
@@ -358,7 +385,10 @@ def test_until_idle_exits_6_when_antenna_refused_the_token_or_was_never_reached(
     codes = {}
     for case, extra in {
         "refused": {"WORKER_ANTENNA__TOKEN": "wrong-token-0000"},
-        "unreachable": {"WORKER_ANTENNA__BASE_URL": f"http://127.0.0.1:{free_port()}/api/v2"},
+        "unreachable": {
+            "WORKER_ANTENNA__BASE_URL": f"http://127.0.0.1:{free_port()}/api/v2",
+            "WORKER_ANTENNA__UNREACHABLE_WAIT_S": "3",  # never up: given up after the bound
+        },
     }.items():
         log = tmp_path / f"{case}.log"
         proc = start_run(env_for(antenna, **extra), log, "--until-idle")
@@ -368,8 +398,43 @@ def test_until_idle_exits_6_when_antenna_refused_the_token_or_was_never_reached(
             stop_process(proc)
         assert "idle_not_served" in log.read_text(), log.read_text()[-4000:]
         assert "wrong-token-0000" not in log.read_text()
+        if case == "unreachable":  # retried, with backoff, then given up past the bound
+            failed = [e for e in events(log) if e.get("event") == "antenna_jobs_unreachable"]
+            assert len(failed) >= 2 and failed[-1]["retry_in_s"] > failed[0]["retry_in_s"]
+            (why,) = [e["reason"] for e in events(log) if e.get("event") == "idle_not_served"]
+            waited_s = float(why.split("jobs for ")[1].split("s ")[0])
+            assert waited_s >= 3 and "WORKER_ANTENNA__UNREACHABLE_WAIT_S=3" in why, why
     assert codes == {"refused": 6, "unreachable": 6}
     assert antenna.pending(job) == {"r0", "r1"}
+
+
+def test_until_idle_rides_out_an_antenna_restart_then_serves_its_job(tmp_path: Path) -> None:
+    from worker.commands.localservers import free_port
+
+    port = free_port()
+    fake = FakeAntenna(token=TOKEN)
+    log = tmp_path / "worker.log"
+    with fake.running(port=port):  # only for its URL: stopped before the worker starts
+        env = env_for(fake, WORKER_ANTENNA__UNREACHABLE_WAIT_S="120")
+    proc = start_run(env, log, "--until-idle")  # Antenna down: nothing listens
+    try:
+
+        def failed() -> int:
+            return sum(e.get("event") == "antenna_jobs_unreachable" for e in events(log))
+
+        wait_for(lambda: failed() >= 3, 120, "three failed listings", log, proc)
+        fake.misbehave("jobs", "down")  # up, its listing not yet: registered meanwhile
+        with fake.running(port=port):
+            registered(fake)
+            images = add_images(fake, "u", 3)
+            job = fake.add_job(PIPELINE, images)
+            fake.behave("jobs")
+            assert proc.wait(timeout=180) == 0, log.read_text()[-4000:]
+    finally:
+        stop_process(proc)
+    assert fake.jobs[job].status == "SUCCESS"
+    assert saved_once(fake, job, images) == {image: 1 for image, _ in images}
+    assert "idle_not_served" not in log.read_text()
 
 
 def reserved_by_an_earlier_process(fake: FakeAntenna, job: int, count: int) -> None:

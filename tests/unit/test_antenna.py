@@ -14,11 +14,14 @@ import structlog
 from pydantic import SecretStr
 
 from config.aliases import alias_overrides
+from config.redact import scrub
+from config.settings import ConfigError, load_settings
 from pipelines.models import Algorithm
 from tests.antenna_fake import FakeAntenna
 from worker.admission import Admission
 from worker.antenna.catalog import Catalog
 from worker.antenna.client import AntennaClient
+from worker.antenna.identity import client_info
 from worker.antenna.jobs import JobRotation
 from worker.antenna.post import Poster
 from worker.antenna.register import antenna_problems, register
@@ -521,15 +524,15 @@ async def test_a_transient_failure_is_left_to_redelivery_before_the_last_deliver
     assert body["error"] == "deliveries ran out after 2 attempts; last error: loader_timeout: slow"
 
 
-def test_a_29176_class_result_with_500_detections_is_compacted_under_the_cap() -> None:
+def test_an_oversized_result_keeps_every_logit_and_what_antenna_reads_of_its_scores() -> None:
+    import math
     import random
 
     classes = 29_176
-    import math
-
     rng = random.Random(0)
     logits = [rng.gauss(0.0, 2.0) for _ in range(classes)]
     logits[7] = 20.0  # a confident top class, as a trained classifier gives
+    logits[8] = 19.9995  # a runner-up that rounding would tie with it
     raw = [math.exp(v) for v in logits]
     total = sum(raw)
     scores = [round(v / total, 6) for v in raw]
@@ -553,22 +556,150 @@ def test_a_29176_class_result_with_500_detections_is_compacted_under_the_cap() -
             "errors": None,
         }
 
-    entry = item(task, result_of(500))
-    # The post holds the 500 boxes one after another, so 500 times one box's encoding is
-    # less than the whole (the whole, about 300 MB, is encoded by fit and need not be again).
-    before = 500 * len(encoded(entry["result"]["detections"][0]))
+    entry = item(task, result_of(115))
+    before = len(encoded(entry))
     fitted, steps = fit(task, entry, 32 * 1024 * 1024)
     after = len(encoded(fitted))
-    print(f"29176 classes x 500 detections: over {before} bytes -> {after} bytes ({steps})")
+    print(f"29176 classes x 115 detections: {before} bytes -> {after} bytes ({steps})")
     assert before > 32 * 1024 * 1024 >= after
-    assert steps == ["logits_dropped", "scores_compacted"]
-    first = fitted["result"]["detections"][0]["classifications"][0]
-    assert first["logits"] is None and len(first["scores"]) == classes
+    assert steps == ["scores_compacted", "logits_rounded"]
+    for found in fitted["result"]["detections"]:
+        (kept,) = found["classifications"]
+        # Antenna's class masking reads the logits alone, whole: every one is there
+        assert len(kept["logits"]) == classes
+        assert max(abs(a - b) for a, b in zip(kept["logits"], rounded, strict=True)) <= 5.001e-4
+        # its save reads max(scores) and the first index of it: both as they were
+        assert len(kept["scores"]) == classes
+        assert max(kept["scores"]) == max(scores) == scores[7]
+        assert kept["scores"].index(max(kept["scores"])) == 7
     assert served.classes()[antenna_key(big)] == classes
-    # Past every step: 50 such boxes compacted are still over 1 MiB (a tenth of the 500's
-    # input is enough to prove the last step, and does not encode the 300 MB one again).
-    small, small_steps = fit(task, item(task, result_of(50)), 1024 * 1024)
+    # Past every step: logits are never dropped, the result becomes an error result instead.
+    small, small_steps = fit(task, item(task, result_of(5)), 1024 * 1024)
     assert small_steps[-1] == "error_result" and small["result"]["image_id"] == "1"
+
+
+async def test_a_result_over_the_cap_reaches_antenna_with_every_logit() -> None:
+    import math
+
+    classes = 2000
+    big = Algorithm("clf", "Species", "classification", "ef" * 32, tuple(map(str, range(classes))))
+    served = AntennaPipeline(SLUG, "", (DETECTOR, big))
+    logits = [math.sin(i) * 3 + 0.1234567 for i in range(classes)]
+    total = sum(math.exp(v) for v in logits)
+    scores = [math.exp(v) / total for v in logits]
+    found = detection("ignored", "clf", scores, by="det")
+    found.pop("source_image_id")
+    found["classifications"][0]["logits"] = logits
+    fake = FakeAntenna(token=TOKEN, ttr_s=30.0)
+    fake.register_direct(1, served.config())
+    with fake.running():
+        job = fake.add_job(SLUG, images(1))
+        (got,) = await reserve_all(source_of(fake, size=1), 1)
+        poster = Poster(client_of(fake), 30_000, 5.0)
+        catalog = Catalog([SLUG])
+        catalog.add(served)
+        rules = AntennaRules(poster, catalog, 30_000)
+        done = Outcome(detections=[found], timings_s={"load_s": 0.01, "infer_s": 0.01})
+        assert await rules.settle(task_of(got), got, done) == "ok"
+    (body,) = fake.bodies
+    assert len(json.dumps({"results": [{"result": {"detections": [found]}}]})) > 30_000
+    assert len(body) <= 30_000
+    assert fake.jobs[job].done == {"i0"}
+    (saved,) = fake.jobs[job].saved["i0"][0]["classifications"]
+    assert fake.maskable(saved, classes)  # what Antenna's class masking reads: all there
+    assert saved["scores"].index(max(saved["scores"])) == scores.index(max(scores))
+
+
+async def test_client_info_goes_with_each_reservation_and_result_and_holds_no_secret(
+    fake: FakeAntenna,
+) -> None:
+    info = client_info("svc", (SLUG,), 3)
+    job = fake.add_job(SLUG, images(2))
+    client = client_of(fake)
+    source = AntennaSource(
+        client,
+        JobRotation(client, (SLUG,), 0.05, 100),
+        Reservations(fake.ttr_s, 60.0, 2, batch_size=2),
+        reservation_size=2,
+        wait_s=0.05,
+        max_deliver=2,
+        client_info=info,
+    )
+    got = await reserve_all(source, 2)
+    poster = Poster(client, 10**6, 5.0, client_info=info)
+    catalog = Catalog([SLUG])
+    catalog.add(SERVED)
+    rules = AntennaRules(poster, catalog, 10**6)
+    verdicts = await asyncio.gather(*(rules.settle(task_of(d), d, outcome()) for d in got))
+    assert verdicts == ["ok", "ok"] and fake.jobs[job].done == {"i0", "i1"}
+    endpoints = [endpoint for endpoint, _ in fake.client_infos]
+    assert "tasks" in endpoints and "result" in endpoints
+    assert all(seen == info for _, seen in fake.client_infos)
+    assert info["hostname"] and info["pid"] and info["pipelines"] == [SLUG]
+    assert info["software"] == "inference-worker" and info["version"]
+    assert TOKEN not in json.dumps(fake.client_infos)
+    # Antenna refuses a client_info that is not an object: the fake does too
+    refused = await client.post(
+        f"jobs/{job}/tasks/", "tasks", b'{"batch_size": 1, "client_info": "me"}'
+    )
+    assert refused.status == 400
+
+
+async def test_the_token_goes_with_the_configured_scheme_and_is_masked_in_what_is_shown(
+    fake: FakeAntenna,
+) -> None:
+    job = fake.add_job(SLUG, images(1))
+    ask = b'{"batch_size": 1}'
+    fake.schemes = {"Api-Key"}  # an Antenna that takes processing-service keys only
+    as_token = await client_of(fake).post(f"jobs/{job}/tasks/", "tasks", ask)
+    api_key = AntennaClient(fake.url, SecretStr(TOKEN), 5.0, scheme="Api-Key")
+    as_key = await api_key.post(f"jobs/{job}/tasks/", "tasks", ask)
+    assert as_token.status == 401  # another scheme: anonymous there
+    assert as_key.status == 200 and len(as_key.body["tasks"]) == 1
+    fake.schemes = {"Token"}  # Antenna's main
+    assert (await api_key.post(f"jobs/{job}/tasks/", "tasks", ask)).status == 401
+    assert set(fake.headers_seen) == {f"Token {TOKEN}", f"Api-Key {TOKEN}"}
+    echoed = json.dumps({"detail": f"bad header Api-Key {TOKEN}"}).encode()
+    fake.misbehave("tasks", "json", status=500, body=echoed)
+    shown = await api_key.post(f"jobs/{job}/tasks/", "tasks", ask)
+    assert shown.status == 500 and TOKEN not in shown.why() and TOKEN not in shown.text
+    assert "Api-Key <redacted>" in scrub(f"Authorization: Api-Key {TOKEN}")
+    with pytest.raises(ConfigError, match="WORKER_ANTENNA__AUTH_SCHEME"):
+        load_settings(for_worker=False, antenna={"auth_scheme": "Bearer"})
+
+
+async def test_project_ids_scope_which_jobs_are_reserved_from(fake: FakeAntenna) -> None:
+    fake.projects[2] = {}
+    fake.register_direct(2, SERVED.config())
+    ours = fake.add_job(SLUG, images(3, "a"), project=1)
+    theirs = fake.add_job(SLUG, images(3, "b"), project=2)
+
+    def scoped(projects: tuple[int, ...]) -> AntennaSource:
+        client = client_of(fake)
+        return AntennaSource(
+            client,
+            JobRotation(client, (SLUG,), 0.05, 100, projects),
+            Reservations(fake.ttr_s, 60.0, 10, batch_size=10),
+            reservation_size=10,
+            wait_s=0.05,
+            max_deliver=2,
+        )
+
+    got = await reserve_all(scoped((1,)), 6)  # asks for more than project 1 holds
+    assert {d.image_id for d in got} == {"a0", "a1", "a2"}  # (some twice: a TTR of 0.4 s)
+    assert all(t.delivered == 0 for t in fake.jobs[theirs].tasks.values())  # untouched
+    # A mistyped project is a refused listing, never every project's jobs: Antenna's
+    # project_id alone would list them all (an id no project has filters nothing).
+    typo = scoped((99,))
+    assert await reserve_all(typo, 6) == []
+    assert any(r[0] == "GET" and r[2] == 400 for r in fake.requests)
+    everyone = await client_of(fake).get("jobs/", "jobs", {"project_id": 99, "limit": 10})
+    assert {j["id"] for j in everyone.body["results"]} == {ours, theirs}
+    assert all(t.delivered == 0 for t in fake.jobs[theirs].tasks.values())
+    # Both projects named: both served, each listed on its own (project 1's tasks have had
+    # their two deliveries by now).
+    both = await reserve_all(scoped((1, 2)), 3)
+    assert {d.image_id for d in both} == {"b0", "b1", "b2"}
 
 
 # -- register, check, settings --------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Antenna's worker-facing HTTP API, one call at a time: the only module that speaks HTTP to it.
 
-Every call carries ``Authorization: Token <key>``; the key lives in a ``SecretStr`` and is
+Every call carries ``Authorization: <scheme> <key>`` (``WORKER_ANTENNA__AUTH_SCHEME``: ``Token``
+by default, or ``Api-Key``); the key lives in a ``SecretStr`` and is
 read only where the header is made, so no log line, error or result can carry it. A call is
 believed only when its answer is one Antenna gives:
 
@@ -172,9 +173,11 @@ class AntennaClient:
         token: SecretStr,
         timeout_s: float,
         count: Callable[[str, str], None] = lambda _endpoint, _status: None,
+        scheme: str = "Token",
     ) -> None:
         self.root = api_root(base_url)
         self._token = token
+        self._scheme = scheme
         self._timeout_s = timeout_s
         self.count = count  # set by the wiring once the metrics exist
         self._url = urllib.parse.urlsplit(self.root)
@@ -331,7 +334,7 @@ class AntennaClient:
         headers = {"Accept": "application/json", "User-Agent": "inference-worker"}
         secret = self._token.get_secret_value()
         if secret:
-            headers["Authorization"] = f"Token {secret}"
+            headers["Authorization"] = f"{self._scheme} {secret}"
         if has_body:
             headers["Content-Type"] = "application/json"
         return headers

@@ -10,6 +10,19 @@ each job kept once. A job's own page is read only when the list does not name it
 and this process serves several (once per job), so an idle process asks Antenna for about
 ``2 * pages / poll_interval_s`` listings a second, whatever the number of jobs.
 
+With projects given (``WORKER_ANTENNA__PROJECT_IDS``) only their jobs are listed, one listing
+per project (Antenna's jobs list takes one project a call): each page names the project twice,
+as ``project_id`` (the active project: it scopes the listing, but an id no project has scopes
+nothing, ``ami/base/views.py`` ``get_active_project``) and as ``project`` (the jobs filterset's
+field, which answers 400 for an id no project has): a mistyped id is then a refused listing,
+never every project's jobs. Without projects every job the token can list is served.
+
+A listing that finds Antenna unavailable (no answer, one not believed, or a 5xx: a restart, a
+proxy with nothing behind it) is tried again after one poll interval, then twice as late each
+time, up to ``_FAILING_MAX_POLLS`` intervals (20 s at the default 5 s); ``failing_for_s`` says
+for how long listings have failed so (``run --until-idle`` waits
+``WORKER_ANTENNA__UNREACHABLE_WAIT_S`` on it). Any other answer ends it.
+
 ``next_jobs`` hands the jobs out in turn, starting after the job served last, so every active
 job gets a reservation before any gets a second one. A job that had nothing to give is skipped
 until the next poll, then for twice as long each time it gives nothing again, up to
@@ -31,6 +44,12 @@ log = structlog.get_logger(__name__)
 ACTIVE = ("STARTED", "RETRY")
 _MAX_PAGES = 50  # per status: 5,000 jobs at the default page of 100
 _EMPTY_MAX_POLLS = 12
+_FAILING_MAX_POLLS = 4
+
+
+def project_params(project: int | None) -> dict[str, int]:
+    """The jobs listing's query naming one project (see the module's docstring)."""
+    return {} if project is None else {"project_id": project, "project": project}
 
 
 @dataclass(frozen=True)
@@ -41,10 +60,16 @@ class Job:
 
 class JobRotation:
     def __init__(
-        self, client: AntennaClient, pipelines: tuple[str, ...], poll_interval_s: float, limit: int
+        self,
+        client: AntennaClient,
+        pipelines: tuple[str, ...],
+        poll_interval_s: float,
+        limit: int,
+        projects: tuple[int, ...] = (),
     ) -> None:
         self._client = client
         self._pipelines = pipelines
+        self._projects = projects
         self._poll_interval_s = poll_interval_s
         self._limit = limit
         self._jobs: list[Job] = []
@@ -55,6 +80,9 @@ class JobRotation:
         self._listed_at = float("-inf")
         self.last_refusal: str | None = None  # a 401/403 on listing: the token
         self.ever_listed = False  # a listing answered in full, once at least
+        self._failing_since: float | None = None  # listings found Antenna unavailable since
+        self._failures = 0  # such listings in a row
+        self.last_failure = ""
 
     def active_ids(self) -> list[int]:
         """The active jobs of the last listing, skipped ones included."""
@@ -65,7 +93,26 @@ class JobRotation:
         return _EMPTY_MAX_POLLS * self._poll_interval_s
 
     def due(self) -> bool:
-        return time.monotonic() - self._listed_at >= self._poll_interval_s
+        return time.monotonic() - self._listed_at >= self._next_listing_s()
+
+    def _next_listing_s(self) -> float:
+        """A poll interval; after failed listings, twice as long each, up to 4 intervals."""
+        polls = min(2 ** min(self._failures, 8), _FAILING_MAX_POLLS) if self._failures else 1
+        return polls * self._poll_interval_s
+
+    def failing_for_s(self) -> float | None:
+        """How long every listing has found Antenna unavailable; None when the last answered."""
+        since = self._failing_since
+        return None if since is None else time.monotonic() - since
+
+    def _failed(self, why: str) -> None:
+        if self._failing_since is None:
+            self._failing_since = self._listed_at  # from the start of the call that failed
+        self._failures += 1
+        self.last_failure = why
+
+    def _answered(self) -> None:
+        self._failing_since, self._failures = None, 0
 
     async def refresh(self) -> list[Job]:
         """List the active jobs of our pipelines. On a failure the jobs known stay as they
@@ -77,10 +124,12 @@ class JobRotation:
                 return self._jobs
             active = [ours for job in listed if (ours := await self._ours(job))]
         except AntennaUnreachable as error:  # the client keeps the unreachable clock
+            self._failed(str(error))
             log.warning(
-                "antenna_jobs_unreachable", error=str(error), retry_in_s=self._poll_interval_s
+                "antenna_jobs_unreachable", error=str(error), retry_in_s=self._next_listing_s()
             )
             return self._jobs
+        self._answered()
         self.ever_listed = True
         if [j.id for j in active] != [j.id for j in self._jobs]:
             log.info("antenna_active_jobs", jobs=[j.id for j in active], listed=len(listed))
@@ -95,22 +144,25 @@ class JobRotation:
         """Every active job Antenna lists for our pipelines, once each, by id; None when
         Antenna refused the listing."""
         found: dict[int, Job] = {}
-        for status in ACTIVE:
-            for offset in range(0, _MAX_PAGES * self._limit, self._limit):
-                page = await self._page(status, offset)
-                if page is None:
-                    return None
-                items, more = page
-                for job in items:
-                    found.setdefault(job.id, job)  # listed twice for a non-superuser
-                if not more:
-                    break
-            else:
-                log.warning("antenna_jobs_pages_cut", status=status, pages=_MAX_PAGES)
+        for project in self._projects or (None,):
+            for status in ACTIVE:
+                for offset in range(0, _MAX_PAGES * self._limit, self._limit):
+                    page = await self._page(status, offset, project)
+                    if page is None:
+                        return None
+                    items, more = page
+                    for job in items:
+                        found.setdefault(job.id, job)  # listed twice for a non-superuser
+                    if not more:
+                        break
+                else:
+                    log.warning("antenna_jobs_pages_cut", status=status, pages=_MAX_PAGES)
         return sorted(found.values(), key=lambda j: j.id)
 
-    async def _page(self, status: str, offset: int) -> tuple[list[Job], bool] | None:
-        params = {
+    async def _page(
+        self, status: str, offset: int, project: int | None
+    ) -> tuple[list[Job], bool] | None:
+        params: dict[str, object] = {
             "pipeline__slug__in": ",".join(self._pipelines),
             "ids_only": 1,
             "incomplete_only": 1,
@@ -119,12 +171,17 @@ class JobRotation:
             "ordering": "created_at",
             "limit": self._limit,
             "offset": offset,
+            **project_params(project),
         }
         reply = await self._client.get("jobs/", "jobs", params)
         self.last_refusal = f"listing jobs: {reply.why()}" if reply.status in (401, 403) else None
+        if reply.status >= 500:  # a restart, or a proxy with nothing behind it
+            self._failed(f"listing jobs: {reply.why()}")
+        elif not reply.ok:
+            self._answered()
         if not reply.ok or not isinstance(reply.body, dict):
             log.warning(
-                "antenna_jobs_refused", reason=reply.why(), retry_in_s=self._poll_interval_s
+                "antenna_jobs_refused", reason=reply.why(), retry_in_s=self._next_listing_s()
             )
             return None
         results = reply.body.get("results")

@@ -60,8 +60,14 @@ class Poster:
         post_timeout_s: float,
         retried: Callable[[], None] = lambda: None,
         split: Callable[[], None] = lambda: None,
+        client_info: dict[str, Any] | None = None,
     ) -> None:
         self._client = client
+        # Each body: {"results":[...],"client_info":{...}} (Antenna's optional worker identity).
+        self._tail = (
+            b"]}" if client_info is None else b'],"client_info":' + encoded(client_info) + b"}"
+        )
+        self.envelope_bytes = ENVELOPE_BYTES - len(b"]}") + len(self._tail)
         self._max_bytes = max_post_bytes
         self._timeout_s = post_timeout_s
         self.on_retry = retried
@@ -140,14 +146,14 @@ class Poster:
             grown = size + len(pending.body) + 1
             if not bodies or grown > self._max_bytes:
                 bodies.append([pending])
-                size = ENVELOPE_BYTES + len(pending.body)
+                size = self.envelope_bytes + len(pending.body)
             else:
                 bodies[-1].append(pending)
                 size = grown
         return bodies
 
     async def _send(self, job_id: int, group: list[_Pending]) -> None:
-        body = b'{"results":[' + b",".join(p.body for p in group) + b"]}"
+        body = b'{"results":[' + b",".join(p.body for p in group) + self._tail
         reply = await self._post_until(job_id, body, min(p.deadline for p in group), len(group))
         if reply is not None and reply.ok:
             for pending in group:

@@ -11,14 +11,21 @@ keys registered are the keys results name.
   classification is left out (the box is kept).
 - ``problems``: everything that would make Antenna accept a result and then not save it, checked
   against what this worker registers; such a result is replaced by ``error_result``.
-- ``fit``: a result over the post size cap loses its logits, then has its scores compacted
-  (3 decimals; below 0.0005 written as 0: a 29,176-class vector is then about 58 kB, so 500
-  detections fit in 32 MiB); if it is still over, it becomes an error result.
+- ``fit``: a result over the post size cap has its scores compacted (cut to 3 decimals, below
+  0.001 written as 0, the top score kept exact), then its logits rounded to 3 decimals; the
+  logits are never dropped nor shortened. If it is still over, it becomes an error result. Why
+  (RolnickLab/antenna ``main``): Antenna's class masking reads only a classification's
+  ``logits``, whole (one per category, else it skips it), and masks only classifications whose
+  logits are stored (``ami/ml/post_processing/class_masking.py``); its save takes
+  ``max(scores)`` as the score and ``scores.index(max(scores))`` as the category, and stores
+  ``scores`` and ``logits`` as sent (``ami/ml/models/pipeline.py``, ``create_classification``):
+  scores cannot be left out, a compacted vector keeps all it reads.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,8 +39,8 @@ from worker.antenna.schemas import PipelineResults
 from worker.schemas import Task
 
 _ERROR_CHARS = 1000
-_SCORE_DECIMALS = 3
-_SCORE_FLOOR = 0.0005
+_SCORE_STEPS = 1000  # scores cut to 3 decimals
+_LOGIT_DECIMALS = 3
 ENVELOPE_BYTES = len(b'{"results":[]}')
 
 
@@ -171,21 +178,24 @@ def encoded(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode()
 
 
-def fit(task: Task, entry: dict[str, Any], max_bytes: int) -> tuple[dict[str, Any], list[str]]:
-    """``entry`` as it can be posted in a body of at most ``max_bytes``, and the steps taken."""
+def fit(
+    task: Task, entry: dict[str, Any], max_bytes: int, envelope_bytes: int = ENVELOPE_BYTES
+) -> tuple[dict[str, Any], list[str]]:
+    """``entry`` as it can be posted alone in a body of at most ``max_bytes`` (of which the
+    envelope around it takes ``envelope_bytes``), and the steps taken."""
     steps: list[str] = []
-    limit = max_bytes - ENVELOPE_BYTES
+    limit = max_bytes - envelope_bytes
     size = len(encoded(entry))
     if size <= limit or "detections" not in entry["result"]:
         return entry, steps
-    for name, step in (("logits_dropped", _without_logits), ("scores_compacted", _compacted)):
+    for name, step in (("scores_compacted", _compacted), ("logits_rounded", _logits_rounded)):
         entry = {**entry, "result": step(entry["result"])}
         steps.append(name)
         size = len(encoded(entry))
         if size <= limit:
             return entry, steps
     message = (
-        f"the result is {size} bytes with logits dropped and scores compacted, over "
+        f"the result is {size} bytes with scores compacted and logits rounded, over "
         f"{env_name('antenna', 'max_post_bytes')} ({max_bytes})"
     )
     steps.append("error_result")
@@ -200,12 +210,29 @@ def _each_classification(result: dict[str, Any], change: Any) -> dict[str, Any]:
     return {**result, "detections": detections}
 
 
-def _without_logits(result: dict[str, Any]) -> dict[str, Any]:
-    return _each_classification(result, lambda c: {**c, "logits": None})
+def _logits_rounded(result: dict[str, Any]) -> dict[str, Any]:
+    """Every logit kept, to 3 decimals: a softmax of them moves by 0.1% at most."""
+
+    def rounded(c: dict[str, Any]) -> dict[str, Any]:
+        logits = c.get("logits")
+        if not logits:
+            return c
+        return {**c, "logits": [round(v, _LOGIT_DECIMALS) for v in logits]}
+
+    return _each_classification(result, rounded)
 
 
 def _compact(scores: Sequence[float]) -> list[float | int]:
-    return [0 if s < _SCORE_FLOOR else round(s, _SCORE_DECIMALS) for s in scores]
+    """Scores cut (not rounded) to 3 decimals, the top one exact: Antenna's save reads
+    ``max(scores)`` and its first index, so no other score may reach the top one."""
+    if not scores:
+        return []
+    top = max(range(len(scores)), key=scores.__getitem__)  # the first of the highest
+    out: list[float | int] = [
+        math.floor(s * _SCORE_STEPS) / _SCORE_STEPS if s >= 1 / _SCORE_STEPS else 0 for s in scores
+    ]
+    out[top] = scores[top]
+    return out
 
 
 def _compacted(result: dict[str, Any]) -> dict[str, Any]:

@@ -57,7 +57,9 @@ class AntennaRules:
             self.count("retried")
             return "retried"
         result, status, why = self._result(task, reserved.delivered, outcome)
-        entry, steps = fit(task, item(task, result), self.max_post_bytes)
+        entry, steps = fit(
+            task, item(task, result), self.max_post_bytes, self.poster.envelope_bytes
+        )
         if steps:
             bound.warning("result_made_smaller", steps=steps)
             if "error_result" in steps:

@@ -38,8 +38,11 @@ class AntennaSource:
         wait_s: float,
         max_deliver: int,
         idle_wait_s: float = 0.0,
+        client_info: dict[str, Any] | None = None,
+        unreachable_wait_s: float = 0.0,
     ) -> None:
         self._client = client
+        self._client_info = client_info  # sent with each reservation (Antenna's client_info)
         self._jobs = jobs
         self.reservations = reservations
         self._size = reservation_size
@@ -50,6 +53,9 @@ class AntennaSource:
         # ``idle``: how long active jobs may stay listed and give nothing before a burst run
         # gives up on them; since when they have (None: a task came, or no job is listed).
         self._idle_wait_s = idle_wait_s
+        # How long listings may find Antenna unavailable before a burst run takes it as idle
+        # (and, never answered, ends NOT_SERVED): a restart is ridden out.
+        self._unreachable_wait_s = unreachable_wait_s
         self._nothing_since: float | None = None
         self.last_refusal: str | None = None  # a 401/403 on reserving: for /healthz and logs
 
@@ -88,7 +94,10 @@ class AntennaSource:
         return []
 
     async def _reserve(self, job: Job, wanted: int) -> list[AntennaDelivery]:
-        body = json.dumps({"batch_size": wanted}).encode()
+        asked: dict[str, Any] = {"batch_size": wanted}
+        if self._client_info is not None:
+            asked["client_info"] = self._client_info
+        body = json.dumps(asked).encode()
         try:
             reply = await self._client.post(f"jobs/{job.id}/tasks/", "tasks", body)
         except Unanswered as error:  # not asked again: that would reserve twice
@@ -184,9 +193,13 @@ class AntennaSource:
     async def idle(self) -> bool:
         """Nothing held, and the last round of the active jobs gave nothing: with no active
         job listed, or with jobs listed that gave nothing for ``idle_wait_s`` (their tasks are
-        out: ``still_out`` says which)."""
+        out: ``still_out`` says which). Never while listings have found Antenna unavailable
+        for less than ``unreachable_wait_s``."""
         if not self._dry or len(self.reservations):
             return False
+        failing_s = self._jobs.failing_for_s()
+        if failing_s is not None and failing_s < self._unreachable_wait_s:
+            return False  # not known idle: Antenna may be restarting
         return self._nothing_since is None or self.still_out() is not None
 
     def still_out(self) -> str | None:

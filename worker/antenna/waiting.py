@@ -14,7 +14,11 @@ superuser's) of ``remaining``, else of the collected images while the ``process`
 not started. A pipeline with an active job that says neither is left out (not known); one
 with no active job reads 0.
 
-Cost: one listing per status and per 100 jobs (``WORKER_ANTENNA__JOBS_LIMIT``) at each read.
+With ``WORKER_ANTENNA__PROJECT_IDS`` only those projects' jobs are counted, listed per project
+as the rotation lists them (``jobs.project_params``).
+
+Cost: one listing per status (and project) and per 100 jobs (``WORKER_ANTENNA__JOBS_LIMIT``)
+at each read.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from worker.antenna.client import AntennaClient, AntennaUnreachable
-from worker.antenna.jobs import ACTIVE
+from worker.antenna.jobs import ACTIVE, project_params
 from worker.health.waiting import WaitingRead
 
 _MAX_PAGES = 10  # per status: 1,000 jobs at the default page of 100
@@ -85,16 +89,16 @@ def waiting_by_pipeline(jobs: list[dict[str, Any]], pipelines: tuple[str, ...]) 
 
 
 def antenna_waiting_read(
-    client: AntennaClient, pipelines: tuple[str, ...], limit: int
+    client: AntennaClient, pipelines: tuple[str, ...], limit: int, projects: tuple[int, ...] = ()
 ) -> WaitingRead:
     """The read ``worker.health.waiting.TasksWaiting`` makes: the active async jobs of
     ``pipelines``, every page; a refused or unreadable page fails the read."""
 
     async def read() -> dict[str, int]:
         found: dict[int, dict[str, Any]] = {}
-        for status in ACTIVE:
+        for project, status in [(p, s) for p in projects or (None,) for s in ACTIVE]:
             for page in range(_MAX_PAGES):
-                params = {
+                params: dict[str, object] = {
                     "pipeline__slug__in": ",".join(pipelines),
                     "incomplete_only": 1,
                     "dispatch_mode": "async_api",
@@ -102,6 +106,7 @@ def antenna_waiting_read(
                     "ordering": "created_at",
                     "limit": limit,
                     "offset": page * limit,
+                    **project_params(project),
                 }
                 reply = await client.get("jobs/", "jobs", params)
                 if not reply.ok or not isinstance(reply.body, dict):

@@ -7,14 +7,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from config.names import env_name
 from config.settings import Settings
 from pipelines.declare import Pipeline
 from pipelines.models import Algorithm
 from worker.antenna.catalog import Catalog
 from worker.antenna.client import AntennaClient
+from worker.antenna.identity import client_info
 from worker.antenna.jobs import JobRotation
 from worker.antenna.metrics import AntennaMetrics
 from worker.antenna.post import Poster
+from worker.antenna.register import project_ids
 from worker.antenna.reservations import Reservations
 from worker.antenna.results import AntennaPipeline
 from worker.antenna.rules import AntennaRules
@@ -59,8 +62,12 @@ class AntennaParts:
         self._served = served
         self._pipelines = pipelines
         self.catalog = Catalog(served.names)
-        self.client = AntennaClient(a.base_url, a.token, a.request_timeout_s)
-        self.jobs = JobRotation(self.client, self.catalog.slugs, a.poll_interval_s, a.jobs_limit)
+        self.client = AntennaClient(a.base_url, a.token, a.request_timeout_s, scheme=a.auth_scheme)
+        projects = tuple(project_ids(a.project_ids))  # checked as a setting (config/rules.py)
+        self.jobs = JobRotation(
+            self.client, self.catalog.slugs, a.poll_interval_s, a.jobs_limit, projects
+        )
+        info = client_info(a.service_name, self.catalog.slugs, s.process_index)
         reservations = Reservations(
             a.ttr_s, finish_within_s(s), reservation_size(s), batch_size=s.loader.batch_size
         )
@@ -73,11 +80,13 @@ class AntennaParts:
             wait_s=s.nats.fetch_timeout_s,
             max_deliver=a.max_deliver,
             idle_wait_s=a.idle_wait_s or a.ttr_s + self.jobs.longest_skip_s() + a.poll_interval_s,
+            client_info=info,
+            unreachable_wait_s=a.unreachable_wait_s,
         )
-        self.poster = Poster(self.client, a.max_post_bytes, a.post_timeout_s)
+        self.poster = Poster(self.client, a.max_post_bytes, a.post_timeout_s, client_info=info)
         self.rules = AntennaRules(self.poster, self.catalog, a.max_post_bytes)
         self.waiting = TasksWaiting(
-            antenna_waiting_read(self.client, self.catalog.slugs, a.jobs_limit),
+            antenna_waiting_read(self.client, self.catalog.slugs, a.jobs_limit, projects),
             s.metrics.tasks_waiting_read_s,
         )
         self.link = SourceLink(
@@ -122,6 +131,13 @@ class AntennaParts:
         refusal = self.source.refusal()
         if refusal:
             return f"Antenna refused: {refusal}"
+        failing_s = self.jobs.failing_for_s()
+        if failing_s is not None:
+            return (
+                f"Antenna at {self.client.shown()} found unavailable by every listing of its "
+                f"jobs for {failing_s:.0f}s ({env_name('antenna', 'unreachable_wait_s')}="
+                f"{self._settings.antenna.unreachable_wait_s:g}): {self.jobs.last_failure}"
+            )
         if not self.jobs.ever_listed:
             return (
                 f"Antenna at {self.client.shown()} never listed its jobs (unreachable or failing)"

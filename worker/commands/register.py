@@ -68,7 +68,7 @@ async def register_command(settings: Settings) -> int:
             print(f"not registered: {line}", file=sys.stderr)
         return CommandExit.FAILED
     pipelines = await asyncio.to_thread(_served, settings)
-    client = AntennaClient(a.base_url, a.token, a.request_timeout_s)
+    client = AntennaClient(a.base_url, a.token, a.request_timeout_s, scheme=a.auth_scheme)
     lines = await register(client, pipelines, projects, a.service_name)
     for ok, line in lines:
         print(line if ok else f"not registered: {line}", file=sys.stdout if ok else sys.stderr)
