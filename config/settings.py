@@ -303,6 +303,13 @@ class ModelSettings(BaseModel):
         description="built-in single-stage pipelines: state_dict (or .pt2) path or s3:// URI; "
         "labels.txt lies beside it",
     )
+    files_mirror: str = Field(
+        "",
+        description="AMI's pipelines (quebec_vermont_moths_2023 ...): a base URI (a path, "
+        "file://, http(s):// or s3://) standing for AMI's "
+        "https://object-arbutus.cloud.computecanada.ca/ami-models/ in their weights and "
+        "category map URLs; the files keep AMI's relative paths under it",
+    )
     memory_budget_bytes: int = Field(
         0,
         description="models kept loaded at once, in bytes of their weights (device memory on "

@@ -1,5 +1,7 @@
-"""Built-in torchvision architectures by name. Never downloads weights: every ``weights`` and
-``weights_backbone`` argument is None, and the stage loads its own ``state_dict``."""
+"""Built-in architectures by name: torchvision's, and the layouts AMI's checkpoints were saved
+from (``pipelines/ami/layouts.py``: ``ami_resnet50``, ``timm/...``). Never downloads weights:
+every ``weights`` and ``weights_backbone`` argument is None, and the stage loads its own
+``state_dict``."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ from torch import nn
 
 from config.errors import ConfigError
 
-CLASSIFIERS = ("resnet18", "resnet50", "mobilenet_v3_small", "mobilenet_v3_large", "convnext_tiny")
+TORCHVISION = ("resnet18", "resnet50", "mobilenet_v3_small", "mobilenet_v3_large", "convnext_tiny")
+AMI = ("ami_resnet50", "timm/resnet50", "timm/convnext_tiny_in22k", "timm/tf_efficientnetv2_b3")
+CLASSIFIERS = TORCHVISION + AMI
 DETECTORS = ("fasterrcnn_resnet50_fpn", "fasterrcnn_mobilenet_v3_large_fpn")
 BUILT_IN = CLASSIFIERS + DETECTORS
 
@@ -24,6 +28,10 @@ def build_classifier(architecture: str, num_classes: int) -> nn.Module:
         raise ConfigError(
             f"unknown classifier architecture {architecture!r}; built in: {', '.join(CLASSIFIERS)}"
         )
+    if architecture in AMI:
+        from pipelines.ami import layouts
+
+        return layouts.build(architecture, num_classes)
     builder: Callable[..., nn.Module] = classifier_builder(architecture)
     return builder(weights=None, num_classes=num_classes)
 

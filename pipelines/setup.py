@@ -41,7 +41,7 @@ def choose_all(s: Settings) -> list[Chosen]:
     problems: list[str] = []
     for entry in s.model.pipeline_entries():
         try:
-            pipeline = resolve(entry, s.model.weights)
+            pipeline = resolve(entry, s.model.weights, s.model.files_mirror)
         except ConfigError as error:
             problems.extend(str(error).splitlines())
             continue

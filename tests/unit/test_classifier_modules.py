@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipelines.architectures import CLASSIFIERS
+from pipelines.architectures import TORCHVISION as CLASSIFIERS
 from pipelines.classifier_modules import MODULE_OF
 
 ROOT = Path(__file__).parents[2]
