@@ -46,6 +46,7 @@ class _Model:
     std: tuple[float, float, float] = IMAGENET_STD
     taxon_rank: str = "SPECIES"
     weights_digest: str | None = None  # torch hub's name-<8 hex>.ext
+    classes: int | None = None  # the published category map's size, where AMI states it
 
 
 DETECTOR = _Model(
@@ -68,11 +69,13 @@ BINARY = _Model(
     "resnet50",
     taxon_rank="SUPERFAMILY",
     weights_digest="b4fe3efe",
+    classes=2,
 )
 KEEP = ("moth",)  # the binary classifier's positive label
 
 
 def _timm_resnet50(name: str, key: str, what: str, run: str, weights: str, labels: str) -> _Model:
+    """``what``: "<date> for <n> species", as AMI's description says it."""
     return _Model(
         name,
         key,
@@ -81,6 +84,7 @@ def _timm_resnet50(name: str, key: str, what: str, run: str, weights: str, label
         _CLASSIFICATION + labels,
         "timm/resnet50",
         weights_digest=weights.rpartition("_")[2].partition(".")[0],
+        classes=int(what.split(" for ")[1].split()[0].replace(",", "")),
     )
 
 
@@ -116,6 +120,7 @@ _ROWS = (
             _CLASSIFICATION + "03_moths_centralAmerica_category_map-202311110-with-names.json",
             "resnet50",
             weights_digest="5aeb515a",
+            classes=1060,
         ),
     ),
     _Row(
@@ -204,6 +209,7 @@ _ROWS = (
             "insect_orders/insect_order_category_map.json",
             "timm/convnext_tiny_in22k",
             taxon_rank="ORDER",
+            classes=16,
         ),
         filtered=False,
     ),
@@ -259,9 +265,18 @@ def _classifier(model: _Model, files_mirror: str, keep: tuple[str, ...] = ()) ->
     )
 
 
+def _row(slug: str) -> _Row:
+    return {r.slug: r for r in _ROWS}[slug]
+
+
+def model_of(slug: str) -> _Model:
+    """The classifier ``slug``'s pipeline ends with."""
+    return _row(slug).classifier
+
+
 def pipeline(slug: str, files_mirror: str = "") -> Pipeline:
     """The pipeline ``slug`` names (one of ``SLUGS``); KeyError for another."""
-    row = {r.slug: r for r in _ROWS}[slug]
+    row = _row(slug)
     return Pipeline(
         name=row.slug,
         title=row.classifier.name,
