@@ -101,9 +101,16 @@ class Runner:
     def weights_bytes(self) -> int:
         """Bytes of every stage's parameters and buffers, where they live (the memory budget's
         measure of this pipeline)."""
+        return Runner.weights_bytes_together([self])
+
+    @staticmethod
+    def weights_bytes_together(runners: list[Runner]) -> int:
+        """Bytes of several pipelines' stages at once: a stage they share counts once."""
         from pipelines.cache import tensor_bytes
 
-        modules = [m.model for m in (self.detector, self.filter, self.classifier) if m]
+        modules = [
+            m.model for r in runners for m in (r.detector, r.filter, r.classifier) if m is not None
+        ]
         return tensor_bytes(
             tensor for module in modules for tensor in (*module.parameters(), *module.buffers())
         )

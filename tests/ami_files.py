@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ def _write(path: Path, value: object) -> None:
 
 def detector_state(seed: int = 0) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
-    model = architectures.build_detector("fasterrcnn_resnet50_fpn", 2)
+    model: Any = architectures.build_detector("fasterrcnn_resnet50_fpn", 2)
     predictor = model.roi_heads.box_predictor
     rpn = model.rpn.head
     with torch.no_grad():
@@ -55,14 +56,17 @@ def detector_state(seed: int = 0) -> dict[str, torch.Tensor]:
     return state
 
 
-def classifier_state(architecture: str, classes: int, seed: int, favour: int | None = None):
+def classifier_state(
+    architecture: str, classes: int, seed: int, favour: int | None = None
+) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
-    model = architectures.build_classifier(architecture, classes)
+    model: Any = architectures.build_classifier(architecture, classes)
     if favour is not None:  # the torchvision layout's fc has a bias: push one class up
         with torch.no_grad():
             model.fc.bias.zero_()
             model.fc.bias[favour] = 50.0
-    return model.state_dict()
+    state: dict[str, torch.Tensor] = model.state_dict()
+    return state
 
 
 def write_mirror(root: Path, slugs: tuple[str, ...], detector: dict[str, torch.Tensor]) -> Path:
