@@ -388,3 +388,30 @@ def test_the_same_stage_in_two_pipelines_is_loaded_once(tmp_path: Path) -> None:
 
     assert first is second
     assert shared.classifier(alone, SourceConfig(), cpu, "bfloat16") is not first
+
+
+class _NoDetector(torch.nn.Module):
+    def forward(self, images: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        raise AssertionError("not run: cleaned() is given the rows")
+
+
+@pytest.mark.parametrize(("whole", "expected"), [(True, [10.0, 5.0, 30.0, 20.0]), (False, None)])
+def test_whole_pixel_boxes_are_truncated_as_amis_detector_does(
+    whole: bool, expected: list[float] | None
+) -> None:
+    from pipelines.declare import Detector
+    from pipelines.models import DetectorModel
+
+    stage = Detector(
+        "d", architecture=lambda _n: _NoDetector(), labels=("object",), whole_pixel_boxes=whole
+    )
+    model = DetectorModel(stage, SourceConfig(), torch.device("cpu"))
+    rows = torch.tensor([[10.9, 5.2, 30.99, 20.5, 0.95, 1.0], [1.0, 1.0, 1.7, 9.0, 0.9, 1.0]])
+    image = torch.zeros((3, 40, 50), dtype=torch.uint8)
+
+    (boxes,) = model.cleaned([image], rows, [2])
+
+    if whole:  # the second box truncates to no width: dropped
+        assert boxes.boxes.tolist() == [expected]
+    else:
+        assert torch.equal(boxes.boxes, rows[:, :4])
