@@ -11,6 +11,7 @@ torchvision's own ``resnet50`` (``fc`` with bias) is ``pipelines.architectures``
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torch import nn
@@ -54,5 +55,7 @@ def build(architecture: str, num_classes: int) -> nn.Module:
             f"architecture {architecture!r} needs timm: install the extra "
             "inference-worker[ami] (pip install 'inference-worker[ami]')"
         ) from None
-    model: nn.Module = timm.create_model(name, pretrained=False, num_classes=num_classes)
+    with warnings.catch_warnings():  # AMI's name for convnext_tiny.fb_in22k: the same model
+        warnings.filterwarnings("ignore", message="Mapping deprecated model name")
+        model: nn.Module = timm.create_model(name, pretrained=False, num_classes=num_classes)
     return model

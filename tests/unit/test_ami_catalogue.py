@@ -415,3 +415,11 @@ def test_whole_pixel_boxes_are_truncated_as_amis_detector_does(
         assert boxes.boxes.tolist() == [expected]
     else:
         assert torch.equal(boxes.boxes, rows[:, :4])
+
+
+def test_the_command_lines_help_lists_amis_slugs() -> None:
+    from worker.commands.cli import _parser
+
+    text = " ".join(_parser().format_help().split())
+    assert all(slug in text.replace("- ", "-") for slug in EXPECTED), text
+    assert "WORKER_MODEL__FILES_MIRROR" in text
