@@ -154,15 +154,25 @@ def problems(pipeline: Any) -> list[str]:
                 found.append(f"stage {stage.key!r}: an exported model needs weights ending .pt2")
         elif stage.weights is None and isinstance(stage.architecture, str):
             found.append(f"stage {stage.key!r}: a built-in architecture needs weights")
-        if isinstance(stage, Classifier) and stage.preprocess.size < 8:
-            found.append(f"stage {stage.key!r}: preprocess.size must be at least 8")
-        if isinstance(stage, Classifier) and stage.preprocess.resize not in RESIZES:
-            found.append(f"stage {stage.key!r}: preprocess.resize must be one of {RESIZES}")
-        if isinstance(stage, Classifier) and stage.preprocess.resize_in not in ("uint8", "float"):
-            found.append(f"stage {stage.key!r}: preprocess.resize_in must be uint8 or float")
+        if isinstance(stage, Classifier):
+            found += _preprocess_problems(stage)
         for digest in (stage.weights_digest, stage.labels_digest):
             if digest is not None and not _DIGEST.fullmatch(digest):
                 found.append(f"stage {stage.key!r}: digest {digest!r} is not 8-64 hex digits")
         if isinstance(stage, Detector) and not 0 < stage.max_detections <= 10_000:
             found.append(f"stage {stage.key!r}: max_detections must be 1..10000")
+    return found
+
+
+_CROP_MODES = (("uint8", "squash"), ("uint8", "shorter_crop"), ("float", "squash"))
+
+
+def _preprocess_problems(stage: Classifier) -> list[str]:
+    pre, found = stage.preprocess, []
+    if pre.size < 8:
+        found.append(f"stage {stage.key!r}: preprocess.size must be at least 8")
+    if pre.resize not in RESIZES:
+        found.append(f"stage {stage.key!r}: preprocess.resize must be one of {RESIZES}")
+    elif (pre.resize_in, pre.resize) not in _CROP_MODES:
+        found.append(f"stage {stage.key!r}: preprocess.resize_in is uint8, or float to squash")
     return found

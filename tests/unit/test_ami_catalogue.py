@@ -423,3 +423,15 @@ def test_the_command_lines_help_lists_amis_slugs() -> None:
     text = " ".join(_parser().format_help().split())
     assert all(slug in text.replace("- ", "-") for slug in EXPECTED), text
     assert "WORKER_MODEL__FILES_MIRROR" in text
+
+
+def test_a_float_crop_resize_only_squashes() -> None:
+    from dataclasses import replace
+
+    pipeline = resolve("moth_binary")
+    assert pipeline.classifier is not None
+    pre = replace(pipeline.classifier.preprocess, resize="shorter_crop")
+    broken = replace(pipeline, classifier=replace(pipeline.classifier, preprocess=pre))
+    assert problems(broken) == [
+        "stage 'moth_nonmoth_classifier': preprocess.resize_in is uint8, or float to squash"
+    ]
