@@ -5,8 +5,8 @@ is taken as ``--classes``), loaded on the CPU in one process.
     python -m bench.ami_memory [--classes 1000] [--dir /tmp/ami-memory]
 
 Prints one JSON line: the process's RSS before and after, each pipeline's weights bytes as
-the memory budget counts them (``Runner.weights_bytes``), and the bytes of the distinct
-stages, the shared detector and filter counted once (what is resident).
+the memory budget counts them (``Runner.weights_bytes``), their sum, what the budget counts
+for all ten together (shared stages once), and the bytes of the distinct stages.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from datasets.sources import SourceConfig
 from pipelines.ami import catalogue
 from pipelines.cache import tensor_bytes
 from pipelines.registry import resolve
-from pipelines.runner import load_runner
+from pipelines.runner import Runner, load_runner
 from tests.ami_files import classifier_state, detector_state
 
 
@@ -78,7 +78,8 @@ def main() -> None:
                 "rss_before_bytes": before,
                 "rss_after_bytes": after,
                 "pipelines_weights_bytes": {r.pipeline.name: r.weights_bytes() for r in runners},
-                "budget_counts_bytes": sum(r.weights_bytes() for r in runners),
+                "one_by_one_bytes": sum(r.weights_bytes() for r in runners),
+                "budget_counts_bytes": Runner.weights_bytes_together(runners),
                 "distinct_stages": len(stages),
                 "distinct_weights_bytes": distinct,
             }
