@@ -26,19 +26,20 @@ _LOADED: weakref.WeakValueDictionary[Any, Any] = weakref.WeakValueDictionary()
 
 
 def detector(
-    stage: Detector, sources: SourceConfig, where: torch.device, precision: str
+    stage: Detector, sources: SourceConfig, where: torch.device, precision: str, *more: Any
 ) -> DetectorModel:
-    """The loaded ``stage``: the one already loaded when there is one."""
-    found: DetectorModel = _shared(DetectorModel, stage, sources, where, precision)
+    """The loaded ``stage``: the one already loaded when there is one. ``more``: the rest of
+    the model's arguments, the same for every stage of a process."""
+    found: DetectorModel = _shared(DetectorModel, stage, sources, where, precision, *more)
     return found
 
 
 def classifier(
-    stage: Classifier, sources: SourceConfig, where: torch.device, precision: str
+    stage: Classifier, sources: SourceConfig, where: torch.device, precision: str, *more: Any
 ) -> ClassifierModel:
     """The loaded ``stage`` (its ``keep`` checked against its labels)."""
     model: ClassifierModel = _shared(
-        ClassifierModel, dataclasses.replace(stage, keep=()), sources, where, precision
+        ClassifierModel, dataclasses.replace(stage, keep=()), sources, where, precision, *more
     )
     unknown = [label for label in stage.keep if label not in model.algorithm.labels]
     if unknown:
@@ -47,16 +48,16 @@ def classifier(
 
 
 def _shared(
-    kind: Any, stage: Any, sources: SourceConfig, where: torch.device, precision: str
+    kind: Any, stage: Any, sources: SourceConfig, where: torch.device, precision: str, *more: Any
 ) -> Any:
     try:
         key = (kind.__name__, stage, str(where), precision)
         hash(key)
     except TypeError:  # a stage holding something unhashable: not shared
-        return kind(stage, sources, where, precision)
+        return kind(stage, sources, where, precision, *more)
     with _LOCK:
         model = _LOADED.get(key)
         if model is None:
-            model = kind(stage, sources, where, precision)
+            model = kind(stage, sources, where, precision, *more)
             _LOADED[key] = model
         return model

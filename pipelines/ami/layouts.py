@@ -28,9 +28,9 @@ class AmiResnet50(nn.Module):
 
     def __init__(self, num_classes: int) -> None:
         super().__init__()
-        from pipelines.classifier_modules import classifier_builder
+        from torchvision import models
 
-        resnet = classifier_builder("resnet50")(weights=None)
+        resnet = models.resnet50(weights=None)
         features = resnet.fc.in_features
         self.backbone = nn.Sequential(*list(resnet.children())[:-2])
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
