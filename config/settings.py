@@ -322,6 +322,20 @@ class ModelSettings(BaseModel):
         "WORKER_S3__HTTP_TIMEOUT_S, WORKER_S3__READ_TIMEOUT_S for s3://)",
         gt=0,
     )
+    files_mirror: str = Field(
+        "",
+        description="AMI's pipelines (quebec_vermont_moths_2023 ...): a base URI (a path, "
+        "file://, http(s):// or s3://) standing for AMI's "
+        "https://object-arbutus.cloud.computecanada.ca/ami-models/ in their weights and "
+        "category map URLs; the files keep AMI's relative paths under it",
+    )
+    published_digests: bool = Field(
+        True,
+        description="AMI's pipelines: each file is checked against the sha256 prefix its "
+        "published name carries (torch hub's name-<8 hex>.ext); false for a mirror holding "
+        "other files under AMI's names (retrained or test weights): a download's first sha256 "
+        "is then recorded and held instead",
+    )
     memory_budget_bytes: int = Field(
         0,
         description="models kept loaded at once, in bytes of their weights (device memory on "

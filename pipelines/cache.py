@@ -7,7 +7,9 @@ pipeline larger than the whole budget is refused at start (``estimated_bytes``),
 its load shows it, its tasks get an error. Loads and unloads are serialised by one lock; the
 caller decides on which thread they run (the worker: a thread of their own, never the event
 loop). A failed load is remembered for ``retry_after_s``: that pipeline's tasks fail fast with
-the same failure instead of loading again for each batch.
+the same failure instead of loading again for each batch. With ``together`` (the bytes of
+several models at once), what models share (one stage in several pipelines,
+``pipelines/shared.py``) counts once against the budget.
 """
 
 from __future__ import annotations
@@ -58,9 +60,11 @@ class ModelCache(Generic[M]):
         unloaded: Callable[[str], None] = lambda _name: None,
         retry_after_s: float = RETRY_AFTER_S,
         clock: Callable[[], float] = time.monotonic,
+        together: Callable[[list[M]], int] | None = None,
     ) -> None:
         self._load = load
         self._size_of = size_of
+        self._together = together
         self.budget_bytes = budget_bytes
         self._estimated = dict(estimated_bytes or {})
         self._unloaded = unloaded  # after a model's last reference is dropped (CUDA: trim)
@@ -160,7 +164,7 @@ class ModelCache(Generic[M]):
             )
             self._failed[name] = (self._clock(), failure)
             raise ModelLoadFailed(failure)
-        self._make_room(name, size)
+        self._make_room(name, size, model)
         entry = _Entry(model, size, self._clock())
         self._resident[name] = entry
         self.stats.loads[name] = self.stats.loads.get(name, 0) + 1
@@ -174,16 +178,23 @@ class ModelCache(Generic[M]):
         )
         return entry
 
-    def _make_room(self, name: str, needed: int) -> None:
-        """Unload least recently used idle pipelines until ``needed`` more bytes fit."""
+    def _make_room(self, name: str, needed: int, model: M | None = None) -> None:
+        """Unload least recently used idle pipelines until ``needed`` more bytes fit (or,
+        given the loaded ``model``, until it fits beside them: what it shares with them is
+        not counted twice)."""
         for other in list(self._resident):
-            if self._used_bytes() + needed <= self.budget_bytes:
+            if self._used_bytes(needed, model) <= self.budget_bytes:
                 return
             if other != name and self._resident[other].in_use == 0:
                 self._evict(other, f"room for {name}")
 
-    def _used_bytes(self) -> int:
-        return sum(entry.bytes for entry in self._resident.values())
+    def _used_bytes(self, needed: int = 0, model: M | None = None) -> int:
+        if self._together is None:
+            return sum(entry.bytes for entry in self._resident.values()) + needed
+        models = [entry.model for entry in self._resident.values()]
+        return self._together(models + ([model] if model is not None else [])) + (
+            0 if model is not None else needed
+        )
 
     def _evict(self, name: str, reason: str, *, counted: bool = True) -> None:
         size = self._resident.pop(name).bytes  # the cache's reference, the last one

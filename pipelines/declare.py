@@ -13,10 +13,16 @@ a ``Pipeline`` value; a package publishes one under the entry-point group
   "scores": (K,), "labels": (K,)}``.
 - ``weights``: a ``state_dict`` (or ``.pt2``) path, ``https://`` or ``s3://`` URI; ``None``
   when the callable builds a complete model (its results then show ``weights_sha256: "none"``).
-- ``labels``: a URI of a text file (one label a line), the labels themselves, or ``None`` for
-  ``labels.txt`` beside the weights.
+- ``labels``: a URI of a text file (one label a line), of a ``.json`` category map
+  (``{label: index}``, AMI's form), the labels themselves, or ``None`` for ``labels.txt``
+  beside the weights.
 - ``weights_digest`` / ``labels_digest``: the file's sha256, or a prefix of at least 8 hex
-  digits; ``None``: the first download's sha256 is recorded and held (``pipelines.files``).
+  digits (torch hub's ``name-<8 hex>.ext`` convention); ``None``: the first download's sha256
+  is recorded and held (``pipelines.files``).
+- ``checkpoint_entry``: the checkpoint entry that holds the ``state_dict`` when there is one
+  (``model_state_dict``); a checkpoint without it is the ``state_dict`` itself.
+- ``registered``: how Antenna knows the stage when its publisher fixed that (AMI's catalogue,
+  ``pipelines/ami``): its key, description and URIs are registered and written verbatim.
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Resize = Literal["squash", "shorter_crop"]
+ResizeIn = Literal["uint8", "float"]
 RESIZES = ("squash", "shorter_crop")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 Architecture = str | Callable[[int], Any]
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_DIGEST = re.compile(r"[0-9a-f]{8,64}")
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,21 @@ class Preprocess:
     resize: Resize = "squash"
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
+    # A crop's resize: "uint8" rounds the resized pixels to uint8; "float" resizes the crop's
+    # pixels as floats, unrounded (torchvision's ToTensor, then Resize(antialias=True)).
+    resize_in: ResizeIn = "uint8"
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A stage's identity in Antenna as its publisher registers it (used verbatim)."""
+
+    key: str
+    description: str = ""
+    version: int = 1
+    uri: str | None = None  # the weights as the publisher names them
+    labels_uri: str | None = None  # the category map as the publisher names it
+    taxon_rank: str | None = None  # every category's rank in the category map
 
 
 @dataclass(frozen=True)
@@ -61,6 +84,8 @@ class Classifier:
     preprocess: Preprocess = field(default_factory=Preprocess)
     # As a filter before another classifier: crops whose top label is one of these go on.
     keep: tuple[str, ...] = ()
+    checkpoint_entry: str | None = None
+    registered: Registered | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +104,10 @@ class Detector:
     # most max_size (torchvision's defaults); boxes come back in the input's pixels.
     min_size: int = 800
     max_size: int = 1333
+    # Boxes truncated to whole pixels (toward zero) before they are reported and cut.
+    whole_pixel_boxes: bool = False
+    checkpoint_entry: str | None = None
+    registered: Registered | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +123,8 @@ class Pipeline:
     filter: Classifier | None = None
     classifier: Classifier | None = None
     description: str = ""
+    title: str = ""  # Antenna's pipeline name; the name (slug) when empty
+    version: int = 1
 
     def stages(self) -> list[Detector | Classifier]:
         return [s for s in (self.detector, self.filter, self.classifier) if s is not None]
@@ -124,10 +155,25 @@ def problems(pipeline: Any) -> list[str]:
                 found.append(f"stage {stage.key!r}: an exported model needs weights ending .pt2")
         elif stage.weights is None and isinstance(stage.architecture, str):
             found.append(f"stage {stage.key!r}: a built-in architecture needs weights")
-        if isinstance(stage, Classifier) and stage.preprocess.size < 8:
-            found.append(f"stage {stage.key!r}: preprocess.size must be at least 8")
-        if isinstance(stage, Classifier) and stage.preprocess.resize not in RESIZES:
-            found.append(f"stage {stage.key!r}: preprocess.resize must be one of {RESIZES}")
+        if isinstance(stage, Classifier):
+            found += _preprocess_problems(stage)
+        for digest in (stage.weights_digest, stage.labels_digest):
+            if digest is not None and not _DIGEST.fullmatch(digest):
+                found.append(f"stage {stage.key!r}: digest {digest!r} is not 8-64 hex digits")
         if isinstance(stage, Detector) and not 0 < stage.max_detections <= 10_000:
             found.append(f"stage {stage.key!r}: max_detections must be 1..10000")
+    return found
+
+
+_CROP_MODES = (("uint8", "squash"), ("uint8", "shorter_crop"), ("float", "squash"))
+
+
+def _preprocess_problems(stage: Classifier) -> list[str]:
+    pre, found = stage.preprocess, []
+    if pre.size < 8:
+        found.append(f"stage {stage.key!r}: preprocess.size must be at least 8")
+    if pre.resize not in RESIZES:
+        found.append(f"stage {stage.key!r}: preprocess.resize must be one of {RESIZES}")
+    elif (pre.resize_in, pre.resize) not in _CROP_MODES:
+        found.append(f"stage {stage.key!r}: preprocess.resize_in is uint8, or float to squash")
     return found

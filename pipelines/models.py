@@ -18,7 +18,7 @@ from config.errors import ConfigError, PermanentError
 from config.names import env_name
 from datasets.sources import SourceConfig
 from pipelines import architectures
-from pipelines.declare import Classifier, Detector
+from pipelines.declare import Classifier, Detector, Registered
 from pipelines.device import autocast
 from pipelines.files.fetch import ModelFiles
 
@@ -36,6 +36,7 @@ class Algorithm:
     task_type: str
     weights_sha256: str
     labels: tuple[str, ...]
+    registered: Registered | None = None  # the publisher's identity in Antenna, when fixed
 
     def reference(self) -> dict[str, str]:
         return {"name": self.name, "key": self.key}
@@ -82,7 +83,12 @@ def _labels(stage: Classifier | Detector, files: ModelFiles) -> tuple[str, ...]:
     else:
         uri = stage.labels if stage.labels else labels_uri(stage.weights or "")
         text = files.read(as_uri(uri), stage.labels_digest).decode("utf-8")
-        labels = tuple(line.strip() for line in text.splitlines() if line.strip())
+        if uri.endswith(".json"):
+            from pipelines.ami.category_map import labels_of
+
+            labels = labels_of(text, uri)
+        else:
+            labels = tuple(line.strip() for line in text.splitlines() if line.strip())
     if not labels:
         raise ConfigError(f"stage {stage.key!r} has no labels")
     return labels
@@ -107,6 +113,8 @@ def _load(
     else:
         model = architectures.build_classifier(stage.architecture, num_classes)
     state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    if stage.checkpoint_entry and isinstance(state, dict) and state.get(stage.checkpoint_entry):
+        state = state[stage.checkpoint_entry]
     try:
         model.load_state_dict(state)
     except RuntimeError as error:
@@ -141,7 +149,7 @@ class ClassifierModel:
         model, sha256, exported = _load(stage, len(labels), files)
         self.model = model.to(device) if exported else prepare_for_inference(model, device)
         self.algorithm = Algorithm(
-            stage.key, stage.name or stage.key, "classification", sha256, labels
+            stage.key, stage.name or stage.key, "classification", sha256, labels, stage.registered
         )
         pre = stage.preprocess
         mean = torch.tensor(pre.mean, device=device).view(1, 3, 1, 1) * 255.0
@@ -219,7 +227,9 @@ class DetectorModel:
         num_classes = stage.num_classes or len(labels) + 1
         model, sha256, _exported = _load(stage, num_classes, files, **options)
         self.model = model.eval().to(device)
-        self.algorithm = Algorithm(stage.key, stage.name or stage.key, "detection", sha256, labels)
+        self.algorithm = Algorithm(
+            stage.key, stage.name or stage.key, "detection", sha256, labels, stage.registered
+        )
 
     def detect(self, images: list[torch.Tensor]) -> list[Boxes]:
         """``images``: (3, H, W) uint8 on the host or the device, any sizes. Boxes in those
@@ -256,6 +266,8 @@ class DetectorModel:
             boxes, scores, labels = row[:, :4].clone(), row[:, 4], row[:, 5].long()
             usable = torch.isfinite(boxes).all(dim=1) & torch.isfinite(scores)
             boxes = torch.nan_to_num(boxes)
+            if self.stage.whole_pixel_boxes:
+                boxes = boxes.trunc()
             boxes[:, 0::2] = boxes[:, 0::2].clamp(0, width)
             boxes[:, 1::2] = boxes[:, 1::2].clamp(0, height)
             usable &= (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])

@@ -1,6 +1,8 @@
-"""From ``WORKER_MODEL__PIPELINE`` to a ``Pipeline``: a built-in name, a ``.toml`` file that
-declares one, ``module:attribute``, or a name published by an installed package under the
-entry-point group ``inference_worker.pipelines``. Imports no torch (a plugin may)."""
+"""From ``WORKER_MODEL__PIPELINE`` to a ``Pipeline``: a built-in name, one of AMI's pipeline
+slugs (``pipelines/ami/catalogue.py``; their files under ``WORKER_MODEL__FILES_MIRROR`` when
+set), a ``.toml`` file that declares one, ``module:attribute``, or a name published by an
+installed package under the entry-point group ``inference_worker.pipelines``. Imports no
+torch (a plugin may)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 
 from config.errors import ConfigError
 from config.names import env_name
+from pipelines.ami import catalogue
 from pipelines.declare import Classifier, Detector, Pipeline, Preprocess, problems
 
 ENTRY_POINT_GROUP = "inference_worker.pipelines"
@@ -30,11 +33,16 @@ _DETECTORS = {
     "fasterrcnn-resnet50-detector": "fasterrcnn_resnet50_fpn",
 }
 BUILT_IN = (*_CLASSIFIERS, *_DETECTORS)
+CATALOGUE = catalogue.SLUGS  # AMI's pipelines: their weights are AMI's published files
 _PIPELINE = env_name("model", "pipeline")
 
 
-def resolve(name: str, weights: str = "") -> Pipeline:
-    """The pipeline ``name`` stands for; ConfigError saying why when there is none."""
+def resolve(
+    name: str, weights: str = "", files_mirror: str = "", published_digests: bool = True
+) -> Pipeline:
+    """The pipeline ``name`` stands for; ConfigError saying why when there is none.
+    ``files_mirror``: the base URI standing for AMI's in catalogue pipelines' file URLs;
+    ``published_digests``: whether their files are checked against AMI's published digests."""
     if name in BUILT_IN and not weights:
         raise ConfigError(
             f"{env_name('model', 'weights')} is not set; pipeline {name} needs a state_dict "
@@ -48,6 +56,8 @@ def resolve(name: str, weights: str = "") -> Pipeline:
         pipeline = Pipeline(
             name, detector=Detector(name, name, _DETECTORS[name], weights or None, labels=None)
         )
+    elif name in CATALOGUE:
+        pipeline = catalogue.pipeline(name, files_mirror, published_digests)
     else:
         pipeline = _declared(name)
     found = problems(pipeline)
@@ -59,7 +69,7 @@ def resolve(name: str, weights: str = "") -> Pipeline:
 def name_of(value: str) -> str:
     """The pipeline name (the ``tasks.<pipeline>`` token) that ``WORKER_MODEL__PIPELINE=value``
     stands for; loads no weights."""
-    if value in BUILT_IN:
+    if value in BUILT_IN or value in CATALOGUE:
         return value
     pipeline = _declared(value)
     if not isinstance(pipeline, Pipeline):
@@ -108,7 +118,8 @@ def _from_entry_point(name: str) -> Pipeline:
         installed = sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
         raise ConfigError(
             f"{_PIPELINE}={name!r} is not a known pipeline; built in: "
-            f"{', '.join(BUILT_IN)}; installed: {', '.join(installed) or 'none'}; "
+            f"{', '.join(BUILT_IN)}; AMI's: {', '.join(CATALOGUE)}; "
+            f"installed: {', '.join(installed) or 'none'}; "
             "or a .toml file, or module:attribute"
         )
     try:

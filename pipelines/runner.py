@@ -19,7 +19,7 @@ import torch
 from config.errors import ConfigError, TransientError
 from datasets.images import Decoded, DecodePlan, resize_square
 from pipelines import response
-from pipelines.declare import Pipeline
+from pipelines.declare import Pipeline, Preprocess
 from pipelines.device import (
     CopyStats,
     InFlight,
@@ -102,9 +102,16 @@ class Runner:
     def weights_bytes(self) -> int:
         """Bytes of every stage's parameters and buffers, where they live (the memory budget's
         measure of this pipeline)."""
+        return Runner.weights_bytes_together([self])
+
+    @staticmethod
+    def weights_bytes_together(runners: list[Runner]) -> int:
+        """Bytes of several pipelines' stages at once: a stage they share counts once."""
         from pipelines.cache import tensor_bytes
 
-        modules = [m.model for m in (self.detector, self.filter, self.classifier) if m]
+        modules = [
+            m.model for r in runners for m in (r.detector, r.filter, r.classifier) if m is not None
+        ]
         return tensor_bytes(
             tensor for module in modules for tensor in (*module.parameters(), *module.buffers())
         )
@@ -254,7 +261,8 @@ class Runner:
         batch)."""
         passed = crops
         if self.filter is not None:
-            keep = set(self.filter.stage.keep)
+            assert self.pipeline.filter is not None
+            keep = set(self.pipeline.filter.keep)
             terminal_alone = self.classifier is None
             passed = []
             logits, each_s = self._crop_logits(
@@ -284,10 +292,7 @@ class Runner:
         pre = model.stage.preprocess
         step = self.limits.crop_batch
         chunks = (
-            [
-                resize_square(_cut(seen[c.image], c.box), pre.size, pre.resize)
-                for c in crops[start : start + step]
-            ]
+            [_squared(_cut(seen[c.image], c.box), pre) for c in crops[start : start + step]]
             for start in range(0, len(crops), step)
         )
         return self._logits(model, chunks, len(crops), hook)
@@ -315,6 +320,26 @@ def _tensor(pixels: Any) -> torch.Tensor:
     return pixels if isinstance(pixels, torch.Tensor) else torch.from_numpy(pixels)
 
 
+def _squared(crop: torch.Tensor, pre: Preprocess) -> torch.Tensor:
+    """A crop as the classifier takes it: uint8 resized (and rounded) by ``resize_square``, or,
+    for ``resize_in="float"``, its float pixels (0..255) squashed to ``size`` x ``size`` by an
+    antialiased bilinear resize, unrounded: torchvision's ``ToTensor()`` then
+    ``Resize((size, size), antialias=True)``, scaled by 255 (the model's normalisation takes
+    0..255), so equal to float rounding."""
+    if pre.resize_in != "float":
+        return resize_square(crop, pre.size, pre.resize)
+    pixels = crop.float()
+    if pixels.shape[-2:] == (pre.size, pre.size):
+        return pixels
+    return torch.nn.functional.interpolate(
+        pixels[None],
+        size=(pre.size, pre.size),
+        mode="bilinear",
+        align_corners=False,
+        antialias=True,
+    )[0]
+
+
 def _cut(pixels: Any, box: tuple[float, float, float, float]) -> torch.Tensor:
     """The box's pixels (at least one), clamped to the image."""
     _, height, width = pixels.shape
@@ -337,6 +362,7 @@ def load_runner(
     """Every stage of ``pipeline`` loaded on ``device`` (weights read once, here, through
     ``files``, the host's model-file cache). ConfigError for anything that stops it loading,
     but a TransientError (its weights' store is down)."""
+    from pipelines import shared
     from pipelines.models import resolve_device
 
     try:
@@ -344,9 +370,9 @@ def load_runner(
         d, f, c = pipeline.detector, pipeline.filter, pipeline.classifier
         return Runner(
             pipeline,
-            DetectorModel(d, sources, where, precision, files) if d else None,
-            ClassifierModel(f, sources, where, precision, files) if f else None,
-            ClassifierModel(c, sources, where, precision, files) if c else None,
+            shared.detector(d, sources, where, precision, files) if d else None,
+            shared.classifier(f, sources, where, precision, files) if f else None,
+            shared.classifier(c, sources, where, precision, files) if c else None,
             limits or DeviceLimits(),
             response_format or response.ResponseFormat(),
         )

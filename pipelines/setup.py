@@ -41,7 +41,9 @@ def choose_all(s: Settings) -> list[Chosen]:
     problems: list[str] = []
     for entry in s.model.pipeline_entries():
         try:
-            pipeline = resolve(entry, s.model.weights)
+            pipeline = resolve(
+                entry, s.model.weights, s.model.files_mirror, s.model.published_digests
+            )
         except ConfigError as error:
             problems.extend(str(error).splitlines())
             continue

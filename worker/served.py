@@ -34,6 +34,7 @@ class ServedPipelines:
             budget_bytes,
             estimated_bytes={c.pipeline.name: estimated_bytes(c.pipeline) for c in chosen},
             unloaded=unloaded,
+            together=Runner.weights_bytes_together,
         )
         self._infos: dict[str, dict[str, Any]] = {}
 

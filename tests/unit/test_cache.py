@@ -104,3 +104,28 @@ def test_a_model_over_the_whole_budget_is_refused_and_not_kept():
     assert refused.value.failure.kind == "model_too_large"
     assert not refused.value.failure.retryable
     assert "big" not in cache.resident() and "big" in unloaded
+
+
+def test_what_pipelines_share_counts_once_against_the_budget():
+    parts = {"a": {"detector": 6, "a": 2}, "b": {"detector": 6, "b": 2}, "c": {"c": 9}}
+
+    def together(models: list[str]) -> int:
+        held = {}
+        for model in models:
+            held.update(parts[model.removeprefix("model-")])
+        return sum(held.values())
+
+    cache: ModelCache[str] = ModelCache(
+        lambda name: f"model-{name}",
+        lambda model: together([model]),
+        10,
+        unloaded=(unloaded := []).append,
+        clock=Clock(),
+        together=together,
+    )
+    for name in ("a", "b"):
+        cache.acquire(name)
+        cache.release(name)
+    assert unloaded == [] and list(cache.resident()) == ["a", "b"]  # 6 + 2 + 2 bytes
+    cache.acquire("c")
+    assert unloaded == ["a", "b"] and list(cache.resident()) == ["c"]

@@ -3,7 +3,9 @@ keys registered are the keys results name.
 
 - Keys: an algorithm's Antenna key is its stage key and the first 12 hex digits of its weights'
   sha256 (``antenna_key``). Antenna's keys are global and write-once, so changed weights
-  register, and answer under, a new key.
+  register, and answer under, a new key. A stage whose publisher fixed its identity
+  (``Registered``: AMI's catalogue) registers and answers under that key, name, description
+  and URIs verbatim, as AMI's own worker does.
 - ``ok_result``: the response shaping's ``PipelineResultsResponse`` (``pipelines/response.py``
   via ``make_result``), with ``pipeline`` the job's slug, ``source_images`` the task's image,
   and algorithm references under their Antenna keys. A detector alone writes its label as a
@@ -34,6 +36,7 @@ import pydantic
 
 from config.names import env_name
 from config.redact import redact_url, scrub, shorten
+from pipelines.declare import Registered
 from pipelines.models import Algorithm
 from worker.antenna.schemas import PipelineResults
 from worker.schemas import Task
@@ -45,6 +48,8 @@ ENVELOPE_BYTES = len(b'{"results":[]}')
 
 
 def antenna_key(algorithm: Algorithm) -> str:
+    if algorithm.registered is not None:
+        return algorithm.registered.key
     return f"{algorithm.key}-{algorithm.weights_sha256[:12]}"
 
 
@@ -59,6 +64,8 @@ class AntennaPipeline:
     slug: str
     description: str
     algorithms: tuple[Algorithm, ...]
+    title: str = ""  # Antenna's pipeline name; the slug when empty
+    version: int = 1
 
     def keys(self) -> dict[str, str]:
         """Our stage key -> its Antenna key."""
@@ -74,9 +81,9 @@ class AntennaPipeline:
     def config(self) -> dict[str, Any]:
         """Antenna's ``PipelineConfigResponse`` for this pipeline."""
         return {
-            "name": self.slug,
+            "name": self.title or self.slug,
             "slug": self.slug,
-            "version": 1,
+            "version": self.version,
             "description": self.description or f"inference-worker pipeline {self.slug}",
             "algorithms": [_algorithm_config(a) for a in self.algorithms],
             "stages": [],
@@ -84,6 +91,8 @@ class AntennaPipeline:
 
 
 def _algorithm_config(a: Algorithm) -> dict[str, Any]:
+    if a.registered is not None:
+        return _registered_config(a, a.registered)
     config: dict[str, Any] = {
         "name": a.name,
         "key": antenna_key(a),
@@ -99,6 +108,31 @@ def _algorithm_config(a: Algorithm) -> dict[str, Any]:
             "version": a.weights_sha256[:12],
         }
     return config
+
+
+def _registered_config(a: Algorithm, r: Registered) -> dict[str, Any]:
+    """AMI's ``AlgorithmConfigResponse`` as its worker registers it: every field, its category
+    map (empty for a detector, which has none) with each category's taxon rank."""
+    labels = [] if a.task_type == "detection" else list(a.labels)
+    return {
+        "name": a.name,
+        "key": r.key,
+        "description": r.description or None,
+        "task_type": _task_type(a),
+        "version": r.version,
+        "version_name": None,
+        "uri": r.uri,
+        "category_map": {
+            "data": [
+                {"index": i, "label": label, "taxon_rank": r.taxon_rank}
+                for i, label in enumerate(labels)
+            ],
+            "labels": labels,
+            "version": None,
+            "description": None,
+            "uri": r.labels_uri,
+        },
+    }
 
 
 def error_result(task: Task, message: str) -> dict[str, Any]:

@@ -47,7 +47,9 @@ def finish_within_s(s: Settings) -> float:
 
 
 def pipeline_entry(pipeline: Pipeline, algorithms: list[Algorithm]) -> AntennaPipeline:
-    return AntennaPipeline(pipeline.name, pipeline.description, tuple(algorithms))
+    return AntennaPipeline(
+        pipeline.name, pipeline.description, tuple(algorithms), pipeline.title, pipeline.version
+    )
 
 
 class AntennaParts:

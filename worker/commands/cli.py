@@ -18,8 +18,21 @@ from config.settings import ConfigError, Settings, load_settings
 from worker.exits import CommandExit, JobEnd
 
 
+def _pipelines_epilog() -> str:
+    """The pipelines served by name (``WORKER_MODEL__PIPELINE(S)``)."""
+    from pipelines.registry import BUILT_IN, CATALOGUE
+
+    return (
+        f"pipelines by name ({env_name('model', 'pipelines')}): built in: "
+        f"{', '.join(BUILT_IN)}; AMI's (their files under "
+        f"{env_name('model', 'files_mirror')} when set): {', '.join(CATALOGUE)}"
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="inference-worker", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="inference-worker", description=__doc__, epilog=_pipelines_epilog()
+    )
     parser.add_argument("--log-level", default=os.environ.get(env_name("log_level"), "INFO"))
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
