@@ -1,6 +1,7 @@
 """AMI's ``quebec_vermont_moths_2023`` on a job of 1080p and 4K JPEGs through the fake Antenna.
 
-    .venv/bin/python -m bench.ami [--mirror DIR] [--images 60] [--k4-every 4] [--smoke]
+    .venv/bin/python -m bench.ami [--mirror DIR] [--images 60] [--k4-every 4]
+                                  [--images-dir DIR] [--smoke]
 
 ``--mirror``: AMI's model files (weights and category maps) laid out as under AMI's base URL
 (``WORKER_MODEL__FILES_MIRROR``), e.g. the random weights ADC was run with beside it; without
@@ -8,7 +9,8 @@ it, random weights in ADC's checkpoint layouts are written to a temporary mirror
 (``tests/ami_files.py``: a detector that finds a handful of boxes per image, a filter that
 passes them all). Either way the files are not AMI's, so ``WORKER_MODEL__PUBLISHED_DIGESTS``
 is off. One job of
-``--images`` distinct JPEGs, every ``--k4-every``-th 3840x2160 and the rest 1920x1080, served by
+``--images`` distinct JPEGs (made: every ``--k4-every``-th 3840x2160, the rest 1920x1080; or
+the first of ``--images-dir``'s, by name, the job ADC's worker was run on), served by
 the fake Antenna (``tests/antenna_fake.py``); one ``worker run --until-idle`` on the CPU, as an
 operator replacing ``ami worker`` would run it. Every task must have exactly one saved result,
 with the detector's boxes, each classified, before a rate is reported.
@@ -127,11 +129,22 @@ def _run(env: dict[str, str]) -> tuple[float, float, int]:
     return time.perf_counter() - started, cpu_s, rss.peak_bytes
 
 
-def run_job(mirror: Path, images: int, k4_every: int, cache: Path) -> dict[str, Any]:
-    antenna = FakeAntenna(token=TOKEN)
+def _jpegs(images: int, k4_every: int, given: Path | None) -> list[bytes]:
+    """``given``'s JPEGs (sorted by name, the first ``images``), or made ones."""
+    if given is not None:
+        found = [path.read_bytes() for path in sorted(given.glob("*.jp*g"))][:images]
+        if len(found) < images:
+            raise BenchmarkFailed(f"{given} holds {len(found)} JPEGs, {images} asked for")
+        return found
     sizes = [(3840, 2160) if n % k4_every == 0 else (1920, 1080) for n in range(images)]
-    for n, (width, height) in enumerate(sizes):
-        antenna.images[f"{n}.jpg"] = image_bytes(width, height, seed=n)
+    return [image_bytes(width, height, seed=n) for n, (width, height) in enumerate(sizes)]
+
+
+def run_job(mirror: Path, jpegs: list[bytes], cache: Path) -> dict[str, Any]:
+    antenna = FakeAntenna(token=TOKEN)
+    images = len(jpegs)
+    for n, data in enumerate(jpegs):
+        antenna.images[f"{n}.jpg"] = data
     with antenna.running():
         env = _environment(antenna, mirror, cache)
         done = subprocess.run(
@@ -155,7 +168,7 @@ def run_job(mirror: Path, images: int, k4_every: int, cache: Path) -> dict[str, 
     span_s = max(job.result_times) - first[0]
     return {
         "images": images,
-        "images_4k": sum(1 for s in sizes if s[0] == 3840),
+        "jpeg_mib": round(sum(len(data) for data in jpegs) / 2**20, 1),
         "outcomes": outcomes.summary(),
         "serving_images_per_s": round(images / span_s, 3),
         "whole_run_images_per_s": round(images / wall_s, 3),
@@ -177,12 +190,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mirror", type=Path, default=None)
     parser.add_argument("--images", type=int, default=60)
     parser.add_argument("--k4-every", type=int, default=4)
+    parser.add_argument("--images-dir", type=Path, default=None, help="JPEGs to serve instead")
     parser.add_argument("--smoke", action="store_true", help="4 images (the test suite's)")
     args = parser.parse_args(argv)
     images = 4 if args.smoke else args.images
     with tempfile.TemporaryDirectory(prefix="bench-ami-") as scratch:
         mirror = args.mirror or _random_mirror(Path(scratch))
-        result = run_job(mirror, images, max(1, args.k4_every), Path(scratch) / "cache")
+        jpegs = _jpegs(images, max(1, args.k4_every), args.images_dir)
+        result = run_job(mirror, jpegs, Path(scratch) / "cache")
     weights = str(args.mirror) if args.mirror else "random (tests/ami_files.py)"
     payload = {**stamp("ami", argv), "machine": machine(), "pipeline": SLUG, "weights": weights}
     save("ami", {**payload, **result}, echo=True)
