@@ -187,11 +187,12 @@ def fed_by_loader(
         # first chunk can be at most runner.copy_ahead_images of them).
         ran = next_key - 2 * batch - ran_before
         copied_ahead = engine.ran_copied_ahead - copied_ahead_before
+        copy_wait_s = runner.copies.waited_s
     finally:
         engine.close()
     return {
         **measured,
-        "copy_wait_s": round(runner.copies.waited_s, 3),
+        "copy_wait_s": round(copy_wait_s, 3),
         "copied_ahead_share": round(copied_ahead / max(1, ran), 3),
         "loader_children": workers,
         "failures": failures,
