@@ -163,7 +163,6 @@ def fed_by_loader(
         return keys
 
     pending = [submit(), submit()]  # the loader runs ahead by two batches, as the worker does
-
     failures: dict[str, int] = {}
 
     def work() -> int:
