@@ -54,7 +54,8 @@ test: $(STAMP) promtool
 	$(BIN)/python -m pytest -q -n 3 --maxschedchunk 1 --durations=25
 
 # By hand, not in CI: make chaos prints the chaos table (the same 12 scenarios make test runs,
-# one row each, 3 to 5 minutes on 2 cores); make bench, the benchmarks behind BENCHMARKS.md.
+# one row each, 3 to 5 minutes on 2 cores); make bench, the CPU benchmarks behind BENCHMARKS.md
+# (its table at the top: what each guards; bench.gpu and the GPU kit need a GPU).
 chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos
 
@@ -64,11 +65,10 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.preprocess --images 30
 	$(BIN)/python -m bench.workload
 	$(BIN)/python -m bench.network --images 24 --tasks 96 --runs 3
-	$(BIN)/python -m bench.scale
-	$(BIN)/python -m bench.recovery
-	$(BIN)/python -m bench.profile
 	$(BIN)/python -m bench.soak
 	$(BIN)/python -m bench.pipelines
+	$(BIN)/python -m bench.many_jobs --jobs 10000
+	$(BIN)/python -m bench.antenna_wan --tasks 2000 --nats
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -147,6 +147,31 @@ def start_relay(upstream: int, rtt_s: float) -> tuple[subprocess.Popen[bytes], i
 
 
 # -- one case -----------------------------------------------------------------------------
+def relayed(url: str, rtt_s: float, relays: list[subprocess.Popen[bytes]]) -> str:
+    """``url`` through a new relay delaying by ``rtt_s`` (the relay added to ``relays``)."""
+    relay, port = start_relay(int(url.split(":")[2].split("/")[0]), rtt_s)
+    relays.append(relay)
+    return url.replace(url.split("/")[2], f"127.0.0.1:{port}")
+
+
+def worker_env(settings: dict[str, str], ca: Path | None) -> dict[str, str]:
+    """This process's environment without worker settings, then the case's own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKER_", "AMI_"))}
+    env.update(
+        {
+            "WORKER_SOURCES__ALLOWED_HOSTS": "127.0.0.1",
+            "WORKER_MODEL__PIPELINE": PIPELINE,
+            "WORKER_MODEL__DEVICE": "cpu",
+            "WORKER_METRICS__PORT": "0",
+            "WORKER_LOG_LEVEL": "WARNING",
+            **settings,
+        }
+    )
+    if ca is not None:
+        env["SSL_CERT_FILE"] = str(ca)
+    return env
+
+
 def run_case(
     tasks: int,
     rtt_s: float,
@@ -162,85 +187,73 @@ def run_case(
     with antenna.running(), images.running():
         base = antenna.url
         media = images.media_url("x").rsplit("/", 1)[0]
-        if rtt_s > 0 and shape in ("both", "antenna"):
-            a_relay, a_port = start_relay(int(base.split(":")[2].split("/")[0]), rtt_s)
-            relays.append(a_relay)
-            base = base.replace(base.split("/")[2], f"127.0.0.1:{a_port}")
-        if rtt_s > 0 and shape in ("both", "images"):
-            i_relay, i_port = start_relay(int(media.split(":")[2].split("/")[0]), rtt_s)
-            relays.append(i_relay)
-            media = media.replace(media.split("/")[2], f"127.0.0.1:{i_port}")
         try:
+            if rtt_s > 0 and shape in ("both", "antenna"):
+                base = relayed(base, rtt_s, relays)
+            if rtt_s > 0 and shape in ("both", "images"):
+                media = relayed(media, rtt_s, relays)
             for i in range(_DISTINCT):
                 images.images[f"{i}.jpg"] = image_bytes(1280, 720, seed=i)
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKER_", "AMI_"))}
-            env.update(
-                {
-                    "WORKER_SOURCE": "antenna",
-                    "WORKER_ANTENNA__BASE_URL": base,
-                    "WORKER_ANTENNA__TOKEN": TOKEN,
-                    "WORKER_ANTENNA__PROJECT_IDS": "1",
-                    "WORKER_ANTENNA__POLL_INTERVAL_S": "1",
-                    "WORKER_SOURCES__ALLOWED_HOSTS": "127.0.0.1",
-                    "WORKER_MODEL__PIPELINE": PIPELINE,
-                    "WORKER_MODEL__DEVICE": "cpu",
-                    "WORKER_METRICS__PORT": "0",
-                    "WORKER_LOG_LEVEL": "WARNING",
-                    **(extra or {}),
-                }
-            )
-            if ca is not None:
-                env["SSL_CERT_FILE"] = str(ca)
-            done = subprocess.run(
-                [sys.executable, "-m", "worker", "register"], env=env, capture_output=True,
-                text=True, timeout=300,
-            )  # fmt: skip
-            if done.returncode != 0:
-                raise RuntimeError(f"register failed: {done.stdout}{done.stderr}")
-            job = antenna.add_job(
-                SLUG, [(f"t{n}", f"{media}/{n % _DISTINCT}.jpg") for n in range(tasks)]
-            )
-            calls_before, conns_before = len(antenna.requests), antenna.connections
-            image_conns_before = images.connections
-            run = subprocess.run(
-                [sys.executable, "-m", "worker", "run", "--until-idle"], env=env,
-                capture_output=True, text=True, timeout=1800,
-            )  # fmt: skip
-            found = antenna.jobs[job]
-            if run.returncode != 0 or found.status != "SUCCESS":
-                raise BenchmarkFailed(
-                    f"run {run.returncode}, job {found.status}: {run.stderr[-2000:]}"
-                )
-            outcomes = Outcomes(f"Antenna job, RTT {rtt_s * 1000:.0f} ms")
-            for n in range(tasks):
-                saved = found.saved.get(f"t{n}", [])
-                if len(saved) == 1 and f"t{n}" not in found.failed:
-                    outcomes.good()
-                else:
-                    outcomes.bad("not_saved_once", f"t{n}: {len(saved)} saved")
-            outcomes.check(tasks)
-            times = sorted(found.result_times)
-            span_s = times[-1] - times[0]
-            return {
-                "tasks": tasks,
-                "rtt_ms": round(rtt_s * 1000),
-                "tls": tls is not None,
-                "shaped": shape if rtt_s > 0 else "none",
-                "tasks_per_s": round((len(times) - 1) / span_s, 2) if span_s > 0 else None,
-                "antenna_requests_per_task": round(
-                    (len(antenna.requests) - calls_before) / tasks, 3
-                ),
-                "antenna_connections_per_task": round(
-                    (antenna.connections - conns_before) / tasks, 4
-                ),
-                "image_connections_per_task": round(
-                    (images.connections - image_conns_before) / tasks, 3
-                ),
+            settings = {
+                "WORKER_SOURCE": "antenna",
+                "WORKER_ANTENNA__BASE_URL": base,
+                "WORKER_ANTENNA__TOKEN": TOKEN,
+                "WORKER_ANTENNA__PROJECT_IDS": "1",
+                "WORKER_ANTENNA__POLL_INTERVAL_S": "1",
             }
+            env = worker_env({**settings, **(extra or {})}, ca)
+            figures = antenna_job(antenna, images, env, media, tasks, rtt_s)
         finally:
             for relay in relays:
                 relay.kill()
                 relay.wait(10)
+    return {"tls": tls is not None, "shaped": shape if rtt_s > 0 else "none", **figures}
+
+
+def antenna_job(
+    antenna: FakeAntenna,
+    images: FakeAntenna,
+    env: dict[str, str],
+    media: str,
+    tasks: int,
+    rtt_s: float,
+) -> dict[str, Any]:
+    """``worker register``, then one job of ``tasks`` images served by ``worker run
+    --until-idle``; every task saved once, or ``BenchmarkFailed``. Its rate and connections."""
+    done = subprocess.run(
+        [sys.executable, "-m", "worker", "register"], env=env, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"register failed: {done.stdout}{done.stderr}")
+    job = antenna.add_job(SLUG, [(f"t{n}", f"{media}/{n % _DISTINCT}.jpg") for n in range(tasks)])
+    calls_before, conns_before = len(antenna.requests), antenna.connections
+    image_conns_before = images.connections
+    run = subprocess.run(
+        [sys.executable, "-m", "worker", "run", "--until-idle"], env=env,
+        capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    found = antenna.jobs[job]
+    if run.returncode != 0 or found.status != "SUCCESS":
+        raise BenchmarkFailed(f"run {run.returncode}, job {found.status}: {run.stderr[-2000:]}")
+    outcomes = Outcomes(f"Antenna job, RTT {rtt_s * 1000:.0f} ms")
+    for n in range(tasks):
+        saved = found.saved.get(f"t{n}", [])
+        if len(saved) == 1 and f"t{n}" not in found.failed:
+            outcomes.good()
+        else:
+            outcomes.bad("not_saved_once", f"t{n}: {len(saved)} saved")
+    outcomes.check(tasks)
+    times = sorted(found.result_times)
+    span_s = times[-1] - times[0]
+    return {
+        "tasks": tasks,
+        "rtt_ms": round(rtt_s * 1000),
+        "tasks_per_s": round((len(times) - 1) / span_s, 2) if span_s > 0 else None,
+        "antenna_requests_per_task": round((len(antenna.requests) - calls_before) / tasks, 3),
+        "antenna_connections_per_task": round((antenna.connections - conns_before) / tasks, 4),
+        "image_connections_per_task": round((images.connections - image_conns_before) / tasks, 3),
+    }
 
 
 # -- the NATS source on the same images ---------------------------------------------------
@@ -258,24 +271,10 @@ def run_nats_case(
         media = images.media_url("x").rsplit("/", 1)[0]
         try:
             if rtt_s > 0:
-                i_relay, i_port = start_relay(int(media.split(":")[2].split("/")[0]), rtt_s)
-                relays.append(i_relay)
-                media = media.replace(media.split("/")[2], f"127.0.0.1:{i_port}")
+                media = relayed(media, rtt_s, relays)
             for i in range(_DISTINCT):
                 images.images[f"{i}.jpg"] = image_bytes(1280, 720, seed=i)
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKER_", "AMI_"))}
-            env.update(
-                {
-                    "WORKER_NATS__URL": nats.url,
-                    "WORKER_SOURCES__ALLOWED_HOSTS": "127.0.0.1",
-                    "WORKER_MODEL__PIPELINE": PIPELINE,
-                    "WORKER_MODEL__DEVICE": "cpu",
-                    "WORKER_METRICS__PORT": "0",
-                    "WORKER_LOG_LEVEL": "WARNING",
-                }
-            )
-            if ca is not None:
-                env["SSL_CERT_FILE"] = str(ca)
+            env = worker_env({"WORKER_NATS__URL": nats.url}, ca)
             log = open(Path(tmp) / "worker.log", "ab")  # noqa: SIM115 - closed below
             proc = subprocess.Popen(
                 [sys.executable, "-m", "worker", "run"], env=env, stdout=log, stderr=log
@@ -305,43 +304,19 @@ def run_nats_case(
 
 async def _nats_job(url: str, uris: list[str]) -> tuple[list[float], Outcomes]:
     """Publish one job of ``uris``; when each task's first result came, and what they said."""
+    from bench.common.jobs import Job, client, run_jobs
     from config.settings import load_settings
-    from worker.commands.client import make_tasks, publish_tasks
-    from worker.nats.connection import connect
-    from worker.nats.provision import provision
-    from worker.nats.subjects import job_results_subject
 
     settings = load_settings(for_worker=False, nats={"url": url}).nats
-    nc = await connect(settings)
-    js = nc.jetstream()
-    await provision(js, settings, SLUG)
+    async with client(settings, SLUG) as nc:
+        (job,) = await run_jobs(nc, settings, [Job(f"wan-{time.time_ns()}", uris, SLUG)])
     outcomes = Outcomes("NATS job")
-    times: list[float] = []
-    seen: set[str] = set()
-    done = asyncio.get_running_loop().create_future()
-    job = f"wan-{time.time_ns()}"
-
-    async def on_result(msg: Any) -> None:
-        if msg.subject in seen:
-            return
-        seen.add(msg.subject)
-        times.append(time.monotonic())
-        result = json.loads(msg.data)
+    for result in job.received():
         if result.get("status") == "ok":
             outcomes.good()
         else:
             outcomes.bad(str(result.get("status")), str(result.get("error"))[:200])
-        if len(seen) == len(uris) and not done.done():
-            done.set_result(None)
-
-    sub = await nc.subscribe(job_results_subject(job), cb=on_result)
-    try:
-        await publish_tasks(js, settings, SLUG, make_tasks(job, uris))
-        await asyncio.wait_for(done, 1800)
-    finally:
-        await sub.unsubscribe()
-        await nc.close()
-    return sorted(times), outcomes
+    return sorted(job.arrivals.values()), outcomes
 
 
 def ratio_of(direct: dict[str, Any], shaped: dict[str, Any]) -> float | None:
@@ -360,12 +335,7 @@ def median_case(cases: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
-@refusing
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["relay"]:
-        asyncio.run(_relay(int(argv[1]), int(argv[2]), float(argv[3])))
-        return
+def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.antenna_wan")
     parser.add_argument("--tasks", type=int, default=300)
     parser.add_argument("--rtt-ms", type=float, default=60.0)
@@ -382,40 +352,54 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.smoke:
         args.tasks, args.nats, args.rounds = 40, True, 1
+    return args
+
+
+def alternated(case_of: Any, args: argparse.Namespace, tls: Any, ca: Path | None) -> dict[str, Any]:
+    """Direct then shaped, ``--rounds`` times (so a quiet or a busy spell of the machine falls
+    on both cases): the medians, the rounds and their ratios."""
+    rounds = []
+    for _ in range(args.rounds):
+        pair = []
+        for rtt_s in (0.0, args.rtt_ms / 1000):
+            case = case_of(args.tasks, rtt_s, tls, ca)
+            print(json.dumps(case), flush=True)
+            pair.append(case)
+        rounds.append(pair)
+    ratios = [r for r in (ratio_of(*pair) for pair in rounds) if r is not None]
+    return {
+        "cases": [median_case([pair[i] for pair in rounds]) for i in (0, 1)],
+        "rounds": rounds,
+        "round_ratios": ratios,
+        "shaped_over_direct": round(statistics.median(ratios), 3) if ratios else None,
+    }
+
+
+@refusing
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["relay"]:
+        asyncio.run(_relay(int(argv[1]), int(argv[2]), float(argv[3])))
+        return
+    args = parse(argv)
     tls: ssl.SSLContext | None = None
     ca: Path | None = None
-    payload: dict[str, Any] = {"machine": machine(), "http": args.http}
+    extra = dict(item.split("=", 1) for item in args.set)
+    payload: dict[str, Any] = {"machine": machine(), "http": args.http, "worker_settings": extra}
     with tempfile.TemporaryDirectory(prefix="iw-wan-") as tmp:
         if not args.http:
             ca, cert, key = make_ca(Path(tmp))
             tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             tls.load_cert_chain(str(cert), str(key))
-        extra = dict(item.split("=", 1) for item in args.set)
-        payload["worker_settings"] = extra
 
         def antenna_case(tasks: int, rtt_s: float, tls: Any, ca: Path | None) -> dict[str, Any]:
             return run_case(tasks, rtt_s, tls, ca, args.shape, extra)
 
         runs = [("antenna", antenna_case)] + ([("nats", run_nats_case)] if args.nats else [])
         for source, case_of in runs:
-            # Alternated, so a quiet or a busy spell of the machine falls on both cases.
-            rounds = []
-            for _ in range(args.rounds):
-                pair = []
-                for rtt_s in (0.0, args.rtt_ms / 1000):
-                    case = case_of(args.tasks, rtt_s, tls, ca)
-                    print(json.dumps(case), flush=True)
-                    pair.append(case)
-                rounds.append(pair)
-            ratios = [r for r in (ratio_of(*pair) for pair in rounds) if r is not None]
-            ratio = round(statistics.median(ratios), 3) if ratios else None
-            payload[source] = {
-                "cases": [median_case([pair[i] for pair in rounds]) for i in (0, 1)],
-                "rounds": rounds,
-                "round_ratios": ratios,
-                "shaped_over_direct": ratio,
-            }
-            print(json.dumps({source: {"round_ratios": ratios, "shaped_over_direct": ratio}}))
+            payload[source] = alternated(case_of, args, tls, ca)
+            ratios = {k: payload[source][k] for k in ("round_ratios", "shaped_over_direct")}
+            print(json.dumps({source: ratios}))
     save("antenna_wan", payload)
 
 

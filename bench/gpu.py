@@ -27,6 +27,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -134,19 +135,23 @@ def detect_and_classify(tmp: Path, device: str, precision: str) -> Runner:
     return runner
 
 
-def fed_by_loader(
-    runner: Runner, files: list[Path], plan: DecodePlan, batch: int, seconds: float, device: str
-) -> dict[str, Any]:
-    """The worker's own engine and loader children over ``files`` (cycled), ``batch`` a time."""
-    workers = max(2, min(14, (os.cpu_count() or 4) - 2))
-    config = LoaderConfig(
+def loader_config(files: list[Path], plan: DecodePlan, batch: int, workers: int) -> LoaderConfig:
+    """Loader children reading ``files``, with room for three batches ahead."""
+    return LoaderConfig(
         num_workers=workers,
         timeout_s=120,
         plan=plan,
         sources=SourceConfig(file_roots=(str(files[0].parent),)),
         prefetch_per_worker=-(-3 * batch // workers) + 1,
     )
-    engine = Engine(StreamingLoader(config), runner)
+
+
+def fed_by_loader(
+    runner: Runner, files: list[Path], plan: DecodePlan, batch: int, seconds: float, device: str
+) -> dict[str, Any]:
+    """The worker's own engine and loader children over ``files`` (cycled), ``batch`` a time."""
+    workers = max(2, min(14, (os.cpu_count() or 4) - 2))
+    engine = Engine(StreamingLoader(loader_config(files, plan, batch, workers)), runner)
     engine.start()
     next_key = 0
 
@@ -158,7 +163,6 @@ def fed_by_loader(
         return keys
 
     pending = [submit(), submit()]  # the loader runs ahead by two batches, as the worker does
-
     failures: dict[str, int] = {}
 
     def work() -> int:
@@ -178,18 +182,20 @@ def fed_by_loader(
         measured: dict[str, Any] = dict(busy_share(work, seconds, device))
         if failures:  # a rate of failures is no rate: the case reports the error instead
             raise BenchmarkFailed(f"images failed in the loader or the engine: {failures}")
-        measured["copy_wait_s"] = round(runner.copies.waited_s, 3)
         # Of the images run, the share already on the device when their batch started (its
         # first chunk can be at most runner.copy_ahead_images of them).
         ran = next_key - 2 * batch - ran_before
-        measured["copied_ahead_share"] = round(
-            (engine.ran_copied_ahead - copied_ahead_before) / max(1, ran), 3
-        )
-        measured["loader_children"] = workers
-        measured["failures"] = failures
-        return measured
+        copied_ahead = engine.ran_copied_ahead - copied_ahead_before
+        copy_wait_s = runner.copies.waited_s
     finally:
         engine.close()
+    return {
+        **measured,
+        "copy_wait_s": round(copy_wait_s, 3),
+        "copied_ahead_share": round(copied_ahead / max(1, ran), 3),
+        "loader_children": workers,
+        "failures": failures,
+    }
 
 
 def same_copied_ahead(runner: Runner, images: list[Decoded]) -> dict[str, Any]:
@@ -226,14 +232,6 @@ def host_work(tmp: Path, device: str, squares: list[Decoded], seconds: float) ->
     runner.run(images)
     measured = busy_share(lambda: len(runner.run(images)), seconds, device)
     measured["host_ms_per_batch"] = round(64_000 / measured["images_per_s"], 2)
-    # Of that, writing the 64 classifications (softmax, rounding, lists): device-independent.
-    assert runner.classifier is not None
-    logits = torch.randn(64, len(labels))
-    started = time.perf_counter()
-    for _ in range(20):
-        for row in logits:
-            runner._classification(runner.classifier, row, 0.0, True)
-    measured["results_ms_per_batch"] = round((time.perf_counter() - started) / 20 * 1000, 2)
     return measured
 
 
@@ -274,7 +272,19 @@ def main() -> None:
         raise BenchmarkFailed(f"{len(_ERRORS)} case(s) failed; first: {_ERRORS[0]}")
 
 
-def run_cases() -> None:
+@dataclass(frozen=True)
+class Run:
+    """What every case of one run shares."""
+
+    tmp: Path
+    device: str
+    quick: bool
+    seconds: float
+    deadline: float
+
+
+def parse() -> tuple[argparse.Namespace, float]:
+    """The command line, and each case's measured window."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
@@ -285,8 +295,23 @@ def run_cases() -> None:
         help="each case's measured window (the 4K cases twice it); 10, or 2 with --quick",
     )
     args = parser.parse_args()
+    return args, args.seconds or (2.0 if args.quick else 10.0)
+
+
+def scenes_in(folder: Path, count: int, width: int, height: int, seed: int) -> list[Path]:
+    """``count`` generated scenes written as JPEGs in ``folder`` (made)."""
+    folder.mkdir()
+    paths = []
+    for i in range(count):
+        path = folder / f"{i}.jpg"
+        path.write_bytes(scene(width, height, seed + i))
+        paths.append(path)
+    return paths
+
+
+def run_cases() -> None:
+    args, seconds = parse()
     deadline = time.monotonic() + args.budget_s
-    seconds = args.seconds or (2.0 if args.quick else 10.0)
     on_gpu = args.device.startswith("cuda")
     torch.set_num_threads(2)  # as the worker does: the cores are the loader children's
     info = {"device": args.device, "torch": torch.__version__, "cpus": os.cpu_count()}
@@ -294,87 +319,87 @@ def run_cases() -> None:
         info["gpu"] = torch.cuda.get_device_name(0)
     print(json.dumps(info), flush=True)
     with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        small = tmp / "1080p"
-        small.mkdir()
-        files = []
-        for i in range(8 if args.quick else 96):
-            path = small / f"{i}.jpg"
-            path.write_bytes(scene(1920, 1080, i))
-            files.append(path)
+        run = Run(Path(tmp_name), args.device, args.quick, seconds, deadline)
+        files = scenes_in(run.tmp / "1080p", 8 if args.quick else 96, 1920, 1080, 0)
         squares = [decode(p.read_bytes(), DecodePlan(size=224)) for p in files[:16]]
         if on_gpu or args.quick:
-            scenes_1080p = [decode(p.read_bytes(), DecodePlan(max_side=4096)) for p in files[:4]]
-            checks = {
-                "classifier": lambda: same_copied_ahead(
-                    classifier(tmp, args.device, "float32", crop_batch=8),
-                    [squares[i % len(squares)] for i in range(32)],
-                ),
-                "detect and classify": lambda: same_copied_ahead(
-                    detect_and_classify(tmp, args.device, "float32"), scenes_1080p
-                ),
-            }
-            for name, check in checks.items():
-                case({"case": f"copied ahead equals not, {name}"}, check, deadline)
-        big = tmp / "4k"
-        big.mkdir()
-        scenes = []
-        for i in range(2 if args.quick else 16):
-            path = big / f"{i}.jpg"
-            path.write_bytes(scene(4096, 2160, 100 + i))
-            scenes.append(path)
-        batch = 1 if args.quick else 16
-        for precision in ("float32", "bfloat16"):  # float32 CPU and GPU decode first
-            for gpu_decode in (False, True):
-
-                def detect(
-                    precision: str = precision, gpu_decode: bool = gpu_decode
-                ) -> dict[str, Any]:
-                    runner = detect_and_classify(tmp, args.device, precision)
-                    plan = DecodePlan(max_side=4096, encoded=gpu_decode)
-                    return fed_by_loader(runner, scenes, plan, batch, seconds * 2, args.device)
-
-                where = "GPU" if gpu_decode else "CPU"
-                row: dict[str, Any] = {"case": f"detect and classify, {where} decode (4K)"}
-                row["precision"] = precision
-                row["batch"] = batch
-                case(row, detect, deadline)
-
+            copied_ahead_checks(run, files, squares)
+        scenes = scenes_in(run.tmp / "4k", 2 if args.quick else 16, 4096, 2160, 100)
+        detect_cases(run, scenes)
         case(
             {"case": "host work per batch of 64 (1000 classes)"},
-            lambda: host_work(tmp, args.device, squares, seconds),
+            lambda: host_work(run.tmp, args.device, squares, seconds),
             deadline,
         )
-        for precision in ("float32", "bfloat16"):
-            for batch in (2, 4) if args.quick else (16, 64):
+        classifier_cases(run, files, squares)
 
-                def alone(precision: str = precision, batch: int = batch) -> dict[str, Any]:
-                    runner = classifier(tmp, args.device, precision, crop_batch=32)
-                    images = [squares[i % len(squares)] for i in range(batch)]
 
-                    copied = [runner.copy_ahead(images)]
+def copied_ahead_checks(run: Run, files: list[Path], squares: list[Decoded]) -> None:
+    """Images copied ahead give what images copied as their batch runs give."""
+    scenes_1080p = [decode(p.read_bytes(), DecodePlan(max_side=4096)) for p in files[:4]]
+    checks = {
+        "classifier": lambda: same_copied_ahead(
+            classifier(run.tmp, run.device, "float32", crop_batch=8),
+            [squares[i % len(squares)] for i in range(32)],
+        ),
+        "detect and classify": lambda: same_copied_ahead(
+            detect_and_classify(run.tmp, run.device, "float32"), scenes_1080p
+        ),
+    }
+    for name, check in checks.items():
+        case({"case": f"copied ahead equals not, {name}"}, check, run.deadline)
 
-                    def forward() -> int:
-                        # As the engine does: the next batch is copied ahead while this one runs.
-                        runner.run(copied.pop(), lambda: copied.append(runner.copy_ahead(images)))
-                        return len(images)
 
-                    forward()
-                    return busy_share(forward, seconds, args.device)
+def detect_cases(run: Run, scenes: list[Path]) -> None:
+    """4K detect-and-classify fed by the loader, CPU and GPU decode, float32 then bfloat16."""
+    batch = 1 if run.quick else 16
+    for precision in ("float32", "bfloat16"):  # float32 CPU and GPU decode first
+        for gpu_decode in (False, True):
 
-                row = {"case": "classifier alone", "precision": precision, "batch": batch}
-                case(row, alone, deadline)
-        for precision in ("float32", "bfloat16"):
-            batch = 4 if args.quick else 64
+            def detect(precision: str = precision, gpu_decode: bool = gpu_decode) -> dict[str, Any]:
+                runner = detect_and_classify(run.tmp, run.device, precision)
+                plan = DecodePlan(max_side=4096, encoded=gpu_decode)
+                return fed_by_loader(runner, scenes, plan, batch, run.seconds * 2, run.device)
 
-            def fed(precision: str = precision, batch: int = batch) -> dict[str, Any]:
-                runner = classifier(tmp, args.device, precision, crop_batch=batch)
-                plan = DecodePlan(size=224)
-                return fed_by_loader(runner, files, plan, batch, seconds, args.device)
-
-            row = {"case": "classifier fed by the loader (1080p JPEG)", "precision": precision}
+            where = "GPU" if gpu_decode else "CPU"
+            row: dict[str, Any] = {"case": f"detect and classify, {where} decode (4K)"}
+            row["precision"] = precision
             row["batch"] = batch
-            case(row, fed, deadline)
+            case(row, detect, run.deadline)
+
+
+def classifier_cases(run: Run, files: list[Path], squares: list[Decoded]) -> None:
+    """The classifier alone on ready images, then fed by the loader, in both precisions."""
+    for precision in ("float32", "bfloat16"):
+        for batch in (2, 4) if run.quick else (16, 64):
+
+            def alone(precision: str = precision, batch: int = batch) -> dict[str, Any]:
+                runner = classifier(run.tmp, run.device, precision, crop_batch=32)
+                images = [squares[i % len(squares)] for i in range(batch)]
+
+                copied = [runner.copy_ahead(images)]
+
+                def forward() -> int:
+                    # As the engine does: the next batch is copied ahead while this one runs.
+                    runner.run(copied.pop(), lambda: copied.append(runner.copy_ahead(images)))
+                    return len(images)
+
+                forward()
+                return busy_share(forward, run.seconds, run.device)
+
+            row = {"case": "classifier alone", "precision": precision, "batch": batch}
+            case(row, alone, run.deadline)
+    for precision in ("float32", "bfloat16"):
+        batch = 4 if run.quick else 64
+
+        def fed(precision: str = precision, batch: int = batch) -> dict[str, Any]:
+            runner = classifier(run.tmp, run.device, precision, crop_batch=batch)
+            plan = DecodePlan(size=224)
+            return fed_by_loader(runner, files, plan, batch, run.seconds, run.device)
+
+        row = {"case": "classifier fed by the loader (1080p JPEG)", "precision": precision}
+        row["batch"] = batch
+        case(row, fed, run.deadline)
 
 
 if __name__ == "__main__":

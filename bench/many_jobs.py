@@ -3,6 +3,7 @@ publishes): tasks/s, the job consumers made and deleted, the most consumers on t
 stream at once, and the worker's RSS before and after. Every result is checked (``ok``).
 
     .venv/bin/python -m bench.many_jobs --jobs 10000
+    .venv/bin/python -m bench.many_jobs --smoke     # outcomes only (the test suite runs it)
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.common.jobs import wait_stored
+from bench.common.jobs import client, wait_stored
 from bench.common.results import save, stamp
-from bench.common.world import PIPELINE, start_worker, stop_worker, upload, world
+from bench.common.world import PIPELINE, nats_settings, start_worker, stop_worker, upload, world
+from bench.outcomes import BenchmarkFailed, refusing
+from config.settings import NatsSettings
 from worker.commands.client import make_tasks, publish_tasks
 from worker.commands.localservers import free_port
-from worker.nats.connection import connect
 
 WAVE = 500
+CONSUMERS = "inference_worker_job_consumers"
 
 
 def rss_bytes(pid: int) -> int:
@@ -52,72 +55,84 @@ async def wait_port_answers(port: int, timeout_s: float = 120) -> None:
     raise TimeoutError("the worker never started")
 
 
-async def run(jobs: int) -> dict[str, Any]:
-    from config.settings import NatsSettings
+async def flood(
+    js: Any, settings: NatsSettings, uris: list[str], jobs: int
+) -> tuple[float, list[int]]:
+    """``jobs`` one-task jobs in waves of ``WAVE``, at most two waves ahead of the stored
+    results: seconds until every result was stored, and the tasks stream's consumer counts
+    sampled every 0.1 s meanwhile."""
+    seen: list[int] = []
 
+    async def sample() -> None:
+        while True:
+            info = await js.stream_info(settings.tasks_stream)
+            seen.append(int(info.state.consumer_count))
+            await asyncio.sleep(0.1)
+
+    sampler = asyncio.create_task(sample())
+    started = time.monotonic()
+    deadline = started + 3600  # an hour at most
+    try:
+        for wave in range(0, jobs, WAVE):
+            tasks = [
+                t
+                for j in range(wave, min(jobs, wave + WAVE))
+                for t in make_tasks(f"many-{j}", [uris[j % len(uris)]])
+            ]
+            await publish_tasks(js, settings, PIPELINE, tasks)
+            await wait_stored(js, settings.results_stream, wave - WAVE, deadline, poll_s=0.1)
+        await wait_stored(js, settings.results_stream, jobs, deadline, poll_s=0.1)
+    finally:
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
+    return time.monotonic() - started, seen
+
+
+async def run(jobs: int) -> dict[str, Any]:
     with world() as w:
         uris = upload(w.s3.client(), "many", [(64, 48)], 8)
         port = free_port()
         proc = start_worker(w, "worker.log", WORKER_METRICS__PORT=str(port))
-        settings = NatsSettings(url=w.nats.url)
-        nc = await connect(settings, name="bench", give_up_after_s=30)
-        js = nc.jetstream()
+        settings = nats_settings(w)
         try:
-            await wait_port_answers(port)
-            rss_before = rss_bytes(proc.pid)
-            seen: list[int] = []
-
-            async def sample() -> None:
-                while True:
-                    info = await js.stream_info(settings.tasks_stream)
-                    seen.append(int(info.state.consumer_count))
-                    await asyncio.sleep(0.1)
-
-            sampler = asyncio.create_task(sample())
-            started = time.monotonic()
-            deadline = started + 3600  # an hour at most
-            for wave in range(0, jobs, WAVE):
-                tasks = [
-                    t
-                    for j in range(wave, min(jobs, wave + WAVE))
-                    for t in make_tasks(f"many-{j}", [uris[j % len(uris)]])
-                ]
-                await publish_tasks(js, settings, PIPELINE, tasks)
-                await wait_stored(js, settings.results_stream, wave - WAVE, deadline, poll_s=0.1)
-            await wait_stored(js, settings.results_stream, jobs, deadline, poll_s=0.1)
-            seconds = time.monotonic() - started
-            sampler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sampler
-            ok = metric(port, 'inference_worker_tasks_total{outcome="ok"}')
-            if ok != jobs:
-                raise RuntimeError(f"{ok} ok results of {jobs}")
-            await asyncio.sleep(10)  # the last consumers' linger
+            async with client(settings, PIPELINE) as nc:
+                js = nc.jetstream()
+                await wait_port_answers(port)
+                rss_before = rss_bytes(proc.pid)
+                seconds, seen = await flood(js, settings, uris, jobs)
+                ok = metric(port, 'inference_worker_tasks_total{outcome="ok"}')
+                if ok != jobs:
+                    raise BenchmarkFailed(f"{ok} ok results of {jobs}")
+                await asyncio.sleep(10)  # the last consumers' linger
+                after = int((await js.stream_info(settings.tasks_stream)).state.consumer_count)
             return {
                 "jobs": jobs,
                 "tasks_per_s": round(jobs / seconds, 1),
                 "seconds": round(seconds, 1),
-                "consumers_made": metric(port, "inference_worker_job_consumers_made_total"),
-                "consumers_deleted": metric(port, "inference_worker_job_consumers_deleted_total"),
-                "consumers_refused": metric(port, "inference_worker_job_consumers_refused_total"),
+                **{
+                    f"consumers_{what}": metric(port, f"{CONSUMERS}_{what}_total")
+                    for what in ("made", "deleted", "refused")
+                },
                 "most_consumers_at_once": max(seen),
-                "consumers_after": int(
-                    (await js.stream_info(settings.tasks_stream)).state.consumer_count
-                ),
+                "consumers_after": after,
                 "rss_before_bytes": rss_before,
                 "rss_after_bytes": rss_bytes(proc.pid),
             }
         finally:
-            await nc.close()
             stop_worker(proc)
 
 
+@refusing
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--jobs", type=int, default=10_000)
+    parser.add_argument("--smoke", action="store_true", help="20 jobs: outcomes only")
     args = parser.parse_args()
+    if args.smoke:
+        args.jobs = 20
     result = asyncio.run(run(args.jobs))
-    result.update(stamp("many_jobs", ["--jobs", str(args.jobs)]))
+    result.update(stamp("many_jobs"))
     save("many_jobs", result, echo=True)
 
 

@@ -204,35 +204,30 @@ def ami_case(endpoint: str, uris: list[str], runs: int) -> dict[str, Any]:
 
 
 async def worker_case(w: World, endpoint: str, uris: list[str], runs: int) -> dict[str, Any]:
-    from bench.common.jobs import run_job
+    from bench.common.jobs import client, run_job
     from bench.common.world import nats_settings
-    from worker.nats.connection import connect
-    from worker.nats.provision import provision
 
     settings = nats_settings(w)
-    nc = await connect(settings)
-    js = nc.jetstream()
-    await provision(js, settings, PIPELINE)
-    proc = start_worker(
-        w,
-        "network-worker.log",
-        WORKER_S3__ENDPOINT_URL=endpoint,
-        WORKER_LOADER__BATCH_SIZE="16",
-        WORKER_LOADER__NUM_WORKERS=str(CHILDREN),
-        WORKER_LOADER__TIMEOUT_S="120",
-        WORKER_HEALTH__STALL_TIMEOUT_S="200",
-        WORKER_HEALTH__WATCHDOG_TIMEOUT_S="250",
-    )
     rates = []
-    try:
-        with PeakRss(proc.pid) as peak:
-            for run in range(runs + 1):
-                seconds = await run_job(js, settings, f"net-{time.time_ns()}", uris)
-                if run:
-                    rates.append(len(uris) / seconds)
-    finally:
-        stop_worker(proc)
-        await nc.close()
+    async with client(settings, PIPELINE) as nc:
+        proc = start_worker(
+            w,
+            "network-worker.log",
+            WORKER_S3__ENDPOINT_URL=endpoint,
+            WORKER_LOADER__BATCH_SIZE="16",
+            WORKER_LOADER__NUM_WORKERS=str(CHILDREN),
+            WORKER_LOADER__TIMEOUT_S="120",
+            WORKER_HEALTH__STALL_TIMEOUT_S="200",
+            WORKER_HEALTH__WATCHDOG_TIMEOUT_S="250",
+        )
+        try:
+            with PeakRss(proc.pid) as peak:
+                for run in range(runs + 1):
+                    seconds = await run_job(nc, settings, f"net-{time.time_ns()}", uris)
+                    if run:
+                        rates.append(len(uris) / seconds)
+        finally:
+            stop_worker(proc)
     return {
         "images_per_s": median(rates),
         "runs_images_per_s": rates,
@@ -285,48 +280,9 @@ async def run(images: int, tasks: int, runs: int, smoke: bool = False) -> dict[s
     with world() as w:
         for name in ["1080p"] if smoke else SETS:
             distinct, sizes = upload(w, name, images)
-            uris = cycle(distinct, tasks)
-            print(f"{name}: {len(uris)} objects, {sum(sizes) / len(sizes) / 1e6:.1f} MB mean")
+            print(f"{name}: {tasks} objects, {sum(sizes) / len(sizes) / 1e6:.1f} MB mean")
             cases: dict[str, Any] = {"mean_object_bytes": sum(sizes) / len(sizes)}
-            direct = w.s3.endpoint_url
-            shaped = ShapedProxy(w.s3.port, Shape())
-            relay = ShapedProxy(w.s3.port, UNSHAPED)
-            with shaped, relay:
-                plan: list[tuple[str, str, int, ShapedProxy | None]] = [
-                    ("loader_unshaped_8_reads", direct, 8, None),
-                    ("loader_relay_only_8_reads", relay.url, 8, relay),
-                    ("loader_shaped_8_reads", shaped.url, 8, shaped),
-                    ("loader_shaped_1_read", shaped.url, 1, shaped),
-                    ("ami_shaped_8_threads", shaped.url, 0, shaped),
-                ]
-                if smoke:  # one loader case each way, AMI's, and one worker
-                    plan = [plan[0], plan[2], plan[4]]
-                for case, endpoint, reads, proxy in plan:
-                    cases[case] = (
-                        loader_case(endpoint, uris, reads, runs)
-                        if reads
-                        else ami_case(endpoint, uris, runs)
-                    )
-                    if proxy is not None:
-                        stats = proxy.stats()
-                        cases[case]["network_max_in_flight"] = stats["max_in_flight"]
-                        cases[case]["network_requests"] = stats["requests"]
-                        proxy.stop()
-                        proxy.start()  # fresh counters for the next case
-                    print(f"  {case}: {cases[case]['images_per_s']:.2f} images/s")
-                workers = [("worker_unshaped", direct), ("worker_shaped", shaped.url)]
-                for case, endpoint in workers[1:] if smoke else workers:
-                    cases[case] = await worker_case(w, endpoint, uris, runs)
-                    print(f"  {case}: {cases[case]['images_per_s']:.2f} images/s")
-            cases["shaped_to_unshaped_loader"] = (
-                cases["loader_shaped_8_reads"]["images_per_s"]
-                / cases["loader_unshaped_8_reads"]["images_per_s"]
-            )
-            if not smoke:
-                cases["shaped_to_unshaped_worker"] = (
-                    cases["worker_shaped"]["images_per_s"]
-                    / cases["worker_unshaped"]["images_per_s"]
-                )
+            cases.update(await one_set(w, cycle(distinct, tasks), runs, smoke))
             if name == "4k":
                 s3 = w.s3.client()
                 blobs = [
@@ -337,6 +293,49 @@ async def run(images: int, tasks: int, runs: int, smoke: bool = False) -> dict[s
                 print(f"  decode: {json.dumps(cases['decode'])}")
             result["sets"][name] = cases
     return result
+
+
+async def one_set(w: World, uris: list[str], runs: int, smoke: bool) -> dict[str, Any]:
+    """Every case on one set of images: the loader and AMI's pattern direct, through the relay
+    alone and shaped, then the worker direct and shaped; and the ratios."""
+    cases: dict[str, Any] = {}
+    direct = w.s3.endpoint_url
+    shaped = ShapedProxy(w.s3.port, Shape())
+    relay = ShapedProxy(w.s3.port, UNSHAPED)
+    with shaped, relay:
+        plan: list[tuple[str, str, int, ShapedProxy | None]] = [
+            ("loader_unshaped_8_reads", direct, 8, None),
+            ("loader_relay_only_8_reads", relay.url, 8, relay),
+            ("loader_shaped_8_reads", shaped.url, 8, shaped),
+            ("loader_shaped_1_read", shaped.url, 1, shaped),
+            ("ami_shaped_8_threads", shaped.url, 0, shaped),
+        ]
+        if smoke:  # one loader case each way, AMI's, and one worker
+            plan = [plan[0], plan[2], plan[4]]
+        for case, endpoint, reads, proxy in plan:
+            cases[case] = (
+                loader_case(endpoint, uris, reads, runs)
+                if reads
+                else ami_case(endpoint, uris, runs)
+            )
+            if proxy is not None:
+                stats = proxy.stats()
+                cases[case]["network_max_in_flight"] = stats["max_in_flight"]
+                cases[case]["network_requests"] = stats["requests"]
+                proxy.stop()
+                proxy.start()  # fresh counters for the next case
+            print(f"  {case}: {cases[case]['images_per_s']:.2f} images/s")
+        workers = [("worker_unshaped", direct), ("worker_shaped", shaped.url)]
+        for case, endpoint in workers[1:] if smoke else workers:
+            cases[case] = await worker_case(w, endpoint, uris, runs)
+            print(f"  {case}: {cases[case]['images_per_s']:.2f} images/s")
+    rate = {case: cases[case]["images_per_s"] for case in cases}
+    cases["shaped_to_unshaped_loader"] = (
+        rate["loader_shaped_8_reads"] / rate["loader_unshaped_8_reads"]
+    )
+    if not smoke:
+        cases["shaped_to_unshaped_worker"] = rate["worker_shaped"] / rate["worker_unshaped"]
+    return cases
 
 
 @refusing

@@ -41,7 +41,7 @@ from typing import Any
 
 import psutil
 
-from bench.common.jobs import Job, run_jobs
+from bench.common.jobs import Job, client, run_jobs
 from bench.common.meters import PeakRss, machine, median
 from bench.common.results import save, stamp
 from bench.common.world import World, cycle, start_worker, stop_worker, upload, world
@@ -51,8 +51,6 @@ from config.settings import NatsSettings, load_settings
 from worker.commands.client import job_results, make_tasks
 from worker.commands.localservers import free_port
 from worker.health.metrics import PREFIX
-from worker.nats.connection import connect
-from worker.nats.provision import provision
 
 ARCH = "resnet18"  # switch and memory: 44.7 MB of weights each
 FAST_ARCH = "mobilenet_v3_small"  # interleaved and fairness: the loader is the limit
@@ -205,9 +203,8 @@ class Serving:
             if job.name in self.published:
                 raise BenchmarkFailed(f"job {job.name} published twice")
             self.published.add(job.name)
-        js = self.nc.jetstream()
         await run_jobs(
-            js,
+            self.nc,
             self.settings,
             jobs,
             timeout_s=JOB_TIMEOUT_S,
@@ -216,7 +213,7 @@ class Serving:
             linger_s=0.1,  # a second result message for a task would arrive by now
         )
         for job in jobs:
-            job.results = await job_results(js, self.settings, job.name)
+            job.results = await job_results(self.nc.jetstream(), self.settings, job.name)
             check_job(job, self.declared[job.pipeline])
         return jobs
 
@@ -288,33 +285,32 @@ async def serving(
     settings = load_settings(
         for_worker=False, nats={"url": w.nats.url, "consumer": consumer, "fair_jobs": fair}
     ).nats
-    nc = await connect(settings, name="bench", give_up_after_s=30)
-    await provision(nc.jetstream(), settings, [p.name for p in pipelines])
     port = free_port()
-    proc = start_worker(
-        w,
-        log,
-        **{
-            env_name("model", "pipelines"): ",".join(p.toml for p in pipelines),
-            env_name("model", "weights"): "",
-            env_name("nats", "consumer"): consumer,
-            env_name("nats", "fair_jobs"): str(fair).lower(),
-            env_name("metrics", "port"): str(port),
-            env_name("metrics", "healthz_port"): str(free_port()),
-            env_name("loader", "num_workers"): str(sizes.loader_workers),
-            **(
-                {env_name("nats", "job_discovery_s"): str(sizes.discovery_s)}
-                if sizes.discovery_s
-                else {}
-            ),
-            **(env or {}),
-        },
-    )
-    try:
-        yield Serving(w, nc, settings, proc, port, w.workdir / log, {p.name: p for p in pipelines})
-    finally:
-        code = stop_worker(proc)
-        await nc.close()
+    async with client(settings, [p.name for p in pipelines]) as nc:
+        proc = start_worker(
+            w,
+            log,
+            **{
+                env_name("model", "pipelines"): ",".join(p.toml for p in pipelines),
+                env_name("model", "weights"): "",
+                env_name("nats", "consumer"): consumer,
+                env_name("nats", "fair_jobs"): str(fair).lower(),
+                env_name("metrics", "port"): str(port),
+                env_name("metrics", "healthz_port"): str(free_port()),
+                env_name("loader", "num_workers"): str(sizes.loader_workers),
+                **(
+                    {env_name("nats", "job_discovery_s"): str(sizes.discovery_s)}
+                    if sizes.discovery_s
+                    else {}
+                ),
+                **(env or {}),
+            },
+        )
+        declared = {p.name: p for p in pipelines}
+        try:
+            yield Serving(w, nc, settings, proc, port, w.workdir / log, declared)
+        finally:
+            code = stop_worker(proc)
     if code != 0:
         raise BenchmarkFailed(f"{log}: the worker exited {code} when stopped")
 
@@ -344,20 +340,7 @@ def switch(w: World, sizes: Sizes) -> dict[str, Any]:
     cache: ModelCache[Runner] = ModelCache(
         lambda name: load_runner(declared_as[name], sources, "cpu"), Runner.weights_bytes, 1 << 40
     )
-    timings: dict[str, list[float]] = {"disk": [], "s3": [], "hit": []}
-    for round_ in range(sizes.switch_loads + 1):  # round 0 warms up (imports, page cache)
-        for name in ("disk", "s3"):
-            cache.close()  # nothing resident: the next acquire loads
-            started = time.perf_counter()
-            cache.acquire(name)
-            if round_:
-                timings[name].append(time.perf_counter() - started)
-            cache.release(name)
-    for _ in range(sizes.switch_hits):
-        started = time.perf_counter()
-        cache.acquire("s3")
-        timings["hit"].append(time.perf_counter() - started)
-        cache.release("s3")
+    timings = switch_timings(cache, sizes)
     cache.load("disk")
     same = same_as_original(cache.peek("disk"), cache.peek("s3"), declared)
     return {
@@ -372,6 +355,26 @@ def switch(w: World, sizes: Sizes) -> dict[str, Any]:
         "load_from_s3_ms_all": [round(1000 * t, 1) for t in timings["s3"]],
         **same,
     }
+
+
+def switch_timings(cache: Any, sizes: Sizes) -> dict[str, list[float]]:
+    """Seconds of each load from disk and from S3 (nothing resident before it), and of each
+    cache hit."""
+    timings: dict[str, list[float]] = {"disk": [], "s3": [], "hit": []}
+    for round_ in range(sizes.switch_loads + 1):  # round 0 warms up (imports, page cache)
+        for name in ("disk", "s3"):
+            cache.close()  # nothing resident: the next acquire loads
+            started = time.perf_counter()
+            cache.acquire(name)
+            if round_:
+                timings[name].append(time.perf_counter() - started)
+            cache.release(name)
+    for _ in range(sizes.switch_hits):
+        started = time.perf_counter()
+        cache.acquire("s3")
+        timings["hit"].append(time.perf_counter() - started)
+        cache.release("s3")
+    return timings
 
 
 def same_as_original(disk: Any, s3: Any, declared: Declared) -> dict[str, Any]:

@@ -19,13 +19,19 @@ from typing import Any
 
 import psutil
 
-from bench.common.jobs import Job, count, run_jobs
+from bench.common.jobs import Job, client, count, run_jobs
 from bench.common.results import save
-from bench.common.world import PIPELINE, nats_settings, start_worker, stop_worker, upload, world
+from bench.common.world import (
+    PIPELINE,
+    World,
+    nats_settings,
+    start_worker,
+    stop_worker,
+    upload,
+    world,
+)
 from bench.outcomes import Outcomes, refusing
 from worker.health.procstats import shm_bytes
-from worker.nats.connection import connect
-from worker.nats.provision import provision
 
 
 def sample(worker_pid: int, done: int, started: float) -> dict[str, Any]:
@@ -56,60 +62,69 @@ async def soak(tasks_total: int, every: int, batch_size: int) -> dict[str, Any]:
             WORKER_LOADER__BATCH_SIZE=str(batch_size),
             WORKER_LOADER__NUM_WORKERS="2",
         )
-        settings = nats_settings(w)
-        nc = await connect(settings)
-        js = nc.jetstream()
-        await provision(js, settings, PIPELINE)
-        samples = []
         outcomes = Outcomes("soak")
-        started = time.monotonic()
         try:
-            submitted = 0
-            for mark in range(every, tasks_total + 1, every):
-                chunk = [uris[i % len(uris)] for i in range(submitted, mark)]
-                job = Job(f"soak-{mark}", chunk)
-                log = w.workdir / "soak-worker.log"
-                await run_jobs(js, settings, [job], timeout_s=600, worker=proc, log=log)
-                for result in job.received():
-                    count(outcomes, result)
-                submitted = mark
-                samples.append(sample(proc.pid, mark, started))
-                print(
-                    samples[-1]["tasks_done"],
-                    samples[-1]["main_rss_mb"],
-                    samples[-1]["loader_rss_mb"],
-                    samples[-1]["fds_total"],
-                    samples[-1]["dev_shm_entries"],
-                    samples[-1]["loader_pids"],
-                    flush=True,
-                )
+            samples = await sampled(w, proc, uris, tasks_total, every, outcomes)
         finally:
-            await nc.close()
             code = stop_worker(proc)
     outcomes.check(tasks_total)
-    warm = samples[1:]  # the first 1,000 are warm-up
-    batches_per_sample = every / batch_size
-    rss_growth = (warm[-1]["main_rss_mb"] - warm[0]["main_rss_mb"]) if len(warm) > 1 else 0.0
-    per_1000_batches = (
-        rss_growth / ((len(warm) - 1) * batches_per_sample / 1000) if len(warm) > 1 else 0.0
-    )
     return {
         "tasks": tasks_total,
         "batch_size": batch_size,
         "samples": samples,
         "exit_code": code,
         "outcomes": outcomes.summary(),
-        "summary": {
-            "main_rss_growth_mb_after_warmup": round(rss_growth, 2),
-            "main_rss_mb_per_1000_batches": round(per_1000_batches, 3),
-            "fds_total_first_last": [samples[0]["fds_total"], samples[-1]["fds_total"]],
-            "dev_shm_entries_first_last": [
-                samples[0]["dev_shm_entries"],
-                samples[-1]["dev_shm_entries"],
-            ],
-            "loader_pids_constant": len({tuple(s["loader_pids"]) for s in samples}) == 1,
-            "images_per_s": round(tasks_total / samples[-1]["elapsed_s"], 1),
-        },
+        "summary": summary(samples, tasks_total, every / batch_size),
+    }
+
+
+async def sampled(
+    w: World, proc: Any, uris: list[str], tasks_total: int, every: int, outcomes: Outcomes
+) -> list[dict[str, Any]]:
+    """``tasks_total`` tasks cycling over ``uris``, a job of ``every`` at a time, the worker's
+    tree sampled after each; every result counted in ``outcomes``."""
+    settings = nats_settings(w)
+    samples = []
+    started = time.monotonic()
+    async with client(settings, PIPELINE) as nc:
+        submitted = 0
+        for mark in range(every, tasks_total + 1, every):
+            chunk = [uris[i % len(uris)] for i in range(submitted, mark)]
+            job = Job(f"soak-{mark}", chunk)
+            log = w.workdir / "soak-worker.log"
+            await run_jobs(nc, settings, [job], timeout_s=600, worker=proc, log=log)
+            for result in job.received():
+                count(outcomes, result)
+            submitted = mark
+            samples.append(sample(proc.pid, mark, started))
+            last = samples[-1]
+            print(
+                *(last[k] for k in ("tasks_done", "main_rss_mb", "loader_rss_mb")),
+                *(last[k] for k in ("fds_total", "dev_shm_entries", "loader_pids")),
+                flush=True,
+            )
+    return samples
+
+
+def summary(
+    samples: list[dict[str, Any]], tasks_total: int, batches_per_sample: float
+) -> dict[str, Any]:
+    """Growth after the first sample (the warm-up), and what stayed the same."""
+    warm = samples[1:]
+    rss_growth = (warm[-1]["main_rss_mb"] - warm[0]["main_rss_mb"]) if len(warm) > 1 else 0.0
+    per_1000_batches = (
+        rss_growth / ((len(warm) - 1) * batches_per_sample / 1000) if len(warm) > 1 else 0.0
+    )
+    return {
+        "main_rss_growth_mb_after_warmup": round(rss_growth, 2),
+        "main_rss_mb_per_1000_batches": round(per_1000_batches, 3),
+        "fds_total_first_last": [samples[0]["fds_total"], samples[-1]["fds_total"]],
+        "dev_shm_entries_first_last": [
+            samples[0]["dev_shm_entries"],
+            samples[-1]["dev_shm_entries"],
+        ],
+        "loader_pids_constant": len({tuple(s["loader_pids"]) for s in samples}) == 1,
+        "images_per_s": round(tasks_total / samples[-1]["elapsed_s"], 1),
     }
 
 

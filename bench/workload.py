@@ -11,7 +11,7 @@ keeps every crop: the worst case). Measured in one run, interleaved round by rou
 - ``inference-worker run`` with the pipeline declared in TOML, publish to the job's last
   stored result;
 
-then AMI's pattern on the same images (``bench.workload_ami``: a DataLoader rebuilt per job,
+then AMI's pattern on the same images (``bench.common.ami_pattern``: a DataLoader rebuilt per job,
 full-resolution float32 tensors, one stacked crop batch per job). Every stage counts its
 outcomes (an image of the right shape, a result with detections) before a rate is reported.
 Images/s, CPU ms per image (process CPU of the stage's processes) and peak RSS of each
@@ -178,7 +178,9 @@ def ami(w: World, uris: list[str], weights: dict[str, str], shape: Shape) -> dic
     path = w.workdir / "ami.json"
     path.write_text(json.dumps(config))
     result, peak_bytes = last_json_line(
-        [sys.executable, "-m", "bench.workload_ami", str(path)], "AMI's pattern", timeout_s=3600
+        [sys.executable, "-m", "bench.common.ami_pattern", str(path)],
+        "AMI's pattern",
+        timeout_s=3600,
     )
     outcomes = Outcomes("AMI's pattern")
     outcomes.good(result["images_with_detections"])
@@ -193,90 +195,106 @@ def ami(w: World, uris: list[str], weights: dict[str, str], shape: Shape) -> dic
     }
 
 
-async def measured(shape: Shape) -> dict[str, Any]:
-    from bench.common.jobs import run_job
+def start_workload_worker(w: World, toml: Path, shape: Shape) -> Any:
+    """``inference-worker run`` serving the declared pipeline, with room for slow batches."""
+    return start_worker(
+        w,
+        "workload-worker.log",
+        WORKER_MODEL__PIPELINE=str(toml),
+        WORKER_MODEL__WEIGHTS="",
+        WORKER_MODEL__TORCH_THREADS=str(shape.torch_threads),
+        WORKER_MODEL__DETECTOR_BATCH_SIZE=str(shape.batch),
+        WORKER_LOADER__BATCH_SIZE=str(shape.batch),
+        WORKER_LOADER__NUM_WORKERS=str(shape.loader_workers),
+        WORKER_LOADER__TIMEOUT_S="120",
+        WORKER_HEALTH__STALL_TIMEOUT_S="600",
+        WORKER_HEALTH__WATCHDOG_TIMEOUT_S="900",
+        WORKER_NATS__ACK_WAIT_S="1200",
+    )
+
+
+@dataclass
+class Meters:
+    """What each stage is measured by."""
+
+    loader: TreeCpu
+    models: TreeCpu
+    worker: TreeCpu
+    loader_peak: PeakRss
+    worker_peak: PeakRss
+
+
+async def rounds_of(
+    w: World, shape: Shape, uris: list[str], toml: Path
+) -> tuple[list[dict[str, float]], Meters, int]:
+    """The three stages interleaved, round by round (the first warms up): their rates, their
+    meters, and the benchmark process's RSS after the models ran alone."""
+    from bench.common.jobs import client, run_job
     from bench.common.world import nats_settings
     from datasets.sources import SourceConfig
     from pipelines.registry import resolve
     from pipelines.runner import DeviceLimits, decode_plan, load_runner
-    from worker.nats.connection import connect
-    from worker.nats.provision import provision
 
-    with world() as w:
-        toml, weights = declare(w.workdir, shape)
-        pipeline = resolve(str(toml))
-        uris = upload_scenes(w, shape)
-        plan = decode_plan(pipeline, 4096, fast=False)
-        torch.set_num_threads(shape.torch_threads)
-        runner = load_runner(
-            pipeline, SourceConfig(), "cpu", DeviceLimits(detector_batch=shape.batch)
-        )
-        settings = nats_settings(w)
-        nc = await connect(settings)
-        js = nc.jetstream()
-        await provision(js, settings, pipeline.name)
-        proc = start_worker(
-            w,
-            "workload-worker.log",
-            WORKER_MODEL__PIPELINE=str(toml),
-            WORKER_MODEL__WEIGHTS="",
-            WORKER_MODEL__TORCH_THREADS=str(shape.torch_threads),
-            WORKER_MODEL__DETECTOR_BATCH_SIZE=str(shape.batch),
-            WORKER_LOADER__BATCH_SIZE=str(shape.batch),
-            WORKER_LOADER__NUM_WORKERS=str(shape.loader_workers),
-            WORKER_LOADER__TIMEOUT_S="120",
-            WORKER_HEALTH__STALL_TIMEOUT_S="600",
-            WORKER_HEALTH__WATCHDOG_TIMEOUT_S="900",
-            WORKER_NATS__ACK_WAIT_S="1200",
-        )
-        loader = Loader(w, plan, shape)
+    pipeline = resolve(str(toml))
+    torch.set_num_threads(shape.torch_threads)
+    runner = load_runner(pipeline, SourceConfig(), "cpu", DeviceLimits(detector_batch=shape.batch))
+    settings, rounds = nats_settings(w), []
+    async with client(settings, pipeline.name) as nc:
+        proc = start_workload_worker(w, toml, shape)
+        loader = Loader(w, decode_plan(pipeline, 4096, fast=False), shape)
         loader.loader.start()
         me = psutil.Process()
-        models_cpu = TreeCpu(lambda: [me.pid])
-        worker_cpu = TreeCpu(tree(proc.pid))
-        rounds = []
+        meters = Meters(
+            loader.cpu, TreeCpu(lambda: [me.pid]), TreeCpu(tree(proc.pid)),
+            PeakRss(pids=loader.loader.child_pids), PeakRss(proc.pid),
+        )  # fmt: skip
         try:
-            with PeakRss(proc.pid) as worker_peak, PeakRss(pids=loader.loader.child_pids) as lp:
+            with meters.worker_peak, meters.loader_peak:
                 for run in range(shape.runs + 1):  # the first round warms up
-                    with loader.cpu if run else unmeasured():
+                    with meters.loader if run else unmeasured():
                         loader_s, images = loader.load(uris)
-                    with models_cpu if run else unmeasured():
+                    with meters.models if run else unmeasured():
                         models_s = models_alone(runner, images, shape.batch, shape.boxes)
                     del images
-                    with worker_cpu if run else unmeasured():
-                        worker_s = await run_job(js, settings, f"w-{run}", uris, pipeline.name)
+                    with meters.worker if run else unmeasured():
+                        worker_s = await run_job(nc, settings, f"w-{run}", uris, pipeline.name)
                     if run:
                         rounds.append(one_round(len(uris), loader_s, models_s, worker_s))
         finally:
             loader.loader.close()
             stop_worker(proc)
-            await nc.close()
-        # The benchmark's process holds the models and moto's S3 while the models run alone.
-        models_peak = me.memory_info().rss
+    # The benchmark's process holds the models and moto's S3 while the models run alone.
+    return rounds, meters, me.memory_info().rss
+
+
+async def measured(shape: Shape) -> dict[str, Any]:
+    with world() as w:
+        toml, weights = declare(w.workdir, shape)
+        uris = upload_scenes(w, shape)
+        rounds, meters, models_peak = await rounds_of(w, shape, uris, toml)
         amis = ami(w, uris, weights, shape)
     n = len(uris) * shape.runs
+    end_to_end = median([r["end_to_end_images_per_s"] for r in rounds])
     return {
         "rounds": rounds,
         "loader_alone": {
             "images_per_s": median([r["loader_images_per_s"] for r in rounds]),
-            "children_cpu_ms_per_image": loader.cpu.ms_per_image(n),
-            "children_peak_rss_bytes": lp.peak_bytes,
+            "children_cpu_ms_per_image": meters.loader.ms_per_image(n),
+            "children_peak_rss_bytes": meters.loader_peak.peak_bytes,
         },
         "models_alone": {
             "images_per_s": median([r["models_images_per_s"] for r in rounds]),
-            "cpu_ms_per_image": models_cpu.ms_per_image(n),
+            "cpu_ms_per_image": meters.models.ms_per_image(n),
             "benchmark_process_rss_bytes": models_peak,
         },
         "end_to_end": {
-            "images_per_s": median([r["end_to_end_images_per_s"] for r in rounds]),
-            "tree_cpu_ms_per_image": worker_cpu.ms_per_image(n),
-            "peak_rss_bytes": worker_peak.peak_bytes,
+            "images_per_s": end_to_end,
+            "tree_cpu_ms_per_image": meters.worker.ms_per_image(n),
+            "peak_rss_bytes": meters.worker_peak.peak_bytes,
         },
         "ratio_end_to_end_to_slower_stage": median([r["ratio"] for r in rounds]),
         "ami_pattern": amis,
-        "end_to_end_to_ami": round(
-            median([r["end_to_end_images_per_s"] for r in rounds]) / amis["images_per_s"], 2
-        ),
+        "end_to_end_to_ami": round(end_to_end / amis["images_per_s"], 2),
     }
 
 

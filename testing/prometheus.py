@@ -1,5 +1,5 @@
-"""A local Prometheus with the project's alert rules, for the alert tests and
-``bench.dashboard`` (Debian's ``prometheus`` package; not part of the installed package)."""
+"""A local Prometheus with the project's alert rules, for the alert tests (Debian's
+``prometheus`` package; not part of the installed package)."""
 
 from __future__ import annotations
 

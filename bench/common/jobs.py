@@ -5,7 +5,8 @@ count what came back.
 first result message arrived (seconds after the first publish) and every result message seen;
 ``run_job`` is one job whose results must all be ``ok`` answers, timed from its publish to its
 last result. ``wait_stored`` counts the results stream instead, for runs of so many jobs that a
-subscription per job would be part of what is measured.
+subscription per job would be part of what is measured. ``client`` is the benchmark's own
+NATS client of its local server, with the streams provisioned.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import asyncio
 import json
 import subprocess
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,23 @@ from bench.outcomes import BenchmarkFailed, Outcomes
 from config.settings import NatsSettings
 from worker.commands.client import make_tasks, publish_tasks
 from worker.nats.subjects import job_results_subject
+
+
+@asynccontextmanager
+async def client(settings: NatsSettings, pipelines: str | list[str]) -> AsyncIterator[Any]:
+    """A NATS client of the benchmark's local server (nats-py's own ``connect``: a benchmark
+    needs none of the worker's reconnect handling), with the streams and the durable consumer
+    provisioned for ``pipelines`` as ``inference-worker provision`` makes them; closed after."""
+    import nats
+
+    from worker.nats.provision import provision
+
+    nc = await nats.connect(settings.url, name="bench")
+    try:
+        await provision(nc.jetstream(), settings, pipelines)
+        yield nc
+    finally:
+        await nc.close()
 
 
 @dataclass
@@ -57,7 +77,7 @@ class Job:
 
 
 async def run_jobs(
-    js: Any,
+    nc: Any,
     settings: NatsSettings,
     jobs: list[Job],
     *,
@@ -69,7 +89,7 @@ async def run_jobs(
     """Publish ``jobs`` one after the other and wait until every task has a result message;
     ``linger_s`` more, for a second message of a task to be seen. ``BenchmarkFailed`` when
     ``timeout_s`` passes first or ``worker`` exits (naming its ``log``)."""
-    nc = js._nc
+    js = nc.jetstream()
     all_in: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     started = time.perf_counter()
 
@@ -119,11 +139,11 @@ async def _all_in(
 
 
 async def run_job(
-    js: Any, settings: NatsSettings, job: str, uris: list[str], pipeline: str = PIPELINE
+    nc: Any, settings: NatsSettings, job: str, uris: list[str], pipeline: str = PIPELINE
 ) -> float:
     """Seconds from the first publish to the arrival of the job's last result;
     ``BenchmarkFailed`` unless every task's result is ``ok``."""
-    (done,) = await run_jobs(js, settings, [Job(job, uris, pipeline)])
+    (done,) = await run_jobs(nc, settings, [Job(job, uris, pipeline)])
     outcomes = Outcomes(f"worker end to end, job {job}")
     for result in done.received():
         count(outcomes, result)

@@ -1,8 +1,7 @@
-"""The throughput benchmark's stages, which ``bench.throughput`` and ``bench.stages`` both run:
-the worker's loader alone (by its default, fast and exact paths), its model alone, and the
-worker end to end, interleaved round by round; the per-job overhead of one-image jobs; and
-``end_to_end``, the worker alone (``bench.scale``). Every stage counts its outcomes and stops
-the run (``BenchmarkFailed``) if any image failed."""
+"""The throughput benchmark's stages (``bench.throughput``): the worker's loader alone (by its
+default, fast and exact paths), its model alone, and the worker end to end, interleaved round
+by round; and the per-job overhead of one-image jobs. Every stage counts its outcomes and
+stops the run (``BenchmarkFailed``) if any image failed."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bench.common.jobs import Job, count, run_job, run_jobs
+from bench.common.jobs import Job, client, count, run_job, run_jobs
 from bench.common.meters import CpuMeter, PeakRss, TreeCpu, machine, median, tree
 from bench.common.world import (
     ARCHITECTURE,
@@ -29,8 +28,6 @@ from bench.common.world import (
 from bench.outcomes import Outcomes
 from config.settings import NatsSettings
 from datasets.images import DecodePlan
-from worker.nats.connection import connect
-from worker.nats.provision import provision
 
 if TYPE_CHECKING:
     from datasets.images import Decoded
@@ -122,42 +119,20 @@ class ModelAlone:
 
 
 @asynccontextmanager
-async def workers(
-    w: World, processes: int = 1, loader_workers: int = WORKERS
-) -> AsyncIterator[tuple[Any, NatsSettings, list[subprocess.Popen[bytes]]]]:
-    """``processes`` `inference-worker run` processes on one consumer, and a JetStream client."""
+async def a_worker(w: World) -> AsyncIterator[tuple[Any, NatsSettings, subprocess.Popen[bytes]]]:
+    """An `inference-worker run` process, and a NATS client of its server."""
     settings = nats_settings(w)
-    nc = await connect(settings)
-    js = nc.jetstream()
-    await provision(js, settings, PIPELINE)
-    procs = [
-        start_worker(
+    async with client(settings, PIPELINE) as nc:
+        proc = start_worker(
             w,
-            f"throughput-worker-{n}.log",
+            "throughput-worker.log",
             WORKER_LOADER__BATCH_SIZE=str(BATCH),
-            WORKER_LOADER__NUM_WORKERS=str(loader_workers),
+            WORKER_LOADER__NUM_WORKERS=str(WORKERS),
         )
-        for n in range(processes)
-    ]
-    try:
-        yield js, settings, procs
-    finally:
-        for proc in procs:
+        try:
+            yield nc, settings, proc
+        finally:
             stop_worker(proc)
-        await nc.close()
-
-
-async def end_to_end(
-    w: World, uris: list[str], runs: int, processes: int = 1, loader_workers: int = WORKERS
-) -> dict[str, float]:
-    """Images/s from publish to stored results through ``processes`` workers on one consumer."""
-    rates = []
-    async with workers(w, processes, loader_workers) as (js, settings, _procs):
-        for run in range(runs + 1):  # the first job warms up
-            seconds = await run_job(js, settings, f"scale-{processes}-{run}", uris)
-            if run:
-                rates.append(len(uris) / seconds)
-    return {"images_per_s": median(rates)}
 
 
 async def stages_and_worker(
@@ -167,9 +142,7 @@ async def stages_and_worker(
     end, interleaved round by round, so that a machine whose speed drifts (shared cores) skews
     them alike; the ratio is taken per round, then the median. Every stage counts its outcomes
     and stops the run (``BenchmarkFailed``) if any image failed."""
-    n = len(uris)
     machine_cpu = {name: CpuMeter() for name in [*PATHS, "worker"]}
-    rounds: list[dict[str, float]] = []
     with contextlib.ExitStack() as stack:
         loaders = {
             name: stack.enter_context(
@@ -178,25 +151,37 @@ async def stages_and_worker(
             for name, path in PATHS.items()
         }
         model = ModelAlone(w)
-        async with workers(w) as (js, settings, procs):
-            worker_cpu = TreeCpu(tree(procs[0].pid))
-            with PeakRss(procs[0].pid) as peak:
+        async with a_worker(w) as (nc, settings, proc):
+            worker_cpu = TreeCpu(tree(proc.pid))
+            with PeakRss(proc.pid) as peak:
+                rounds = []
                 for run in range(runs + 1):  # the first round warms up
                     if run == 1:
-                        for loader in loaders.values():
-                            loader.cpu.cpu_s = 0.0
-                        worker_cpu.cpu_s = 0.0
+                        for meter in [*(loader.cpu for loader in loaders.values()), worker_cpu]:
+                            meter.cpu_s = 0.0
                     seconds = {}
                     for name, loader in loaders.items():
                         with machine_cpu[name] if run else CpuMeter():
                             seconds[name] = loader.seconds(uris)
-                    model_s = model.seconds(n)
+                    model_s = model.seconds(len(uris))
                     with machine_cpu["worker"] if run else CpuMeter(), worker_cpu:
-                        worker_s = await run_job(js, settings, f"tp-{run}", uris)
+                        worker_s = await run_job(nc, settings, f"tp-{run}", uris)
                     if run:
-                        rounds.append(one_round(n, seconds, model_s, worker_s))
-                overhead = await per_job_overhead(js, settings, uris[0], overhead_jobs)
-    images = n * runs
+                        rounds.append(one_round(len(uris), seconds, model_s, worker_s))
+                overhead = await per_job_overhead(nc, settings, uris[0], overhead_jobs)
+    worker = {"peak_rss_bytes": peak.peak_bytes, **overhead}
+    return figures(rounds, loaders, worker_cpu, machine_cpu, worker, len(uris) * runs)
+
+
+def figures(
+    rounds: list[dict[str, float]],
+    loaders: dict[str, LoaderAlone],
+    worker_cpu: TreeCpu,
+    machine_cpu: dict[str, CpuMeter],
+    worker: dict[str, Any],
+    images: int,
+) -> dict[str, Any]:
+    """The stages' medians over the rounds, and the CPU each spent per image."""
     return {
         "rounds": rounds,
         "loader_alone": {
@@ -210,10 +195,9 @@ async def stages_and_worker(
         "model_alone_images_per_s": median([r["model_images_per_s"] for r in rounds]),
         "end_to_end": {
             "images_per_s": median([r["end_to_end_images_per_s"] for r in rounds]),
-            "peak_rss_bytes": peak.peak_bytes,
             "tree_cpu_ms_per_image": worker_cpu.ms_per_image(images),
             **machine_cpu["worker"].summary(images),
-            **overhead,
+            **worker,
         },
         "ratio_end_to_end_to_slower_stage": median([r["ratio"] for r in rounds]),
         "default_to_fast_loader_cpu": round(
@@ -235,14 +219,14 @@ def one_round(
 
 
 async def per_job_overhead(
-    js: Any, settings: NatsSettings, uri: str, jobs: int = 30
+    nc: Any, settings: NatsSettings, uri: str, jobs: int = 30
 ) -> dict[str, float]:
     """One-image jobs, one after the other (``run_jobs``): publish -> the result's arrival,
     minus the time spent decoding and inferring."""
     overheads, latencies = [], []
     for n in range(jobs):
         job = Job(f"one-{n}-{time.time_ns()}", [uri])
-        (done,) = await run_jobs(js, settings, [job], timeout_s=30)
+        (done,) = await run_jobs(nc, settings, [job], timeout_s=30)
         (result,) = done.received()
         outcomes = Outcomes(f"one-image job {n}")
         count(outcomes, result)
@@ -258,7 +242,7 @@ async def per_job_overhead(
 async def stages(
     w: World, uris: list[str], images: int, tasks: int, runs: int, smoke: bool = False
 ) -> dict[str, Any]:
-    """The run's settings and the stages' figures (``bench.stages`` stops here)."""
+    """The run's settings and the stages' figures."""
     result: dict[str, Any] = {
         "machine": machine(),
         "images": images,

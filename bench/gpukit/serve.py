@@ -271,10 +271,9 @@ def checked(report: dict[str, Any]) -> dict[str, Any]:
 
 async def serve_job(w: World, device: str, tasks: int, timeout_s: float, log: Path) -> dict:
     """Weights, the TOML, the images uploaded, the job published, then the worker run."""
+    from bench.common.jobs import client
     from bench.common.world import nats_settings
     from worker.commands.client import job_results, make_tasks, publish_tasks
-    from worker.nats.connection import connect
-    from worker.nats.provision import provision
     from worker.nats.subjects import job_results_subject
 
     pipeline = moths(w.workdir / "weights")
@@ -282,21 +281,17 @@ async def serve_job(w: World, device: str, tasks: int, timeout_s: float, log: Pa
     toml.write_text(as_toml(pipeline))
     distinct = upload(w.s3.client(), "gpukit", [SIZE], min(DISTINCT_IMAGES, tasks))
     settings = nats_settings(w)
-    client = await connect(settings, name="gpukit", give_up_after_s=30)
-    try:
-        js = client.jetstream()
-        await provision(js, settings, [pipeline.name])
+    async with client(settings, [pipeline.name]) as nc:
+        js = nc.jetstream()
         arrivals: dict[str, float] = {}
 
         async def seen(msg: Any) -> None:
             arrivals.setdefault(msg.subject, time.monotonic())
 
-        await client.subscribe(job_results_subject(JOB), cb=seen)
+        await nc.subscribe(job_results_subject(JOB), cb=seen)
         await publish_tasks(js, settings, pipeline.name, make_tasks(JOB, cycle(distinct, tasks)))
         run = await run_worker(w, toml, device, timeout_s, log)
         results = await job_results(js, settings, JOB)
-    finally:
-        await client.close()
     return checked(summary(results, list(arrivals.values()), run, tasks))
 
 

@@ -34,7 +34,7 @@ def test_a_refused_benchmark_prints_one_error_line_and_exits_1(capsys):
 
 
 def test_the_loader_stage_refuses_a_run_in_which_an_image_failed():
-    """The stage bench.stages times, on two real images and one missing object."""
+    """The stage bench.throughput times, on two real images and one missing object."""
     from bench.common.stages import LoaderAlone, worker_plan
     from bench.common.world import upload, world
 

@@ -1,6 +1,7 @@
-"""AMI's pattern for detect-and-classify, for ``bench.workload`` to compare against.
+"""AMI's pattern for detect-and-classify, which ``bench.workload`` runs in a process of its
+own to compare against.
 
-    python -m bench.workload_ami CONFIG_JSON
+    python -m bench.common.ami_pattern CONFIG_JSON
 
 Per job, a DataLoader is built (fork, 2 workers) over the job's images, each returned as a
 full-resolution float32 tensor; the detector runs on each image; every box is cut from the
@@ -13,18 +14,60 @@ detections and classifications (``bench.workload`` checks them), CPU ms per imag
 
 from __future__ import annotations
 
+import io
 import json
 import multiprocessing as mp
+import os
+import resource
 import sys
 import time
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
 
-from bench.patterns import FullResolution, as_list, cpu_s
 from pipelines.architectures import build_classifier, build_detector
+
+_clients: dict[int, Any] = {}
+
+
+class FullResolution(Dataset[torch.Tensor]):
+    """Each image as a full-resolution float32 tensor, read with a boto3 client of the
+    process's own (keyed by pid): what AMI's pattern loads."""
+
+    def __init__(self, uris: list[str], endpoint: str) -> None:
+        self.uris = uris
+        self.endpoint = endpoint
+
+    def __len__(self) -> int:
+        return len(self.uris)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        import boto3
+
+        client = _clients.get(os.getpid())
+        if client is None:
+            client = _clients[os.getpid()] = boto3.client("s3", endpoint_url=self.endpoint)
+        bucket, _, key = self.uris[index][len("s3://") :].partition("/")
+        data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        array = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.float32) / 255.0
+        return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+def as_list(batch: list[torch.Tensor]) -> list[torch.Tensor]:
+    """No collation: images of different sizes stay a list."""
+    return batch
+
+
+def cpu_s() -> float:
+    """CPU seconds of this process and of the children it has waited for (DataLoader
+    workers, once their loader is gone)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def load(config: dict[str, Any]) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
