@@ -15,13 +15,13 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 MALLOC_ARENA_MAX=2
 WORKDIR /app
 RUN apt-get update && apt-get install -y --no-install-recommends supervisor \
     && rm -rf /var/lib/apt/lists/*
-COPY pyproject.toml README.md constraints.txt ./
+COPY pyproject.toml README.md LICENSE constraints.txt ./
 COPY worker ./worker
 COPY datasets ./datasets
 COPY config ./config
 COPY pipelines ./pipelines
 COPY deploy ./deploy
-RUN pip install ${CONSTRAINTS:+-c "$CONSTRAINTS"} .
+RUN pip install ${CONSTRAINTS:+-c "$CONSTRAINTS"} ".[ami]"
 RUN useradd --create-home worker
 USER worker
 EXPOSE 9464

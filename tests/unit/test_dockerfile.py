@@ -204,6 +204,6 @@ def test_the_image_installs_the_pinned_versions_unless_told_to_keep_its_own_torc
         "install",
         "-c",
         default,
-        ".",
+        ".[ami]",
     ]
-    assert pip_arguments(command, context, tmp_path / "bin", "") == ["install", "."]
+    assert pip_arguments(command, context, tmp_path / "bin", "") == ["install", ".[ami]"]
