@@ -1,4 +1,4 @@
-# Where torch comes from (README, "Installing on a GPU host"):
+# Where torch comes from (docs/operating.md, "Installing on a GPU host"):
 # - By default, the exact versions CI runs (constraints.txt): torch 2.14.1's Linux wheel, which
 #   brings its own CUDA 13 libraries; the host needs only an NVIDIA driver new enough for CUDA 13
 #   (and the NVIDIA container toolkit).

@@ -1,4 +1,4 @@
-"""Several pipelines and jobs in one process (README, "Several pipelines in one process",
+"""Several pipelines and jobs in one process (docs/pipelines.md, "Several pipelines in one process",
 "Fair share across jobs"). Four cases, each checking its own outcomes before it reports:
 
     .venv/bin/python -m bench.pipelines [--cases switch,interleaved,fairness,memory] [--smoke]
@@ -218,7 +218,7 @@ class Serving:
         return jobs
 
     async def models(self) -> dict[str, float]:
-        """The worker's model metrics now (README, "Several pipelines in one process")."""
+        """The worker's model metrics now (docs/pipelines.md, "Several pipelines")."""
         text = await asyncio.to_thread(scrape, self.metrics_port)
         return model_metrics(text)
 

@@ -2,7 +2,7 @@
 
 A ``Failure`` (kind, message, retryable) is made once, where the failure is understood (a
 loader child, the engine, the store), and travels unchanged to the stored result's
-``error``. Its kind is one of ``ErrorKind``, the declared set the README lists (a test holds
+``error``. Its kind is one of ``ErrorKind``, the declared set docs/nats.md lists (a test holds
 the two together). The exceptions below are the families: permanent ones are never retried,
 transient ones are, with the server's delivery count as the budget.
 

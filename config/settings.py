@@ -65,7 +65,7 @@ class NatsSettings(BaseModel):
     algorithms: str = Field(
         "INFERENCE_ALGORITHMS",
         description="JetStream object store, no expiry, for each algorithm's category map "
-        "(README, Results)",
+        "(docs/nats.md, Result)",
     )
     ack_wait_s: float = Field(300.0, description="JetStream ack wait of the consumer")
     max_deliver: int = Field(5, description="deliveries per task before it gives up")
@@ -103,13 +103,13 @@ class NatsSettings(BaseModel):
     fair_jobs: bool = Field(
         True,
         description="a durable consumer per job subject (tasks.<pipeline>.<job>), fetched in "
-        "rotation, so a small job is not served after a big one (README, Fair share); false: "
+        "rotation, so a small job is not served after a big one (docs/nats.md, Fair share); false: "
         "one consumer for every served subject, in stream order",
     )
     job_discovery_s: float = Field(
         1.0,
         description="how often new jobs are looked for on the tasks stream's subjects (a job "
-        "whose first task is heard of as it is published is looked for at once; README, Fair "
+        "whose first task is heard of as it is published is looked for at once; docs/nats.md, Fair "
         "share across jobs)",
         gt=0,
     )
@@ -123,7 +123,7 @@ class NatsSettings(BaseModel):
     job_consumer_linger_s: float = Field(
         2.0,
         description="a job's consumer is deleted once it has had nothing pending and nothing "
-        "awaiting an ack for this long (README, Fair share across jobs)",
+        "awaiting an ack for this long (docs/nats.md, Fair share across jobs)",
         gt=0,
     )
     max_job_consumers: int = Field(
@@ -198,7 +198,7 @@ class S3Settings(BaseModel):
 
 
 class SourceSettings(BaseModel):
-    """The source policy for task URIs: safe by default (README, "Source policy")."""
+    """The source policy for task URIs: safe by default (docs/data-loading.md, "Source policy")."""
 
     file_roots: str = Field(
         "",
@@ -273,13 +273,13 @@ class LoaderSettings(BaseModel):
     fast_decode: bool = Field(
         False,
         description="classifier-only pipelines: JPEG decoded at a reduced scale down to about the "
-        "input size, then PIL's resize (README, Preprocessing: it changes labels)",
+        "input size, then PIL's resize (docs/data-loading.md, Preprocessing)",
     )
     exact_decode: bool = Field(
         False,
         description="classifier-only pipelines: the reference preprocessing, full decode then "
         "torchvision's resize; by default a JPEG is decoded at a reduced scale that leaves twice "
-        "the input size, then resized by torchvision (README, Preprocessing)",
+        "the input size, then resized by torchvision (docs/data-loading.md, Preprocessing)",
     )
     max_consecutive_failures: int = Field(
         3, description="loader timeouts/deaths in a row before the process exits (code 3)"
@@ -375,13 +375,13 @@ class ModelSettings(BaseModel):
     labels_inline_max: int = Field(
         100,
         description="class lists up to this long are written in every classification; longer "
-        "ones are published once per algorithm (README, Results)",
+        "ones are published once per algorithm (docs/nats.md, Result)",
         ge=0,
     )
     precision: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
         description="the forward passes' precision: float32, or autocast to bfloat16 or float16 "
-        "(README, The GPU path: how often labels change)",
+        "(docs/gpu.md: how often labels change)",
     )
     detector_batch_size: int = Field(4, description="images per detector forward pass", ge=1)
     crop_batch_size: int = Field(64, description="crops per classifier forward pass", ge=1)
@@ -468,7 +468,7 @@ class MetricsSettings(BaseModel):
         30.0,
         description="how often each process reads how many tasks wait for its pipelines "
         "(inference_worker_tasks_waiting: NATS consumer info, Antenna's job listing); 0 "
-        "turns the read off (README, Metrics and liveness)",
+        "turns the read off (docs/metrics.md, Tasks waiting)",
         ge=0,
     )
 
@@ -484,7 +484,7 @@ class GuardSettings(BaseModel):
 
 
 class AntennaSettings(BaseModel):
-    """Antenna's HTTP task API as the task source (``WORKER_SOURCE=antenna``; README, Antenna)."""
+    """Antenna's HTTP task API as the task source (``WORKER_SOURCE=antenna``; docs/antenna.md)."""
 
     base_url: str = Field(
         "",
@@ -539,7 +539,7 @@ class AntennaSettings(BaseModel):
     max_post_bytes: int = Field(
         32 * 1024 * 1024,
         description="largest body of one POST .../result/ (results are split to stay under it; "
-        "README, Antenna: results over the cap)",
+        "docs/antenna.md: results over the cap)",
     )
     jobs_limit: int = Field(
         100, description="jobs per page of the active jobs' listing (every page is read)", ge=1

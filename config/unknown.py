@@ -50,7 +50,7 @@ def unknown_names(names: Iterable[str], known: frozenset[str]) -> list[str]:
         if name in known:
             continue
         close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]}?" if close else "see README, Configuration"
+        hint = f"did you mean {close[0]}?" if close else "see docs/configuration.md"
         problems.append(f"{name} is not a setting; {hint}")
     return problems
 

@@ -305,7 +305,7 @@ def _on(
         response = _ask(url, connection, policy, reused)
         status, location, body = _answer(url, response, policy, cutoff, admit)
         whole = response.isclosed() or response.length == 0  # read1 leaves it open at 0
-        ok = 200 <= status < 300  # a redirect or an error answer: closed, as README says
+        ok = 200 <= status < 300  # a redirect or an error answer: closed, as the docs say
         keep = policy.keep_alive > 0 and not response.will_close and whole and ok
         if keep:
             response.close()  # its file only: the connection's socket stays, for the next GET

@@ -5,7 +5,7 @@ model was trained (``squash`` or ``shorter_crop``); a pipeline with a detector g
 image itself, its longest side bounded by ``max_side``, with the source's size beside it so
 boxes can be reported in source pixels.
 
-Three ways to make a classifier's square (README, "Preprocessing"):
+Three ways to make a classifier's square (docs/data-loading.md, "Preprocessing"):
 
 - ``reduced`` (the default): a JPEG decoded at the smallest of libjpeg's DCT scales (1/2, 1/4,
   1/8, through PIL's ``draft``) that still leaves ``DRAFT_MARGIN`` (2) source pixels per
@@ -39,9 +39,10 @@ from datasets.resize import center_crop, resized, shorter_side_to
 # A phone's MPO (multi-picture JPEG) opens through the JPEG decoder and is read as a JPEG.
 DECODERS = ("JPEG", "PNG")
 SUPPORTED_FORMATS = frozenset({"JPEG", "MPO", "PNG"})
-# What each cap bounds (README, "Memory"). MAX_PIXELS: the decoded source (and so the decoder's
-# own buffer and its RGB copies). MAX_ASPECT_RATIO: refused from the header, before any decode,
-# so no resize of it (here, or the engine's on the device) is made from a sliver: a 1 x 4,000,000
+# What each cap bounds (docs/data-loading.md, "Memory"). MAX_PIXELS: the decoded source (and
+# so the decoder's own buffer and its RGB copies). MAX_ASPECT_RATIO: refused from the header,
+# before any decode, so no resize of it (here, or the engine's on the device) is made from a
+# sliver: a 1 x 4,000,000
 # PNG of 16 KB would otherwise ask gigabytes of a resize to 224 x 224. MAX_RESIZE_PIXELS: the
 # largest intermediate a square plan's resize makes (one pass of a separable resize, size x the
 # longest side; shorter_crop's resized image, size x size x the aspect ratio), checked before it

@@ -1,7 +1,7 @@
 """What a pipeline is, as data: stages, their models, weights, labels and preprocessing.
 
-This is the interface for bringing your own model (README, "Your own model"). A pipeline is
-a ``Pipeline`` value; a package publishes one under the entry-point group
+This is the interface for bringing your own model (docs/pipelines.md, "Your own model"). A
+pipeline is a ``Pipeline`` value; a package publishes one under the entry-point group
 ``inference_worker.pipelines`` (or names it as ``module:attribute``). Imports no torch.
 
 - ``architecture``: a built-in name (``pipelines.architectures.BUILT_IN``), ``"exported"`` for

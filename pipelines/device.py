@@ -1,6 +1,6 @@
 """The device: which GPU a process sees, precision, out-of-memory, and copies that overlap
 compute. Everything here is a no-op or a plain fallback on the CPU, so the same code runs in
-tests without CUDA (README, "The GPU path")."""
+tests without CUDA (docs/gpu.md)."""
 
 from __future__ import annotations
 

@@ -133,7 +133,7 @@ def _from_entry_point(name: str) -> Pipeline:
 
 
 def from_toml(path: Path) -> Pipeline:
-    """A pipeline declared in TOML (README, "Pipelines"); relative weight and label paths are
+    """A pipeline declared in TOML (docs/pipelines.md); relative weight and label paths are
     relative to the file."""
     try:
         table = tomllib.loads(path.read_text())

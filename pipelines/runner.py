@@ -3,7 +3,7 @@ detections (``DetectionResponse`` without ``source_image_id``, which the result 
 shape itself is ``pipelines/response.py``'s).
 
 Memory: the detector sees ``detector_batch`` images at a time; crops are cut from the decoded
-image and classified ``crop_batch`` at a time, never all at once (README, "Memory").
+image and classified ``crop_batch`` at a time, never all at once (docs/data-loading.md, "Memory").
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pipelines.models import Algorithm, ClassifierModel, DetectorModel
 
 @dataclass(frozen=True)
 class DeviceLimits:
-    """How much of a batch the device holds at once (README, "Memory")."""
+    """How much of a batch the device holds at once (docs/data-loading.md, "Memory")."""
 
     detector_batch: int = 4
     crop_batch: int = 64

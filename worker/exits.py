@@ -1,4 +1,4 @@
-"""Every exit code of every command, in one place (README, "Exit codes", is checked against it).
+"""Every exit code of every command, in one place (docs/operating.md's table is checked against it).
 
 Imports nothing of ours. How a worker process ends is a value: the orchestrator decides the
 reason, the entry point only maps it to the code, so no caller unwraps an exception to learn
@@ -57,7 +57,7 @@ def forced_exit_code(signum: int) -> int:
 
 
 def documented() -> dict[str, set[int]]:
-    """Each command's exit codes, as README's table lists them."""
+    """Each command's exit codes, as docs/operating.md's table lists them."""
     once = {CommandExit.OK, CommandExit.FAILED, CommandExit.CONFIG}
     return {
         "run": {r.code for r in ExitReason} | {forced_exit_code(s) for s in FORCED_BY},

@@ -311,8 +311,8 @@ class Worker:
     async def _note_blocked(self) -> None:
         """While the engine is idle and finished results wait for the source's server, the
         worker is blocked on it, not wedged: the stall clock and the watchdog start over
-        every ``_BLOCKED_TICK_S`` (README, timing budget). A frozen event loop ticks no more
-        and a batch stuck in the engine keeps it busy, so either is still replaced."""
+        every ``_BLOCKED_TICK_S`` (docs/operating.md, timing budget). A frozen event loop ticks no
+        more and a batch stuck in the engine keeps it busy, so either is still replaced."""
         waiting = self.link.results_waiting
         assert waiting is not None
         while not self._stop.is_set():

@@ -76,7 +76,7 @@ def log_task_done(
     error_type: str | None = None,
     error: str | None = None,
 ) -> None:
-    """The one line per completed task (README, "Logs"): its status and stage timings, and
+    """The one line per completed task (docs/metrics.md, "Logs"): its status and stage timings, and
     its detection count, or its error's type and scrubbed message. INFO when ok, WARNING when
     not."""
     if status == "ok":

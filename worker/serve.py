@@ -158,7 +158,8 @@ def _zombie(process: psutil.Process) -> bool:
 
 def exit_at_once(code: int) -> None:
     """The second signal's way out: no finaliser runs, so the children are killed first
-    (README: whatever the code, loader children and the fork server are killed and reaped)."""
+    (docs/operating.md: whatever the code, loader children and the fork server are killed and
+    reaped)."""
     kill_descendants(os.getpid())
     os._exit(code)
 

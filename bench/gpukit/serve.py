@@ -51,7 +51,7 @@ Probe = Callable[[], dict[str, float]]
 
 
 def as_toml(pipeline: Pipeline) -> str:
-    """``pipeline`` as a TOML declaration (README, "Pipelines"): built-in architectures only;
+    """``pipeline`` as a TOML declaration (docs/pipelines.md): built-in architectures only;
     labels left to the weights (None) name the labels.txt beside them."""
     lines = [f"name = {json.dumps(pipeline.name)}"]
     for table in ("detector", "filter", "classifier"):

@@ -101,7 +101,7 @@ def messages(image: str, listener_port: int, endpoint: str) -> st.SearchStrategy
 
 
 def _id_of(value: object) -> str | None:
-    """An id as the README's "Ids" rule reads it: a string, or an integer taken as its
+    """An id as docs/nats.md's "Ids" rule reads it: a string, or an integer taken as its
     decimal string; non-empty, valid Unicode, at most 256 bytes of UTF-8. None: unusable."""
     if type(value) is int:  # not bool: JSON true is no id
         value = str(value)
@@ -115,7 +115,7 @@ def _id_of(value: object) -> str | None:
 
 
 def should_become(data: bytes) -> tuple[str, str] | None:
-    """The oracle, from the README ("Every message on the tasks subject ends in exactly one
+    """The oracle, from docs/nats.md ("Every message on the tasks subject ends in exactly one
     outcome"), not from the worker's parser: None when the message must be dead-lettered,
     else the (job, task) its one result is stored under. The fuzz publishes on
     ``tasks.<pipeline>``, whose subject names no job: the job is the task's ``job_id``."""

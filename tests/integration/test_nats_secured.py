@@ -160,8 +160,8 @@ def _images(s3_server, bucket: str) -> list[str]:
     return upload_images(s3_server.client(), bucket, 2, prefix="secured")
 
 
-README = Path(__file__).parents[2] / "README.md"
-DEFAULT_NAMES = {  # the names the README's block is written for
+OPERATING = Path(__file__).parents[2] / "docs" / "operating.md"
+DEFAULT_NAMES = {  # the names the docs' block is written for
     "WORKER_NATS__TASKS_STREAM": "INFERENCE_TASKS",
     "WORKER_NATS__RESULTS_STREAM": "INFERENCE_RESULTS",
     "WORKER_NATS__DEAD_LETTER_STREAM": "INFERENCE_DEAD_LETTER",
@@ -172,9 +172,9 @@ DEFAULT_NAMES = {  # the names the README's block is written for
 }
 
 
-def readme_permissions(pipeline: str) -> str:
-    """The README's "NATS permissions" block, exactly, its pipeline ``P`` made ``pipeline``."""
-    text = README.read_text()
+def docs_permissions(pipeline: str) -> str:
+    """docs/operating.md's "NATS permissions" block, exactly, its ``P`` made ``pipeline``."""
+    text = OPERATING.read_text()
     section = text[text.index("### NATS permissions") :]
     block = section[section.index("```\n") + 4 :]
     block = block[: block.index("```")]
@@ -184,13 +184,13 @@ def readme_permissions(pipeline: str) -> str:
     )
 
 
-async def test_the_readmes_permission_lists_let_worker_and_submitter_do_their_jobs(
+async def test_the_docs_permission_lists_let_worker_and_submitter_do_their_jobs(
     tmp_path, settings_for, s3_server, bucket
 ):
     settings = settings_for("nats://127.0.0.1:1")
     passwords = {"NATS_WORKER_PASSWORD": "w-5ecret-pw", "NATS_SUBMITTER_PASSWORD": "s-5ecret-pw"}
     worker_pw, submitter_pw = passwords.values()
-    block = readme_permissions(settings.model.pipeline)
+    block = docs_permissions(settings.model.pipeline)
     with ConfiguredNats(tmp_path, block, env=passwords) as server:
         base = {**worker_env(settings), **DEFAULT_NAMES, "WORKER_NATS__URL": server.url}
         worker = {

@@ -142,9 +142,9 @@ def test_the_dashboards_dcgm_panels_show_each_process_its_own_gpu_or_mig_slice(t
     assert done.returncode == 0, f"{done.stdout}{done.stderr}"
 
 
-def _readme_keda_query() -> str:
-    """The Prometheus query of the README's KEDA recipe (its one ``query:`` line)."""
-    readme = (ROOT / "README.md").read_text()
+def _docs_keda_query() -> str:
+    """The Prometheus query of docs/metrics.md's KEDA recipe (its one ``query:`` line)."""
+    readme = (ROOT / "docs" / "metrics.md").read_text()
     recipe = readme[readme.index("**Autoscaling.**") :]
     recipe = recipe[: recipe.index("```\n", recipe.index("```yaml") + 7)]
     lines = [line.strip() for line in recipe.splitlines() if line.strip().startswith("query:")]
@@ -152,7 +152,7 @@ def _readme_keda_query() -> str:
     return lines[0].removeprefix("query:").strip()
 
 
-def test_the_readmes_keda_query_counts_a_multi_pipeline_fleets_shared_backlog(tmp_path):
+def test_the_docs_keda_query_counts_a_multi_pipeline_fleets_shared_backlog(tmp_path):
     """A fleet serving moths and orders: each process exports its job consumers' counts under
     each pipeline and the shared consumer's under ``moths,orders``. The recipe's query for
     ``moths`` takes both (once, not once per process), and nothing of another pipeline whose
@@ -178,7 +178,7 @@ def test_the_readmes_keda_query_counts_a_multi_pipeline_fleets_shared_backlog(tm
         for p, pl, n in counts
     ]
     test = {
-        "expr": _readme_keda_query(),
+        "expr": _docs_keda_query(),
         "eval_time": "5m",
         "exp_samples": [{"labels": "{}", "value": 130}],
     }

@@ -1,4 +1,4 @@
-"""The error kinds a result can carry are one declared set, and the README lists exactly it."""
+"""The error kinds a result can carry are one declared set, and docs/nats.md lists exactly it."""
 
 from __future__ import annotations
 
@@ -9,23 +9,23 @@ import pytest
 
 from config.errors import ERROR_KINDS, Failure, PermanentError, TransientError
 
-README = Path(__file__).parents[2] / "README.md"
+NATS_DOC = Path(__file__).parents[2] / "docs" / "nats.md"
 
 
-def _readme_error_types() -> list[str]:
-    """Every `snake_case` name in the README's list of error types (from "Error types" to
+def _docs_error_types() -> list[str]:
+    """Every `snake_case` name in docs/nats.md's list of error types (from "Error types" to
     the section's next heading)."""
-    text = README.read_text()
+    text = NATS_DOC.read_text()
     start = text.index("Error types (")
     end = text.index("\n## ", start)
     return re.findall(r"`([a-z][a-z0-9_]*)`", text[start:end])
 
 
-def test_the_readme_lists_every_declared_error_kind_and_no_other():
-    listed = _readme_error_types()
+def test_the_docs_list_every_declared_error_kind_and_no_other():
+    listed = _docs_error_types()
     assert len(listed) == len(set(listed)), f"listed twice: {sorted(listed)}"
-    assert set(listed) - ERROR_KINDS == set(), "the README lists kinds the code does not declare"
-    assert ERROR_KINDS - set(listed) == set(), "declared kinds the README does not list"
+    assert set(listed) - ERROR_KINDS == set(), "the docs list kinds the code does not declare"
+    assert ERROR_KINDS - set(listed) == set(), "declared kinds the docs do not list"
 
 
 def test_a_failure_reports_its_kind_as_the_results_error_type():

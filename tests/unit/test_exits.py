@@ -1,5 +1,5 @@
-"""README's table of exit codes is the one in ``worker/exits.py``: every command's codes, no
-more and no fewer, so an operator's script can trust what the README says."""
+"""docs/operating.md's table of exit codes is the one in ``worker/exits.py``: every command's
+codes, no more and no fewer, so an operator's script can trust what the docs say."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ from pathlib import Path
 
 from worker.exits import ExitReason, documented, forced_exit_code
 
-README = Path(__file__).parents[2] / "README.md"
+OPERATING = Path(__file__).parents[2] / "docs" / "operating.md"
 
 
-def readme_exit_codes() -> dict[str, set[int]]:
-    """{command: codes} from the rows of README's "### Exit codes" table."""
-    text = README.read_text()
+def docs_exit_codes() -> dict[str, set[int]]:
+    """{command: codes} from the rows of docs/operating.md's "### Exit codes" table."""
+    text = OPERATING.read_text()
     section = text[text.index("### Exit codes\n") :]
     table_text = section[section.index("\n|") : section.index("\n\n", section.index("\n|"))]
     rows = [line for line in table_text.splitlines() if line.startswith("| `")]
-    assert rows, "README's exit-code table has no rows"
+    assert rows, "the exit-code table has no rows"
     table: dict[str, set[int]] = {}
     for row in rows:
         commands, codes, _meaning = (cell.strip() for cell in row.strip("|").split("|", 2))
@@ -28,8 +28,8 @@ def readme_exit_codes() -> dict[str, set[int]]:
     return table
 
 
-def test_the_readme_lists_exactly_the_exit_codes_each_command_defines():
-    assert readme_exit_codes() == documented()
+def test_the_docs_list_exactly_the_exit_codes_each_command_defines():
+    assert docs_exit_codes() == documented()
 
 
 def test_every_command_of_the_cli_has_its_exit_codes_listed():

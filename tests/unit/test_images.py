@@ -213,7 +213,7 @@ def _scene_jpeg(width: int, height: int, seed: int) -> bytes:
 def test_the_default_path_is_within_tolerance_of_the_reference(source, size, resize):
     """The default (reduced-scale decode leaving twice the input size, then torchvision's
     antialiased resize) against the reference (full decode, then the same resize): same
-    shape, mean absolute difference at most 0.5 of 255 (README, Preprocessing)."""
+    shape, mean absolute difference at most 0.5 of 255 (docs/data-loading.md, Preprocessing)."""
     from datasets.images import DecodePlan, decode
 
     data = _scene_jpeg(*source, seed=3)

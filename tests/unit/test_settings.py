@@ -199,15 +199,16 @@ def test_a_misspelt_setting_in_the_env_file_stops_every_command_with_exit_2(
     ]
 
 
-def test_every_name_the_readme_documents_is_a_setting():
+def test_every_name_the_docs_document_is_a_setting():
     import re
     from pathlib import Path
 
     from config.settings import Settings
     from config.unknown import known_names
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    documented = set(re.findall(r"`(WORKER_[A-Z0-9_]+)`", readme))
+    root = Path(__file__).parents[2]
+    docs = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    documented = set(re.findall(r"`(WORKER_[A-Z0-9_]+)`", "".join(d.read_text() for d in docs)))
     assert documented and documented <= known_names(Settings)
 
 

@@ -16,7 +16,7 @@ believed only when its answer is one Antenna gives:
   thread of its own, so a call given up holds neither the event loop nor the process's exit.
 
 Connections are kept alive (``http.client``, a small pool for the one origin): one TCP and TLS
-handshake per connection, not per call (README, Antenna: connections). A reused connection that
+handshake per connection, not per call (docs/antenna.md, Connections). A reused connection that
 drops unanswered is tried once more on a fresh one only when that cannot make Antenna act twice:
 the request never left in full, or Antenna takes it twice as once (a GET, a result, a
 registration); a reservation sent in full is not sent again (``Unanswered``): sent twice it

@@ -25,7 +25,7 @@ def refusal(pipeline: Pipeline) -> str | None:
         "pipeline with a detection algorithm (it answers 200 to each result post, then drops "
         "it: 'Pipeline does not have a detection algorithm'); serve it with "
         f"{env_name('source')}=nats, or serve Antenna a pipeline with a detector "
-        "(README, 'Antenna')"
+        "(docs/antenna.md)"
     )
 
 

@@ -136,7 +136,7 @@ class ExhaustedTasks:
         consumer's state now; "" when it can be; None when it is given back for later (the
         state could not be read, or the task is still awaiting an ack there). A client
         allowed to publish on the advisory subject could otherwise fail any task by its
-        sequence: deployments deny it (README, "NATS permissions"); what passes here names a
+        sequence: deployments deny it (docs/operating.md, "NATS permissions"); what passes names a
         consumer whose filter takes the task's subject, that has delivered it, at least as
         often as its max_deliver, and holds it no longer (the server drops a task from the
         pending ones when its deliveries run out: an acked or dropped task is below the ack
