@@ -102,20 +102,22 @@ class ModelFiles:
             return Fetched(
                 redact_url(uri), None, sha256, len(data), wanted.pinned(True), True
             ), data
+        hit = _hit(self._store, uri, wanted, keep)  # no lock, no write: a read-only cache serves
+        if hit is not None:
+            return hit
         with self._store.locked(self._store.key(uri), uri, self.deadline_s + _LOCK_SLACK_S):
             return self._cached(uri, wanted, keep)
 
     def _cached(self, uri: str, wanted: Wanted, keep: bool) -> tuple[Fetched, bytes]:
-        """Under the key's lock: the cached file when it fits, else downloaded and kept."""
+        """Under the key's lock: the cached file when it fits (another process may have just
+        written it), else downloaded and kept."""
         assert self._store is not None
         store, key = self._store, self._store.key(uri)
+        hit = _hit(store, uri, wanted, keep)
+        if hit is not None:
+            return hit
         record = store.record(key)
         if record is not None and wanted.fits(record.sha256):
-            found = _on_disk(store.path(key), keep)
-            if found is not None and found[0] == record.sha256:
-                path, pinned = store.path(key), wanted.pinned(True)
-                fetched = Fetched(redact_url(uri), path, found[0], record.size_bytes, pinned, False)
-                return fetched, found[1]
             store.drop(key)  # missing or damaged: downloaded again, against the same pin
         # The recorded sha256 holds unless a full one is declared, or a new prefix it misses.
         held = record is not None and not wanted.full and wanted.fits(record.sha256)
@@ -149,6 +151,19 @@ class ModelFiles:
             host = urlsplit(uri).netloc.rpartition("@")[2]
             config = replace(config, allowed_hosts=frozenset({host}))
         return read_bytes(uri, config)
+
+
+def _hit(store: Store, uri: str, wanted: Wanted, keep: bool) -> tuple[Fetched, bytes] | None:
+    """The cached file when its record fits ``wanted`` and its sha256 is the recorded one."""
+    key = store.key(uri)
+    record = store.record(key)
+    if record is None or not wanted.fits(record.sha256):
+        return None
+    found = _on_disk(store.path(key), keep)
+    if found is None or found[0] != record.sha256:
+        return None
+    path, pinned = store.path(key), wanted.pinned(True)
+    return Fetched(redact_url(uri), path, found[0], record.size_bytes, pinned, False), found[1]
 
 
 def _checked(uri: str, data: bytes, wanted: Wanted, pin: str | None) -> str:

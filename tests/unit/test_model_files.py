@@ -4,12 +4,15 @@ HTTP server on 127.0.0.1 serves them and counts its GETs."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
 import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -230,3 +233,72 @@ def test_a_part_file_left_by_a_killed_writer_is_cleared_at_the_next_download(ser
     ModelFiles(QUICK, cache).fetch(url)
     assert not left.exists()
     assert not [p for p in cache.iterdir() if p.name.endswith(".part")]
+
+
+def _writes_in(cache: Path, monkeypatch: pytest.MonkeyPatch, refuse: bool) -> list[str]:
+    """Every open for writing under ``cache`` from here on (each refused with EROFS when
+    ``refuse``): lock files and temporary files both go through ``os.open``."""
+    tried: list[str] = []
+    real_open = os.open
+    writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+
+    def spying(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & writing and str(path).startswith(str(cache)):
+            tried.append(str(path))
+            if refuse:
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", spying)
+    return tried
+
+
+@contextlib.contextmanager
+def _read_only(cache: Path) -> Iterator[None]:
+    """``cache`` made read-only: modes 0555/0444, and as root (who ignores modes) the
+    immutable attribute where this filesystem and process allow it."""
+    for path in cache.iterdir():
+        path.chmod(0o444)
+    cache.chmod(0o555)
+    immutable = os.geteuid() == 0 and _chattr("+i", cache)
+    try:
+        yield
+    finally:
+        if immutable:
+            _chattr("-i", cache)
+        cache.chmod(0o755)
+
+
+def _chattr(change: str, path: Path) -> bool:
+    try:
+        done = subprocess.run(["chattr", change, str(path)], capture_output=True, timeout=10)
+    except OSError:
+        return False
+    return done.returncode == 0
+
+
+def test_a_filled_cache_that_cannot_be_written_is_used_offline(served, tmp_path, monkeypatch):
+    url, cache = served.url("model.pt"), tmp_path / "cache"
+    sha = _publish(served, "model.pt", b"weights")
+    ModelFiles(QUICK, cache).fetch(url)
+    served.stop()
+    with _read_only(cache):
+        tried = _writes_in(cache, monkeypatch, refuse=False)
+        files = ModelFiles(QUICK, cache)
+        assert files.read(url) == b"weights"
+        assert files.fetch(url, sha).downloaded is False
+    assert tried == []  # no lock taken, nothing written
+
+
+def test_a_file_missing_from_a_read_only_cache_is_an_error_naming_it(served, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    _publish(served, "model.pt", b"weights")
+    _writes_in(cache, monkeypatch, refuse=True)
+    with pytest.raises(ConfigError) as refused:
+        ModelFiles(QUICK, cache).fetch(served.url("model.pt?X-Amz-Signature=s3cret"))
+    message = str(refused.value)
+    assert served.url("model.pt") in message and "s3cret" not in message
+    assert "WORKER_MODEL__CACHE_DIR: cannot write model files" in message
+    assert "Read-only file system" in message and "not in the cache" in message
+    assert served.gets == 0
