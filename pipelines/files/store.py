@@ -1,12 +1,15 @@
 """The model-file cache directory, shared by every process of the host.
 
-Per URI, a key ``<first 32 hex of sha256(uri)>-<file name>`` names three files: the content
-``<key>``, its record ``<key>.json`` (the URI redacted, its sha256, size and how it is
-pinned) and a lock ``<key>.lock``. Writes go to a temporary file in the same directory, are
-flushed to disk and renamed over the target, so a reader sees a whole file or none. A cached
-file whose record holds is read with no lock and no write (a read-only cache serves). Only a
-download takes the lock, ``fcntl.flock`` on the key's lock file: the process that holds it
-downloads, the others wait for it and then find the file. Imports nothing of the network.
+Per file, a key ``<first 32 hex of sha256(scheme://host/path)>-<file name>`` names three
+files: the content ``<key>``, its record ``<key>.json`` (the URI redacted, its sha256, size
+and how it is pinned) and, while a download runs, a lock ``<key>.lock``. A URI's query and
+fragment, and its credentials, are no part of its key: a presigned URL whose signature rotates
+is the same file. Writes go to a temporary file in the same directory, are flushed to disk and
+renamed over the target, so a reader sees a whole file or none. A cached file whose record
+holds is read with no lock and no write (a read-only cache serves). Only a download takes the
+lock, ``fcntl.flock`` on the key's lock file: the process that holds it downloads, the others
+wait for it and then find the file; the holder removes the lock file as it lets go. Imports
+nothing of the network.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
+from urllib.parse import urlsplit
 
 from config.errors import ConfigError, TransientError
 from config.names import env_name
@@ -65,9 +69,14 @@ class Store:
 
     @staticmethod
     def key(uri: str) -> str:
-        name = uri.split("?", 1)[0].rstrip("/").rpartition("/")[2]
+        """The key of ``uri``'s file: its scheme, host (and port) and path; its query,
+        fragment and credentials left out (they do not make another file)."""
+        parts = urlsplit(uri)
+        host = parts.netloc.rpartition("@")[2].lower()
+        where = f"{parts.scheme}://{host}{parts.path}"
+        name = parts.path.rstrip("/").rpartition("/")[2]
         safe = _UNSAFE.sub("_", name)[-_NAME_CHARS:] or "file"
-        return f"{hashlib.sha256(uri.encode()).hexdigest()[:32]}-{safe}"
+        return f"{hashlib.sha256(where.encode()).hexdigest()[:32]}-{safe}"
 
     def path(self, key: str) -> Path:
         return self.root / key
@@ -76,7 +85,7 @@ class Store:
     def locked(self, key: str, uri: str, wait_s: float) -> Iterator[None]:
         """Hold ``key``'s lock (to download ``uri``); TransientError when another process
         holds it past ``wait_s``; ConfigError naming the file when the cache cannot be
-        written."""
+        written. The lock file is removed as the lock is let go."""
         path = self.root / f"{key}.lock"
         give_up = time.monotonic() + wait_s
         for _attempt in range(_LOCK_REOPENS):  # each reopen: a holder let go meanwhile
@@ -97,6 +106,8 @@ class Store:
         try:
             yield
         finally:
+            with contextlib.suppress(OSError):  # while held: a waiter on it sees it gone
+                path.unlink()
             os.close(fd)  # releases the lock
 
     def _open_lock(self, path: Path, uri: str) -> int:

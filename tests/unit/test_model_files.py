@@ -302,3 +302,32 @@ def test_a_file_missing_from_a_read_only_cache_is_an_error_naming_it(served, tmp
     assert "WORKER_MODEL__CACHE_DIR: cannot write model files" in message
     assert "Read-only file system" in message and "not in the cache" in message
     assert served.gets == 0
+
+
+def test_a_presigned_url_whose_signature_rotates_is_one_cached_file(served, tmp_path):
+    from pipelines.files.store import Store
+
+    sha = _publish(served, "model.pt", b"weights")
+    cache = tmp_path / "cache"
+    files = ModelFiles(QUICK, cache)
+    first = files.fetch(served.url("model.pt?X-Amz-Signature=aaa&X-Amz-Expires=60"))
+    again = files.fetch(served.url("model.pt?X-Amz-Signature=bbb&X-Amz-Expires=60#x"))
+    assert (first.downloaded, again.downloaded, again.sha256) == (True, False, sha)
+    assert served.gets == 1
+    assert len(_kept(cache)) == 2  # the file and its record, once
+    plain = "https://models.example.org/m/model.pt"
+    assert Store.key("https://user:secret@models.example.org/m/model.pt?sig=1") == Store.key(plain)
+    assert Store.key("https://models.example.org/other/model.pt") != Store.key(plain)
+
+
+def test_no_lock_file_stays_after_a_download_or_a_failed_one(served, tmp_path):
+    _publish(served, "model.pt", b"weights")
+    cache = tmp_path / "cache"
+    files = ModelFiles(QUICK, cache)
+    files.fetch(served.url("model.pt"))
+    with pytest.raises(PermanentError):
+        files.fetch(served.url("missing.pt"))
+    with pytest.raises(ConfigError):
+        files.fetch(served.url("model.pt?v=2"), "0" * 64)  # refused: another digest declared
+    assert sorted(p.name for p in cache.iterdir() if p.name.endswith(".lock")) == []
+    assert len(_kept(cache)) == 2
