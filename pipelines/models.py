@@ -9,6 +9,7 @@ import io
 import os
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 from torch import nn
@@ -83,7 +84,7 @@ def _labels(stage: Classifier | Detector, files: ModelFiles) -> tuple[str, ...]:
     else:
         uri = stage.labels if stage.labels else labels_uri(stage.weights or "")
         text = files.read(as_uri(uri), stage.labels_digest).decode("utf-8")
-        if uri.endswith(".json"):
+        if (urlsplit(uri).path if "://" in uri else uri).endswith(".json"):  # not the query
             from pipelines.ami.category_map import labels_of
 
             labels = labels_of(text, uri)

@@ -331,3 +331,22 @@ def test_no_lock_file_stays_after_a_download_or_a_failed_one(served, tmp_path):
         files.fetch(served.url("model.pt?v=2"), "0" * 64)  # refused: another digest declared
     assert sorted(p.name for p in cache.iterdir() if p.name.endswith(".lock")) == []
     assert len(_kept(cache)) == 2
+
+
+def test_a_category_map_url_with_a_query_is_read_as_a_map(served, tmp_path):
+    import torch
+
+    from pipelines.declare import Classifier
+    from pipelines.models import ClassifierModel, save_classifier
+
+    save_classifier("mobilenet_v3_small", ["moth", "beetle"], str(served.root))
+    (served.root / "map.json").write_text('{"beetle": 1, "moth": 0}')
+    stage = Classifier(
+        "moths",
+        architecture="mobilenet_v3_small",
+        weights=served.url("model.pt?X-Amz-Signature=a"),
+        labels=served.url("map.json?X-Amz-Signature=b"),
+    )
+    files = ModelFiles(QUICK, tmp_path / "cache")
+    model = ClassifierModel(stage, QUICK, torch.device("cpu"), files=files)
+    assert model.algorithm.labels == ("moth", "beetle")
