@@ -17,6 +17,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from config.errors import ConfigError, PermanentError
 from config.names import env_name
+from config.redact import redact_url
 from datasets.sources import SourceConfig
 from pipelines import architectures
 from pipelines.declare import Classifier, Detector, Registered
@@ -120,7 +121,7 @@ def _load(
         model.load_state_dict(state)
     except RuntimeError as error:
         raise PermanentError(
-            f"weights {stage.weights} do not fit stage {stage.key!r} "
+            f"weights {redact_url(stage.weights)} do not fit stage {stage.key!r} "
             f"({stage.architecture}, {num_classes} classes): {str(error).splitlines()[0]}"
         ) from None
     return model, sha256, False

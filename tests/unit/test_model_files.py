@@ -350,3 +350,23 @@ def test_a_category_map_url_with_a_query_is_read_as_a_map(served, tmp_path):
     files = ModelFiles(QUICK, tmp_path / "cache")
     model = ClassifierModel(stage, QUICK, torch.device("cpu"), files=files)
     assert model.algorithm.labels == ("moth", "beetle")
+
+
+def test_weights_that_do_not_fit_are_refused_without_the_urls_secret(served, tmp_path):
+    import torch
+
+    from pipelines.declare import Classifier
+    from pipelines.models import ClassifierModel, save_classifier
+
+    save_classifier("mobilenet_v3_small", ["moth", "beetle", "fly"], str(served.root))
+    (served.root / "two.txt").write_text("moth\nbeetle\n")
+    stage = Classifier(
+        "moths",
+        architecture="mobilenet_v3_small",
+        weights=served.url("model.pt?X-Amz-Signature=s3cret"),
+        labels=served.url("two.txt"),
+    )
+    files = ModelFiles(QUICK, tmp_path / "cache")
+    with pytest.raises(PermanentError, match="do not fit stage") as refused:
+        ClassifierModel(stage, QUICK, torch.device("cpu"), files=files)
+    assert served.url("model.pt") in str(refused.value) and "s3cret" not in str(refused.value)
