@@ -15,11 +15,13 @@ nothing of the network.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -38,6 +40,7 @@ _NAME_CHARS = 64
 _LOCK_POLL_S = 0.05
 _CHUNK_BYTES = 1024 * 1024
 _LOCK_REOPENS = 1000
+_FULL = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a user's quota spent
 
 
 def default_root(environ: Mapping[str, str]) -> Path:
@@ -146,9 +149,22 @@ class Store:
             self._write(key, data)
             shown = {"uri": redact_url(uri), **record.__dict__}
             self._write(f"{key}.json", json.dumps(shown, sort_keys=True).encode())
-        except OSError as error:  # a full disk, a read-only directory
-            raise self.unusable(error) from None
+        except OSError as error:
+            if error.errno in _FULL:  # may pass once space is freed: not the settings' fault
+                raise self.full(uri, len(data)) from None
+            raise self.unusable(error) from None  # a read-only directory, not a directory
         return self.path(key)
+
+    def full(self, uri: str, needed_bytes: int) -> TransientError:
+        free = ""
+        with contextlib.suppress(OSError):
+            free = f", {shutil.disk_usage(self.root).free} free"
+        return TransientError(
+            f"{env_name('model', 'cache_dir')}: no space left in {self.root} for model file "
+            f"{redact_url(uri)} ({needed_bytes} bytes needed{free}): free space there or "
+            "point the setting at a larger volume",
+            kind="model_load_failed",
+        )
 
     def unusable(self, error: OSError) -> ConfigError:
         return ConfigError(

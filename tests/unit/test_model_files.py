@@ -370,3 +370,24 @@ def test_weights_that_do_not_fit_are_refused_without_the_urls_secret(served, tmp
     with pytest.raises(PermanentError, match="do not fit stage") as refused:
         ClassifierModel(stage, QUICK, torch.device("cpu"), files=files)
     assert served.url("model.pt") in str(refused.value) and "s3cret" not in str(refused.value)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_a_full_disk_is_transient_naming_the_cache_and_the_bytes(
+    served, tmp_path, monkeypatch, code
+):
+    cache = tmp_path / "cache"
+    _publish(served, "model.pt", b"w" * 5000)
+
+    def full(fd: int) -> None:  # the disk fills as the download is written (its only fsync)
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(TransientError) as full_disk:
+        ModelFiles(QUICK, cache).fetch(served.url("model.pt?sig=s3cret"))
+    message = str(full_disk.value)
+    assert f"WORKER_MODEL__CACHE_DIR: no space left in {cache}" in message
+    assert "5000 bytes needed" in message and served.url("model.pt") in message
+    assert "s3cret" not in message
+    assert full_disk.value.retryable and not isinstance(full_disk.value, ConfigError)
+    assert list(cache.iterdir()) == []  # no part file, no lock left
