@@ -74,8 +74,12 @@ class ModelFiles:
         return self._get(uri, digest, keep=False)[0]
 
     def status(self, uri: str, digest: str | None = None) -> tuple[Pinned, bool]:
-        """How the file is pinned and whether it is in the cache now; nothing downloaded."""
+        """How the file is pinned and whether it is in the cache now; nothing downloaded.
+        ConfigError when it would be refused before any download (plain http:// elsewhere)."""
         wanted = Wanted.parse(digest, uri)
+        refused = _insecure(uri, wanted)
+        if refused is not None:
+            raise refused
         if not is_remote(uri) or self._store is None:
             return wanted.pinned(False), False
         key = self._store.key(uri)
@@ -89,11 +93,9 @@ class ModelFiles:
         scheme = urlsplit(uri).scheme
         if scheme in ("", "file"):
             return _local(uri, wanted, keep)
-        if scheme == "http" and not (wanted.full or _loopback(uri)):
-            raise ConfigError(
-                f"model file {redact_url(uri)}: http:// only to this host, or with the full "
-                "sha256 declared; use https://"
-            )
+        refused = _insecure(uri, wanted)
+        if refused is not None:
+            raise refused
         if not is_remote(uri):
             raise ConfigError(f"model file {redact_url(uri)}: give a path, https:// or s3:// URI")
         if self._store is None:
@@ -205,6 +207,16 @@ def _on_disk(path: Path, keep: bool) -> tuple[str, bytes] | None:
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def _insecure(uri: str, wanted: Wanted) -> ConfigError | None:
+    """The refusal of plain http:// to another host without the full sha256 declared."""
+    if urlsplit(uri).scheme != "http" or wanted.full or _loopback(uri):
+        return None
+    return ConfigError(
+        f"model file {redact_url(uri)}: http:// only to this host, or with the full "
+        "sha256 declared; use https://"
+    )
 
 
 def _loopback(uri: str) -> bool:
