@@ -325,16 +325,19 @@ class ModelSettings(BaseModel):
     files_mirror: str = Field(
         "",
         description="AMI's pipelines (quebec_vermont_moths_2023 ...): a base URI (a path, "
-        "file://, http(s):// or s3://) standing for AMI's "
+        "file://, https://, s3://, or http:// to this host only: plain http:// elsewhere is "
+        "refused, as AMI declares no full sha256) standing for AMI's "
         "https://object-arbutus.cloud.computecanada.ca/ami-models/ in their weights and "
         "category map URLs; the files keep AMI's relative paths under it",
     )
     published_digests: bool = Field(
         True,
-        description="AMI's pipelines: each file is checked against the sha256 prefix its "
-        "published name carries (torch hub's name-<8 hex>.ext); false for a mirror holding "
-        "other files under AMI's names (retrained or test weights): a download's first sha256 "
-        "is then recorded and held instead",
+        description="AMI's pipelines: the six weights files whose published names carry a "
+        "sha256 prefix (torch hub's name-<8 hex>.ext) are checked against it (the detector, "
+        "Turing and insect-order weights and the category maps have none: their first "
+        "download's sha256 is recorded and held); false: no prefix is checked, every file's "
+        "first sha256 is recorded and held (test weights under AMI's names; see "
+        "docs/model-files.md, Mirrors)",
     )
     memory_budget_bytes: int = Field(
         0,

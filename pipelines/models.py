@@ -9,6 +9,7 @@ import io
 import os
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from config.errors import ConfigError, PermanentError
 from config.names import env_name
+from config.redact import redact_url
 from datasets.sources import SourceConfig
 from pipelines import architectures
 from pipelines.declare import Classifier, Detector, Registered
@@ -83,7 +85,7 @@ def _labels(stage: Classifier | Detector, files: ModelFiles) -> tuple[str, ...]:
     else:
         uri = stage.labels if stage.labels else labels_uri(stage.weights or "")
         text = files.read(as_uri(uri), stage.labels_digest).decode("utf-8")
-        if uri.endswith(".json"):
+        if (urlsplit(uri).path if "://" in uri else uri).endswith(".json"):  # not the query
             from pipelines.ami.category_map import labels_of
 
             labels = labels_of(text, uri)
@@ -119,7 +121,7 @@ def _load(
         model.load_state_dict(state)
     except RuntimeError as error:
         raise PermanentError(
-            f"weights {stage.weights} do not fit stage {stage.key!r} "
+            f"weights {redact_url(stage.weights)} do not fit stage {stage.key!r} "
             f"({stage.architecture}, {num_classes} classes): {str(error).splitlines()[0]}"
         ) from None
     return model, sha256, False

@@ -74,8 +74,12 @@ class ModelFiles:
         return self._get(uri, digest, keep=False)[0]
 
     def status(self, uri: str, digest: str | None = None) -> tuple[Pinned, bool]:
-        """How the file is pinned and whether it is in the cache now; nothing downloaded."""
+        """How the file is pinned and whether it is in the cache now; nothing downloaded.
+        ConfigError when it would be refused before any download (plain http:// elsewhere)."""
         wanted = Wanted.parse(digest, uri)
+        refused = _insecure(uri, wanted)
+        if refused is not None:
+            raise refused
         if not is_remote(uri) or self._store is None:
             return wanted.pinned(False), False
         key = self._store.key(uri)
@@ -89,11 +93,9 @@ class ModelFiles:
         scheme = urlsplit(uri).scheme
         if scheme in ("", "file"):
             return _local(uri, wanted, keep)
-        if scheme == "http" and not (wanted.full or _loopback(uri)):
-            raise ConfigError(
-                f"model file {redact_url(uri)}: http:// only to this host, or with the full "
-                "sha256 declared; use https://"
-            )
+        refused = _insecure(uri, wanted)
+        if refused is not None:
+            raise refused
         if not is_remote(uri):
             raise ConfigError(f"model file {redact_url(uri)}: give a path, https:// or s3:// URI")
         if self._store is None:
@@ -102,20 +104,22 @@ class ModelFiles:
             return Fetched(
                 redact_url(uri), None, sha256, len(data), wanted.pinned(True), True
             ), data
+        hit = _hit(self._store, uri, wanted, keep)  # no lock, no write: a read-only cache serves
+        if hit is not None:
+            return hit
         with self._store.locked(self._store.key(uri), uri, self.deadline_s + _LOCK_SLACK_S):
             return self._cached(uri, wanted, keep)
 
     def _cached(self, uri: str, wanted: Wanted, keep: bool) -> tuple[Fetched, bytes]:
-        """Under the key's lock: the cached file when it fits, else downloaded and kept."""
+        """Under the key's lock: the cached file when it fits (another process may have just
+        written it), else downloaded and kept."""
         assert self._store is not None
         store, key = self._store, self._store.key(uri)
+        hit = _hit(store, uri, wanted, keep)
+        if hit is not None:
+            return hit
         record = store.record(key)
         if record is not None and wanted.fits(record.sha256):
-            found = _on_disk(store.path(key), keep)
-            if found is not None and found[0] == record.sha256:
-                path, pinned = store.path(key), wanted.pinned(True)
-                fetched = Fetched(redact_url(uri), path, found[0], record.size_bytes, pinned, False)
-                return fetched, found[1]
             store.drop(key)  # missing or damaged: downloaded again, against the same pin
         # The recorded sha256 holds unless a full one is declared, or a new prefix it misses.
         held = record is not None and not wanted.full and wanted.fits(record.sha256)
@@ -149,6 +153,19 @@ class ModelFiles:
             host = urlsplit(uri).netloc.rpartition("@")[2]
             config = replace(config, allowed_hosts=frozenset({host}))
         return read_bytes(uri, config)
+
+
+def _hit(store: Store, uri: str, wanted: Wanted, keep: bool) -> tuple[Fetched, bytes] | None:
+    """The cached file when its record fits ``wanted`` and its sha256 is the recorded one."""
+    key = store.key(uri)
+    record = store.record(key)
+    if record is None or not wanted.fits(record.sha256):
+        return None
+    found = _on_disk(store.path(key), keep)
+    if found is None or found[0] != record.sha256:
+        return None
+    path, pinned = store.path(key), wanted.pinned(True)
+    return Fetched(redact_url(uri), path, found[0], record.size_bytes, pinned, False), found[1]
 
 
 def _checked(uri: str, data: bytes, wanted: Wanted, pin: str | None) -> str:
@@ -190,6 +207,16 @@ def _on_disk(path: Path, keep: bool) -> tuple[str, bytes] | None:
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def _insecure(uri: str, wanted: Wanted) -> ConfigError | None:
+    """The refusal of plain http:// to another host without the full sha256 declared."""
+    if urlsplit(uri).scheme != "http" or wanted.full or _loopback(uri):
+        return None
+    return ConfigError(
+        f"model file {redact_url(uri)}: http:// only to this host, or with the full "
+        "sha256 declared; use https://"
+    )
 
 
 def _loopback(uri: str) -> bool:

@@ -1,27 +1,34 @@
 """The model-file cache directory, shared by every process of the host.
 
-Per URI, a key ``<first 32 hex of sha256(uri)>-<file name>`` names three files: the content
-``<key>``, its record ``<key>.json`` (the URI redacted, its sha256, size and how it is
-pinned) and a lock ``<key>.lock``. Writes go to a temporary file in the same directory, are
-flushed to disk and renamed over the target, so a reader sees a whole file or none. The lock
-is ``fcntl.flock`` on the key's lock file: the process that holds it downloads, the others
-wait for it and then find the file. Imports nothing of the network.
+Per file, a key ``<first 32 hex of sha256(scheme://host/path)>-<file name>`` names three
+files: the content ``<key>``, its record ``<key>.json`` (the URI redacted, its sha256, size
+and how it is pinned) and, while a download runs, a lock ``<key>.lock``. A URI's query and
+fragment, and its credentials, are no part of its key: a presigned URL whose signature rotates
+is the same file. Writes go to a temporary file in the same directory, are flushed to disk and
+renamed over the target, so a reader sees a whole file or none. A cached file whose record
+holds is read with no lock and no write (a read-only cache serves). Only a download takes the
+lock, ``fcntl.flock`` on the key's lock file: the process that holds it downloads, the others
+wait for it and then find the file; the holder removes the lock file as it lets go. Imports
+nothing of the network.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
+from urllib.parse import urlsplit
 
 from config.errors import ConfigError, TransientError
 from config.names import env_name
@@ -32,6 +39,8 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _NAME_CHARS = 64
 _LOCK_POLL_S = 0.05
 _CHUNK_BYTES = 1024 * 1024
+_LOCK_REOPENS = 1000
+_FULL = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a user's quota spent
 
 
 def default_root(environ: Mapping[str, str]) -> Path:
@@ -63,38 +72,57 @@ class Store:
 
     @staticmethod
     def key(uri: str) -> str:
-        name = uri.split("?", 1)[0].rstrip("/").rpartition("/")[2]
+        """The key of ``uri``'s file: its scheme, host (and port) and path; its query,
+        fragment and credentials left out (they do not make another file)."""
+        parts = urlsplit(uri)
+        host = parts.netloc.rpartition("@")[2].lower()
+        where = f"{parts.scheme}://{host}{parts.path}"
+        name = parts.path.rstrip("/").rpartition("/")[2]
         safe = _UNSAFE.sub("_", name)[-_NAME_CHARS:] or "file"
-        return f"{hashlib.sha256(uri.encode()).hexdigest()[:32]}-{safe}"
+        return f"{hashlib.sha256(where.encode()).hexdigest()[:32]}-{safe}"
 
     def path(self, key: str) -> Path:
         return self.root / key
 
     @contextlib.contextmanager
     def locked(self, key: str, uri: str, wait_s: float) -> Iterator[None]:
-        """Hold ``key``'s lock; TransientError when another process holds it past ``wait_s``."""
+        """Hold ``key``'s lock (to download ``uri``); TransientError when another process
+        holds it past ``wait_s``; ConfigError naming the file when the cache cannot be
+        written. The lock file is removed as the lock is let go."""
+        path = self.root / f"{key}.lock"
+        give_up = time.monotonic() + wait_s
+        for _attempt in range(_LOCK_REOPENS):  # each reopen: a holder let go meanwhile
+            fd = self._open_lock(path, uri)
+            try:
+                _flock(fd, uri, wait_s, give_up)
+            except BaseException:
+                os.close(fd)
+                raise
+            if _same_file(fd, path):
+                break
+            os.close(fd)  # its holder removed it as it let go: lock the one there now
+        else:
+            raise TransientError(
+                f"model file {redact_url(uri)}: its lock file kept changing",
+                kind="deadline_exceeded",
+            )
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.root / f"{key}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as error:
-            raise self.unusable(error) from None
-        try:
-            give_up = time.monotonic() + wait_s
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= give_up:
-                        raise TransientError(
-                            f"model file {redact_url(uri)}: another process of this host has "
-                            f"been downloading it for over {wait_s:g}s",
-                            kind="deadline_exceeded",
-                        ) from None
-                    time.sleep(_LOCK_POLL_S)
             yield
         finally:
+            with contextlib.suppress(OSError):  # while held: a waiter on it sees it gone
+                path.unlink()
             os.close(fd)  # releases the lock
+
+    def _open_lock(self, path: Path, uri: str) -> int:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            raise ConfigError(
+                f"{self.unusable(error)}; model file {redact_url(uri)} is not in the cache "
+                "(or not as recorded) and this process cannot add it: fill the cache with "
+                "`models fetch` as a user that can write it"
+            ) from None
 
     def record(self, key: str) -> Record | None:
         """What was recorded of ``key``'s file, or None (none, or unreadable: made again)."""
@@ -121,9 +149,22 @@ class Store:
             self._write(key, data)
             shown = {"uri": redact_url(uri), **record.__dict__}
             self._write(f"{key}.json", json.dumps(shown, sort_keys=True).encode())
-        except OSError as error:  # a full disk, a read-only directory
-            raise self.unusable(error) from None
+        except OSError as error:
+            if error.errno in _FULL:  # may pass once space is freed: not the settings' fault
+                raise self.full(uri, len(data)) from None
+            raise self.unusable(error) from None  # a read-only directory, not a directory
         return self.path(key)
+
+    def full(self, uri: str, needed_bytes: int) -> TransientError:
+        free = ""
+        with contextlib.suppress(OSError):
+            free = f", {shutil.disk_usage(self.root).free} free"
+        return TransientError(
+            f"{env_name('model', 'cache_dir')}: no space left in {self.root} for model file "
+            f"{redact_url(uri)} ({needed_bytes} bytes needed{free}): free space there or "
+            "point the setting at a larger volume",
+            kind="model_load_failed",
+        )
 
     def unusable(self, error: OSError) -> ConfigError:
         return ConfigError(
@@ -150,3 +191,27 @@ class Store:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temporary)
             raise
+
+
+def _flock(fd: int, uri: str, wait_s: float, give_up: float) -> None:
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= give_up:
+                raise TransientError(
+                    f"model file {redact_url(uri)}: another process of this host has "
+                    f"been downloading it for over {wait_s:g}s",
+                    kind="deadline_exceeded",
+                ) from None
+            time.sleep(_LOCK_POLL_S)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``fd`` is still the file at ``path`` (not one removed from under it)."""
+    try:
+        there, held = path.stat(), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino)

@@ -4,12 +4,15 @@ HTTP server on 127.0.0.1 serves them and counts its GETs."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
 import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -230,3 +233,161 @@ def test_a_part_file_left_by_a_killed_writer_is_cleared_at_the_next_download(ser
     ModelFiles(QUICK, cache).fetch(url)
     assert not left.exists()
     assert not [p for p in cache.iterdir() if p.name.endswith(".part")]
+
+
+def _writes_in(cache: Path, monkeypatch: pytest.MonkeyPatch, refuse: bool) -> list[str]:
+    """Every open for writing under ``cache`` from here on (each refused with EROFS when
+    ``refuse``): lock files and temporary files both go through ``os.open``."""
+    tried: list[str] = []
+    real_open = os.open
+    writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+
+    def spying(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & writing and str(path).startswith(str(cache)):
+            tried.append(str(path))
+            if refuse:
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", spying)
+    return tried
+
+
+@contextlib.contextmanager
+def _read_only(cache: Path) -> Iterator[None]:
+    """``cache`` made read-only: modes 0555/0444, and as root (who ignores modes) the
+    immutable attribute where this filesystem and process allow it."""
+    for path in cache.iterdir():
+        path.chmod(0o444)
+    cache.chmod(0o555)
+    immutable = os.geteuid() == 0 and _chattr("+i", cache)
+    try:
+        yield
+    finally:
+        if immutable:
+            _chattr("-i", cache)
+        cache.chmod(0o755)
+
+
+def _chattr(change: str, path: Path) -> bool:
+    try:
+        done = subprocess.run(["chattr", change, str(path)], capture_output=True, timeout=10)
+    except OSError:
+        return False
+    return done.returncode == 0
+
+
+def test_a_filled_cache_that_cannot_be_written_is_used_offline(served, tmp_path, monkeypatch):
+    url, cache = served.url("model.pt"), tmp_path / "cache"
+    sha = _publish(served, "model.pt", b"weights")
+    ModelFiles(QUICK, cache).fetch(url)
+    served.stop()
+    with _read_only(cache):
+        tried = _writes_in(cache, monkeypatch, refuse=False)
+        files = ModelFiles(QUICK, cache)
+        assert files.read(url) == b"weights"
+        assert files.fetch(url, sha).downloaded is False
+    assert tried == []  # no lock taken, nothing written
+
+
+def test_a_file_missing_from_a_read_only_cache_is_an_error_naming_it(served, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    _publish(served, "model.pt", b"weights")
+    _writes_in(cache, monkeypatch, refuse=True)
+    with pytest.raises(ConfigError) as refused:
+        ModelFiles(QUICK, cache).fetch(served.url("model.pt?X-Amz-Signature=s3cret"))
+    message = str(refused.value)
+    assert served.url("model.pt") in message and "s3cret" not in message
+    assert "WORKER_MODEL__CACHE_DIR: cannot write model files" in message
+    assert "Read-only file system" in message and "not in the cache" in message
+    assert served.gets == 0
+
+
+def test_a_presigned_url_whose_signature_rotates_is_one_cached_file(served, tmp_path):
+    from pipelines.files.store import Store
+
+    sha = _publish(served, "model.pt", b"weights")
+    cache = tmp_path / "cache"
+    files = ModelFiles(QUICK, cache)
+    first = files.fetch(served.url("model.pt?X-Amz-Signature=aaa&X-Amz-Expires=60"))
+    again = files.fetch(served.url("model.pt?X-Amz-Signature=bbb&X-Amz-Expires=60#x"))
+    assert (first.downloaded, again.downloaded, again.sha256) == (True, False, sha)
+    assert served.gets == 1
+    assert len(_kept(cache)) == 2  # the file and its record, once
+    plain = "https://models.example.org/m/model.pt"
+    assert Store.key("https://user:secret@models.example.org/m/model.pt?sig=1") == Store.key(plain)
+    assert Store.key("https://models.example.org/other/model.pt") != Store.key(plain)
+
+
+def test_no_lock_file_stays_after_a_download_or_a_failed_one(served, tmp_path):
+    _publish(served, "model.pt", b"weights")
+    cache = tmp_path / "cache"
+    files = ModelFiles(QUICK, cache)
+    files.fetch(served.url("model.pt"))
+    with pytest.raises(PermanentError):
+        files.fetch(served.url("missing.pt"))
+    with pytest.raises(ConfigError):
+        files.fetch(served.url("model.pt?v=2"), "0" * 64)  # refused: another digest declared
+    assert sorted(p.name for p in cache.iterdir() if p.name.endswith(".lock")) == []
+    assert len(_kept(cache)) == 2
+
+
+def test_a_category_map_url_with_a_query_is_read_as_a_map(served, tmp_path):
+    import torch
+
+    from pipelines.declare import Classifier
+    from pipelines.models import ClassifierModel, save_classifier
+
+    save_classifier("mobilenet_v3_small", ["moth", "beetle"], str(served.root))
+    (served.root / "map.json").write_text('{"beetle": 1, "moth": 0}')
+    stage = Classifier(
+        "moths",
+        architecture="mobilenet_v3_small",
+        weights=served.url("model.pt?X-Amz-Signature=a"),
+        labels=served.url("map.json?X-Amz-Signature=b"),
+    )
+    files = ModelFiles(QUICK, tmp_path / "cache")
+    model = ClassifierModel(stage, QUICK, torch.device("cpu"), files=files)
+    assert model.algorithm.labels == ("moth", "beetle")
+
+
+def test_weights_that_do_not_fit_are_refused_without_the_urls_secret(served, tmp_path):
+    import torch
+
+    from pipelines.declare import Classifier
+    from pipelines.models import ClassifierModel, save_classifier
+
+    save_classifier("mobilenet_v3_small", ["moth", "beetle", "fly"], str(served.root))
+    (served.root / "two.txt").write_text("moth\nbeetle\n")
+    stage = Classifier(
+        "moths",
+        architecture="mobilenet_v3_small",
+        weights=served.url("model.pt?X-Amz-Signature=s3cret"),
+        labels=served.url("two.txt"),
+    )
+    files = ModelFiles(QUICK, tmp_path / "cache")
+    with pytest.raises(PermanentError, match="do not fit stage") as refused:
+        ClassifierModel(stage, QUICK, torch.device("cpu"), files=files)
+    assert served.url("model.pt") in str(refused.value) and "s3cret" not in str(refused.value)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_a_full_disk_is_transient_naming_the_cache_and_the_bytes(
+    served, tmp_path, monkeypatch, code
+):
+    cache = tmp_path / "cache"
+    _publish(served, "model.pt", b"w" * 5000)
+
+    def full(fd: int) -> None:  # the disk fills as the download is written (its only fsync)
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(TransientError) as full_disk:
+        ModelFiles(QUICK, cache).fetch(served.url("model.pt?sig=s3cret"))
+    message = str(full_disk.value)
+    assert f"WORKER_MODEL__CACHE_DIR: no space left in {cache}" in message
+    assert "5000 bytes needed" in message and served.url("model.pt") in message
+    assert "s3cret" not in message
+    assert full_disk.value.retryable and not isinstance(full_disk.value, ConfigError)
+    assert list(cache.iterdir()) == []  # no part file, no lock left

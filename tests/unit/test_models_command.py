@@ -91,3 +91,19 @@ def test_check_says_how_each_file_is_pinned_without_downloading(served: Served, 
         f"model file: {served.url('labels.txt')} recorded, not cached",
     ]
     assert served.gets == 0
+
+
+def test_check_says_a_plain_http_mirror_elsewhere_is_refused(tmp_path):
+    settings = load_settings(
+        for_worker=False,
+        model={
+            "pipeline": "moth_binary",
+            "files_mirror": "http://mirror.example.org/ami",
+            "cache_dir": str(tmp_path / "cache"),
+        },
+    )
+    lines = pin_lines(settings)
+    assert len(lines) == 3  # the detector's weights, the classifier's weights and map
+    for line in lines:
+        assert line.startswith("model file: http://mirror.example.org/ami/moths/")
+        assert "refused: " in line and "use https://" in line

@@ -61,18 +61,24 @@ def fetch_command(settings: Settings) -> int:
 
 
 def pin_lines(settings: Settings) -> list[str]:
-    """``model file: <uri> <pinned>, cached|not cached|local`` per file; nothing downloaded
-    (empty when the pipelines do not resolve: ``check`` reports that already)."""
+    """``model file: <uri> <pinned>, cached|not cached|local`` per file, or ``model file:
+    <uri> refused: <why>`` for one that no download could bring; nothing downloaded (empty
+    when the pipelines do not resolve: ``check`` reports that already)."""
     from pipelines.files.fetch import is_remote
     from worker.engine.build import model_files
 
     files = model_files(settings)
-    lines = []
     try:
-        for uri, digest in _served_files(settings):
-            pinned, cached = files.status(uri, digest)
-            where = ("cached" if cached else "not cached") if is_remote(uri) else "local"
-            lines.append(f"model file: {redact_url(uri)} {pinned}, {where}")
+        served = _served_files(settings)
     except WorkerError:
         return []
+    lines = []
+    for uri, digest in served:
+        try:
+            pinned, cached = files.status(uri, digest)
+        except ConfigError as error:  # a misdeclared digest, plain http:// elsewhere
+            lines.append(f"model file: {redact_url(uri)} refused: {error}")
+            continue
+        where = ("cached" if cached else "not cached") if is_remote(uri) else "local"
+        lines.append(f"model file: {redact_url(uri)} {pinned}, {where}")
     return lines
