@@ -408,6 +408,26 @@ def test_until_idle_exits_6_when_antenna_refused_the_token_or_was_never_reached(
     assert antenna.pending(job) == {"r0", "r1"}
 
 
+def test_until_idle_serves_the_projects_that_answer_then_exits_6_naming_a_refused_one(
+    antenna: FakeAntenna, tmp_path: Path
+) -> None:
+    registered(antenna)
+    job = antenna.add_job(PIPELINE, add_images(antenna, "v", 3), project=1)
+    log = tmp_path / "worker.log"
+    env = env_for(antenna, WORKER_ANTENNA__PROJECT_IDS="1,99")  # 99: no such project
+    proc = start_run(env, log, "--until-idle")
+    try:
+        code = proc.wait(timeout=180)
+    finally:
+        stop_process(proc)
+    assert antenna.jobs[job].status == "SUCCESS", log.read_text()[-4000:]
+    assert code == 6, log.read_text()[-4000:]
+    (why,) = [e["reason"] for e in events(log) if e.get("event") == "idle_not_served"]
+    assert "project 99's jobs: HTTP 400" in why and "WORKER_ANTENNA__PROJECT_IDS" in why, why
+    refused = [e for e in events(log) if e.get("event") == "antenna_project_refused"]
+    assert [e["project"] for e in refused] == [99]  # said once, not at every poll
+
+
 def test_until_idle_rides_out_an_antenna_restart_then_serves_its_job(tmp_path: Path) -> None:
     from worker.commands.localservers import free_port
 

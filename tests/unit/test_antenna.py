@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -29,7 +30,8 @@ from worker.antenna.reservations import Reservations, delivered_of
 from worker.antenna.results import AntennaPipeline, antenna_key, encoded, fit, item
 from worker.antenna.rules import AntennaRules
 from worker.antenna.source import AntennaSource
-from worker.antenna.wiring import NoResultsLookup
+from worker.antenna.waiting import antenna_waiting_read
+from worker.antenna.wiring import AntennaParts, NoResultsLookup
 from worker.claims import Claims
 from worker.health.liveness import Liveness
 from worker.outcome import Outcome
@@ -700,6 +702,32 @@ async def test_project_ids_scope_which_jobs_are_reserved_from(fake: FakeAntenna)
     # their two deliveries by now).
     both = await reserve_all(scoped((1, 2)), 3)
     assert {d.image_id for d in both} == {"b0", "b1", "b2"}
+
+
+async def test_a_refused_project_is_named_and_the_other_projects_are_served(
+    fake: FakeAntenna,
+) -> None:
+    # A mistyped, deleted or no longer permitted project id (Antenna answers 400 for it)
+    # blocks none of the others: their jobs are served, and the refusal names the project
+    # wherever the source's problems are said (/readyz, an unserved --until-idle).
+    fake.add_job(SLUG, images(3, "a"), project=1)
+    antenna = {"base_url": fake.url, "token": TOKEN, "project_ids": "1,99", "ttr_s": 0.5}
+    settings = load_settings(for_worker=False, antenna={**antenna, "poll_interval_s": 0.05})
+    served = SimpleNamespace(names=[SLUG], loaded=lambda _p: None)
+    parts = AntennaParts(settings, served, {})  # type: ignore[arg-type]
+    try:
+        got = await reserve_all(parts.source, 3)
+        assert {d.image_id for d in got} == {"a0", "a1", "a2"}
+        for said in (parts.problem(), parts.unserved()):
+            assert said is not None and "project 99's jobs: HTTP 400" in said, said
+            assert "WORKER_ANTENNA__PROJECT_IDS" in said and "project 1'" not in said
+        waiting = antenna_waiting_read(parts.client, (SLUG,), 100, (1, 99))
+        assert await waiting() == {SLUG: 3}  # project 1's, held ones included
+        fake.projects[99] = {}  # the project exists now: listed, and the refusal is gone
+        await parts.jobs.refresh()
+        assert parts.jobs.refused_projects == {} and parts.problem() is None
+    finally:
+        parts.client.close()
 
 
 # -- register, check, settings --------------------------------------------------------------
