@@ -778,6 +778,24 @@ async def test_check_says_a_token_that_may_not_reserve_is_not_ready_with_no_job_
     assert "no superuser" in denied and "may not take tasks or post results" in denied
 
 
+async def test_check_asks_about_posting_results_only_of_its_own_projects_jobs(
+    fake: FakeAntenna,
+) -> None:
+    fake.projects[2] = {}
+    fake.register_direct(2, SERVED.config())
+    theirs = fake.add_job(SLUG, images(1, "b"), project=2)  # listed first without a project
+
+    def posted_to() -> set[str]:
+        return {path for method, path, _ in fake.requests if method == "POST"}
+
+    fake.tokens["member"] = {1}  # no superuser: told so from the listing, with no job of ours
+    (denied,) = await antenna_problems(client_of(fake, "member"), [SLUG], [1], True)
+    assert "no superuser" in denied and posted_to() == set()
+    ours = fake.add_job(SLUG, images(1, "a"), project=1)
+    assert await antenna_problems(client_of(fake), [SLUG], [1], True) == []
+    assert posted_to() == {f"/api/v2/jobs/{ours}/result/"}, (ours, theirs)
+
+
 async def test_a_404_outside_the_api_is_one_line_without_its_html(fake: FakeAntenna) -> None:
     wrong = AntennaClient(fake.url.replace("/api/v2", "/ami/api/v2"), SecretStr(TOKEN), 5.0)
     ((ok, line),) = await register(wrong, [SERVED], [1], "svc")
