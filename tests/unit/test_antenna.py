@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -12,6 +13,8 @@ from typing import Any
 
 import pytest
 import structlog
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from pydantic import SecretStr
 
 from config.aliases import alias_overrides
@@ -27,7 +30,14 @@ from worker.antenna.jobs import JobRotation
 from worker.antenna.post import Poster
 from worker.antenna.register import antenna_problems, register
 from worker.antenna.reservations import Reservations, delivered_of
-from worker.antenna.results import AntennaPipeline, antenna_key, encoded, fit, item
+from worker.antenna.results import (
+    AntennaPipeline,
+    _compacted,
+    antenna_key,
+    encoded,
+    fit,
+    item,
+)
 from worker.antenna.rules import AntennaRules
 from worker.antenna.source import AntennaSource
 from worker.antenna.waiting import antenna_waiting_read
@@ -527,7 +537,6 @@ async def test_a_transient_failure_is_left_to_redelivery_before_the_last_deliver
 
 
 def test_an_oversized_result_keeps_every_logit_and_what_antenna_reads_of_its_scores() -> None:
-    import math
     import random
 
     classes = 29_176
@@ -580,9 +589,38 @@ def test_an_oversized_result_keeps_every_logit_and_what_antenna_reads_of_its_sco
     assert small_steps[-1] == "error_result" and small["result"]["image_id"] == "1"
 
 
-async def test_a_result_over_the_cap_reaches_antenna_with_every_logit() -> None:
-    import math
+def _near_ties() -> st.SearchStrategy[list[float]]:
+    """Score vectors whose values sit on, just under and just over 3-decimal steps and each
+    other: where a cut to 3 decimals could tie (or pass) the top score."""
 
+    def around(v: float) -> st.SearchStrategy[float]:
+        step = round(v, 3)
+        near = [v, math.nextafter(v, 0), math.nextafter(v, 2), step, math.nextafter(step, 0)]
+        return st.sampled_from([max(0.0, x) for x in near])
+
+    return st.floats(0, 1).flatmap(
+        lambda v: st.lists(around(v) | st.floats(0, 1), min_size=1, max_size=12)
+    )
+
+
+@example([0.9369999999999999, 0.937, 0])  # 0.9369999999999999 * 1000 rounds up to 937
+@example([0.5, 0.5, 0.25])
+@example([0.0, 0.0])
+@settings(max_examples=300, deadline=None)
+@given(_near_ties())
+def test_compacted_scores_keep_the_top_index_antenna_reads(scores: list[float]) -> None:
+    (found,) = _compacted({"detections": [{"classifications": [{"scores": scores}]}]})["detections"]
+    out = found["classifications"][0]["scores"]
+    top = scores.index(max(scores))
+    assert max(out) == max(scores) and out.index(max(out)) == top  # as Antenna's save reads
+    for i, (was, cut) in enumerate(zip(scores, out, strict=True)):
+        if i == top:
+            continue
+        assert cut < out[top] or cut == out[top] == 0, (i, scores, out)
+        assert cut <= was and was - cut < 0.002 and cut == round(cut, 3), (i, was, cut)
+
+
+async def test_a_result_over_the_cap_reaches_antenna_with_every_logit() -> None:
     classes = 2000
     big = Algorithm("clf", "Species", "classification", "ef" * 32, tuple(map(str, range(classes))))
     served = AntennaPipeline(SLUG, "", (DETECTOR, big))
@@ -712,9 +750,9 @@ async def test_a_refused_project_is_named_and_the_other_projects_are_served(
     # wherever the source's problems are said (/readyz, an unserved --until-idle).
     fake.add_job(SLUG, images(3, "a"), project=1)
     antenna = {"base_url": fake.url, "token": TOKEN, "project_ids": "1,99", "ttr_s": 0.5}
-    settings = load_settings(for_worker=False, antenna={**antenna, "poll_interval_s": 0.05})
+    configured = load_settings(for_worker=False, antenna={**antenna, "poll_interval_s": 0.05})
     served = SimpleNamespace(names=[SLUG], loaded=lambda _p: None)
-    parts = AntennaParts(settings, served, {})  # type: ignore[arg-type]
+    parts = AntennaParts(configured, served, {})  # type: ignore[arg-type]
     try:
         got = await reserve_all(parts.source, 3)
         assert {d.image_id for d in got} == {"a0", "a1", "a2"}
