@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import socket
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -21,7 +22,7 @@ from config.aliases import alias_overrides
 from config.redact import scrub
 from config.settings import ConfigError, load_settings
 from pipelines.models import Algorithm
-from tests.antenna_fake import FakeAntenna
+from tests.antenna_fake import FakeAntenna, reserved_port
 from worker.admission import Admission
 from worker.antenna.catalog import Catalog
 from worker.antenna.client import AntennaClient
@@ -706,6 +707,23 @@ async def test_the_token_goes_with_the_configured_scheme_and_is_masked_in_what_i
     assert "Api-Key <redacted>" in scrub(f"Authorization: Api-Key {TOKEN}")
     with pytest.raises(ConfigError, match="WORKER_ANTENNA__AUTH_SCHEME"):
         load_settings(for_worker=False, antenna={"auth_scheme": "Bearer"})
+
+
+async def test_the_fake_down_on_a_reserved_port_keeps_it_then_serves_on_it() -> None:
+    bound = reserved_port()
+    port = bound.getsockname()[1]
+    try:
+        with pytest.raises(ConnectionRefusedError):  # down: as an Antenna with nothing up
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        with socket.socket() as other, pytest.raises(OSError):  # no other process takes it
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            other.bind(("127.0.0.1", port))
+        fake = FakeAntenna(token=TOKEN)
+        with fake.running(bound=bound):  # up again, on the same port
+            assert fake.url == f"http://127.0.0.1:{port}/api/v2"
+            assert (await client_of(fake).get("jobs/", "jobs", {"limit": 1})).ok
+    finally:
+        bound.close()
 
 
 async def test_project_ids_scope_which_jobs_are_reserved_from(fake: FakeAntenna) -> None:
