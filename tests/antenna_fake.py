@@ -281,14 +281,23 @@ class FakeAntenna:
             return job_id
 
     @contextmanager
-    def running(self, port: int = 0) -> Iterator[FakeAntenna]:
-        """Serve on ``port`` (0: any free one) until the block ends."""
+    def running(self, port: int = 0, bound: socket.socket | None = None) -> Iterator[FakeAntenna]:
+        """Serve on ``port`` (0: any free one), or on ``bound`` (a socket of ``reserved_port``:
+        Antenna down, then up, on one port no other process could take meanwhile), until the
+        block ends (``bound`` is closed then)."""
         fake = self
 
         class Handler(_Handler):
             antenna = fake
 
-        self._server = _Server(("127.0.0.1", port), Handler)
+        if bound is None:
+            self._server = _Server(("127.0.0.1", port), Handler)
+        else:
+            self._server = _Server(bound.getsockname(), Handler, bind_and_activate=False)
+            self._server.socket.close()
+            self._server.socket = bound
+            self._server.server_name, self._server.server_port = bound.getsockname()[:2]
+            self._server.server_activate()
         self._server.daemon_threads = True
         thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         thread.start()
@@ -741,6 +750,15 @@ class FakeAntenna:
             "pipelines_created": created,
             "algorithms_created": [],
         }
+
+
+def reserved_port() -> socket.socket:
+    """A socket bound to a free port of 127.0.0.1 and not listening: a connection there is
+    refused, as by an Antenna that is down, and no other process can bind the port until
+    ``FakeAntenna.running(bound=...)`` serves on it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 class _Server(ThreadingHTTPServer):

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.antenna_fake import FakeAntenna
+from tests.antenna_fake import FakeAntenna, reserved_port
 from tests.antenna_pipelines import ANIMALS
 from tests.helpers import cli, start_run
 from worker.commands.demo_images import corrupt_bytes, rectangles_bytes
@@ -408,14 +408,39 @@ def test_until_idle_exits_6_when_antenna_refused_the_token_or_was_never_reached(
     assert antenna.pending(job) == {"r0", "r1"}
 
 
-def test_until_idle_rides_out_an_antenna_restart_then_serves_its_job(tmp_path: Path) -> None:
-    from worker.commands.localservers import free_port
+def test_until_idle_serves_the_projects_that_answer_then_exits_6_naming_a_refused_one(
+    antenna: FakeAntenna, tmp_path: Path
+) -> None:
+    registered(antenna)
+    job = antenna.add_job(PIPELINE, add_images(antenna, "v", 3), project=1)
+    log = tmp_path / "worker.log"
+    env = env_for(antenna, WORKER_ANTENNA__PROJECT_IDS="1,99")  # 99: no such project
+    proc = start_run(env, log, "--until-idle")
+    try:
+        code = proc.wait(timeout=180)
+    finally:
+        stop_process(proc)
+    assert antenna.jobs[job].status == "SUCCESS", log.read_text()[-4000:]
+    assert code == 6, log.read_text()[-4000:]
+    (why,) = [e["reason"] for e in events(log) if e.get("event") == "idle_not_served"]
+    assert "project 99's jobs: HTTP 400" in why and "WORKER_ANTENNA__PROJECT_IDS" in why, why
+    refused = [e for e in events(log) if e.get("event") == "antenna_project_refused"]
+    assert [e["project"] for e in refused] == [99]  # said once, not at every poll
 
-    port = free_port()
+
+def test_until_idle_rides_out_an_antenna_restart_then_serves_its_job(tmp_path: Path) -> None:
+    # The port stays bound (not listening) while Antenna is down: no other process takes it.
+    bound = reserved_port()
+    host = f"127.0.0.1:{bound.getsockname()[1]}"
     fake = FakeAntenna(token=TOKEN)
     log = tmp_path / "worker.log"
-    with fake.running(port=port):  # only for its URL: stopped before the worker starts
-        env = env_for(fake, WORKER_ANTENNA__UNREACHABLE_WAIT_S="120")
+    with fake.running():  # for the rest of the settings: the worker is sent to the bound port
+        env = env_for(
+            fake,
+            WORKER_ANTENNA__BASE_URL=f"http://{host}/api/v2",
+            WORKER_SOURCES__ALLOWED_HOSTS=host,
+            WORKER_ANTENNA__UNREACHABLE_WAIT_S="120",
+        )
     proc = start_run(env, log, "--until-idle")  # Antenna down: nothing listens
     try:
 
@@ -424,7 +449,7 @@ def test_until_idle_rides_out_an_antenna_restart_then_serves_its_job(tmp_path: P
 
         wait_for(lambda: failed() >= 3, 120, "three failed listings", log, proc)
         fake.misbehave("jobs", "down")  # up, its listing not yet: registered meanwhile
-        with fake.running(port=port):
+        with fake.running(bound=bound):
             registered(fake)
             images = add_images(fake, "u", 3)
             job = fake.add_job(PIPELINE, images)
@@ -432,6 +457,7 @@ def test_until_idle_rides_out_an_antenna_restart_then_serves_its_job(tmp_path: P
             assert proc.wait(timeout=180) == 0, log.read_text()[-4000:]
     finally:
         stop_process(proc)
+        bound.close()
     assert fake.jobs[job].status == "SUCCESS"
     assert saved_once(fake, job, images) == {image: 1 for image, _ in images}
     assert "idle_not_served" not in log.read_text()

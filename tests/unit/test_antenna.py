@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import socket
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import structlog
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from pydantic import SecretStr
 
 from config.aliases import alias_overrides
 from config.redact import scrub
 from config.settings import ConfigError, load_settings
 from pipelines.models import Algorithm
-from tests.antenna_fake import FakeAntenna
+from tests.antenna_fake import FakeAntenna, reserved_port
 from worker.admission import Admission
 from worker.antenna.catalog import Catalog
 from worker.antenna.client import AntennaClient
@@ -26,10 +31,18 @@ from worker.antenna.jobs import JobRotation
 from worker.antenna.post import Poster
 from worker.antenna.register import antenna_problems, register
 from worker.antenna.reservations import Reservations, delivered_of
-from worker.antenna.results import AntennaPipeline, antenna_key, encoded, fit, item
+from worker.antenna.results import (
+    AntennaPipeline,
+    _compacted,
+    antenna_key,
+    encoded,
+    fit,
+    item,
+)
 from worker.antenna.rules import AntennaRules
 from worker.antenna.source import AntennaSource
-from worker.antenna.wiring import NoResultsLookup
+from worker.antenna.waiting import antenna_waiting_read
+from worker.antenna.wiring import AntennaParts, NoResultsLookup
 from worker.claims import Claims
 from worker.health.liveness import Liveness
 from worker.outcome import Outcome
@@ -525,7 +538,6 @@ async def test_a_transient_failure_is_left_to_redelivery_before_the_last_deliver
 
 
 def test_an_oversized_result_keeps_every_logit_and_what_antenna_reads_of_its_scores() -> None:
-    import math
     import random
 
     classes = 29_176
@@ -578,9 +590,38 @@ def test_an_oversized_result_keeps_every_logit_and_what_antenna_reads_of_its_sco
     assert small_steps[-1] == "error_result" and small["result"]["image_id"] == "1"
 
 
-async def test_a_result_over_the_cap_reaches_antenna_with_every_logit() -> None:
-    import math
+def _near_ties() -> st.SearchStrategy[list[float]]:
+    """Score vectors whose values sit on, just under and just over 3-decimal steps and each
+    other: where a cut to 3 decimals could tie (or pass) the top score."""
 
+    def around(v: float) -> st.SearchStrategy[float]:
+        step = round(v, 3)
+        near = [v, math.nextafter(v, 0), math.nextafter(v, 2), step, math.nextafter(step, 0)]
+        return st.sampled_from([max(0.0, x) for x in near])
+
+    return st.floats(0, 1).flatmap(
+        lambda v: st.lists(around(v) | st.floats(0, 1), min_size=1, max_size=12)
+    )
+
+
+@example([0.9369999999999999, 0.937, 0])  # 0.9369999999999999 * 1000 rounds up to 937
+@example([0.5, 0.5, 0.25])
+@example([0.0, 0.0])
+@settings(max_examples=300, deadline=None)
+@given(_near_ties())
+def test_compacted_scores_keep_the_top_index_antenna_reads(scores: list[float]) -> None:
+    (found,) = _compacted({"detections": [{"classifications": [{"scores": scores}]}]})["detections"]
+    out = found["classifications"][0]["scores"]
+    top = scores.index(max(scores))
+    assert max(out) == max(scores) and out.index(max(out)) == top  # as Antenna's save reads
+    for i, (was, cut) in enumerate(zip(scores, out, strict=True)):
+        if i == top:
+            continue
+        assert cut < out[top] or cut == out[top] == 0, (i, scores, out)
+        assert cut <= was and was - cut < 0.002 and cut == round(cut, 3), (i, was, cut)
+
+
+async def test_a_result_over_the_cap_reaches_antenna_with_every_logit() -> None:
     classes = 2000
     big = Algorithm("clf", "Species", "classification", "ef" * 32, tuple(map(str, range(classes))))
     served = AntennaPipeline(SLUG, "", (DETECTOR, big))
@@ -668,6 +709,23 @@ async def test_the_token_goes_with_the_configured_scheme_and_is_masked_in_what_i
         load_settings(for_worker=False, antenna={"auth_scheme": "Bearer"})
 
 
+async def test_the_fake_down_on_a_reserved_port_keeps_it_then_serves_on_it() -> None:
+    bound = reserved_port()
+    port = bound.getsockname()[1]
+    try:
+        with pytest.raises(ConnectionRefusedError):  # down: as an Antenna with nothing up
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        with socket.socket() as other, pytest.raises(OSError):  # no other process takes it
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            other.bind(("127.0.0.1", port))
+        fake = FakeAntenna(token=TOKEN)
+        with fake.running(bound=bound):  # up again, on the same port
+            assert fake.url == f"http://127.0.0.1:{port}/api/v2"
+            assert (await client_of(fake).get("jobs/", "jobs", {"limit": 1})).ok
+    finally:
+        bound.close()
+
+
 async def test_project_ids_scope_which_jobs_are_reserved_from(fake: FakeAntenna) -> None:
     fake.projects[2] = {}
     fake.register_direct(2, SERVED.config())
@@ -700,6 +758,32 @@ async def test_project_ids_scope_which_jobs_are_reserved_from(fake: FakeAntenna)
     # their two deliveries by now).
     both = await reserve_all(scoped((1, 2)), 3)
     assert {d.image_id for d in both} == {"b0", "b1", "b2"}
+
+
+async def test_a_refused_project_is_named_and_the_other_projects_are_served(
+    fake: FakeAntenna,
+) -> None:
+    # A mistyped, deleted or no longer permitted project id (Antenna answers 400 for it)
+    # blocks none of the others: their jobs are served, and the refusal names the project
+    # wherever the source's problems are said (/readyz, an unserved --until-idle).
+    fake.add_job(SLUG, images(3, "a"), project=1)
+    antenna = {"base_url": fake.url, "token": TOKEN, "project_ids": "1,99", "ttr_s": 0.5}
+    configured = load_settings(for_worker=False, antenna={**antenna, "poll_interval_s": 0.05})
+    served = SimpleNamespace(names=[SLUG], loaded=lambda _p: None)
+    parts = AntennaParts(configured, served, {})  # type: ignore[arg-type]
+    try:
+        got = await reserve_all(parts.source, 3)
+        assert {d.image_id for d in got} == {"a0", "a1", "a2"}
+        for said in (parts.problem(), parts.unserved()):
+            assert said is not None and "project 99's jobs: HTTP 400" in said, said
+            assert "WORKER_ANTENNA__PROJECT_IDS" in said and "project 1'" not in said
+        waiting = antenna_waiting_read(parts.client, (SLUG,), 100, (1, 99))
+        assert await waiting() == {SLUG: 3}  # project 1's, held ones included
+        fake.projects[99] = {}  # the project exists now: listed, and the refusal is gone
+        await parts.jobs.refresh()
+        assert parts.jobs.refused_projects == {} and parts.problem() is None
+    finally:
+        parts.client.close()
 
 
 # -- register, check, settings --------------------------------------------------------------
@@ -748,6 +832,24 @@ async def test_check_says_a_token_that_may_not_reserve_is_not_ready_with_no_job_
     assert await antenna_problems(client_of(fake), [SLUG], [1], True) == []  # a superuser
     (denied,) = await antenna_problems(client_of(fake, "member"), [SLUG], [1], True)
     assert "no superuser" in denied and "may not take tasks or post results" in denied
+
+
+async def test_check_asks_about_posting_results_only_of_its_own_projects_jobs(
+    fake: FakeAntenna,
+) -> None:
+    fake.projects[2] = {}
+    fake.register_direct(2, SERVED.config())
+    theirs = fake.add_job(SLUG, images(1, "b"), project=2)  # listed first without a project
+
+    def posted_to() -> set[str]:
+        return {path for method, path, _ in fake.requests if method == "POST"}
+
+    fake.tokens["member"] = {1}  # no superuser: told so from the listing, with no job of ours
+    (denied,) = await antenna_problems(client_of(fake, "member"), [SLUG], [1], True)
+    assert "no superuser" in denied and posted_to() == set()
+    ours = fake.add_job(SLUG, images(1, "a"), project=1)
+    assert await antenna_problems(client_of(fake), [SLUG], [1], True) == []
+    assert posted_to() == {f"/api/v2/jobs/{ours}/result/"}, (ours, theirs)
 
 
 async def test_a_404_outside_the_api_is_one_line_without_its_html(fake: FakeAntenna) -> None:

@@ -17,6 +17,12 @@ nothing, ``ami/base/views.py`` ``get_active_project``) and as ``project`` (the j
 field, which answers 400 for an id no project has): a mistyped id is then a refused listing,
 never every project's jobs. Without projects every job the token can list is served.
 
+A project whose listing is refused (a 4xx other than 401, 408 and 429: an id no project has, a
+deleted project, one the token lost) is left out of that listing and the others are served:
+``refused_projects`` names each with Antenna's answer (the source's refusal: /readyz and an
+unserved ``--until-idle`` say it). A 401 refuses the token for every project: the listing as a
+whole is refused, the jobs known kept.
+
 A listing that finds Antenna unavailable (no answer, one not believed, or a 5xx: a restart, a
 proxy with nothing behind it) is tried again after one poll interval, then twice as late each
 time, up to ``_FAILING_MAX_POLLS`` intervals (20 s at the default 5 s); ``failing_for_s`` says
@@ -38,13 +44,36 @@ from typing import Any
 
 import structlog
 
-from worker.antenna.client import AntennaClient, AntennaUnreachable
+from config.names import env_name
+from worker.antenna.client import AntennaClient, AntennaUnreachable, Reply
 
 log = structlog.get_logger(__name__)
 ACTIVE = ("STARTED", "RETRY")
 _MAX_PAGES = 50  # per status: 5,000 jobs at the default page of 100
 _EMPTY_MAX_POLLS = 12
 _FAILING_MAX_POLLS = 4
+_NOT_PROJECT_REFUSALS = (401, 408, 429)  # the token (every project), a timeout, a rate limit
+
+
+class ProjectRefused(Exception):
+    """A named project's listing refused; the others are listed still."""
+
+    def __init__(self, project: int, why: str) -> None:
+        super().__init__(why)
+        self.project = project
+        self.why = why
+
+
+def project_refusal(project: int | None, reply: Reply) -> ProjectRefused | None:
+    """The refusal of ``project``'s listing when ``reply`` is one (a 4xx but 401, 408 and 429,
+    for a named project), else None."""
+    if project is None or not 400 <= reply.status < 500 or reply.status in _NOT_PROJECT_REFUSALS:
+        return None
+    why = (
+        f"listing project {project}'s jobs: {reply.why()}: check "
+        f"{env_name('antenna', 'project_ids')} (no such project, or the token may not use it)"
+    )
+    return ProjectRefused(project, why)
 
 
 def project_params(project: int | None) -> dict[str, int]:
@@ -78,11 +107,18 @@ class JobRotation:
         self._slugs: dict[int, str] = {}  # a job's pipeline, read from its page once
         self._last: int | None = None
         self._listed_at = float("-inf")
-        self.last_refusal: str | None = None  # a 401/403 on listing: the token
+        self._token_refusal: str | None = None  # a 401/403 on listing: the token
+        self.refused_projects: dict[int, str] = {}  # by the last listing that answered
         self.ever_listed = False  # a listing answered in full, once at least
         self._failing_since: float | None = None  # listings found Antenna unavailable since
         self._failures = 0  # such listings in a row
         self.last_failure = ""
+
+    @property
+    def last_refusal(self) -> str | None:
+        """The token's refusal by the last listing, and each project it refused."""
+        said = [self._token_refusal] if self._token_refusal else []
+        return "; ".join(said + list(self.refused_projects.values())) or None
 
     def active_ids(self) -> list[int]:
         """The active jobs of the last listing, skipped ones included."""
@@ -141,23 +177,50 @@ class JobRotation:
         return active
 
     async def _listed(self) -> list[Job] | None:
-        """Every active job Antenna lists for our pipelines, once each, by id; None when
-        Antenna refused the listing."""
+        """Every active job Antenna lists for our pipelines, once each, by id, from the
+        projects that did not refuse their listing; None when Antenna refused the listing."""
         found: dict[int, Job] = {}
+        refused: dict[int, str] = {}
         for project in self._projects or (None,):
-            for status in ACTIVE:
-                for offset in range(0, _MAX_PAGES * self._limit, self._limit):
-                    page = await self._page(status, offset, project)
-                    if page is None:
-                        return None
-                    items, more = page
-                    for job in items:
-                        found.setdefault(job.id, job)  # listed twice for a non-superuser
-                    if not more:
-                        break
-                else:
-                    log.warning("antenna_jobs_pages_cut", status=status, pages=_MAX_PAGES)
+            try:
+                jobs = await self._project_jobs(project)
+            except ProjectRefused as error:
+                refused[error.project] = error.why
+                continue
+            if jobs is None:
+                return None
+            for job in jobs:
+                found.setdefault(job.id, job)  # listed twice for a non-superuser
+        self._note_refused(refused)
         return sorted(found.values(), key=lambda j: j.id)
+
+    async def _project_jobs(self, project: int | None) -> list[Job] | None:
+        """One project's active jobs (every project's for None), every page of each status."""
+        jobs: list[Job] = []
+        for status in ACTIVE:
+            for offset in range(0, _MAX_PAGES * self._limit, self._limit):
+                page = await self._page(status, offset, project)
+                if page is None:
+                    return None
+                items, more = page
+                jobs += items
+                if not more:
+                    break
+            else:
+                log.warning("antenna_jobs_pages_cut", status=status, pages=_MAX_PAGES)
+        return jobs
+
+    def _note_refused(self, refused: dict[int, str]) -> None:
+        for project in refused.keys() - self.refused_projects.keys():
+            log.error(
+                "antenna_project_refused",
+                project=project,
+                reason=refused[project],
+                action="its jobs are not served; the other projects' are",
+            )
+        for project in self.refused_projects.keys() - refused.keys():
+            log.info("antenna_project_listed_again", project=project)
+        self.refused_projects = refused
 
     async def _page(
         self, status: str, offset: int, project: int | None
@@ -174,7 +237,12 @@ class JobRotation:
             **project_params(project),
         }
         reply = await self._client.get("jobs/", "jobs", params)
-        self.last_refusal = f"listing jobs: {reply.why()}" if reply.status in (401, 403) else None
+        refused = project_refusal(project, reply)
+        if refused is not None:
+            self._answered()
+            raise refused
+        token = reply.status in (401, 403)
+        self._token_refusal = f"listing jobs: {reply.why()}" if token else None
         if reply.status >= 500:  # a restart, or a proxy with nothing behind it
             self._failed(f"listing jobs: {reply.why()}")
         elif not reply.ok:

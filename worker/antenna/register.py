@@ -7,6 +7,7 @@ import json
 
 from config.names import env_name
 from worker.antenna.client import AntennaClient, AntennaUnreachable, Reply
+from worker.antenna.jobs import project_params
 from worker.antenna.results import AntennaPipeline
 
 _MEANING = {
@@ -81,14 +82,34 @@ def _not_superuser(listed: object) -> list[str]:
     return [f"listing jobs: no superuser permissions: {_MAY_NOT_RESERVE}"]
 
 
-async def _may_post_results(client: AntennaClient, listed: object) -> list[str]:
+async def _a_listed_job(
+    client: AntennaClient, params: dict[str, object], projects: list[int], listed: object
+) -> int | None:
+    """An incomplete job to ask about: the listing's first, or with projects named, the first
+    listed in one of them (never another project's job). None when there is none."""
+    if not projects:
+        return _first_job(listed)
+    for project in projects:  # a refused project is said by its own line
+        reply = await client.get("jobs/", "jobs", {**params, **project_params(project)})
+        job = _first_job(reply.body) if reply.ok else None
+        if job is not None:
+            return job
+    return None
+
+
+def _first_job(listed: object) -> int | None:
+    jobs = listed.get("results") if isinstance(listed, dict) else None
+    if not jobs or not isinstance(jobs[0], dict) or not isinstance(jobs[0].get("id"), int):
+        return None
+    return int(jobs[0]["id"])
+
+
+async def _may_post_results(client: AntennaClient, job: int | None, listed: object) -> list[str]:
     """Whether the token may post results, asked of a listed job with an empty post (Antenna
     answers 403 before it reads the body; an empty list queues nothing), or, with no job
     listed, read from the listing's permissions."""
-    jobs = listed.get("results") if isinstance(listed, dict) else None
-    if not jobs or not isinstance(jobs[0], dict) or not isinstance(jobs[0].get("id"), int):
+    if job is None:
         return _not_superuser(listed)  # no incomplete job to ask about
-    job = jobs[0]["id"]
     reply = await client.post(f"jobs/{job}/result/", "result", b'{"results": []}')
     if reply.status == 403:
         return [f"job {job}: {reply.why()}: {_MAY_NOT_RESERVE}"]
@@ -101,11 +122,12 @@ async def antenna_problems(
     client: AntennaClient, pipelines: list[str], projects: list[int], token_set: bool
 ) -> list[str]:
     """What stops a worker from taking Antenna's tasks: unreachable, the token refused, a
-    project it may not use, a pipeline slug not registered there."""
+    project it may not use, a pipeline slug not registered there. Whether the token may post
+    results is asked of a job of ``projects`` when they are named."""
     if not token_set:
         return [f"{env_name('antenna', 'token')} (or AMI_ANTENNA_API_AUTH_TOKEN) is not set"]
     try:
-        params = {
+        params: dict[str, object] = {
             "pipeline__slug__in": ",".join(pipelines),
             "ids_only": 1,
             "incomplete_only": 1,
@@ -115,7 +137,8 @@ async def antenna_problems(
         reply = await client.get("jobs/", "jobs", params)
         if not reply.ok:
             return [f"Antenna at {client.shown()}: listing jobs: {meaning(reply)}"]
-        problems = await _may_post_results(client, reply.body)
+        job = await _a_listed_job(client, params, projects, reply.body)
+        problems = await _may_post_results(client, job, reply.body)
         for project in projects:
             listed = await client.get(f"projects/{project}/pipelines/", "pipelines")
             if not listed.ok:

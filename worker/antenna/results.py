@@ -256,15 +256,26 @@ def _logits_rounded(result: dict[str, Any]) -> dict[str, Any]:
     return _each_classification(result, rounded)
 
 
+def _cut(score: float, top: float) -> float | int:
+    """``score`` cut to 3 decimals: never above it (a float's product can round up a step),
+    and below ``top`` unless both are 0; 0 under a thousandth; a non-finite one as it is."""
+    if not math.isfinite(score):
+        return score
+    if 0 <= score < 1 / _SCORE_STEPS:
+        return 0
+    steps = math.floor(score * _SCORE_STEPS)
+    if steps / _SCORE_STEPS > score or steps / _SCORE_STEPS >= top:
+        steps -= 1
+    return steps / _SCORE_STEPS
+
+
 def _compact(scores: Sequence[float]) -> list[float | int]:
     """Scores cut (not rounded) to 3 decimals, the top one exact: Antenna's save reads
-    ``max(scores)`` and its first index, so no other score may reach the top one."""
+    ``max(scores)`` and its first index, so every other score stays below the top one."""
     if not scores:
         return []
     top = max(range(len(scores)), key=scores.__getitem__)  # the first of the highest
-    out: list[float | int] = [
-        math.floor(s * _SCORE_STEPS) / _SCORE_STEPS if s >= 1 / _SCORE_STEPS else 0 for s in scores
-    ]
+    out = [_cut(s, scores[top]) for s in scores]
     out[top] = scores[top]
     return out
 

@@ -60,7 +60,8 @@ class AntennaSource:
         self.last_refusal: str | None = None  # a 401/403 on reserving: for /healthz and logs
 
     def refusal(self) -> str | None:
-        """Antenna's last 401/403 (listing or reserving): our token, or its permissions."""
+        """Antenna's last 401/403 (listing or reserving): our token, or its permissions; and
+        each project of ``WORKER_ANTENNA__PROJECT_IDS`` whose listing it refused."""
         return self.last_refusal or self._jobs.last_refusal
 
     async def fetch(self, batch: int, runnable: Runnable | None = None) -> list[AntennaDelivery]:

@@ -15,7 +15,8 @@ not started. A pipeline with an active job that says neither is left out (not kn
 with no active job reads 0.
 
 With ``WORKER_ANTENNA__PROJECT_IDS`` only those projects' jobs are counted, listed per project
-as the rotation lists them (``jobs.project_params``).
+as the rotation lists them (``jobs.project_params``); a project whose listing is refused
+(``jobs.project_refusal``: the rotation reports it) is left out, and the others counted.
 
 Cost: one listing per status (and project) and per 100 jobs (``WORKER_ANTENNA__JOBS_LIMIT``)
 at each read.
@@ -26,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from worker.antenna.client import AntennaClient, AntennaUnreachable
-from worker.antenna.jobs import ACTIVE, project_params
+from worker.antenna.jobs import ACTIVE, project_params, project_refusal
 from worker.health.waiting import WaitingRead
 
 _MAX_PAGES = 10  # per status: 1,000 jobs at the default page of 100
@@ -92,11 +93,12 @@ def antenna_waiting_read(
     client: AntennaClient, pipelines: tuple[str, ...], limit: int, projects: tuple[int, ...] = ()
 ) -> WaitingRead:
     """The read ``worker.health.waiting.TasksWaiting`` makes: the active async jobs of
-    ``pipelines``, every page; a refused or unreadable page fails the read."""
+    ``pipelines``, every page, of each project that does not refuse its listing; any other
+    refused or unreadable page fails the read."""
 
-    async def read() -> dict[str, int]:
-        found: dict[int, dict[str, Any]] = {}
-        for project, status in [(p, s) for p in projects or (None,) for s in ACTIVE]:
+    async def listed(project: int | None) -> list[dict[str, Any]]:
+        jobs: list[dict[str, Any]] = []
+        for status in ACTIVE:
             for page in range(_MAX_PAGES):
                 params: dict[str, object] = {
                     "pipeline__slug__in": ",".join(pipelines),
@@ -109,14 +111,21 @@ def antenna_waiting_read(
                     **project_params(project),
                 }
                 reply = await client.get("jobs/", "jobs", params)
+                if project_refusal(project, reply) is not None:
+                    return []  # the rotation names the project
                 if not reply.ok or not isinstance(reply.body, dict):
                     raise AntennaUnreachable(f"listing jobs: {reply.why()}")
                 results = reply.body.get("results") or []
-                for job in results:
-                    if isinstance(job, dict) and isinstance(job.get("id"), int):
-                        found.setdefault(job["id"], job)
+                jobs += [j for j in results if isinstance(j, dict) and isinstance(j.get("id"), int)]
                 if not (results and reply.body.get("next")):
                     break
+        return jobs
+
+    async def read() -> dict[str, int]:
+        found: dict[int, dict[str, Any]] = {}
+        for project in projects or (None,):
+            for job in await listed(project):
+                found.setdefault(job["id"], job)
         return waiting_by_pipeline(list(found.values()), pipelines)
 
     return read

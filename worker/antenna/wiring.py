@@ -128,8 +128,8 @@ class AntennaParts:
             self.catalog.add(pipeline_entry(self._pipelines[pipeline], runner.algorithms()))
 
     def unserved(self) -> str | None:
-        """Why no task could be asked for: the token refused now, or no listing of the jobs
-        answered since the start (unreachable, or answering errors)."""
+        """Why no task could be asked for: the token or a project's listing refused now, or
+        no listing of the jobs answered since the start (unreachable, or answering errors)."""
         refusal = self.source.refusal()
         if refusal:
             return f"Antenna refused: {refusal}"
@@ -152,8 +152,9 @@ class AntennaParts:
         return SourceHealth(since is None, down_s)
 
     def problem(self) -> str | None:
-        """Why /healthz should answer 503: Antenna refusing our token, or unreachable for
-        longer than ``WORKER_HEALTH__DISCONNECTED_TIMEOUT_S``."""
+        """Why /readyz should answer 503: Antenna refusing our token or a project's listing
+        (the other projects served meanwhile), or unreachable for longer than
+        ``WORKER_HEALTH__DISCONNECTED_TIMEOUT_S``."""
         refusal = self.source.refusal()
         if refusal:
             return f"Antenna refused: {refusal}"
