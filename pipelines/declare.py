@@ -84,6 +84,9 @@ class Classifier:
     preprocess: Preprocess = field(default_factory=Preprocess)
     # As a filter before another classifier: crops whose top label is one of these go on.
     keep: tuple[str, ...] = ()
+    # As a filter: whether its label on a crop it does not keep is marked terminal (the crop's
+    # last word). AMI's ``ami worker`` marks its filter's label non-terminal on every crop.
+    dropped_terminal: bool = True
     checkpoint_entry: str | None = None
     registered: Registered | None = None
 

@@ -262,6 +262,7 @@ def _classifier(
         labels=mirrored(model.labels, files_mirror),
         preprocess=Preprocess(model.size, "squash", model.mean, model.std, resize_in="float"),
         keep=keep,
+        dropped_terminal=not keep,  # ami worker: the filter's label is never terminal
         weights_digest=model.weights_digest if published else None,
         checkpoint_entry=STATE_DICT_ENTRY,
         registered=_registered(model),

@@ -134,6 +134,7 @@ def test_each_slug_resolves_to_amis_stages(slug: str) -> None:
         assert pipeline.filter is not None
         f = pipeline.filter
         assert (f.key, f.architecture, f.keep) == ("moth_nonmoth_classifier", "resnet50", ("moth",))
+        assert f.dropped_terminal is False  # ami worker: the filter's label is never terminal
         assert (f.preprocess.size, f.preprocess.mean, f.preprocess.std) == (128, *IMAGENET)
     else:
         assert pipeline.filter is None
