@@ -239,11 +239,17 @@ class DetectorModel:
         return self.cleaned(images, rows.cpu(), counts)
 
     def forward(self, images: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """The forward pass; its outputs stay on the device (see ``rows``)."""
+        """The forward pass; its outputs stay on the device (see ``rows``). With
+        ``sizes_apart``, images of different sizes go through the model in separate calls."""
+        groups = _by_size(images) if self.stage.sizes_apart else [list(range(len(images)))]
+        outputs: list[dict[str, torch.Tensor]] = [{} for _ in images]
         with torch.inference_mode():
             batch = [image.to(self.device).float().div_(255.0) for image in images]
             with autocast(self.device, self.precision):
-                outputs: list[dict[str, torch.Tensor]] = self.model(batch)
+                for group in groups:
+                    found = self.model([batch[i] for i in group])
+                    for i, out in zip(group, found, strict=True):
+                        outputs[i] = out
         return outputs
 
     @staticmethod
@@ -280,6 +286,14 @@ class DetectorModel:
     def label(self, index: int) -> str:
         labels = self.algorithm.labels
         return labels[index - 1] if 1 <= index <= len(labels) else str(index)
+
+
+def _by_size(images: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``images`` grouped by (height, width), in first-seen order."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, image in enumerate(images):
+        groups.setdefault((int(image.shape[-2]), int(image.shape[-1])), []).append(i)
+    return list(groups.values())
 
 
 def _as_rows(out: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:

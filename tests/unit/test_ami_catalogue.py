@@ -129,6 +129,7 @@ def test_each_slug_resolves_to_amis_stages(slug: str) -> None:
     assert (detector.score_threshold, detector.max_detections) == (0.8, 500)
     assert (detector.min_size, detector.max_size, detector.labels) == (800, 1333, ("object",))
     assert detector.whole_pixel_boxes and detector.checkpoint_entry == "model_state_dict"
+    assert detector.sizes_apart  # boxes independent of batch-mates
     assert detector.weights == BASE + "moths/localization/fasterrcnn_resnet50_fpn_tz53qv9v.pt"
     if filtered:
         assert pipeline.filter is not None
@@ -394,6 +395,38 @@ def test_the_same_stage_in_two_pipelines_is_loaded_once(tmp_path: Path) -> None:
 class _NoDetector(torch.nn.Module):
     def forward(self, images: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         raise AssertionError("not run: cleaned() is given the rows")
+
+
+class _Padding(torch.nn.Module):
+    """Like torchvision's detectors, sees its batch padded to the largest image: one box per
+    image, at the padded batch's middle."""
+
+    def forward(self, images: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        height = max(int(i.shape[-2]) for i in images)
+        width = max(int(i.shape[-1]) for i in images)
+        box = torch.tensor([[width / 4, height / 4, width / 2, height / 2]])
+        found = {"boxes": box, "scores": torch.tensor([0.9]), "labels": torch.tensor([1])}
+        return [dict(found) for _ in images]
+
+
+@pytest.mark.parametrize("apart", [True, False])
+def test_sizes_apart_gives_each_image_the_boxes_it_gets_alone(apart: bool) -> None:
+    from pipelines.declare import Detector
+    from pipelines.models import DetectorModel
+
+    stage = Detector("d", architecture=lambda _n: _Padding(), sizes_apart=apart)
+    model = DetectorModel(stage, SourceConfig(), torch.device("cpu"))
+    small, large = (torch.zeros((3, h, w), dtype=torch.uint8) for h, w in ((40, 50), (60, 90)))
+    alone = model.detect([small])[0].boxes.tolist()
+
+    together = model.detect([small, large, small])
+
+    assert alone == [[12.5, 10.0, 25.0, 20.0]]
+    assert together[1].boxes.tolist() == [[22.5, 15.0, 45.0, 30.0]]
+    if apart:
+        assert together[0].boxes.tolist() == together[2].boxes.tolist() == alone
+    else:  # the small images' boxes moved by the padding
+        assert together[0].boxes.tolist() == [[22.5, 15.0, 45.0, 30.0]] != alone
 
 
 @pytest.mark.parametrize(("whole", "expected"), [(True, [10.0, 5.0, 30.0, 20.0]), (False, None)])
