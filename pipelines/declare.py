@@ -112,6 +112,9 @@ class Detector:
     # Images of different sizes detected in separate calls: torchvision pads a batch to its
     # largest image, which changes a smaller image's boxes; apart, each gets its own alone.
     sizes_apart: bool = False
+    # Batch norms computed as torchvision's FrozenBatchNorm2d, as a detector built with a
+    # pretrained backbone has them (the same function; other float rounding).
+    frozen_batch_norms: bool = False
     checkpoint_entry: str | None = None
     registered: Registered | None = None
 

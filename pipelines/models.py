@@ -226,6 +226,8 @@ class DetectorModel:
         }
         num_classes = stage.num_classes or len(labels) + 1
         model, sha256, _exported = _load(stage, num_classes, files, **options)
+        if stage.frozen_batch_norms:
+            model = freeze_batch_norms(model)
         self.model = model.eval().to(device)
         self.algorithm = Algorithm(
             stage.key, stage.name or stage.key, "detection", sha256, labels, stage.registered
@@ -331,6 +333,26 @@ def fold_batch_norms(module: nn.Module) -> nn.Module:
                     child[i] = fuse_conv_bn_eval(conv, norm)
                     child[i + 1] = nn.Identity()
         fold_batch_norms(child)
+    return module
+
+
+def freeze_batch_norms(module: nn.Module) -> nn.Module:
+    """Every BatchNorm2d replaced by torchvision's FrozenBatchNorm2d holding its statistics: the
+    same function, computed as torchvision's pretrained-backbone detectors compute it (scale and
+    shift, not ``batch_norm``), so to the bit as a model built that way."""
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    for name, child in module.named_children():
+        if isinstance(child, nn.BatchNorm2d) and child.track_running_stats and child.affine:
+            frozen = FrozenBatchNorm2d(child.num_features, eps=child.eps)
+            with torch.no_grad():
+                frozen.weight.copy_(child.weight)
+                frozen.bias.copy_(child.bias)
+                frozen.running_mean.copy_(child.running_mean)
+                frozen.running_var.copy_(child.running_var)
+            setattr(module, name, frozen.to(child.weight.device))
+        else:
+            freeze_batch_norms(child)
     return module
 
 

@@ -130,6 +130,7 @@ def test_each_slug_resolves_to_amis_stages(slug: str) -> None:
     assert (detector.min_size, detector.max_size, detector.labels) == (800, 1333, ("object",))
     assert detector.whole_pixel_boxes and detector.checkpoint_entry == "model_state_dict"
     assert detector.sizes_apart  # boxes independent of batch-mates
+    assert detector.frozen_batch_norms  # as AMI's pretrained-backbone build has them
     assert detector.weights == BASE + "moths/localization/fasterrcnn_resnet50_fpn_tz53qv9v.pt"
     if filtered:
         assert pipeline.filter is not None
@@ -395,6 +396,31 @@ def test_the_same_stage_in_two_pipelines_is_loaded_once(tmp_path: Path) -> None:
 class _NoDetector(torch.nn.Module):
     def forward(self, images: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         raise AssertionError("not run: cleaned() is given the rows")
+
+
+def test_frozen_batch_norms_compute_scale_and_shift_as_a_pretrained_backbone_does() -> None:
+    from pipelines.models import freeze_batch_norms
+
+    torch.manual_seed(0)
+    norm = torch.nn.BatchNorm2d(4).eval()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 2.0)
+        norm.bias.uniform_(-1.0, 1.0)
+        norm.running_mean.uniform_(-1.0, 1.0)
+        norm.running_var.uniform_(0.1, 3.0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), norm)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        features = model[0](x)
+        # torchvision's FrozenBatchNorm2d arithmetic, written out
+        scale = norm.weight * (norm.running_var + norm.eps).rsqrt()
+        shift = norm.bias - norm.running_mean * scale
+        expected = features * scale[None, :, None, None] + shift[None, :, None, None]
+
+        frozen = freeze_batch_norms(model)
+
+        assert type(frozen[1]).__name__ == "FrozenBatchNorm2d"
+        assert torch.equal(frozen(x), expected)
 
 
 class _Padding(torch.nn.Module):
