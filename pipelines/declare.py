@@ -84,6 +84,9 @@ class Classifier:
     preprocess: Preprocess = field(default_factory=Preprocess)
     # As a filter before another classifier: crops whose top label is one of these go on.
     keep: tuple[str, ...] = ()
+    # As a filter: whether its label on a crop it does not keep is marked terminal (the crop's
+    # last word). AMI's ``ami worker`` marks its filter's label non-terminal on every crop.
+    dropped_terminal: bool = True
     checkpoint_entry: str | None = None
     registered: Registered | None = None
 
@@ -106,6 +109,12 @@ class Detector:
     max_size: int = 1333
     # Boxes truncated to whole pixels (toward zero) before they are reported and cut.
     whole_pixel_boxes: bool = False
+    # Images of different sizes detected in separate calls: torchvision pads a batch to its
+    # largest image, which changes a smaller image's boxes; apart, each gets its own alone.
+    sizes_apart: bool = False
+    # Batch norms computed as torchvision's FrozenBatchNorm2d, as a detector built with a
+    # pretrained backbone has them (the same function; other float rounding).
+    frozen_batch_norms: bool = False
     checkpoint_entry: str | None = None
     registered: Registered | None = None
 

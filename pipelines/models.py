@@ -228,6 +228,8 @@ class DetectorModel:
         }
         num_classes = stage.num_classes or len(labels) + 1
         model, sha256, _exported = _load(stage, num_classes, files, **options)
+        if stage.frozen_batch_norms:
+            model = freeze_batch_norms(model)
         self.model = model.eval().to(device)
         self.algorithm = Algorithm(
             stage.key, stage.name or stage.key, "detection", sha256, labels, stage.registered
@@ -241,11 +243,17 @@ class DetectorModel:
         return self.cleaned(images, rows.cpu(), counts)
 
     def forward(self, images: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """The forward pass; its outputs stay on the device (see ``rows``)."""
+        """The forward pass; its outputs stay on the device (see ``rows``). With
+        ``sizes_apart``, images of different sizes go through the model in separate calls."""
+        groups = _by_size(images) if self.stage.sizes_apart else [list(range(len(images)))]
+        outputs: list[dict[str, torch.Tensor]] = [{} for _ in images]
         with torch.inference_mode():
             batch = [image.to(self.device).float().div_(255.0) for image in images]
             with autocast(self.device, self.precision):
-                outputs: list[dict[str, torch.Tensor]] = self.model(batch)
+                for group in groups:
+                    found = self.model([batch[i] for i in group])
+                    for i, out in zip(group, found, strict=True):
+                        outputs[i] = out
         return outputs
 
     @staticmethod
@@ -284,6 +292,14 @@ class DetectorModel:
         return labels[index - 1] if 1 <= index <= len(labels) else str(index)
 
 
+def _by_size(images: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``images`` grouped by (height, width), in first-seen order."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, image in enumerate(images):
+        groups.setdefault((int(image.shape[-2]), int(image.shape[-1])), []).append(i)
+    return list(groups.values())
+
+
 def _as_rows(out: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
     """One image's detections as (K, 6) float32 on ``device``: x1 y1 x2 y2, score, label (a
     model may leave some outputs on another device, an empty one on the host say)."""
@@ -319,6 +335,26 @@ def fold_batch_norms(module: nn.Module) -> nn.Module:
                     child[i] = fuse_conv_bn_eval(conv, norm)
                     child[i + 1] = nn.Identity()
         fold_batch_norms(child)
+    return module
+
+
+def freeze_batch_norms(module: nn.Module) -> nn.Module:
+    """Every BatchNorm2d replaced by torchvision's FrozenBatchNorm2d holding its statistics: the
+    same function, computed as torchvision's pretrained-backbone detectors compute it (scale and
+    shift, not ``batch_norm``), so to the bit as a model built that way."""
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    for name, child in module.named_children():
+        if isinstance(child, nn.BatchNorm2d) and child.track_running_stats and child.affine:
+            frozen = FrozenBatchNorm2d(child.num_features, eps=child.eps)
+            with torch.no_grad():
+                frozen.weight.copy_(child.weight)
+                frozen.bias.copy_(child.bias)
+                frozen.running_mean.copy_(child.running_mean)
+                frozen.running_var.copy_(child.running_var)
+            setattr(module, name, frozen.to(child.weight.device))
+        else:
+            freeze_batch_norms(child)
     return module
 
 

@@ -263,6 +263,7 @@ class Runner:
         if self.filter is not None:
             assert self.pipeline.filter is not None
             keep = set(self.pipeline.filter.keep)
+            dropped_terminal = self.pipeline.filter.dropped_terminal
             terminal_alone = self.classifier is None
             passed = []
             logits, each_s = self._crop_logits(
@@ -272,7 +273,8 @@ class Runner:
             for crop, row in zip(crops, logits, strict=True):
                 top = labels[int(row.argmax())]
                 goes_on = top in keep and not terminal_alone
-                entry = self._classification(self.filter, row, each_s, not goes_on)
+                terminal = terminal_alone or (not goes_on and dropped_terminal)
+                entry = self._classification(self.filter, row, each_s, terminal)
                 crop.classifications.append(entry)
                 if goes_on:
                     passed.append(crop)

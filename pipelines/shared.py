@@ -3,8 +3,8 @@ labels, preprocessing) on the same device and precision is loaded once, however 
 pipelines use it (AMI's catalogue: one detector and one moth / non-moth filter for all).
 
 A loaded stage lives while a pipeline's runner holds it (weak references here), so unloading
-the last pipeline that uses it frees it. A filter's ``keep`` is the pipeline's, not the
-stage's: stages differing only in it are the same model.
+the last pipeline that uses it frees it. A filter's ``keep`` and ``dropped_terminal`` are the
+pipeline's, not the stage's: stages differing only in them are the same model.
 """
 
 from __future__ import annotations
@@ -38,9 +38,8 @@ def classifier(
     stage: Classifier, sources: SourceConfig, where: torch.device, precision: str, *more: Any
 ) -> ClassifierModel:
     """The loaded ``stage`` (its ``keep`` checked against its labels)."""
-    model: ClassifierModel = _shared(
-        ClassifierModel, dataclasses.replace(stage, keep=()), sources, where, precision, *more
-    )
+    as_model = dataclasses.replace(stage, keep=(), dropped_terminal=True)
+    model: ClassifierModel = _shared(ClassifierModel, as_model, sources, where, precision, *more)
     unknown = [label for label in stage.keep if label not in model.algorithm.labels]
     if unknown:
         raise ConfigError(f"stage {stage.key!r} keeps labels it does not have: {unknown}")

@@ -245,6 +245,8 @@ def _detector(files_mirror: str, published: bool) -> Detector:
         score_threshold=DETECTOR_SCORE_THRESHOLD,
         max_detections=DETECTOR_MAX_DETECTIONS,
         whole_pixel_boxes=True,
+        frozen_batch_norms=True,  # AMI builds it with a pretrained backbone: frozen norms
+        sizes_apart=True,  # boxes independent of batch-mates, as AMI's detector gives alone
         checkpoint_entry=STATE_DICT_ENTRY,
         registered=_registered(DETECTOR),
     )
@@ -262,6 +264,7 @@ def _classifier(
         labels=mirrored(model.labels, files_mirror),
         preprocess=Preprocess(model.size, "squash", model.mean, model.std, resize_in="float"),
         keep=keep,
+        dropped_terminal=not keep,  # ami worker: the filter's label is never terminal
         weights_digest=model.weights_digest if published else None,
         checkpoint_entry=STATE_DICT_ENTRY,
         registered=_registered(model),

@@ -129,11 +129,14 @@ def test_each_slug_resolves_to_amis_stages(slug: str) -> None:
     assert (detector.score_threshold, detector.max_detections) == (0.8, 500)
     assert (detector.min_size, detector.max_size, detector.labels) == (800, 1333, ("object",))
     assert detector.whole_pixel_boxes and detector.checkpoint_entry == "model_state_dict"
+    assert detector.sizes_apart  # boxes independent of batch-mates
+    assert detector.frozen_batch_norms  # as AMI's pretrained-backbone build has them
     assert detector.weights == BASE + "moths/localization/fasterrcnn_resnet50_fpn_tz53qv9v.pt"
     if filtered:
         assert pipeline.filter is not None
         f = pipeline.filter
         assert (f.key, f.architecture, f.keep) == ("moth_nonmoth_classifier", "resnet50", ("moth",))
+        assert f.dropped_terminal is False  # ami worker: the filter's label is never terminal
         assert (f.preprocess.size, f.preprocess.mean, f.preprocess.std) == (128, *IMAGENET)
     else:
         assert pipeline.filter is None
@@ -393,6 +396,63 @@ def test_the_same_stage_in_two_pipelines_is_loaded_once(tmp_path: Path) -> None:
 class _NoDetector(torch.nn.Module):
     def forward(self, images: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         raise AssertionError("not run: cleaned() is given the rows")
+
+
+def test_frozen_batch_norms_compute_scale_and_shift_as_a_pretrained_backbone_does() -> None:
+    from pipelines.models import freeze_batch_norms
+
+    torch.manual_seed(0)
+    norm = torch.nn.BatchNorm2d(4).eval()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 2.0)
+        norm.bias.uniform_(-1.0, 1.0)
+        norm.running_mean.uniform_(-1.0, 1.0)
+        norm.running_var.uniform_(0.1, 3.0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), norm)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        features = model[0](x)
+        # torchvision's FrozenBatchNorm2d arithmetic, written out
+        scale = norm.weight * (norm.running_var + norm.eps).rsqrt()
+        shift = norm.bias - norm.running_mean * scale
+        expected = features * scale[None, :, None, None] + shift[None, :, None, None]
+
+        frozen = freeze_batch_norms(model)
+
+        assert type(frozen[1]).__name__ == "FrozenBatchNorm2d"
+        assert torch.equal(frozen(x), expected)
+
+
+class _Padding(torch.nn.Module):
+    """Like torchvision's detectors, sees its batch padded to the largest image: one box per
+    image, at the padded batch's middle."""
+
+    def forward(self, images: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        height = max(int(i.shape[-2]) for i in images)
+        width = max(int(i.shape[-1]) for i in images)
+        box = torch.tensor([[width / 4, height / 4, width / 2, height / 2]])
+        found = {"boxes": box, "scores": torch.tensor([0.9]), "labels": torch.tensor([1])}
+        return [dict(found) for _ in images]
+
+
+@pytest.mark.parametrize("apart", [True, False])
+def test_sizes_apart_gives_each_image_the_boxes_it_gets_alone(apart: bool) -> None:
+    from pipelines.declare import Detector
+    from pipelines.models import DetectorModel
+
+    stage = Detector("d", architecture=lambda _n: _Padding(), sizes_apart=apart)
+    model = DetectorModel(stage, SourceConfig(), torch.device("cpu"))
+    small, large = (torch.zeros((3, h, w), dtype=torch.uint8) for h, w in ((40, 50), (60, 90)))
+    alone = model.detect([small])[0].boxes.tolist()
+
+    together = model.detect([small, large, small])
+
+    assert alone == [[12.5, 10.0, 25.0, 20.0]]
+    assert together[1].boxes.tolist() == [[22.5, 15.0, 45.0, 30.0]]
+    if apart:
+        assert together[0].boxes.tolist() == together[2].boxes.tolist() == alone
+    else:  # the small images' boxes moved by the padding
+        assert together[0].boxes.tolist() == [[22.5, 15.0, 45.0, 30.0]] != alone
 
 
 @pytest.mark.parametrize(("whole", "expected"), [(True, [10.0, 5.0, 30.0, 20.0]), (False, None)])

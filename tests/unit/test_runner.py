@@ -72,6 +72,31 @@ def test_the_filter_decides_which_crops_go_on_to_the_classifier(toy):
     assert all(d["algorithm"] == {"name": "Bright boxes", "key": "bright-boxes"} for d in by_x)
 
 
+def test_a_filter_whose_dropped_label_is_not_terminal_marks_no_filter_label_terminal(toy):
+    # AMI's rule (ami worker): the moth / non-moth label is never terminal, kept or not.
+    import dataclasses
+
+    declared = resolve("toy_moths:moths")
+    assert declared.filter is not None
+    pipeline = dataclasses.replace(
+        declared, filter=dataclasses.replace(declared.filter, dropped_terminal=False)
+    )
+    runner = load_runner(pipeline, SourceConfig(), "cpu")
+    image = decode(rectangles_bytes(1600, 1000, TRUTH, fmt="PNG"), DecodePlan(max_side=4096))
+
+    (detections,) = runner.run([image])
+
+    chains = [
+        [(c["algorithm"]["key"], c["classification"], c["terminal"]) for c in d["classifications"]]
+        for d in sorted(detections, key=lambda d: d["bbox"]["x1"])
+    ]
+    assert chains == [
+        [("colour-filter", "red", False), ("colour", "reddish", True)],
+        [("colour-filter", "green", False), ("colour", "greenish", True)],
+        [("colour-filter", "blue", False)],  # not kept, and still not terminal
+    ]
+
+
 def test_a_classifier_alone_gives_one_detection_without_a_box(tmp_path):
     weights = save_classifier("mobilenet_v3_small", ["a", "b", "c"], str(tmp_path))
     pipeline = resolve("mobilenet-v3-small-classifier", weights)
