@@ -1,7 +1,7 @@
 """AMI's ``quebec_vermont_moths_2023`` on a job of 1080p and 4K JPEGs through the fake Antenna.
 
     .venv/bin/python -m bench.ami [--mirror DIR] [--images 60] [--k4-every 4]
-                                  [--images-dir DIR] [--smoke]
+                                  [--images-dir DIR] [--set WORKER_X=Y ...] [--smoke]
 
 ``--mirror``: AMI's model files (weights and category maps) laid out as under AMI's base URL
 (``WORKER_MODEL__FILES_MIRROR``), e.g. the random weights ADC was run with beside it; without
@@ -140,13 +140,15 @@ def _jpegs(images: int, k4_every: int, given: Path | None) -> list[bytes]:
     return [image_bytes(width, height, seed=n) for n, (width, height) in enumerate(sizes)]
 
 
-def run_job(mirror: Path, jpegs: list[bytes], cache: Path) -> dict[str, Any]:
+def run_job(
+    mirror: Path, jpegs: list[bytes], cache: Path, settings: dict[str, str]
+) -> dict[str, Any]:
     antenna = FakeAntenna(token=TOKEN)
     images = len(jpegs)
     for n, data in enumerate(jpegs):
         antenna.images[f"{n}.jpg"] = data
     with antenna.running():
-        env = _environment(antenna, mirror, cache)
+        env = {**_environment(antenna, mirror, cache), **settings}
         done = subprocess.run(
             [sys.executable, "-m", "worker", "register"], env=env, capture_output=True,
             text=True, timeout=600,
@@ -191,16 +193,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--images", type=int, default=60)
     parser.add_argument("--k4-every", type=int, default=4)
     parser.add_argument("--images-dir", type=Path, default=None, help="JPEGs to serve instead")
-    parser.add_argument("--smoke", action="store_true", help="4 images (the test suite's)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="WORKER_X=Y", help="a setting for the run"
+    )
+    parser.add_argument("--name", default="ami", help="results file name (bench/results/NAME.json)")
+    parser.add_argument("--smoke", action="store_true", help="2 images (the test suite's)")
     args = parser.parse_args(argv)
-    images = 4 if args.smoke else args.images
+    images = 2 if args.smoke else args.images
     with tempfile.TemporaryDirectory(prefix="bench-ami-") as scratch:
         mirror = args.mirror or _random_mirror(Path(scratch))
         jpegs = _jpegs(images, max(1, args.k4_every), args.images_dir)
-        result = run_job(mirror, jpegs, Path(scratch) / "cache")
+        settings = dict(item.split("=", 1) for item in args.set)
+        result = run_job(mirror, jpegs, Path(scratch) / "cache", settings)
     weights = str(args.mirror) if args.mirror else "random (tests/ami_files.py)"
     payload = {**stamp("ami", argv), "machine": machine(), "pipeline": SLUG, "weights": weights}
-    save("ami", {**payload, **result}, echo=True)
+    payload["settings"] = dict(item.split("=", 1) for item in args.set)
+    save(args.name, {**payload, **result}, echo=True)
 
 
 if __name__ == "__main__":

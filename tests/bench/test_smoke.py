@@ -145,3 +145,12 @@ def test_many_jobs_answers_every_one_task_job_and_deletes_their_consumers(tmp_pa
     assert result["jobs"] == 20
     assert result["consumers_made"] > 0 and result["consumers_refused"] == 0
     assert result["consumers_after"] <= 2
+
+
+def test_ami_saves_every_image_of_an_ami_job_once_with_its_boxes_classified(tmp_path):
+    """bench.ami: quebec_vermont_moths_2023 from random weights in ADC's layouts, a 4K and a
+    1080p image through the fake Antenna; it exits 1 unless each was saved once with boxes,
+    each classified."""
+    result = saved(run_smoke("ami", tmp_path))
+    assert result["images"] == 2 and result["outcomes"] == {"ok": 2, "failed": {}}
+    assert result["pipeline"] == "quebec_vermont_moths_2023"
