@@ -103,30 +103,41 @@ def _first_reservation(antenna: FakeAntenna, stop: threading.Event) -> list[floa
     return seen
 
 
-def _run(env: dict[str, str]) -> tuple[float, float, int]:
-    """``worker run --until-idle``: (wall seconds, CPU seconds of it and its reaped children,
-    peak summed RSS of its process tree in bytes)."""
+def _run(env: dict[str, str], processes: int) -> tuple[float, float, int]:
+    """``processes`` x ``worker run --until-idle`` on the one job, as supervisord's
+    ``numprocs`` would run them (``WORKER_PROCESS_INDEX`` 0..n-1): (wall seconds, CPU seconds
+    of them and their reaped children, peak summed RSS of their process trees in bytes)."""
     started = time.perf_counter()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "worker", "run", "--until-idle"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    with PeakRss(pids=tree(process.pid)) as rss:
-        try:
-            _, err = process.communicate(timeout=RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.communicate()
-            raise BenchmarkFailed(f"worker run did not end within {RUN_TIMEOUT_S} s") from None
-    if process.returncode != 0:
-        raise BenchmarkFailed(f"worker run exited {process.returncode}: {err[-2000:]}")
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "worker", "run", "--until-idle"],
+            env={**env, "WORKER_PROCESS_INDEX": str(index)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for index in range(processes)
+    ]
+    trees = [tree(run.pid) for run in runs]
+    with PeakRss(pids=lambda: [pid for pids in trees for pid in pids()]) as rss:
+        errors = [_ended(run) for run in runs]
+    for run, err in zip(runs, errors, strict=True):
+        if run.returncode != 0:
+            raise BenchmarkFailed(f"worker run exited {run.returncode}: {err[-2000:]}")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = sum(getattr(after, f) - getattr(before, f) for f in ("ru_utime", "ru_stime"))
     return time.perf_counter() - started, cpu_s, rss.peak_bytes
+
+
+def _ended(run: subprocess.Popen[str]) -> str:
+    """``run``'s stderr once it has ended; killed past ``RUN_TIMEOUT_S``."""
+    try:
+        return run.communicate(timeout=RUN_TIMEOUT_S)[1]
+    except subprocess.TimeoutExpired:
+        run.kill()
+        run.communicate()
+        raise BenchmarkFailed(f"worker run did not end within {RUN_TIMEOUT_S} s") from None
 
 
 def _jpegs(images: int, k4_every: int, given: Path | None) -> list[bytes]:
@@ -141,7 +152,7 @@ def _jpegs(images: int, k4_every: int, given: Path | None) -> list[bytes]:
 
 
 def run_job(
-    mirror: Path, jpegs: list[bytes], cache: Path, settings: dict[str, str]
+    mirror: Path, jpegs: list[bytes], cache: Path, settings: dict[str, str], processes: int = 1
 ) -> dict[str, Any]:
     antenna = FakeAntenna(token=TOKEN)
     images = len(jpegs)
@@ -161,7 +172,7 @@ def run_job(
         )
         stop = threading.Event()
         first = _first_reservation(antenna, stop)
-        wall_s, cpu_s, peak_bytes = _run(env)
+        wall_s, cpu_s, peak_bytes = _run(env, processes)
         stop.set()
         job = antenna.jobs[job_id]
         outcomes = _checked(job, tasks)
@@ -170,6 +181,7 @@ def run_job(
     span_s = max(job.result_times) - first[0]
     return {
         "images": images,
+        "processes": processes,
         "jpeg_mib": round(sum(len(data) for data in jpegs) / 2**20, 1),
         "outcomes": outcomes.summary(),
         "serving_images_per_s": round(images / span_s, 3),
@@ -196,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--set", action="append", default=[], metavar="WORKER_X=Y", help="a setting for the run"
     )
+    parser.add_argument("--processes", type=int, default=1, help="workers on the job (numprocs)")
     parser.add_argument("--name", default="ami", help="results file name (bench/results/NAME.json)")
     parser.add_argument("--smoke", action="store_true", help="2 images (the test suite's)")
     args = parser.parse_args(argv)
@@ -204,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         mirror = args.mirror or _random_mirror(Path(scratch))
         jpegs = _jpegs(images, max(1, args.k4_every), args.images_dir)
         settings = dict(item.split("=", 1) for item in args.set)
-        result = run_job(mirror, jpegs, Path(scratch) / "cache", settings)
+        result = run_job(mirror, jpegs, Path(scratch) / "cache", settings, max(1, args.processes))
     weights = str(args.mirror) if args.mirror else "random (tests/ami_files.py)"
     payload = {**stamp("ami", argv), "machine": machine(), "pipeline": SLUG, "weights": weights}
     payload["settings"] = dict(item.split("=", 1) for item in args.set)
