@@ -82,6 +82,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -641,7 +642,11 @@ class FakeAntenna:
             "status": "accepted",
             "job_id": job.id,
             "results_queued": len(subjects),
-            "tasks": [{"reply_subject": s, "status": "queued"} for s in subjects],
+            # task_id: the id of the background job Antenna queued for the result (a uuid).
+            "tasks": [
+                {"reply_subject": s, "status": "queued", "task_id": str(uuid.uuid4())}
+                for s in subjects
+            ],
         }
 
     def _task_of(self, job: FakeJob, subject: str) -> FakeTask | None:
