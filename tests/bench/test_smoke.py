@@ -137,16 +137,6 @@ def test_antenna_wan_serves_every_task_through_antenna_and_nats_shaped_and_direc
         assert shaped["image_connections_per_task"] < 1
 
 
-def test_many_jobs_answers_every_one_task_job_and_deletes_their_consumers(tmp_path):
-    """bench.many_jobs: every job's task ``ok`` (it exits 1 otherwise), job consumers made and
-    none refused, and none left once the jobs are done (the shared and the new-jobs consumer
-    stay)."""
-    result = saved(run_smoke("many_jobs", tmp_path))
-    assert result["jobs"] == 20
-    assert result["consumers_made"] > 0 and result["consumers_refused"] == 0
-    assert result["consumers_after"] <= 2
-
-
 def test_ami_saves_every_image_of_an_ami_job_once_with_its_boxes_classified(tmp_path):
     """bench.ami: quebec_vermont_moths_2023 from random weights in ADC's layouts, a 4K and a
     1080p image through the fake Antenna; it exits 1 unless each was saved once with boxes,
