@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from datasets.sources import SourceConfig
+from datasets.uris import SourceConfig
 from pipelines.ami import catalogue
 from pipelines.cache import tensor_bytes
 from pipelines.registry import resolve

@@ -37,7 +37,7 @@ from bench.outcomes import BenchmarkFailed, refusing
 from bench.preprocess import scene
 from datasets.images import Decoded, DecodePlan, decode
 from datasets.loader import LoaderConfig, StreamingLoader
-from datasets.sources import SourceConfig
+from datasets.uris import SourceConfig
 from pipelines.declare import Classifier, Detector, Pipeline, Preprocess
 from pipelines.models import save_classifier, save_detector
 from pipelines.response import ResponseFormat

@@ -21,7 +21,7 @@ from bench.common.results import save, stamp
 from bench.common.world import PIPELINE, nats_settings, start_worker, stop_worker, upload, world
 from bench.outcomes import BenchmarkFailed, refusing
 from config.settings import NatsSettings
-from worker.commands.client import make_tasks, publish_tasks
+from worker.commands.job_client import make_tasks, publish_tasks
 from worker.commands.localservers import free_port
 
 WAVE = 500

@@ -79,7 +79,7 @@ def upload(w: World, name: str, count: int) -> tuple[list[str], list[int]]:
 
 def loader_case(endpoint: str, uris: list[str], reads: int, runs: int) -> dict[str, Any]:
     from datasets.loader import LoaderConfig, LoadRequest, StreamingLoader
-    from datasets.sources import SourceConfig
+    from datasets.uris import SourceConfig
 
     sources = SourceConfig(
         s3_endpoint_url=endpoint, reads_in_flight=reads, read_timeout_s=5.0, max_attempts=3

@@ -48,7 +48,7 @@ from bench.common.world import World, cycle, start_worker, stop_worker, upload, 
 from bench.outcomes import BenchmarkFailed, Outcomes, refusing
 from config.names import env_name
 from config.settings import NatsSettings, load_settings
-from worker.commands.client import job_results, make_tasks
+from worker.commands.job_client import job_results, make_tasks
 from worker.commands.localservers import free_port
 from worker.health.metrics import PREFIX
 
@@ -126,7 +126,7 @@ def declare(directory: Path, name: str, seed: int, arch: str) -> Declared:
 
 def loaded_bytes(declared: Declared) -> int:
     """What the worker's memory budget counts for this pipeline (loaded here once)."""
-    from datasets.sources import SourceConfig
+    from datasets.uris import SourceConfig
     from pipelines.registry import resolve
     from pipelines.runner import load_runner
 
@@ -320,7 +320,7 @@ def switch(w: World, sizes: Sizes) -> dict[str, Any]:
     """Model switch cost, in-process through the worker's cache: hit, disk, S3 (medians)."""
     from dataclasses import replace
 
-    from datasets.sources import SourceConfig
+    from datasets.uris import SourceConfig
     from pipelines.cache import ModelCache
     from pipelines.registry import resolve
     from pipelines.runner import Runner, load_runner

@@ -120,7 +120,7 @@ class Loader:
 
     def __init__(self, w: World, plan: DecodePlan, shape: Shape) -> None:
         from datasets.loader import LoaderConfig, StreamingLoader
-        from datasets.sources import SourceConfig
+        from datasets.uris import SourceConfig
 
         self.expected = (3, shape.height, shape.width)
         sources = SourceConfig(s3_endpoint_url=w.s3.endpoint_url)
@@ -231,7 +231,7 @@ async def rounds_of(
     meters, and the benchmark process's RSS after the models ran alone."""
     from bench.common.jobs import client, run_job
     from bench.common.world import nats_settings
-    from datasets.sources import SourceConfig
+    from datasets.uris import SourceConfig
     from pipelines.registry import resolve
     from pipelines.runner import DeviceLimits, decode_plan, load_runner
 

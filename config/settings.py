@@ -21,10 +21,10 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from config.cross_checks import settings_problems, worker_problems
 from config.errors import ConfigError
 from config.names import NESTED_DELIMITER, PREFIX, env_name
 from config.redact import redact_url
-from config.rules import settings_problems, worker_problems
 from config.unknown import unknown_settings
 
 

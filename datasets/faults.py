@@ -14,7 +14,7 @@ from typing import Any
 from datasets.images import DecodePlan
 from datasets.loader import Loaded, MakeStream, RequestStream
 from datasets.reads import Read
-from datasets.sources import SourceConfig
+from datasets.uris import SourceConfig
 
 
 def claim_once(path: str) -> bool:

@@ -48,7 +48,7 @@ from datasets import keepalive, processes, rundir
 from datasets.images import Decoded, DecodePlan, decode
 from datasets.reads import Read, ReadPool, ReadStats
 from datasets.semaphores import semlock_names, unlink_names, wait_until_mapped
-from datasets.sources import SourceConfig, read_bytes
+from datasets.uris import SourceConfig, read_bytes
 
 FORKSERVER_PRELOAD = ["torch", "numpy", "PIL.Image", "boto3", "botocore.config", "datasets.loader"]
 _POLL_S = 0.5

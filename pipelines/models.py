@@ -18,7 +18,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 from config.errors import ConfigError, PermanentError
 from config.names import env_name
 from config.redact import redact_url
-from datasets.sources import SourceConfig
+from datasets.uris import SourceConfig
 from pipelines import architectures
 from pipelines.declare import Classifier, Detector, Registered
 from pipelines.device import autocast

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from config.cross_checks import memory_problems, weights_problems
 from config.errors import ConfigError
 from config.names import env_name
-from config.rules import memory_problems, weights_problems
 from config.settings import Settings
 from datasets.images import DecodePlan
 from pipelines.declare import Pipeline

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from config.errors import ConfigError
-from datasets.sources import SourceConfig
+from datasets.uris import SourceConfig
 from pipelines.declare import Classifier, Detector
 from pipelines.models import ClassifierModel, DetectorModel
 

@@ -14,13 +14,13 @@ import nats
 
 from config.errors import Failure, ResultRefused, ResultsUnavailable
 from config.settings import NatsSettings
+from worker.core.outcome import Outcome
+from worker.core.ports import BatchReport
+from worker.core.verdicts import ResultMaker
 from worker.nats.dead_letters import DeadLetters
 from worker.nats.delivery import NatsDelivery
-from worker.nats.rules import NatsRules
+from worker.nats.settle import NatsRules
 from worker.nats.subjects import result_subject
-from worker.outcome import Outcome
-from worker.ports import BatchReport
-from worker.rules import ResultMaker
 
 _seq = iter(range(1, 1_000_000))
 

@@ -15,12 +15,12 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
-from worker.app import WorkerApp
-from worker.commands.client import job_results, make_tasks, publish_tasks
 from worker.commands.demo_images import image_bytes
+from worker.commands.job_client import job_results, make_tasks, publish_tasks
 from worker.commands.localservers import free_port, stop_process
+from worker.core.tasks import Task
 from worker.nats.connection import connect
-from worker.schemas import Task
+from worker.process.app import WorkerApp
 
 SIZES = [(640, 480), (1920, 1080), (300, 500), (1280, 720)]
 
@@ -120,7 +120,7 @@ async def take_back(
     import nats
     import nats.js.errors
 
-    from worker.nats.jobs import job_consumer, job_consumer_config
+    from worker.nats.job_consumers import job_consumer, job_consumer_config
     from worker.nats.subjects import job_tasks_subject, subject_token
 
     durable = settings.nats.consumer

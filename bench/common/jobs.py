@@ -24,7 +24,7 @@ from typing import Any
 from bench.common.world import PIPELINE
 from bench.outcomes import BenchmarkFailed, Outcomes
 from config.settings import NatsSettings
-from worker.commands.client import make_tasks, publish_tasks
+from worker.commands.job_client import make_tasks, publish_tasks
 from worker.nats.subjects import job_results_subject
 
 

@@ -58,7 +58,7 @@ class LoaderAlone:
 
     def __init__(self, w: World, plan: DecodePlan, name: str = "loader alone") -> None:
         from datasets.loader import LoaderConfig, StreamingLoader
-        from datasets.sources import SourceConfig
+        from datasets.uris import SourceConfig
 
         self.plan = plan
         self.name = name
@@ -92,7 +92,7 @@ class ModelAlone:
     """The worker's model on ready uint8 batches, with torch's default threads."""
 
     def __init__(self, w: World) -> None:
-        from datasets.sources import SourceConfig
+        from datasets.uris import SourceConfig
         from pipelines.declare import Classifier
         from pipelines.models import ClassifierModel
 

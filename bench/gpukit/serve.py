@@ -273,7 +273,7 @@ async def serve_job(w: World, device: str, tasks: int, timeout_s: float, log: Pa
     """Weights, the TOML, the images uploaded, the job published, then the worker run."""
     from bench.common.jobs import client
     from bench.common.world import nats_settings
-    from worker.commands.client import job_results, make_tasks, publish_tasks
+    from worker.commands.job_client import job_results, make_tasks, publish_tasks
     from worker.nats.subjects import job_results_subject
 
     pipeline = moths(w.workdir / "weights")

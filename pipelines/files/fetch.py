@@ -6,7 +6,7 @@
   so processes of the host starting together download once; used from there with no network
   while its content fits what is declared or was recorded.
 - Downloads: capped at ``max_bytes`` while reading, one deadline for all attempts
-  (``datasets.sources``: connect and stall timeouts, retries), redirects only to the same
+  (``datasets.uris``: connect and stall timeouts, retries), redirects only to the same
   scheme. A file whose sha256 is not the one declared, or not the one recorded for its URI at
   its first download, is refused (both digests in the message) and nothing of it is kept.
 """
@@ -23,7 +23,7 @@ import structlog
 
 from config.errors import ConfigError, PermanentError
 from config.redact import redact_url
-from datasets.sources import SourceConfig, read_bytes
+from datasets.uris import SourceConfig, read_bytes
 from pipelines.files.digest import Pinned, Wanted, refusal
 from pipelines.files.store import Record, Store, file_sha256
 
@@ -139,7 +139,7 @@ class ModelFiles:
         return fetched, data if keep else b""
 
     def _download(self, uri: str) -> bytes:
-        """The remote file's bytes: the source rules of ``datasets.sources`` with this
+        """The remote file's bytes: the source rules of ``datasets.uris`` with this
         cache's size cap and deadline; the URI's own host may be a private address (the
         operator named it)."""
         config = replace(

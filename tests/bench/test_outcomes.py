@@ -63,7 +63,7 @@ def test_bench_pipelines_refuses_a_job_answered_by_another_model_twice_or_not_at
     weights sha256, labels), once per task; anything else stops the run."""
     from bench.common.jobs import Job
     from bench.pipelines import Declared, check_job
-    from worker.commands.client import make_tasks
+    from worker.commands.job_client import make_tasks
 
     alpha = Declared("alpha", "alpha.toml", tmp_path / "model.pt", "a" * 64)
     uris = ["s3://b/img/1.jpg", "s3://b/img/2.jpg"]

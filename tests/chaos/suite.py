@@ -31,8 +31,8 @@ import psutil
 from config.settings import NatsSettings, load_settings
 from tests.chaos.servers import FlakyS3Proxy, NatsCluster
 from tests.helpers import until_gone, worker_env
-from worker.commands.client import job_results, make_tasks, publish_tasks
 from worker.commands.demo_images import corrupt_bytes, image_bytes, truncated_bytes
+from worker.commands.job_client import job_results, make_tasks, publish_tasks
 from worker.commands.localservers import NatsServer, S3Server
 from worker.nats.connection import connect
 from worker.nats.provision import provision

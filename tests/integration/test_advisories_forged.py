@@ -16,10 +16,10 @@ from nats.js.errors import NotFoundError
 
 from tests.helpers import client, submit
 from worker.nats.advisories import MAX_DELIVER_TYPE, ExhaustedTasks
-from worker.nats.jobs import job_consumer, job_consumer_config
+from worker.nats.job_consumers import job_consumer, job_consumer_config
 from worker.nats.provision import provision
-from worker.nats.results import ResultStore
-from worker.nats.rules import nats_rules
+from worker.nats.result_store import ResultStore
+from worker.nats.settle import nats_rules
 from worker.nats.subjects import (
     advisory_consumer,
     advisory_subject,

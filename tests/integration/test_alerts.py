@@ -33,7 +33,7 @@ from tests.helpers import (
     worker_process,
 )
 from tests.integration.test_job_consumers import fill_consumers, limited_nats, small_images
-from worker.commands.client import make_tasks, publish_tasks
+from worker.commands.job_client import make_tasks, publish_tasks
 from worker.commands.localservers import NatsServer, ServerNotFound, free_port
 
 pytestmark = pytest.mark.integration
@@ -278,7 +278,7 @@ async def test_alive_but_not_consuming_fires_while_its_consumer_is_paused(
 
 async def submit_shared(js, settings, job_id: str, uris: list[str]) -> None:
     """Tasks with the job in the payload, on ``tasks.<pipeline>``: the shared consumer's."""
-    from worker.commands.client import make_tasks
+    from worker.commands.job_client import make_tasks
 
     for task in make_tasks(job_id, uris):
         await publish_raw(js, settings, task.as_dict())

@@ -211,7 +211,7 @@ async def test_a_job_larger_than_the_publish_window_is_stored_once_and_a_failure
 ):
     import nats
 
-    from worker.commands.client import make_tasks, publish_tasks
+    from worker.commands.job_client import make_tasks, publish_tasks
     from worker.nats.provision import provision
 
     settings = settings_for(nats_server.url)
@@ -232,7 +232,7 @@ async def test_a_job_larger_than_the_publish_window_is_stored_once_and_a_failure
 async def test_run_until_idle_serves_what_is_queued_then_exits_0(
     nats_server, s3_server, bucket, settings_for
 ):
-    from worker.commands.client import job_results
+    from worker.commands.job_client import job_results
 
     settings = settings_for(nats_server.url)
     env = worker_env(settings)

@@ -16,7 +16,7 @@ from tests.helpers import (
     wait_results,
     worker_env,
 )
-from worker.nats.jobs import job_consumer, job_consumer_config
+from worker.nats.job_consumers import job_consumer, job_consumer_config
 from worker.nats.provision import provision
 from worker.nats.subjects import job_tasks_subject, subject_token
 
@@ -83,7 +83,7 @@ def n_consumer(settings) -> str:
 async def test_a_job_consumer_made_later_with_other_settings_is_given_ours_at_discovery(
     nats_server, settings_for, capsys
 ):
-    from worker.nats.jobs import JobRotation
+    from worker.nats.job_consumers import JobRotation
 
     settings = settings_for(nats_server.url, nats={"ack_wait_s": 900.0, "max_deliver": 2})
     n, pipeline = settings.nats, settings.model.pipeline

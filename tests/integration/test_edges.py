@@ -9,10 +9,10 @@ import socket
 
 import pytest
 
-from datasets.sources import SourceConfig, read_bytes
+from datasets.uris import SourceConfig, read_bytes
 from tests.helpers import cli, client, submit, worker_env
-from worker.commands.client import job_task_ids
 from worker.commands.demo_images import image_bytes
+from worker.commands.job_client import job_task_ids
 
 pytestmark = pytest.mark.integration
 
@@ -57,7 +57,7 @@ async def test_submitting_a_prefix_again_queues_the_objects_added_since_and_noth
 
 
 async def _task_urls(js, settings) -> list[str]:
-    from worker.commands.client import _read_all
+    from worker.commands.job_client import _read_all
 
     raw = await _read_all(js, settings.nats.tasks_stream, "tasks.>")
     return [json.loads(data)["image_url"] for data in raw]
@@ -105,10 +105,10 @@ async def test_a_forged_max_deliveries_advisory_fails_no_task(nats_server, setti
     from nats.js.errors import NotFoundError
 
     from worker.nats.advisories import ExhaustedTasks
-    from worker.nats.jobs import job_consumer, job_consumer_config
+    from worker.nats.job_consumers import job_consumer, job_consumer_config
     from worker.nats.provision import provision
-    from worker.nats.results import ResultStore
-    from worker.nats.rules import nats_rules
+    from worker.nats.result_store import ResultStore
+    from worker.nats.settle import nats_rules
     from worker.nats.subjects import (
         advisory_consumer,
         advisory_subject,

@@ -22,7 +22,7 @@ from tests.helpers import (
     worker_env,
     worker_process,
 )
-from worker.commands.client import job_results
+from worker.commands.job_client import job_results
 from worker.health.procstats import living
 from worker.nats.provision import provision
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.helpers import client, quiescent, running_worker, upload_images, wait_results
-from worker.commands.client import job_results, make_tasks, publish_tasks
+from worker.commands.job_client import job_results, make_tasks, publish_tasks
 
 pytestmark = pytest.mark.integration
 

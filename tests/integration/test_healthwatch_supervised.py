@@ -25,7 +25,7 @@ from tests.integration.supervisord import GROUP, Supervisord
 from tests.integration.test_job_consumers import _result as job_result
 from tests.integration.test_job_consumers import fill_consumers, limited_nats, small_images
 from tests.integration.test_supervisor import supervised_env
-from worker.commands.client import make_tasks, publish_tasks
+from worker.commands.job_client import make_tasks, publish_tasks
 from worker.commands.localservers import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.supervisord, pytest.mark.slow]

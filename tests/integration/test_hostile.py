@@ -13,7 +13,7 @@ from nats.js.errors import NotFoundError
 
 from tests.helpers import client, consumer_idle, publish_raw, running_worker, upload_images
 from tests.listeners import Listener
-from worker.exits import ExitReason
+from worker.core.exits import ExitReason
 from worker.nats.provision import provision
 from worker.nats.subjects import result_subject
 
@@ -197,7 +197,7 @@ def test_the_s3_deadline_finds_the_socket_under_botocores_body(s3_server, bucket
     """The deadline shuts the S3 socket down; if botocore's layout moves, this says so."""
     import socket
 
-    from datasets.sources import SourceConfig, body_socket, s3_client
+    from datasets.uris import SourceConfig, body_socket, s3_client
 
     (uri,) = upload_images(s3_server.client(), bucket, 1)
     key = uri.split("/", 3)[3]

@@ -21,8 +21,8 @@ from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 
 from tests.helpers import client, running_worker
-from worker.commands.client import make_tasks, publish_tasks
 from worker.commands.demo_images import image_bytes
+from worker.commands.job_client import make_tasks, publish_tasks
 from worker.commands.localservers import find_nats_server, free_port, stop_process, wait_port
 from worker.nats.subjects import result_subject
 
@@ -258,7 +258,7 @@ class _PublishesBeforeTheDelete:
 
 
 async def _job_consumers(js: Any, n: Any) -> dict[str, Any]:
-    from worker.nats.jobs import is_job_consumer
+    from worker.nats.job_consumers import is_job_consumer
 
     infos = await js.consumers_info(n.tasks_stream)
     return {i.name: i for i in infos if is_job_consumer(n, i.name)}
@@ -267,7 +267,7 @@ async def _job_consumers(js: Any, n: Any) -> dict[str, Any]:
 async def test_a_task_published_as_its_consumer_is_deleted_is_served_after_both_processes_stop(
     nats_server, settings_for, monkeypatch
 ):
-    from worker.nats.jobs import job_consumer, job_consumer_config
+    from worker.nats.job_consumers import job_consumer, job_consumer_config
     from worker.nats.lifecycle import JobLifecycle
     from worker.nats.provision import provision
     from worker.nats.subjects import job_tasks_subject, subject_token
@@ -320,7 +320,7 @@ async def test_a_task_published_as_its_consumer_is_deleted_is_served_after_both_
 
 async def _two_quiet_jobs(js: Any, settings: Any) -> tuple[str, str]:
     """Two job consumers with no work, the bound 1 (so a quiet one is due at the next look)."""
-    from worker.nats.jobs import job_consumer, job_consumer_config
+    from worker.nats.job_consumers import job_consumer, job_consumer_config
     from worker.nats.provision import provision
     from worker.nats.subjects import job_tasks_subject, subject_token
 
@@ -412,7 +412,7 @@ class _ListingFailsOnce:
 async def test_a_new_job_read_by_a_failed_discovery_gets_its_consumer_at_the_next(
     nats_server, settings_for
 ):
-    from worker.nats.jobs import JobRotation, job_consumer
+    from worker.nats.job_consumers import JobRotation, job_consumer
     from worker.nats.provision import provision
     from worker.nats.subjects import job_tasks_subject, subject_token
 

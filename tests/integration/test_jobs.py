@@ -18,8 +18,8 @@ from tests.helpers import (
     upload_images,
     wait_results,
 )
-from worker.commands.client import job_results, make_tasks, publish_tasks
 from worker.commands.demo_images import corrupt_bytes
+from worker.commands.job_client import job_results, make_tasks, publish_tasks
 
 pytestmark = pytest.mark.integration
 
@@ -154,7 +154,7 @@ async def test_a_redelivery_whose_result_is_already_stored_is_acked_without_new_
     from worker.nats.connection import connect
     from worker.nats.feed import TaskFeed
     from worker.nats.provision import provision
-    from worker.nats.results import ResultStore
+    from worker.nats.result_store import ResultStore
 
     settings = settings_for(nats_server.url)
     uris = upload_images(s3_server.client(), bucket, 1)
@@ -255,7 +255,7 @@ async def test_tasks_arriving_one_by_one_while_the_model_is_busy_run_as_full_bat
     uris = upload_images(s3_server.client(), bucket, 9)
     async with running_worker(settings) as app, client(settings) as js:
         assert app.engine is not None and app.worker is not None
-        from worker.engine.models import OneModel
+        from worker.engine.predictors import OneModel
 
         gate = GatedPredictor(app.engine.models.acquire(""))
         app.engine.models = OneModel(gate)

@@ -23,7 +23,7 @@ from tests.helpers import (
     worker_env,
     worker_process,
 )
-from worker.commands.client import job_results
+from worker.commands.job_client import job_results
 from worker.nats.connection import connect
 from worker.nats.feed import TaskFeed
 from worker.nats.provision import provision
@@ -94,7 +94,7 @@ async def test_crossing_a_resource_limit_drains_the_worker_and_loses_nothing(
     limited = settings_for(nats_server.url, guards={"max_tree_rss_bytes": 1, "check_interval_s": 0})
     uris = upload_images(s3_server.client(), bucket, 12)
     async with client(limited) as js:
-        from worker.app import WorkerApp
+        from worker.process.app import WorkerApp
 
         app = WorkerApp(limited)
         try:

@@ -11,7 +11,7 @@ import pytest
 
 from pipelines.models import save_classifier
 from tests.helpers import client, running_worker, upload_images, wait_results
-from worker.commands.client import make_tasks, publish_tasks
+from worker.commands.job_client import make_tasks, publish_tasks
 
 pytestmark = pytest.mark.integration
 

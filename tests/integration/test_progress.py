@@ -105,7 +105,7 @@ async def test_watch_off_a_terminal_prints_lines_and_exits_11_when_tasks_are_mis
 async def test_watch_exits_11_when_tasks_are_missing_even_though_one_ended_in_error(
     nats_server, settings_for
 ):
-    from worker.nats.results import ResultStore
+    from worker.nats.result_store import ResultStore
 
     settings = settings_for(nats_server.url)
     env = worker_env(settings)

@@ -38,7 +38,7 @@ from tests.helpers import (
     wait_results,
     worker_env,
 )
-from worker.commands.client import job_results
+from worker.commands.job_client import job_results
 from worker.nats.provision import provision
 
 pytestmark = pytest.mark.integration

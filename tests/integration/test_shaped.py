@@ -102,7 +102,7 @@ def test_throttling_past_the_attempts_is_a_transient_error_and_the_next_read_suc
 ):
     from config.errors import TransientError
     from datasets.budget import Reading
-    from datasets.sources import SourceConfig, read_bytes
+    from datasets.uris import SourceConfig, read_bytes
 
     (uri,) = upload_images(s3_server.client(), bucket, 1)
     with shaped(s3_server, throttle_first=3) as proxy:
@@ -129,7 +129,7 @@ def read_through(shape: Shape, **config):
     transient error it raised), the retries it made, and the network's GETs."""
     from config.errors import TransientError
     from datasets.budget import Reading
-    from datasets.sources import SourceConfig, read_bytes
+    from datasets.uris import SourceConfig, read_bytes
     from tests.listeners import Listener
 
     reading = Reading()

@@ -24,7 +24,7 @@ from tests.helpers import (
     worker_env,
 )
 from tests.integration.supervisord import Supervisord
-from worker.commands.client import job_results
+from worker.commands.job_client import job_results
 
 pytestmark = [pytest.mark.integration, pytest.mark.supervisord, pytest.mark.slow]
 IMAGES = 24

@@ -14,7 +14,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import client, publish_raw, running_worker, submit, upload_images, wait_results
-from worker.commands.client import make_tasks
+from worker.commands.job_client import make_tasks
 from worker.nats.job_names import job_consumer, job_consumer_config
 from worker.nats.subjects import job_tasks_subject, subject_token
 

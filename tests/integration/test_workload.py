@@ -191,9 +191,9 @@ async def test_a_result_over_the_message_size_is_stored_whole(
 async def test_a_second_run_of_a_task_leaves_its_stored_large_response_readable(
     nats_server, settings_for
 ):
-    from worker.commands.client import job_results
+    from worker.commands.job_client import job_results
     from worker.nats.provision import provision
-    from worker.nats.results import ResultStore
+    from worker.nats.result_store import ResultStore
 
     settings = settings_for(nats_server.url)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from config.errors import ConfigError
-from datasets.sources import SourceConfig
+from datasets.uris import SourceConfig
 from pipelines import shared
 from pipelines.ami import catalogue, layouts
 from pipelines.ami.category_map import labels_of
@@ -28,7 +28,7 @@ from tests.ami_files import (
     labels_by_index,
     species_map,
 )
-from worker.antenna.results import AntennaPipeline, antenna_key
+from worker.antenna.render import AntennaPipeline, antenna_key
 
 BASE = "https://object-arbutus.cloud.computecanada.ca/ami-models/"
 HALF = (0.5, 0.5, 0.5)

@@ -23,15 +23,14 @@ from config.redact import scrub
 from config.settings import ConfigError, load_settings
 from pipelines.models import Algorithm
 from tests.antenna_fake import FakeAntenna, reserved_port
-from worker.admission import Admission
 from worker.antenna.catalog import Catalog
 from worker.antenna.client import AntennaClient
 from worker.antenna.identity import client_info
-from worker.antenna.jobs import JobRotation
+from worker.antenna.job_listing import JobRotation
+from worker.antenna.parts import AntennaParts, NoResultsLookup
 from worker.antenna.post import Poster
-from worker.antenna.register import antenna_problems, register
-from worker.antenna.reservations import Reservations, delivered_of
-from worker.antenna.results import (
+from worker.antenna.registration import antenna_problems, register
+from worker.antenna.render import (
     AntennaPipeline,
     _compacted,
     antenna_key,
@@ -39,14 +38,15 @@ from worker.antenna.results import (
     fit,
     item,
 )
-from worker.antenna.rules import AntennaRules
+from worker.antenna.reservations import Reservations, delivered_of
+from worker.antenna.settle import AntennaRules
 from worker.antenna.source import AntennaSource
 from worker.antenna.waiting import antenna_waiting_read
-from worker.antenna.wiring import AntennaParts, NoResultsLookup
-from worker.claims import Claims
+from worker.core.admission import Admission
+from worker.core.claims import Claims
+from worker.core.outcome import Outcome
+from worker.core.tasks import Task
 from worker.health.liveness import Liveness
-from worker.outcome import Outcome
-from worker.schemas import Task
 
 TOKEN = "unit-token-5b7d"
 SLUG = "moths"

@@ -124,7 +124,7 @@ async def test_the_poster_resolves_every_result_whatever_the_client_raises() -> 
     import time
 
     from worker.antenna.post import Poster, PostFailed
-    from worker.schemas import Task
+    from worker.core.tasks import Task
 
     class Broken:
         async def post(self, *_args: object, **_kwargs: object) -> None:

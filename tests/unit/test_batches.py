@@ -17,9 +17,9 @@ import structlog
 from config.errors import Failure
 from tests.fakes import FakeEngine, FakeSource, task_msg
 from tests.unit.test_orchestrator import a_worker
-from worker import batches as batches_module
-from worker.batches import MAX_HOLD_S, Batches
-from worker.ports import BatchReport
+from worker.core import batches as batches_module
+from worker.core.batches import MAX_HOLD_S, Batches
+from worker.core.ports import BatchReport
 
 LOAD_S = 1.0  # on the fake clock
 BATCH_S = 0.25
@@ -143,11 +143,11 @@ async def test_the_hold_lasts_while_tasks_of_both_pipelines_keep_arriving(monkey
     """The sources are asked for the runnable pipelines' tasks first, so the held room does
     not fill with tasks that must wait and so end the hold early (review finding F2): batches
     of 0.25 s, a 1 s load holding 4 s (16 batches)."""
-    import worker.batches
+    import worker.core.batches
 
     # The engine waits for the held pipeline's next tasks as long as they take to come here
     # (0.25 s in the product): how fast the fetches run on this machine changes nothing.
-    monkeypatch.setattr(worker.batches, "SWITCH_WAIT_S", 5.0)
+    monkeypatch.setattr(worker.core.batches, "SWITCH_WAIT_S", 5.0)
     runs = await runs_with(FakeSource)
     # Every run lasts the hold (16 batches; one more when a short batch left its job behind
     # in the fair share), but the last two: one job runs out, the other is left alone

@@ -2,8 +2,8 @@
 ``worker.nats`` or ``worker.antenna``, directly or through another core module (a
 function-local import counts). The core is every module of ``worker/`` but the sources' rooms
 (``worker/nats/``, ``worker/antenna/``), the commands (``worker/commands/``) and the wiring
-that picks a source and assembles the process (``worker/wiring.py``, ``worker/app.py``,
-``worker/serve.py``, ``worker/__main__.py``); ``config``, ``datasets`` and ``pipelines``,
+that picks a source and assembles the process (``worker/process/``,
+``worker/__main__.py``); ``config``, ``datasets`` and ``pipelines``,
 which the core builds on, are held to the same rule."""
 
 from __future__ import annotations
@@ -13,7 +13,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OUTSIDE = ("worker.nats", "worker.antenna", "worker.commands")
-WIRING = {"worker.wiring", "worker.app", "worker.serve", "worker.__main__"}
+WIRING = {
+    "worker.process.pick_source",
+    "worker.process.app",
+    "worker.process.serve",
+    "worker.__main__",
+}
 FORBIDDEN = ("nats", "worker.nats", "worker.antenna")
 
 

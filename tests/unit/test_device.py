@@ -13,7 +13,7 @@ from torch import nn
 
 from datasets.images import Decoded, DecodePlan, decode, encoded_jpeg
 from datasets.loader import Loaded
-from datasets.sources import SourceConfig
+from datasets.uris import SourceConfig
 from pipelines.declare import Classifier, Pipeline, Preprocess
 from pipelines.device import CopyStats, decode_on_device, to_device_overlapped, visibility
 from pipelines.runner import DeviceLimits, load_runner

@@ -308,7 +308,7 @@ def test_an_image_loaded_for_a_forgotten_task_is_dropped_not_kept():
 
 def test_each_batch_runs_on_its_own_pipelines_model_and_loads_by_its_plan():
     from datasets.images import DecodePlan
-    from worker.engine.models import OneModel
+    from worker.engine.predictors import OneModel
 
     class Named(Echo):
         def __init__(self, name):

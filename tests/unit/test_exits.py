@@ -1,4 +1,4 @@
-"""docs/operating.md's table of exit codes is the one in ``worker/exits.py``: every command's
+"""docs/operating.md's table of exit codes is the one in ``worker/core/exits.py``: every command's
 codes, no more and no fewer, so an operator's script can trust what the docs say."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 import signal
 from pathlib import Path
 
-from worker.exits import ExitReason, documented, forced_exit_code
+from worker.core.exits import ExitReason, documented, forced_exit_code
 
 OPERATING = Path(__file__).parents[2] / "docs" / "operating.md"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.fairshare import FairQueue
+from worker.core.fairshare import FairQueue
 
 
 def test_a_small_job_behind_a_big_one_gets_the_next_batch():

@@ -13,9 +13,9 @@ import pytest
 
 from config.settings import load_settings
 from worker.commands.localservers import free_port
+from worker.core.ports import SourceHealth
 from worker.health.compose import ProcessHealth
 from worker.health.liveness import Liveness
-from worker.ports import SourceHealth
 
 PROBES = ("/livez", "/readyz", "/healthz")
 REFUSED = (

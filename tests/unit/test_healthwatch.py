@@ -258,9 +258,9 @@ def test_the_probe_tells_a_starting_answer_from_a_stall():
 def test_a_worker_live_but_not_ready_is_never_struck_and_a_stalled_one_is():
     from config.settings import load_settings
     from worker.commands.localservers import free_port
+    from worker.core.ports import SourceHealth
     from worker.health.compose import ProcessHealth
     from worker.health.liveness import Liveness
-    from worker.ports import SourceHealth
 
     # Given a worker whose source is refused (not ready), on its own health listeners
     settings = load_settings(

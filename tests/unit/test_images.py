@@ -8,7 +8,7 @@ from PIL import Image
 
 from config.errors import PermanentError, TransientError
 from datasets.images import decode_resized
-from datasets.sources import SourceConfig, read_bytes
+from datasets.uris import SourceConfig, read_bytes
 from worker.commands.demo_images import corrupt_bytes, image_bytes, truncated_bytes
 
 

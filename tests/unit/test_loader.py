@@ -17,7 +17,7 @@ import pytest
 from config.errors import LoaderFailure
 from datasets.images import DecodePlan
 from datasets.loader import LoaderConfig, LoadRequest, RequestStream, StreamingLoader
-from datasets.sources import SourceConfig
+from datasets.uris import SourceConfig
 from worker.commands.demo_images import image_bytes
 
 FILES = SourceConfig(file_roots=(tempfile.gettempdir(),))  # where pytest makes tmp_path

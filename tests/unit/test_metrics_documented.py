@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry
 
-from worker.antenna.metrics import AntennaMetrics
+from worker.antenna.source_metrics import AntennaMetrics
 from worker.health.liveness import Liveness
 from worker.health.metrics import (
     PREFIX,
@@ -18,7 +18,7 @@ from worker.health.metrics import (
     ModelsCollector,
     ReadsCollector,
 )
-from worker.nats.metrics import JobConsumersCollector
+from worker.nats.source_metrics import JobConsumersCollector
 
 ROOT = Path(__file__).parents[2]
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from config.errors import ConfigError, PermanentError, TransientError
-from datasets.sources import SourceConfig
+from datasets.uris import SourceConfig
 from pipelines.files.fetch import ModelFiles
 from tests.served_files import Served
 
@@ -68,7 +68,7 @@ def test_two_processes_starting_at_once_download_once(tmp_path):
         sha = _publish(server, "big.pt", os.urandom(256 * 1024))
         script = (
             "import sys; from pathlib import Path; from pipelines.files.fetch import ModelFiles;"
-            "from datasets.sources import SourceConfig;"
+            "from datasets.uris import SourceConfig;"
             "f = ModelFiles(SourceConfig(), Path(sys.argv[2])).fetch(sys.argv[1]);"
             "print(f.sha256, f.downloaded)"
         )

@@ -11,7 +11,7 @@ from torch import nn
 
 from config.errors import ConfigError
 from datasets.images import DecodePlan, decode
-from datasets.sources import SourceConfig
+from datasets.uris import SourceConfig
 from pipelines.architectures import build_classifier
 from pipelines.declare import Classifier, Pipeline, Preprocess
 from pipelines.models import ClassifierModel, fold_batch_norms, save_classifier

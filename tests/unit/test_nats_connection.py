@@ -10,7 +10,7 @@ from config.errors import ResultsUnavailable
 from config.settings import NatsSettings
 from worker.nats.connection import ConnectionState
 from worker.nats.patience import patiently
-from worker.nats.results import ResultStore
+from worker.nats.result_store import ResultStore
 
 
 class Clock:

@@ -7,9 +7,9 @@ import pytest
 
 from config.errors import ResultsUnavailable
 from tests.fakes import FakeJetStream, FakeMsg, FakeStore, delivery, nats_rules
-from worker.nats.rules import NatsRules, backoff_s
-from worker.outcome import Outcome
-from worker.schemas import Task
+from worker.core.outcome import Outcome
+from worker.core.tasks import Task
+from worker.nats.settle import NatsRules, backoff_s
 
 
 def settler(store: FakeStore, js: FakeJetStream, store_retry_s: float = 0.0) -> NatsRules:

@@ -22,13 +22,13 @@ from tests.fakes import (
     nats_rules,
     task_msg,
 )
-from worker import batches as batches_module
-from worker import orchestrator
-from worker.exits import ExitReason
+from worker.core import batches as batches_module
+from worker.core import orchestrator
+from worker.core.exits import ExitReason
+from worker.core.link import SourceLink
+from worker.core.orchestrator import Services, Worker
 from worker.health.liveness import Liveness
 from worker.health.metrics import Metrics
-from worker.orchestrator import Services, Worker
-from worker.sources import SourceLink
 
 BATCH = 4
 
@@ -165,7 +165,7 @@ class RaisingSource(FakeSource):
 
 
 async def test_a_burst_run_whose_source_keeps_raising_ends_not_served_with_6(monkeypatch):
-    monkeypatch.setattr("worker.orchestrator._FIRST_FETCH_BACKOFF_S", 0.01)
+    monkeypatch.setattr("worker.core.orchestrator._FIRST_FETCH_BACKOFF_S", 0.01)
     source = RaisingSource([])
     worker, store, _js, _m = a_worker(source, FakeEngine())
 

@@ -31,15 +31,15 @@ from tests.unit.test_orchestrator_sources import (
 )
 from tests.unit.test_sticky_device_errors import Loader, Models
 from worker.commands.localservers import free_port
+from worker.core.exits import ExitReason
+from worker.core.orchestrator import Services, Worker
+from worker.core.ports import SourceHealth
 from worker.engine import Engine
-from worker.engine.models import OneModel
-from worker.exits import ExitReason
-from worker.faults import DeviceFaultModels, sticky_cuda_error
+from worker.engine.faults import DeviceFaultModels, sticky_cuda_error
+from worker.engine.predictors import OneModel
 from worker.health.compose import ProcessHealth
 from worker.health.liveness import Liveness
 from worker.health.metrics import Metrics
-from worker.orchestrator import Services, Worker
-from worker.ports import SourceHealth
 
 BATCHES = 3  # of BATCH (2) tasks each
 

@@ -24,11 +24,11 @@ from config.settings import Settings, load_settings
 from tests.antenna_fake import FakeAntenna
 from tests.fakes import FakeEngine, FakeJetStream, FakeMsg, FakeSource, FakeStore, nats_rules
 from tests.fakes import task_msg as nats_task
-from worker.antenna.wiring import AntennaParts
+from worker.antenna.parts import AntennaParts
+from worker.core.link import SourceLink
+from worker.core.orchestrator import Services, Worker
 from worker.health.liveness import Liveness
 from worker.health.metrics import Metrics
-from worker.orchestrator import Services, Worker
-from worker.sources import SourceLink
 
 BATCH = 2
 TOKEN = "orchestrator-token-9f2c"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from datasets.images import DecodePlan, decode
-from datasets.sources import SourceConfig
+from datasets.uris import SourceConfig
 from pipelines.declare import Detector, Pipeline
 from pipelines.models import save_classifier, save_detector
 from pipelines.registry import resolve
@@ -14,7 +14,7 @@ from pipelines.response import ResponseFormat
 from pipelines.runner import DeviceLimits, decode_plan, load_runner
 from tests.antenna import PipelineResults
 from worker.commands.demo_images import image_bytes, rectangles_bytes
-from worker.schemas import Task, make_result
+from worker.core.tasks import Task, make_result
 
 # Three rectangles in columns of their own, on a 1600x1000 source.
 TRUTH = [(100, 100, 300, 400, "red"), (500, 200, 700, 300, "green"), (900, 600, 1200, 900, "blue")]

@@ -7,8 +7,8 @@ import pytest
 
 from config.errors import InvalidTask, Undeliverable
 from tests.fakes import FakeMsg, delivery
+from worker.core.tasks import Task, make_result, parse_task
 from worker.nats.subjects import result_subject, subject_token, token_value
-from worker.schemas import Task, make_result, parse_task
 
 
 def on_subject(data: bytes, subject: str) -> Task:

@@ -14,7 +14,7 @@ import pytest
 from config.errors import ConfigError
 from config.settings import load_settings
 from worker.health.procstats import living
-from worker.serve import Server, kill_descendants
+from worker.process.serve import Server, kill_descendants
 
 
 def a_server() -> tuple[Server, list[int]]:

@@ -9,7 +9,7 @@ import pytest
 
 from config.errors import PermanentError, TransientError
 from datasets.httpget import refused_address
-from datasets.sources import SourceConfig, read_bytes
+from datasets.uris import SourceConfig, read_bytes
 from tests.listeners import Listener
 
 LOCAL = frozenset({"127.0.0.1"})

@@ -15,10 +15,10 @@ from datasets.images import Decoded
 from datasets.loader import Loaded
 from pipelines.device import STICKY_CUDA_ERRORS, is_out_of_memory, is_sticky_device_error
 from tests.fakes import FakePredictor
+from worker.core.outcome import Outcome
 from worker.engine import Engine
+from worker.engine.faults import DeviceFaultModels, sticky_cuda_error
 from worker.engine.split import Split
-from worker.faults import DeviceFaultModels, sticky_cuda_error
-from worker.outcome import Outcome
 
 # torch's own wording of a CUDA error (c10's C10_CUDA_CHECK): "CUDA error: <cudaGetErrorString>"
 # and lines of advice after it.
@@ -352,7 +352,7 @@ def test_a_device_failed_at_start_exits_7_with_one_device_failed_line():
     from structlog.testing import capture_logs
 
     from config.settings import load_settings
-    from worker.serve import device_failed_at_start
+    from worker.process.serve import device_failed_at_start
 
     settings = load_settings(for_worker=False, model={"device": "cpu"})
     with capture_logs() as lines:

@@ -18,7 +18,7 @@ from pydantic import SecretStr
 from tests.antenna_fake import FakeAntenna
 from worker.antenna.client import AntennaClient
 from worker.antenna.waiting import antenna_waiting_read
-from worker.health.waiting import TasksWaiting
+from worker.health.tasks_waiting import TasksWaiting
 
 TOKEN = "fake-token-0123456789abcdef"
 OTHER = "other-token-0123456789abcdef"  # not a superuser's: Antenna lists each job twice

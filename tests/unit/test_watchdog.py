@@ -11,7 +11,7 @@ from worker.health.liveness import Liveness
 WEDGED = textwrap.dedent(
     """
     import threading
-    from worker.faults import WedgingEngine
+    from worker.engine.faults import WedgingEngine
     from worker.health.liveness import Liveness
     from worker.health.watchdog import Watchdog
 

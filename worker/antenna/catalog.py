@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from worker.antenna.results import AntennaPipeline
+from worker.antenna.render import AntennaPipeline
 
 
 class Catalog:

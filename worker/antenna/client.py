@@ -56,7 +56,7 @@ from config.names import env_name
 from config.redact import redact_url, scrub, shorten
 from datasets.keepalive import dropped
 from worker.antenna.answers import BY_ENDPOINT, wrong_fields
-from worker.threads import in_daemon_thread
+from worker.core.threads import in_daemon_thread
 
 _SHOWN_BODY_CHARS = 300
 _MAX_BODY_BYTES = 64 * 1024 * 1024  # a register answer echoes every category map

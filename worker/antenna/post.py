@@ -26,8 +26,8 @@ from typing import Any
 import structlog
 
 from worker.antenna.client import AntennaClient, AntennaUnreachable, Reply
-from worker.antenna.results import ENVELOPE_BYTES, encoded, error_result, item
-from worker.schemas import Task
+from worker.antenna.render import ENVELOPE_BYTES, encoded, error_result, item
+from worker.core.tasks import Task
 
 log = structlog.get_logger(__name__)
 _GATHER_S = 0.05

@@ -19,9 +19,9 @@ from config.names import env_name
 from config.redact import shorten
 from worker.antenna.answers import task_problem, usable_reply_subject
 from worker.antenna.client import AntennaClient, AntennaUnreachable, Unanswered
-from worker.antenna.jobs import Job, JobRotation
+from worker.antenna.job_listing import Job, JobRotation
 from worker.antenna.reservations import AntennaDelivery, Reservations, delivered_of
-from worker.ports import Runnable
+from worker.core.ports import Runnable
 
 log = structlog.get_logger(__name__)
 _UNAVAILABLE_BACKOFF_S = 2.0

@@ -1,8 +1,8 @@
 """Tasks waiting per pipeline on Antenna, for ``inference_worker_tasks_waiting``
-(``worker.health.waiting`` reads it every ``WORKER_METRICS__TASKS_WAITING_READ_S``).
+(``worker.health.tasks_waiting`` reads it every ``WORKER_METRICS__TASKS_WAITING_READ_S``).
 
-Antenna's ids-only listing, the one the rotation polls (``worker.antenna.jobs``), gives a job's
-``id`` and ``pipeline_slug`` and nothing more. Its full listing (``JobListSerializer``, the
+Antenna's ids-only listing, the one the rotation polls (``worker.antenna.job_listing``), gives a
+job's ``id`` and ``pipeline_slug`` and nothing more. Its full listing (``JobListSerializer``, the
 same ``GET jobs/`` without ``ids_only``) gives each job's ``pipeline`` (with its ``slug``) and
 its ``progress`` (``JobProgress``): stages by key, each with its params by key. For an
 ``async_api`` job Antenna writes, at each result it processes, the ``process`` stage's
@@ -27,8 +27,8 @@ from __future__ import annotations
 from typing import Any
 
 from worker.antenna.client import AntennaClient, AntennaUnreachable
-from worker.antenna.jobs import ACTIVE, project_params, project_refusal
-from worker.health.waiting import WaitingRead
+from worker.antenna.job_listing import ACTIVE, project_params, project_refusal
+from worker.health.tasks_waiting import WaitingRead
 
 _MAX_PAGES = 10  # per status: 1,000 jobs at the default page of 100
 
@@ -92,7 +92,7 @@ def waiting_by_pipeline(jobs: list[dict[str, Any]], pipelines: tuple[str, ...]) 
 def antenna_waiting_read(
     client: AntennaClient, pipelines: tuple[str, ...], limit: int, projects: tuple[int, ...] = ()
 ) -> WaitingRead:
-    """The read ``worker.health.waiting.TasksWaiting`` makes: the active async jobs of
+    """The read ``worker.health.tasks_waiting.TasksWaiting`` makes: the active async jobs of
     ``pipelines``, every page, of each project that does not refuse its listing; any other
     refused or unreadable page fails the read."""
 

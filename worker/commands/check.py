@@ -108,7 +108,7 @@ def _model_problems(settings: Settings) -> list[str]:
 async def _antenna_problems(settings: Settings) -> list[str]:
     from pipelines.registry import name_of
     from worker.antenna.client import AntennaClient
-    from worker.antenna.register import antenna_problems, project_ids
+    from worker.antenna.registration import antenna_problems, project_ids
 
     a = settings.antenna
     if not a.base_url:

@@ -15,7 +15,7 @@ from config.errors import TransientError
 from config.logging import configure_logging
 from config.names import env_name
 from config.settings import ConfigError, Settings, load_settings
-from worker.exits import CommandExit, JobEnd
+from worker.core.exits import CommandExit, JobEnd
 
 
 def _pipelines_epilog() -> str:
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _run(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.serve import serve
+    from worker.process.serve import serve
 
     return await serve(settings, until_idle=args.until_idle)
 
@@ -212,7 +212,7 @@ async def _connect_once(settings: Settings, command: str) -> Any:
 async def _submit(settings: Settings, args: argparse.Namespace) -> int:
     from nats.js.errors import APIError
 
-    from worker.commands.client import list_s3_prefix, make_tasks, publish_tasks
+    from worker.commands.job_client import list_s3_prefix, make_tasks, publish_tasks
 
     uris = list(args.uris)
     if len(uris) == 1 and uris[0].startswith("s3://") and uris[0].endswith("/"):
@@ -307,7 +307,7 @@ async def _follow(
 async def _results(settings: Settings, args: argparse.Namespace) -> int:
     from nats.js.errors import APIError
 
-    from worker.commands.client import job_task_ids, read_job_results, summarize
+    from worker.commands.job_client import job_task_ids, read_job_results, summarize
 
     nc = await _connect_once(settings, "results")
     try:

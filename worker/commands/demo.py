@@ -22,10 +22,10 @@ from typing import Any
 import structlog
 
 from config.settings import Settings, load_settings
-from worker.commands.client import job_results, make_tasks, publish_tasks, summarize
 from worker.commands.demo_images import corrupt_bytes, rectangles_bytes
+from worker.commands.job_client import job_results, make_tasks, publish_tasks, summarize
 from worker.commands.localservers import NatsServer, S3Server
-from worker.exits import CommandExit
+from worker.core.exits import CommandExit
 
 log = structlog.get_logger(__name__)
 
@@ -180,7 +180,7 @@ async def _run_jobs(app: Any, settings: Settings, drawn: dict[str, Any], started
 
 
 async def run_demo() -> int:
-    from worker.app import WorkerApp
+    from worker.process.app import WorkerApp
 
     workdir = tempfile.mkdtemp(prefix="iw-demo-")
     nats_server = NatsServer(store_dir=os.path.join(workdir, "nats"))

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from config.derived import healthz_base, port_for
-from worker.exits import CommandExit
+from worker.core.exits import CommandExit
 
 RUNNING = 20  # supervisor's ProcessStates.RUNNING
 STOPPED_STATES = frozenset({0, 100, 200})  # STOPPED, EXITED, FATAL: startProcess may start it
@@ -52,7 +52,7 @@ class Probe:
     starting: bool = False  # 503 ``starting: ...``: the process has not finished its start
 
 
-_STARTING = "starting"  # the body of the worker's 503 until it serves (worker.app)
+_STARTING = "starting"  # the body of the worker's 503 until it serves (worker.process.app)
 
 
 LIVEZ, HEALTHZ = "/livez", "/healthz"

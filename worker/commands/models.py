@@ -10,7 +10,7 @@ from config.errors import ConfigError, WorkerError
 from config.redact import redact_url
 from config.settings import Settings
 from pipelines.declare import Pipeline
-from worker.exits import CommandExit
+from worker.core.exits import CommandExit
 
 
 def stage_files(pipelines: list[Pipeline]) -> list[tuple[str, str | None]]:

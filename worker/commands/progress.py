@@ -22,9 +22,9 @@ import nats
 from nats.js import JetStreamContext, api
 
 from config.settings import NatsSettings
-from worker.commands.client import JobTasks, read_result, unreadable_response
-from worker.exits import JobEnd
-from worker.nats.results import response_of
+from worker.commands.job_client import JobTasks, read_result, unreadable_response
+from worker.core.exits import JobEnd
+from worker.nats.result_store import response_of
 from worker.nats.subjects import job_results_subject, subject_token
 
 _READ_BATCH = 512

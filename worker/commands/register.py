@@ -10,8 +10,8 @@ import sys
 
 from config.names import env_name
 from config.settings import Settings
-from worker.antenna.results import AntennaPipeline
-from worker.exits import CommandExit
+from worker.antenna.render import AntennaPipeline
+from worker.core.exits import CommandExit
 
 
 def _served(settings: Settings) -> list[AntennaPipeline]:
@@ -21,7 +21,7 @@ def _served(settings: Settings) -> list[AntennaPipeline]:
     from pipelines.device import release_cached_memory, visibility
     from pipelines.runner import load_runner
     from pipelines.setup import choose_all
-    from worker.antenna.wiring import pipeline_entry
+    from worker.antenna.parts import pipeline_entry
     from worker.engine.build import model_files, source_config
 
     _visible, device = visibility(chosen_device(settings))
@@ -47,7 +47,7 @@ def _refused(settings: Settings) -> list[str]:
 
 async def register_command(settings: Settings) -> int:
     from worker.antenna.client import AntennaClient
-    from worker.antenna.register import project_ids, register
+    from worker.antenna.registration import project_ids, register
 
     a = settings.antenna
     try:

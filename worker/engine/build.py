@@ -14,18 +14,18 @@ from config.derived import max_held_tasks, object_deadline_s, torch_threads
 from config.errors import ConfigError, ModelLoadFailed
 from config.settings import Settings
 from datasets.loader import LoaderConfig, StreamingLoader
-from datasets.sources import SourceConfig
+from datasets.uris import SourceConfig
 from pipelines.device import release_cached_memory, sticky_cause
 from pipelines.files.fetch import ModelFiles
 from pipelines.files.store import default_root
 from pipelines.runner import load_runner
 from pipelines.setup import Chosen
+from worker.core.ports import BatchEngine
+from worker.core.threads import in_daemon_thread
 from worker.engine import Engine
 from worker.engine.split import device_failed
 from worker.health.liveness import Liveness
-from worker.ports import BatchEngine
-from worker.served import ServedPipelines
-from worker.threads import in_daemon_thread
+from worker.process.served import ServedPipelines
 
 
 def source_config(s: Settings) -> SourceConfig:
@@ -143,7 +143,7 @@ def _with_slow_load(s: Settings, load: Callable[[Chosen], Any]) -> Callable[[Cho
     """The model load, or one made slower when a test asks (WORKER_FAULTS__SLOW_LOAD_S)."""
     if not s.faults.slow_load_s:
         return load
-    from worker.faults import slow_loading
+    from worker.engine.faults import slow_loading
 
     return slow_loading(load, s.faults.slow_load_s)
 
@@ -153,7 +153,7 @@ def with_faults(s: Settings, engine: Engine) -> BatchEngine:
     device error: raised inside the forward pass, where a real one is)."""
     faults = s.faults
     if faults.device_error_once_file:
-        from worker.faults import DeviceFaultModels
+        from worker.engine.faults import DeviceFaultModels
 
         engine.models = DeviceFaultModels(
             engine.models,
@@ -163,6 +163,6 @@ def with_faults(s: Settings, engine: Engine) -> BatchEngine:
         )
     if not faults.wedge_once_file:
         return engine
-    from worker.faults import WedgingEngine
+    from worker.engine.faults import WedgingEngine
 
     return WedgingEngine(engine, faults.wedge_once_file, faults.wedge_mode)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from config.errors import LoaderFailure
 from datasets.loader import Loaded, StreamingLoader
-from worker.engine.reads import Reads
+from worker.engine.read_stats import Reads
 from worker.engine.recovery import Recovery
 from worker.engine.stash import Stash
 

@@ -11,7 +11,7 @@ import structlog
 from datasets.images import Decoded
 from datasets.loader import Loaded
 from pipelines.device import is_out_of_memory
-from worker.engine.models import Predictor
+from worker.engine.predictors import Predictor
 from worker.engine.stash import Stash
 
 log = structlog.get_logger(__name__)

@@ -12,16 +12,16 @@ from datasets.images import DecodePlan
 from datasets.loader import Loaded, LoadRequest, StreamingLoader
 from datasets.reads import ReadStats
 from pipelines.device import release_cached_memory, sticky_cause
+from worker.core.outcome import Outcome
+from worker.core.ports import BatchReport
 from worker.engine.collect import Collector
 from worker.engine.copy_ahead import CopyAhead
 from worker.engine.forward import Forward
-from worker.engine.models import Models, OneModel, Predictor
-from worker.engine.reads import Reads
+from worker.engine.predictors import Models, OneModel, Predictor
+from worker.engine.read_stats import Reads
 from worker.engine.recovery import Recovery
 from worker.engine.split import Split, device_failed
 from worker.engine.stash import Stash
-from worker.outcome import Outcome
-from worker.ports import BatchReport
 
 
 class Engine:

@@ -7,9 +7,9 @@ import time
 from collections.abc import Sequence
 
 from datasets.loader import Loaded
+from worker.core.outcome import Outcome
 from worker.engine.copy_ahead import CopyAhead
-from worker.engine.models import Predictor
-from worker.outcome import Outcome
+from worker.engine.predictors import Predictor
 
 
 class Forward:

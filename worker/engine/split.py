@@ -11,7 +11,7 @@ import structlog
 
 from config.errors import DeviceFailed, Failure, PermanentError
 from pipelines.device import is_out_of_memory, is_sticky_device_error
-from worker.outcome import Outcome
+from worker.core.outcome import Outcome
 
 log = structlog.get_logger(__name__)
 

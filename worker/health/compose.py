@@ -22,6 +22,7 @@ from config.settings import Settings
 from pipelines.device import memory_bytes
 from pipelines.device_identity import read_identity
 from pipelines.models import resolve_device
+from worker.core.ports import SourceHealth
 from worker.engine import Engine
 from worker.health.liveness import Liveness
 from worker.health.metrics import (
@@ -33,8 +34,7 @@ from worker.health.metrics import (
 )
 from worker.health.procstats import ProcessTreeCollector
 from worker.health.server import HealthServer, Probes
-from worker.ports import SourceHealth
-from worker.served import ServedPipelines
+from worker.process.served import ServedPipelines
 
 _STARTING = "starting: not serving tasks yet"
 

@@ -10,8 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from config.names import env_name
 from datasets.reads import ReadStats
+from worker.core.ports import SourceHealth
 from worker.health.liveness import Liveness
-from worker.ports import SourceHealth
 
 PREFIX = "inference_worker"
 

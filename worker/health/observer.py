@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import structlog
 
+from worker.core.ports import BatchReport
 from worker.health.liveness import Liveness
 from worker.health.metrics import Metrics
-from worker.ports import BatchReport
 
 log = structlog.get_logger(__name__)
 

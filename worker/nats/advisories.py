@@ -5,7 +5,7 @@ worker sees the task again. JetStream then publishes a max-deliveries advisory; 
 keeps those advisories in a stream, and every worker pulls them from one shared durable
 consumer and reads the original task by its stream sequence; what becomes of it (an
 ``error`` result, create-if-absent, or a dead letter) is the delivery rules' decision
-(``worker.nats.rules.NatsRules.exhausted``). This module only pulls, reads and paces advisories.
+(``worker.nats.settle.NatsRules.exhausted``). This module only pulls, reads and paces advisories.
 
 An advisory is checked before it is acted on: its type, stream and consumer must be the
 server's, its deliveries at least the consumer's max_deliver, and its task one the consumer has
@@ -27,8 +27,8 @@ from nats.js.api import ConsumerInfo, RawStreamMsg
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from config.settings import NatsSettings
-from worker.nats.jobs import is_job_consumer
-from worker.nats.rules import NatsRules, backoff_s
+from worker.nats.job_consumers import is_job_consumer
+from worker.nats.settle import NatsRules, backoff_s
 from worker.nats.subjects import advisory_consumer
 
 log = structlog.get_logger(__name__)

@@ -12,7 +12,7 @@ from nats.js import JetStreamContext
 from config.redact import scrub, shorten
 from config.settings import NatsSettings
 from worker.nats.patience import patiently
-from worker.nats.results import unavailable
+from worker.nats.result_store import unavailable
 
 _HEADER_VALUE_CHARS = 1000
 

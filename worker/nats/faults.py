@@ -8,7 +8,7 @@ from typing import Any
 
 import structlog
 
-from worker.nats.results import ResultStore
+from worker.nats.result_store import ResultStore
 
 log = structlog.get_logger(__name__)
 

@@ -1,5 +1,5 @@
 """Bounded fetches from the durable pull consumer and, for fair share, from each job's own
-consumer in rotation (``worker.nats.jobs``): the NATS ``TaskSource``."""
+consumer in rotation (``worker.nats.job_consumers``): the NATS ``TaskSource``."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from config.settings import NatsSettings
+from worker.core.ports import Runnable
 from worker.nats.hints import NewJobHints
-from worker.nats.jobs import JobRotation
+from worker.nats.job_consumers import JobRotation
 from worker.nats.late import unsubscribe
 from worker.nats.lifecycle import ConsumerStats
 from worker.nats.subjects import advisory_consumer
-from worker.ports import Runnable
 
 log = structlog.get_logger(__name__)
 

@@ -1,4 +1,5 @@
-"""The names and the configuration of job consumers (``worker.nats.jobs``), in one place."""
+"""The names and the configuration of job consumers (``worker.nats.job_consumers``), in one
+place."""
 
 from __future__ import annotations
 

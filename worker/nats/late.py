@@ -1,6 +1,7 @@
 """What a pull subscription received after its last fetch gave up: taken when it is closed, so
 those tasks are given back (or admitted) at once rather than after their ack wait. Used by the
-feed's durable subscription (``worker.nats.feed``) and by each job's (``worker.nats.jobs``)."""
+feed's durable subscription (``worker.nats.feed``) and by each job's
+(``worker.nats.job_consumers``)."""
 
 from __future__ import annotations
 

@@ -72,8 +72,8 @@ def stream_configs(settings: NatsSettings) -> list[api.StreamConfig]:
 
 def task_consumer_config(settings: NatsSettings, name: str, **which: Any) -> api.ConsumerConfig:
     """A durable consumer of tasks named ``name``: the shared one, or a job's
-    (``worker.nats.jobs``); ``which`` says what it filters, and for a job its description and
-    inactive threshold. Both deliver alike: explicit acks, from the first task on, with the ack
+    (``worker.nats.job_consumers``); ``which`` says what it filters, and for a job its description
+    and inactive threshold. Both deliver alike: explicit acks, from the first task on, with the ack
     wait and the delivery cap that the settle rules count on."""
     return api.ConsumerConfig(
         name=name,
@@ -95,7 +95,7 @@ def consumer_config(settings: NatsSettings, pipelines: str | list[str]) -> api.C
         settings.consumer,
         # Tasks with the job in the payload, and tasks with the job in the subject (Antenna's),
         # of every pipeline served.
-        # With a consumer per job (fair_jobs, worker.nats.jobs), only the former.
+        # With a consumer per job (fair_jobs, worker.nats.job_consumers), only the former.
         filter_subjects=[
             subject
             for pipeline in as_list(pipelines)

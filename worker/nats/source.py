@@ -10,9 +10,9 @@ from typing import Any
 
 import structlog
 
+from worker.core.ports import Runnable
 from worker.nats.delivery import NatsDelivery
 from worker.nats.feed import TaskFeed
-from worker.ports import Runnable
 
 log = structlog.get_logger(__name__)
 

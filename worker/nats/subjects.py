@@ -75,7 +75,7 @@ def job_tasks_subject(pipeline: str, job_token: str) -> str:
 
 def advisory_subject(settings: NatsSettings) -> str:
     """Max-deliveries advisories of every consumer on the tasks stream: the durable one and
-    each job's (``worker.nats.jobs``)."""
+    each job's (``worker.nats.job_consumers``)."""
     return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{settings.tasks_stream}.*"
 
 

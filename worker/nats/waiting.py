@@ -1,5 +1,5 @@
 """Tasks waiting per pipeline on NATS, for ``inference_worker_tasks_waiting``
-(``worker.health.waiting`` reads it every ``WORKER_METRICS__TASKS_WAITING_READ_S``).
+(``worker.health.tasks_waiting`` reads it every ``WORKER_METRICS__TASKS_WAITING_READ_S``).
 
 One listing of the tasks stream's consumers (``consumers_info``, one request per 256
 consumers), and per pipeline the sum of ``num_pending`` of this fleet's consumers
@@ -27,7 +27,7 @@ from __future__ import annotations
 from nats.js import JetStreamContext, api
 
 from config.settings import NatsSettings
-from worker.health.waiting import WaitingRead
+from worker.health.tasks_waiting import WaitingRead
 from worker.nats.job_names import is_job_consumer
 from worker.nats.subjects import subject_pipeline
 
@@ -66,7 +66,7 @@ def waiting_by_pipeline(
 def nats_waiting_read(
     js: JetStreamContext, settings: NatsSettings, pipelines: list[str]
 ) -> WaitingRead:
-    """The read ``worker.health.waiting.TasksWaiting`` makes, for this fleet's consumers."""
+    """The read ``worker.health.tasks_waiting.TasksWaiting`` makes, for this fleet's consumers."""
 
     async def read() -> dict[str, int]:
         infos = await listed_consumers(js, settings.tasks_stream)

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import structlog
 
+from worker.core.ports import Delivery
+from worker.core.tasks import Task
 from worker.health.liveness import Liveness
-from worker.ports import Delivery
-from worker.schemas import Task
 
 log = structlog.get_logger(__name__)
 

@@ -5,7 +5,8 @@ how long a fetch waits and how often held tasks are kept alive, and when the sou
 for good. ``SourceParts`` is what the process asks of a source's parts besides: its health
 (for ``/healthz`` and ``inference_worker_source_connected``), its metrics, what it does when a
 pipeline's models load, and its shutdown. Each source builds its own parts in its own room
-(``worker/nats/wiring.py``, ``worker/antenna/wiring.py``); ``worker/wiring.py`` picks one.
+(``worker/nats/parts.py``, ``worker/antenna/parts.py``); ``worker/process/pick_source.py``
+picks one.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from worker.core.ports import DeliveryRules, Results, SourceHealth, TaskSource
 from worker.health.metrics import Metrics
-from worker.ports import DeliveryRules, Results, SourceHealth, TaskSource
 
 # A coroutine run alongside the orchestrator's loops until the stop event; one that fails
 # ends the process.

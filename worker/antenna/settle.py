@@ -24,12 +24,12 @@ from config.errors import Failure
 from worker.antenna.answers import usable_reply_subject
 from worker.antenna.catalog import Catalog
 from worker.antenna.post import Poster, PostFailed
+from worker.antenna.render import error_result, fit, item, ok_result, problems
 from worker.antenna.reservations import AntennaDelivery
-from worker.antenna.results import error_result, fit, item, ok_result, problems
-from worker.outcome import Outcome
-from worker.ports import Delivery
-from worker.rules import ResultMaker, log_task_done, ran_out, retries
-from worker.schemas import Task
+from worker.core.outcome import Outcome
+from worker.core.ports import Delivery
+from worker.core.tasks import Task
+from worker.core.verdicts import ResultMaker, log_task_done, ran_out, retries
 
 log = structlog.get_logger(__name__)
 

@@ -4,7 +4,7 @@ A message that cannot name its job and task is dead-lettered (kept with the reas
 terminated); one that names them but cannot be run gets an ``error`` result; a redelivered one
 whose result is already stored is only acked. A task is acked only after its result is
 stored. Permanent failures get an ``error`` result and an ack; transient ones are naked with
-a backoff delay while deliveries are left (``worker.rules.retries``), and the last delivery
+a backoff delay while deliveries are left (``worker.core.verdicts.retries``), and the last delivery
 gets an ``error`` result saying the deliveries ran out; so does a task whose last delivery
 died with its worker (the max-deliveries advisory asks ``exhausted``). Retries are counted
 with the server's ``num_delivered``, never in memory. Admission and the advisory handler
@@ -24,15 +24,15 @@ from nats.js import JetStreamContext
 
 from config.errors import ErrorKind, Failure, ResultRefused, ResultsUnavailable
 from config.settings import NatsSettings
+from worker.core.outcome import Outcome
+from worker.core.ports import Delivery
+from worker.core.tasks import Task
+from worker.core.verdicts import ResultMaker, final, log_task_done, read_task, retries
 from worker.nats.dead_letters import DeadLetters
 from worker.nats.delivery import own
 from worker.nats.patience import UntilConnected, at_once, patiently
-from worker.nats.results import ResultStore
+from worker.nats.result_store import ResultStore
 from worker.nats.subjects import subject_job, subject_pipeline
-from worker.outcome import Outcome
-from worker.ports import Delivery
-from worker.rules import ResultMaker, final, log_task_done, read_task, retries
-from worker.schemas import Task
 
 log = structlog.get_logger(__name__)
 EXHAUSTED_KIND: ErrorKind = "deliveries_exhausted"
@@ -244,7 +244,7 @@ async def _settle_message(action: Callable[[], Awaitable[None]], bound: Any) -> 
 
 
 def _log_done(bound: Any, result: dict[str, Any]) -> None:
-    """``task_done`` (``worker.rules.log_task_done``) for a stored result."""
+    """``task_done`` (``worker.core.verdicts.log_task_done``) for a stored result."""
     error = result["error"]
     if error:
         log_task_done(

@@ -1,5 +1,5 @@
 """Admission: a delivery's way in. What becomes of it is the delivery rules' decision
-(``worker.rules.read_task`` says what its bytes make; the source's ``DeliveryRules`` act): a
+(``worker.core.verdicts.read_task`` says what its bytes make; the source's ``DeliveryRules`` act): a
 delivery that cannot name its job and task is dead-lettered; one that names them but cannot
 be run gets an ``error`` result; one whose result is already stored is only acked; the rest
 are entered in the claims (held tasks), to be loaded.
@@ -10,11 +10,11 @@ from __future__ import annotations
 import structlog
 
 from config.errors import ResultsUnavailable
-from worker.claims import Claim, Claims
-from worker.outcome import Outcome
-from worker.ports import Delivery, DeliveryRules, Results
-from worker.rules import read_task
-from worker.schemas import Task
+from worker.core.claims import Claim, Claims
+from worker.core.outcome import Outcome
+from worker.core.ports import Delivery, DeliveryRules, Results
+from worker.core.tasks import Task
+from worker.core.verdicts import read_task
 
 log = structlog.get_logger(__name__)
 
@@ -46,8 +46,9 @@ class Admission:
         if read.failure is not None:
             await self._rules.settle(read.task, delivery, Outcome(failure=read.failure))
             return None
-        # Any delivery, not only a redelivery: a job's consumer made again (worker.nats.jobs)
-        # walks its job from the start, and a task done already must not run twice.
+        # Any delivery, not only a redelivery: a job's consumer made again
+        # (worker.nats.job_consumers) walks its job from the start, and a task done already
+        # must not run twice.
         if await self._already_stored(delivery, read.task):
             return None
         return self._claims.add(delivery, read.task)

@@ -16,9 +16,9 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
 from config.settings import NatsSettings
-from worker.nats.results import response_of
+from worker.core.tasks import MAX_ID_BYTES, Task
+from worker.nats.result_store import response_of
 from worker.nats.subjects import job_results_subject, job_tasks_subject, subject_token
-from worker.schemas import MAX_ID_BYTES, Task
 
 _READ_BATCH = 256
 _PUBLISH_WINDOW = 64

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from config.errors import Failure
-from worker.outcome import Outcome
-from worker.schemas import Task
+from worker.core.outcome import Outcome
+from worker.core.tasks import Task
 
 
 class Delivery(Protocol):

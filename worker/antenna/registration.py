@@ -7,8 +7,8 @@ import json
 
 from config.names import env_name
 from worker.antenna.client import AntennaClient, AntennaUnreachable, Reply
-from worker.antenna.jobs import project_params
-from worker.antenna.results import AntennaPipeline
+from worker.antenna.job_listing import project_params
+from worker.antenna.render import AntennaPipeline
 
 _MEANING = {
     401: f"Antenna refuses the token: check {env_name('antenna', 'token')} "

@@ -39,7 +39,7 @@ from config.redact import redact_url, scrub, shorten
 from pipelines.declare import Registered
 from pipelines.models import Algorithm
 from worker.antenna.schemas import PipelineResults
-from worker.schemas import Task
+from worker.core.tasks import Task
 
 _ERROR_CHARS = 1000
 _SCORE_STEPS = 1000  # scores cut to 3 decimals

@@ -6,8 +6,8 @@ from __future__ import annotations
 from config.settings import Settings
 from pipelines.declare import Pipeline
 from pipelines.setup import Chosen
-from worker.served import ServedPipelines
-from worker.sources import SourceParts
+from worker.core.link import SourceParts
+from worker.process.served import ServedPipelines
 
 
 def refusals(s: Settings, pipelines: list[Pipeline]) -> list[str]:
@@ -22,9 +22,9 @@ def refusals(s: Settings, pipelines: list[Pipeline]) -> list[str]:
 def source_parts(s: Settings, served: ServedPipelines, chosen: list[Chosen]) -> SourceParts:
     """The source's parts, not yet open."""
     if s.source == "antenna":
-        from worker.antenna.wiring import AntennaParts
+        from worker.antenna.parts import AntennaParts
 
         return AntennaParts(s, served, {c.pipeline.name: c.pipeline for c in chosen})
-    from worker.nats.wiring import NatsParts
+    from worker.nats.parts import NatsParts
 
     return NatsParts(s, served)

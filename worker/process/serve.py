@@ -35,8 +35,8 @@ from config.derived import chosen_device, run_dir_base, run_dir_setting
 from config.errors import DeviceFailed
 from config.settings import Settings
 from datasets import rundir
-from worker.app import WorkerApp
-from worker.exits import FORCED_BY, STOPPED, Exit, ExitReason, forced_exit_code
+from worker.core.exits import FORCED_BY, STOPPED, Exit, ExitReason, forced_exit_code
+from worker.process.app import WorkerApp
 
 log = structlog.get_logger(__name__)
 

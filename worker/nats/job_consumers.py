@@ -36,12 +36,12 @@ from nats.js import JetStreamContext, api
 
 from config.names import env_name
 from config.settings import NatsSettings
+from worker.core.ports import Runnable
 from worker.nats.job_names import is_job_consumer, job_consumer, job_consumer_config
 from worker.nats.late import unsubscribe
 from worker.nats.lifecycle import ConsumerStats, JobLifecycle, new_jobs_consumer
 from worker.nats.provision import SCOUT_BATCH, serves_job_subjects
 from worker.nats.subjects import tasks_subject
-from worker.ports import Runnable
 
 log = structlog.get_logger(__name__)
 _PAGE = 256

@@ -1,6 +1,6 @@
 """One worker process: build every layer from the settings once, run, take it all down in
 order. Each layer is built in a module of its own: the device claim (``device_claim``), the
-pipelines and their memory budget (``model_budget``), the engine (``engine.build``), the
+pipelines and their memory budget (``pipeline_choice``), the engine (``engine.build``), the
 health layer (``health.compose``), and the task source's parts, picked in ``wiring``."""
 
 from __future__ import annotations
@@ -16,19 +16,19 @@ import structlog
 from config.settings import Settings
 from datasets.loader import StreamingLoader
 from pipelines.setup import Chosen
-from worker import model_budget
-from worker.device_claim import claim_device
+from worker.core.exits import Exit
+from worker.core.link import SourceParts
+from worker.core.orchestrator import Services, Worker
 from worker.engine import Engine
 from worker.engine import build as engine_build
-from worker.exits import Exit
 from worker.health.compose import ProcessHealth
 from worker.health.guards import ResourceGuard
 from worker.health.liveness import Liveness
 from worker.health.watchdog import Watchdog
-from worker.orchestrator import Services, Worker
-from worker.served import ServedPipelines
-from worker.sources import SourceParts
-from worker.wiring import refusals, source_parts
+from worker.process import pipeline_choice
+from worker.process.device_claim import claim_device
+from worker.process.pick_source import refusals, source_parts
+from worker.process.served import ServedPipelines
 
 log = structlog.get_logger(__name__)
 _CLOSE_WAIT_S = 10.0
@@ -36,7 +36,7 @@ _CLOSE_WAIT_S = 10.0
 
 class WorkerApp:
     """One worker process's parts. ``start`` -> ``run(stop)`` -> ``close``, driven by
-    ``worker.serve.Server`` (signals, the run directory, the process's exit code).
+    ``worker.process.serve.Server`` (signals, the run directory, the process's exit code).
 
     ``start`` reads as the process map: the listeners, the device, the pipelines and their
     budget, the engine (model on the engine thread, the loader and its children), the task
@@ -66,8 +66,8 @@ class WorkerApp:
             watchdog=Watchdog(s.health.watchdog_timeout_s) if s.health.watchdog_timeout_s else None,
         )
         self.device = claim_device(s)  # before anything may touch CUDA
-        chosen = model_budget.choose(s, self.device, lambda p: refusals(s, p))
-        budget = model_budget.budget_bytes(s, self.device, chosen)
+        chosen = pipeline_choice.choose(s, self.device, lambda p: refusals(s, p))
+        budget = pipeline_choice.budget_bytes(s, self.device, chosen)
         checked()
         served = engine_build.served_pipelines(s, chosen, self.device, budget)
         self._loader = engine_build.loader(s, chosen)  # closed by close() if the start stops

@@ -1,5 +1,5 @@
 """The Antenna source's parts, built once from the settings (the counterpart of
-``worker/nats/wiring.py``): client, job rotation, reservations, the source, the poster, the
+``worker/nats/parts.py``): client, job rotation, reservations, the source, the poster, the
 delivery rules, their health and their shutdown. No NATS connection."""
 
 from __future__ import annotations
@@ -14,20 +14,20 @@ from pipelines.models import Algorithm
 from worker.antenna.catalog import Catalog
 from worker.antenna.client import AntennaClient
 from worker.antenna.identity import client_info
-from worker.antenna.jobs import JobRotation
-from worker.antenna.metrics import AntennaMetrics
+from worker.antenna.job_listing import JobRotation
 from worker.antenna.post import Poster
-from worker.antenna.register import project_ids
+from worker.antenna.registration import project_ids
+from worker.antenna.render import AntennaPipeline
 from worker.antenna.reservations import Reservations
-from worker.antenna.results import AntennaPipeline
-from worker.antenna.rules import AntennaRules
+from worker.antenna.settle import AntennaRules
 from worker.antenna.source import AntennaSource
+from worker.antenna.source_metrics import AntennaMetrics
 from worker.antenna.waiting import antenna_waiting_read
+from worker.core.link import SourceLink
+from worker.core.ports import SourceHealth
 from worker.health.metrics import Metrics
-from worker.health.waiting import TasksWaiting
-from worker.ports import SourceHealth
-from worker.served import ServedPipelines
-from worker.sources import SourceLink
+from worker.health.tasks_waiting import TasksWaiting
+from worker.process.served import ServedPipelines
 
 
 class NoResultsLookup:
@@ -65,7 +65,9 @@ class AntennaParts:
         self._pipelines = pipelines
         self.catalog = Catalog(served.names)
         self.client = AntennaClient(a.base_url, a.token, a.request_timeout_s, scheme=a.auth_scheme)
-        projects = tuple(project_ids(a.project_ids))  # checked as a setting (config/rules.py)
+        projects = tuple(
+            project_ids(a.project_ids)
+        )  # checked as a setting (config/cross_checks.py)
         self.jobs = JobRotation(
             self.client, self.catalog.slugs, a.poll_interval_s, a.jobs_limit, projects
         )

@@ -12,9 +12,9 @@ import structlog
 
 from datasets.faults import claim_once
 from datasets.images import Decoded
+from worker.core.ports import BatchReport
 from worker.engine import Engine
-from worker.engine.models import Models, Predictor
-from worker.ports import BatchReport
+from worker.engine.predictors import Models, Predictor
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """The rules every task source shares, once: what a delivery's bytes make, retry or give up
 given the deliveries left, what a final failure says, who this worker is, and the one
-``task_done`` line. Each source's delivery rules (``worker/nats/rules.py``,
-``worker/antenna/rules.py``) keep only what is its own: how a result is kept and a delivery
+``task_done`` line. Each source's delivery rules (``worker/nats/settle.py``,
+``worker/antenna/settle.py``) keep only what is its own: how a result is kept and a delivery
 settled there.
 """
 
@@ -14,9 +14,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from config.errors import Failure, InvalidTask, Undeliverable
-from worker.outcome import Outcome
-from worker.ports import Delivery
-from worker.schemas import Task, invalid_task, make_result, parse_task
+from worker.core.outcome import Outcome
+from worker.core.ports import Delivery
+from worker.core.tasks import Task, invalid_task, make_result, parse_task
 
 
 @dataclass(frozen=True)

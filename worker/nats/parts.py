@@ -1,5 +1,5 @@
 """The NATS source's parts, built once from the settings (the counterpart of
-``worker/antenna/wiring.py``): the connection, the provisioned streams and consumers, the
+``worker/antenna/parts.py``): the connection, the provisioned streams and consumers, the
 feed, the results stream, the dead letters, the delivery rules, the max-deliveries handler,
 and their shutdown."""
 
@@ -13,21 +13,21 @@ import structlog
 from nats.aio.client import Client as NATS
 
 from config.settings import Settings
+from worker.core.link import SourceLink
+from worker.core.ports import SourceHealth
 from worker.health.metrics import Metrics
-from worker.health.waiting import TasksWaiting
+from worker.health.tasks_waiting import TasksWaiting
 from worker.nats.advisories import ExhaustedTasks
 from worker.nats.algorithms import publish_algorithms
 from worker.nats.connection import ConnectionState, abort_socket, connect
 from worker.nats.feed import TaskFeed
-from worker.nats.metrics import JobConsumersCollector
 from worker.nats.provision import provision, refuse_other_fair_jobs
-from worker.nats.results import ResultStore
-from worker.nats.rules import NatsRules, nats_rules
+from worker.nats.result_store import ResultStore
+from worker.nats.settle import NatsRules, nats_rules
 from worker.nats.source import NatsSource
+from worker.nats.source_metrics import JobConsumersCollector
 from worker.nats.waiting import nats_waiting_read
-from worker.ports import SourceHealth
-from worker.served import ServedPipelines
-from worker.sources import SourceLink
+from worker.process.served import ServedPipelines
 
 log = structlog.get_logger(__name__)
 _CLOSE_WAIT_S = 10.0

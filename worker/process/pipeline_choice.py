@@ -14,7 +14,7 @@ from pipelines.declare import Pipeline
 from pipelines.device import default_budget_bytes
 from pipelines.models import resolve_device
 from pipelines.setup import Chosen, budget_problems, choose_all
-from worker.device_claim import device_type
+from worker.process.device_claim import device_type
 
 log = structlog.get_logger(__name__)
 

@@ -30,17 +30,17 @@ import structlog
 from config.derived import chosen_device, max_held_tasks
 from config.errors import DeviceFailed, Failure, LoaderGaveUp
 from config.settings import Settings
-from worker.admission import Admission
-from worker.batches import CANCELLED_SETTLES_WAIT_S, GIVE_BACK_WAIT_S, Batches
-from worker.claims import Claim, Claims
-from worker.exits import STOPPED, Exit, ExitReason
+from worker.core.admission import Admission
+from worker.core.batches import CANCELLED_SETTLES_WAIT_S, GIVE_BACK_WAIT_S, Batches
+from worker.core.claims import Claim, Claims
+from worker.core.exits import STOPPED, Exit, ExitReason
+from worker.core.link import Helper, SourceLink
+from worker.core.outcome import Outcome
+from worker.core.ports import BatchEngine, BatchReport
+from worker.core.threads import in_daemon_thread
 from worker.health.liveness import Liveness
 from worker.health.metrics import Metrics
 from worker.health.observer import BatchObserver
-from worker.outcome import Outcome
-from worker.ports import BatchEngine, BatchReport
-from worker.sources import Helper, SourceLink
-from worker.threads import in_daemon_thread
 
 log = structlog.get_logger(__name__)
 _FIRST_FETCH_BACKOFF_S = 1.0  # a fetch that raised: tried again after this, doubling

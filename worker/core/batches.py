@@ -31,10 +31,10 @@ from typing import Any
 import structlog
 
 from config.errors import DeviceFailed, Failure
-from worker.claims import Claim
-from worker.fairshare import FairQueue, JobKey
-from worker.outcome import Outcome
-from worker.ports import BatchEngine, BatchReport
+from worker.core.claims import Claim
+from worker.core.fairshare import FairQueue, JobKey
+from worker.core.outcome import Outcome
+from worker.core.ports import BatchEngine, BatchReport
 
 # Settles a batch run: each task acked with its result stored, or given back. Cancelled (the
 # drain's time ran out), it gives back at once every task it has not acked, then ends.
