@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,10 +16,12 @@ from config.errors import Failure, ResultRefused, ResultsUnavailable
 from config.settings import NatsSettings
 from worker.core.outcome import Outcome
 from worker.core.ports import BatchReport
-from worker.core.verdicts import ResultMaker
+from worker.core.results import Result, ResultMaker
+from worker.core.tasks import Task
 from worker.nats.dead_letters import DeadLetters
-from worker.nats.delivery import NatsDelivery
-from worker.nats.settle import NatsRules
+from worker.nats.delivery import NatsDelivered, delivered
+from worker.nats.render import document
+from worker.nats.settle import NatsSettler, nak_backoff
 from worker.nats.subjects import result_subject
 
 _seq = iter(range(1, 1_000_000))
@@ -110,24 +112,36 @@ def task_msg(
     return FakeMsg(delivered=delivered, seq=next(_seq), data=data.encode(), subject=subject)
 
 
-def delivery(msg: FakeMsg, max_deliver: int = 2) -> NatsDelivery:
-    """``msg`` as the NATS source delivers it to the core."""
-    return NatsDelivery(msg, max_deliver)  # type: ignore[arg-type]
+def delivery(msg: FakeMsg, max_deliver: int = 2, default_pipeline: str = "p") -> NatsDelivered:
+    """``msg`` as the NATS source delivers it to the core: read once."""
+    return delivered(msg, max_deliver, default_pipeline)  # type: ignore[arg-type]
 
 
-def nats_rules(
+def result_document(
+    task: Task, detections: list[dict[str, Any]], timings_s: dict[str, float], pipeline: str = "p"
+) -> dict[str, Any]:
+    """An ok result for ``task`` as the NATS source stores it."""
+    made = Result(replace(task, pipeline=pipeline), detections, None, {}, timings_s, {}, 1)
+    return document(made)
+
+
+def model_of(pipeline: str) -> dict[str, Any]:
+    """What the fake results say of a pipeline's models."""
+    return {"name": "m", "pipeline": pipeline}
+
+
+def nats_settler(
     store: Any, js: Any, *, store_retry_s: float = 0.0, default_pipeline: str = "p"
-) -> NatsRules:
-    """The NATS source's delivery rules over the fake results and dead-letter streams."""
+) -> NatsSettler:
+    """The NATS source's settler over the fake results and dead-letter streams."""
     settings = NatsSettings(store_retry_s=store_retry_s, nak_backoff_base_s=0.01)
-    return NatsRules(
+    return NatsSettler(
         store,
         DeadLetters(js, settings, store.max_message_bytes),
-        ResultMaker(lambda pipeline: {"name": "m", "pipeline": pipeline}),
+        ResultMaker(model_of),
         default_pipeline,
         settings.store_retry_s,
-        settings.nak_backoff_base_s,
-        settings.nak_backoff_max_s,
+        nak_backoff(settings),
     )
 
 
@@ -140,8 +154,9 @@ class FakeSource:
     msgs: list[FakeMsg] = field(default_factory=list)
     fetches: int = 0
     max_deliver: int = 2
+    default_pipeline: str = "p"  # for a task on ``tasks`` alone
 
-    async def fetch(self, batch: int, runnable: Any = None) -> Sequence[NatsDelivery]:
+    async def fetch(self, batch: int, runnable: Any = None) -> Sequence[NatsDelivered]:
         import asyncio
 
         self.fetches += 1
@@ -153,9 +168,9 @@ class FakeSource:
         self.msgs = [m for m in self.msgs if id(m) not in gone]
         if not taken:
             await asyncio.sleep(0.01)
-        return [delivery(m, self.max_deliver) for m in taken]
+        return [delivery(m, self.max_deliver, self.default_pipeline) for m in taken]
 
-    async def close(self) -> Sequence[NatsDelivery]:
+    async def close(self) -> Sequence[NatsDelivered]:
         return []
 
     async def idle(self) -> bool:

@@ -20,7 +20,7 @@ from worker.commands.job_client import job_results, make_tasks, publish_tasks
 from worker.commands.localservers import free_port, stop_process
 from worker.core.tasks import Task
 from worker.nats.connection import connect
-from worker.process.app import WorkerApp
+from worker.process.app import Assembly
 
 SIZES = [(640, 480), (1920, 1080), (300, 500), (1280, 720)]
 
@@ -36,9 +36,9 @@ def upload_images(s3: Any, bucket: str, count: int, prefix: str = "img") -> list
 
 
 @asynccontextmanager
-async def running_worker(settings: Any) -> AsyncIterator[WorkerApp]:
+async def running_worker(settings: Any) -> AsyncIterator[Assembly]:
     """A started worker, working in the background; drained and closed on exit."""
-    app = WorkerApp(settings)
+    app = Assembly(settings)
     stop = asyncio.Event()
     task: asyncio.Task[Any] | None = None
     try:

@@ -108,7 +108,7 @@ async def test_a_forged_max_deliveries_advisory_fails_no_task(nats_server, setti
     from worker.nats.job_consumers import job_consumer, job_consumer_config
     from worker.nats.provision import provision
     from worker.nats.result_store import ResultStore
-    from worker.nats.settle import nats_rules
+    from worker.nats.settle import nats_settler
     from worker.nats.subjects import (
         advisory_consumer,
         advisory_subject,
@@ -137,7 +137,7 @@ async def test_a_forged_max_deliveries_advisory_fails_no_task(nats_server, setti
             await js.publish(advisory_subject(n), json.dumps(payload).encode())
         # And the max-deliveries handler reads them
         store = ResultStore(js, n)
-        settler = nats_rules(js, n, store, settings.model.pipeline)
+        settler = nats_settler(js, n, store, settings.model.pipeline)
         stop = asyncio.Event()
         handler = asyncio.create_task(ExhaustedTasks(js, n, settler).run(stop))
         try:

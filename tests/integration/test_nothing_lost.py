@@ -94,9 +94,9 @@ async def test_crossing_a_resource_limit_drains_the_worker_and_loses_nothing(
     limited = settings_for(nats_server.url, guards={"max_tree_rss_bytes": 1, "check_interval_s": 0})
     uris = upload_images(s3_server.client(), bucket, 12)
     async with client(limited) as js:
-        from worker.process.app import WorkerApp
+        from worker.process.app import Assembly
 
-        app = WorkerApp(limited)
+        app = Assembly(limited)
         try:
             await app.start()
             tasks = await submit(js, limited, "job-guarded", uris)

@@ -39,13 +39,15 @@ from worker.antenna.render import (
     item,
 )
 from worker.antenna.reservations import Reservations, delivered_of
-from worker.antenna.settle import AntennaRules
+from worker.antenna.settle import AntennaSettler
 from worker.antenna.source import AntennaSource
 from worker.antenna.waiting import antenna_waiting_read
 from worker.core.admission import Admission
 from worker.core.claims import Claims
 from worker.core.outcome import Outcome
+from worker.core.results import ResultMaker
 from worker.core.tasks import Task
+from worker.core.verdicts import NO_BACKOFF, decide
 from worker.health.liveness import Liveness
 
 TOKEN = "unit-token-5b7d"
@@ -113,16 +115,30 @@ def detection(
     }
 
 
-def task_of(delivery: Any) -> Task:
-    payload = json.loads(delivery.data)
-    return Task(
-        payload["id"],
-        payload["job_id"],
-        payload["image_id"],
-        payload["image_url"],
-        reply_subject=payload["reply_subject"],
-        pipeline=SLUG,
-    )
+def task_of(delivered: Any) -> Task:
+    """The task the source read from Antenna's answer."""
+    task = delivered.read.task
+    assert task is not None and task.pipeline == SLUG, delivered.read
+    return task
+
+
+class CoreSettle:
+    """The orchestrator's way with a finished task: the core's verdict (``verdicts.decide``),
+    carried out by the Antenna settler; what it did."""
+
+    def __init__(self, settler: AntennaSettler) -> None:
+        self.settler = settler
+
+    async def settle(self, task: Task, delivered: Any, outcome: Outcome) -> str:
+        verdict = decide(
+            task,
+            outcome,
+            delivered=delivered.delivered,
+            deliveries_left=delivered.deliveries_left,
+            results=ResultMaker(),
+            backoff=NO_BACKOFF,
+        )
+        return (await self.settler.settle(delivered, verdict)).kept.value
 
 
 async def reserve_all(source: AntennaSource, n: int) -> list[Any]:
@@ -218,7 +234,7 @@ async def test_a_reservation_runs_out_after_its_ttr_and_a_task_comes_back_once(
     assert await source.fetch(3) == []  # all reserved: Antenna answers []
     fake.expire_reservations()
     second = await reserve_all(source, 3)
-    assert {d.image_id for d in second} == {"i0", "i1", "i2"}
+    assert {d.handle.image_id for d in second} == {"i0", "i1", "i2"}
     assert [d.delivered for d in second] == [2, 2, 2]
     fake.expire_reservations()
     assert await source.fetch(3) == []
@@ -235,15 +251,15 @@ async def test_one_bad_task_in_a_reservation_gets_an_error_result_and_the_rest_a
     fake.spoil("i4", lambda t: ["not", "a", "task"], times=1)
     source = source_of(fake)
     rules = rules_of(fake, 10**6)
-    claims = Claims(100, Liveness(60.0), rules.give_back)
-    admission = Admission(rules, NoResultsLookup(), claims, SLUG)
+    claims = Claims(100, Liveness(60.0), rules.settler)
+    admission = Admission(rules.settler, NoResultsLookup(), claims, ResultMaker())
 
     with structlog.testing.capture_logs() as logs:
         got = await source.fetch(6)
         held = [c for c in await asyncio.gather(*map(admission.admit, got)) if c is not None]
-    verdicts = await asyncio.gather(*(rules.settle(c.task, c.delivery, outcome()) for c in held))
+    verdicts = await asyncio.gather(*(rules.settle(c.task, c.delivered, outcome()) for c in held))
 
-    assert sorted(d.image_id for d in got) == ["i0", "i1", "i2", "i5"]
+    assert sorted(d.handle.image_id for d in got) == ["i0", "i1", "i2", "i5"]
     assert sorted(c.task.image_id for c in held) == ["i0", "i5"] and verdicts == ["ok", "ok"]
     assert fake.jobs[job].done == {"i0", "i5"} and fake.jobs[job].failed == {"i1", "i2"}
     skipped = [e for e in logs if e["event"] == "antenna_task_skipped"]
@@ -251,7 +267,7 @@ async def test_one_bad_task_in_a_reservation_gets_an_error_result_and_the_rest_a
     # The two skipped come back once their reservations run out, and are served then.
     fake.expire_reservations()
     again = await reserve_all(source, 2)
-    assert sorted(d.image_id for d in again) == ["i3", "i4"]
+    assert sorted(d.handle.image_id for d in again) == ["i3", "i4"]
     await asyncio.gather(*(rules.settle(task_of(d), d, outcome()) for d in again))
     assert fake.pending(job) == set() and fake.jobs[job].status == "SUCCESS"
 
@@ -284,7 +300,7 @@ async def test_a_reservation_whose_answer_is_lost_is_left_to_redelivery_and_said
     job = fake.add_job(SLUG, images(3))
     source = source_of(fake, size=1)
     (first,) = await source.fetch(1)
-    await first.ack()  # its result posted: room for the next
+    first.handle.posted()  # its result posted: room for the next
     fake.misbehave("tasks", "drop", times=1)
     with structlog.testing.capture_logs() as logs:
         assert await source.fetch(1) == []
@@ -354,8 +370,8 @@ async def test_the_token_echoed_in_a_task_is_masked_in_the_log_and_intact_in_the
     (malformed,) = [e for e in lines if e["event"] == "antenna_task_malformed"]
     assert malformed["image_id"] == "bad-<redacted>"
     assert not [e for e in lines if TOKEN in json.dumps(e)]
-    (good,) = [d for d in got if d.image_id.startswith("good-")]
-    assert json.loads(good.data)["image_id"] == f"good-{TOKEN}" == good.image_id
+    (good,) = [d for d in got if d.handle.image_id.startswith("good-")]
+    assert task_of(good).image_id == f"good-{TOKEN}" == good.handle.image_id
 
 
 async def test_accepted_results_antenna_drops_are_not_saved_and_come_back(
@@ -363,7 +379,7 @@ async def test_accepted_results_antenna_drops_are_not_saved_and_come_back(
 ) -> None:
     job = fake.add_job(SLUG, images(6))
     source = source_of(fake)
-    d = {x.image_id: x for x in await reserve_all(source, 6)}
+    d = {x.handle.image_id: x for x in await reserve_all(source, 6)}
     key = antenna_key(CLASSIFIER)
 
     def results(image: str, **change: Any) -> dict[str, Any]:
@@ -388,7 +404,7 @@ async def test_accepted_results_antenna_drops_are_not_saved_and_come_back(
         (d["i4"], results("i4")),
         (d["i5"], results("i5", detections=[unknown_classifier])),
     ]
-    body = {"results": [{"reply_subject": x.reply_subject, "result": r} for x, r in posts]}
+    body = {"results": [{"reply_subject": x.handle.reply_subject, "result": r} for x, r in posts]}
     reply = await client_of(fake).post(f"jobs/{job}/result/", "result", json.dumps(body).encode())
     assert reply.status == 200 and reply.body["status"] == "accepted"
     # The image named in source_images counts as done, not the task's: i2 is stuck.
@@ -396,7 +412,7 @@ async def test_accepted_results_antenna_drops_are_not_saved_and_come_back(
     assert fake.jobs[job].saved["i5"][0]["classifications"] == []
     fake.expire_reservations()
     again = await reserve_all(source, 6)
-    assert {x.image_id for x in again} == {"i0", "i1", "i3", "i4", "i5"} - {"i4"}
+    assert {x.handle.image_id for x in again} == {"i0", "i1", "i3", "i4", "i5"} - {"i4"}
     assert "i2" in fake.pending(job)
 
 
@@ -434,10 +450,10 @@ async def test_identical_reposts_add_nothing_and_error_results_need_an_image_id(
     fake: FakeAntenna,
 ) -> None:
     job = fake.add_job(SLUG, images(3))
-    got = {x.image_id: x for x in await reserve_all(source_of(fake), 3)}
+    got = {x.handle.image_id: x for x in await reserve_all(source_of(fake), 3)}
     key = antenna_key(CLASSIFIER)
     ok = {
-        "reply_subject": got["i0"].reply_subject,
+        "reply_subject": got["i0"].handle.reply_subject,
         "result": {
             "pipeline": SLUG,
             "total_time": 0.1,
@@ -455,8 +471,11 @@ async def test_identical_reposts_add_nothing_and_error_results_need_an_image_id(
     assert len(fake.jobs[job].saved["i0"]) == 2  # re-inferred boxes add detections
     errors = {
         "results": [
-            {"reply_subject": got["i1"].reply_subject, "result": {"error": "x", "image_id": "i1"}},
-            {"reply_subject": got["i2"].reply_subject, "result": {"error": "x"}},
+            {
+                "reply_subject": got["i1"].handle.reply_subject,
+                "result": {"error": "x", "image_id": "i1"},
+            },
+            {"reply_subject": got["i2"].handle.reply_subject, "result": {"error": "x"}},
         ]
     }
     await client.post(f"jobs/{job}/result/", "result", json.dumps(errors).encode())
@@ -464,11 +483,11 @@ async def test_identical_reposts_add_nothing_and_error_results_need_an_image_id(
 
 
 # -- posting: size cap, 413, validation ---------------------------------------------------------
-def rules_of(fake: FakeAntenna, max_post_bytes: int) -> AntennaRules:
+def rules_of(fake: FakeAntenna, max_post_bytes: int) -> CoreSettle:
     poster = Poster(client_of(fake), max_post_bytes, 5.0)
     catalog = Catalog([SLUG])
     catalog.add(SERVED)
-    return AntennaRules(poster, catalog, max_post_bytes)
+    return CoreSettle(AntennaSettler(poster, catalog, max_post_bytes))
 
 
 def outcome(scores: tuple[float, ...] = (0.7, 0.2, 0.1), detections: int = 1) -> Outcome:
@@ -508,7 +527,7 @@ async def test_a_result_antenna_would_drop_is_posted_as_an_error_with_its_image(
     assert too_big_alone
     huge = await rules.settle(task_of(b), b, outcome(detections=20))
     assert (wrong_length, huge) == ("error", "error")
-    assert fake.jobs[job].failed == {a.image_id, b.image_id}
+    assert fake.jobs[job].failed == {a.handle.image_id, b.handle.image_id}
     errors = [json.loads(body)["results"][0]["result"] for body in fake.bodies[-2:]]
     assert all(e.get("image_id") for e in errors)
     assert (
@@ -639,7 +658,7 @@ async def test_a_result_over_the_cap_reaches_antenna_with_every_logit() -> None:
         poster = Poster(client_of(fake), 30_000, 5.0)
         catalog = Catalog([SLUG])
         catalog.add(served)
-        rules = AntennaRules(poster, catalog, 30_000)
+        rules = CoreSettle(AntennaSettler(poster, catalog, 30_000))
         done = Outcome(detections=[found], timings_s={"load_s": 0.01, "infer_s": 0.01})
         assert await rules.settle(task_of(got), got, done) == "ok"
     (body,) = fake.bodies
@@ -670,7 +689,7 @@ async def test_client_info_goes_with_each_reservation_and_result_and_holds_no_se
     poster = Poster(client, 10**6, 5.0, client_info=info)
     catalog = Catalog([SLUG])
     catalog.add(SERVED)
-    rules = AntennaRules(poster, catalog, 10**6)
+    rules = CoreSettle(AntennaSettler(poster, catalog, 10**6))
     verdicts = await asyncio.gather(*(rules.settle(task_of(d), d, outcome()) for d in got))
     assert verdicts == ["ok", "ok"] and fake.jobs[job].done == {"i0", "i1"}
     endpoints = [endpoint for endpoint, _ in fake.client_infos]
@@ -744,7 +763,7 @@ async def test_project_ids_scope_which_jobs_are_reserved_from(fake: FakeAntenna)
         )
 
     got = await reserve_all(scoped((1,)), 6)  # asks for more than project 1 holds
-    assert {d.image_id for d in got} == {"a0", "a1", "a2"}  # (some twice: a TTR of 0.4 s)
+    assert {d.handle.image_id for d in got} == {"a0", "a1", "a2"}  # (some twice: a TTR of 0.4 s)
     assert all(t.delivered == 0 for t in fake.jobs[theirs].tasks.values())  # untouched
     # A mistyped project is a refused listing, never every project's jobs: Antenna's
     # project_id alone would list them all (an id no project has filters nothing).
@@ -757,7 +776,7 @@ async def test_project_ids_scope_which_jobs_are_reserved_from(fake: FakeAntenna)
     # Both projects named: both served, each listed on its own (project 1's tasks have had
     # their two deliveries by now).
     both = await reserve_all(scoped((1, 2)), 3)
-    assert {d.image_id for d in both} == {"b0", "b1", "b2"}
+    assert {d.handle.image_id for d in both} == {"b0", "b1", "b2"}
 
 
 async def test_a_refused_project_is_named_and_the_other_projects_are_served(
@@ -773,7 +792,7 @@ async def test_a_refused_project_is_named_and_the_other_projects_are_served(
     parts = AntennaParts(configured, served, {})  # type: ignore[arg-type]
     try:
         got = await reserve_all(parts.source, 3)
-        assert {d.image_id for d in got} == {"a0", "a1", "a2"}
+        assert {d.handle.image_id for d in got} == {"a0", "a1", "a2"}
         for said in (parts.problem(), parts.unserved()):
             assert said is not None and "project 99's jobs: HTTP 400" in said, said
             assert "WORKER_ANTENNA__PROJECT_IDS" in said and "project 1'" not in said
@@ -917,16 +936,14 @@ def test_the_delivery_count_is_read_from_the_reply_subject() -> None:
 
 
 def test_nothing_more_is_reserved_while_the_oldest_reservation_is_late() -> None:
-    from worker.antenna.reservations import AntennaDelivery
+    from worker.antenna.reservations import Reservation
 
     reservations = Reservations(ttr_s=10.0, finish_within_s=5.0, first_size=4, batch_size=4)
     assert reservations.allowed() == 4
 
-    def reserved(age_s: float) -> AntennaDelivery:
+    def reserved(age_s: float) -> Reservation:
         at = time.monotonic() - age_s
-        delivery = AntennaDelivery(
-            b"{}", 1, SLUG, "i", "r", at, at + 10, 1, 2, reservations.settled
-        )
+        delivery = Reservation(1, SLUG, "i", "r", at, at + 10, reservations.settled)
         reservations.add(delivery)
         return delivery
 
@@ -941,15 +958,13 @@ def test_a_rate_too_slow_for_finish_within_still_reserves_a_batch_with_nothing_h
     (a slow result post), a process holding nothing still reserves the batch's worth, and
     nothing behind what it holds; the rate follows faster work again, and waiting with
     nothing held does not lower it."""
-    from worker.antenna.reservations import AntennaDelivery
+    from worker.antenna.reservations import Reservation
 
     reservations = Reservations(ttr_s=0.2, finish_within_s=0.05, first_size=4, batch_size=4)
 
-    def reserved() -> AntennaDelivery:
+    def reserved() -> Reservation:
         at = time.monotonic()
-        delivery = AntennaDelivery(
-            b"{}", 1, SLUG, "i", "r", at, at + 0.2, 1, 2, reservations.settled
-        )
+        delivery = Reservation(1, SLUG, "i", "r", at, at + 0.2, reservations.settled)
         reservations.add(delivery)
         return delivery
 
@@ -977,16 +992,14 @@ def test_a_reservation_size_over_the_batch_reserves_one_batch_with_nothing_held(
     finishes less than one task within ``finish_within_s``, a process holding nothing reserves
     one batch (8), not 64 that would run past their TTR and lose a delivery each; it says once
     that the floor overrides the rate."""
-    from worker.antenna.reservations import AntennaDelivery
+    from worker.antenna.reservations import Reservation
 
     reservations = Reservations(ttr_s=0.2, finish_within_s=0.05, first_size=64, batch_size=8)
     assert reservations.allowed() == 64  # no rate measured yet: the reservation size
 
-    def reserved() -> AntennaDelivery:
+    def reserved() -> Reservation:
         at = time.monotonic()
-        delivery = AntennaDelivery(
-            b"{}", 1, SLUG, "i", "r", at, at + 0.2, 1, 2, reservations.settled
-        )
+        delivery = Reservation(1, SLUG, "i", "r", at, at + 0.2, reservations.settled)
         reservations.add(delivery)
         return delivery
 
@@ -1033,6 +1046,6 @@ async def test_a_burst_run_is_not_idle_the_moment_it_settles_its_own_last_task()
             assert await source.fetch(3) == []
         assert not await source.idle()
         for delivery in held:
-            await delivery.ack()
+            delivery.handle.posted()
         assert not await source.idle(), "idle at once: the wait counted our own held time"
         assert source.still_out() is None

@@ -1,5 +1,5 @@
-"""The core speaks tasks, not NATS messages: no module of the core imports ``nats``,
-``worker.nats`` or ``worker.antenna``, directly or through another core module (a
+"""The core speaks tasks, not NATS messages, and its port no broker verb: no module of the
+core imports ``nats``, ``worker.nats`` or ``worker.antenna``, directly or through another core module (a
 function-local import counts). The core is every module of ``worker/`` but the sources' rooms
 (``worker/nats/``, ``worker/antenna/``), the commands (``worker/commands/``) and the wiring
 that picks a source and assembles the process (``worker/process/``,
@@ -45,8 +45,8 @@ def imported(path: Path, name: str) -> set[str]:
     return found
 
 
-def is_forbidden(target: str) -> bool:
-    return any(target == f or target.startswith(f + ".") for f in FORBIDDEN)
+def is_forbidden(target: str, forbidden: tuple[str, ...] = FORBIDDEN) -> bool:
+    return any(target == f or target.startswith(f + ".") for f in forbidden)
 
 
 def core_modules() -> dict[str, set[str]]:
@@ -60,12 +60,14 @@ def core_modules() -> dict[str, set[str]]:
     return modules
 
 
-def violations(modules: dict[str, set[str]]) -> dict[str, list[str]]:
-    """Each core module that reaches a forbidden import, with the way there."""
+def violations(
+    modules: dict[str, set[str]], forbidden: tuple[str, ...] = FORBIDDEN
+) -> dict[str, list[str]]:
+    """Each module that reaches a forbidden import, with the way there."""
 
     def way(name: str, seen: frozenset[str]) -> list[str] | None:
         for target in sorted(modules[name]):
-            if is_forbidden(target):
+            if is_forbidden(target, forbidden):
                 return [name, target]
             if target in modules and target not in seen:
                 rest = way(target, seen | {target})
@@ -83,6 +85,32 @@ def test_no_core_module_imports_a_source_directly_or_through_another() -> None:
     assert violations(modules) == {}
 
 
+def test_the_core_room_imports_no_source_no_nats_and_nothing_of_the_assembly() -> None:
+    """``worker/core/`` builds on ``config``, ``datasets``, ``pipelines``, ``worker.engine``
+    and ``worker.health``, never on what is built around it: a source's room, ``nats``, the
+    process's assembly (``worker/process/``) or the commands."""
+    modules = core_modules()
+    core = {name: targets for name, targets in modules.items() if name.startswith("worker.core")}
+    assert len(core) >= 10, "the core room was not found"
+    outward = ("nats", "worker.nats", "worker.antenna", "worker.process", "worker.commands")
+    found = violations(modules, outward)
+    assert {name: way for name, way in found.items() if name in core} == {}
+
+
+def test_nothing_but_the_commands_imports_the_assembly() -> None:
+    """Dependencies point inward: the sources, the engine and the health layer are built by
+    the assembly (``worker/process/``), never the other way round."""
+    inward = [
+        name
+        for package in ("worker", "config", "datasets", "pipelines")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if not (name := module_name(path)).startswith(("worker.process", "worker.commands"))
+        and name != "worker.__main__"
+        and any(is_forbidden(target, ("worker.process",)) for target in imported(path, name))
+    ]
+    assert inward == []
+
+
 def test_the_check_sees_an_import_made_through_another_core_module() -> None:
     modules = {
         "worker.a": {"worker.b"},
@@ -95,3 +123,37 @@ def test_the_check_sees_an_import_made_through_another_core_module() -> None:
         "worker.b": ["worker.b", "worker.c", "nats.js"],
         "worker.c": ["worker.c", "nats.js"],
     }
+
+
+BROKER_VERBS = {"ack", "nak", "term", "in_progress"}
+
+
+def names_in(source: str) -> set[str]:
+    """Every name a module defines or reads: functions, methods, classes, fields, attributes,
+    variables and arguments."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            found.add(node.name)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.arg):
+            found.add(node.arg)
+    return found
+
+
+def test_the_port_names_no_broker_verb() -> None:
+    """The core's port speaks tasks, verdicts and results: no ``ack``, ``nak``, ``term`` or
+    ``in_progress`` (NATS's verbs), in the port or anywhere in the core."""
+    core = sorted((ROOT / "worker" / "core").glob("*.py"))
+    assert ROOT / "worker" / "core" / "ports.py" in core
+    spoken = {path.name: names_in(path.read_text()) & BROKER_VERBS for path in core}
+    assert {name: verbs for name, verbs in spoken.items() if verbs} == {}
+
+
+def test_the_verb_check_sees_a_verb_on_a_protocol() -> None:
+    port = "class Delivery(Protocol):\n    async def nak(self, delay_s: float) -> None: ...\n"
+    assert names_in(port) & BROKER_VERBS == {"nak"}
+    assert names_in("async def settle(d):\n    await d.msg.ack()\n") & BROKER_VERBS == {"ack"}

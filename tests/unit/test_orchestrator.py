@@ -19,14 +19,15 @@ from tests.fakes import (
     FakeMsg,
     FakeSource,
     FakeStore,
-    nats_rules,
+    model_of,
+    nats_settler,
     task_msg,
 )
 from worker.core import batches as batches_module
 from worker.core import orchestrator
 from worker.core.exits import ExitReason
 from worker.core.link import SourceLink
-from worker.core.orchestrator import Services, Worker
+from worker.core.orchestrator import Orchestrator, Services
 from worker.health.liveness import Liveness
 from worker.health.metrics import Metrics
 
@@ -44,14 +45,15 @@ def a_worker(source, engine, *, guard=None, closed=None, max_deliver=2, store=No
     store, js = store or FakeStore(), FakeJetStream()
     liveness = Liveness(settings.health.stall_timeout_s)
     metrics = Metrics(CollectorRegistry(), liveness)
-    rules = nats_rules(store, js)
-    rules.count = lambda outcome: metrics.tasks.labels(outcome).inc()
+    settler = nats_settler(store, js)
     source.max_deliver = max_deliver
     link = SourceLink(
         kind="nats",
         source=source,
         results=store,
-        rules=rules,
+        settler=settler,
+        backoff=settler.backoff,
+        model_of=model_of,
         fetch_wait_s=settings.nats.fetch_timeout_s,
         keepalive_tick_s=5.0,
         gone=closed,
@@ -62,10 +64,9 @@ def a_worker(source, engine, *, guard=None, closed=None, max_deliver=2, store=No
         engine_thread=ThreadPoolExecutor(1),
         liveness=liveness,
         metrics=metrics,
-        default_pipeline="p",
         guard=guard,
     )
-    return Worker(settings, services, until_idle=True), store, js, metrics
+    return Orchestrator(settings, services, until_idle=True), store, js, metrics
 
 
 async def run(worker) -> object:

@@ -32,7 +32,7 @@ from tests.unit.test_orchestrator_sources import (
 from tests.unit.test_sticky_device_errors import Loader, Models
 from worker.commands.localservers import free_port
 from worker.core.exits import ExitReason
-from worker.core.orchestrator import Services, Worker
+from worker.core.orchestrator import Orchestrator, Services
 from worker.core.ports import SourceHealth
 from worker.engine import Engine
 from worker.engine.faults import DeviceFaultModels, sticky_cuda_error
@@ -83,7 +83,7 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Any]:
     made.close()
 
 
-def a_worker(rig: Any, models: Any) -> Worker:
+def a_worker(rig: Any, models: Any) -> Orchestrator:
     s = settings_for()
     liveness = Liveness(s.health.stall_timeout_s)
     metrics = Metrics(CollectorRegistry(), liveness, rig.kind)
@@ -93,9 +93,8 @@ def a_worker(rig: Any, models: Any) -> Worker:
         engine_thread=ThreadPoolExecutor(1),
         liveness=liveness,
         metrics=metrics,
-        default_pipeline="moths",
     )
-    return Worker(s, services)
+    return Orchestrator(s, services)
 
 
 def served_elsewhere(rig: Any) -> None:

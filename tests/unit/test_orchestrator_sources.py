@@ -1,6 +1,6 @@
 """The orchestrator's scenarios through both sources' rules, in this process: a task ok, an
 error, a redelivery, a duplicate, a drain. Once with NATS-shaped fakes (JetStream messages as
-``worker.nats.delivery`` adapts them, ``NatsRules`` over fake results and dead-letter
+``worker.nats.delivery`` reads them, ``NatsSettler`` over fake results and dead-letter
 streams, a source that redelivers what is naked, as the server does), once with the Antenna
 source's own parts (``AntennaParts``) against the fake Antenna (a real HTTP server on
 127.0.0.1, in this process). No process is started."""
@@ -22,11 +22,19 @@ from prometheus_client import CollectorRegistry
 from config.errors import Failure
 from config.settings import Settings, load_settings
 from tests.antenna_fake import FakeAntenna
-from tests.fakes import FakeEngine, FakeJetStream, FakeMsg, FakeSource, FakeStore, nats_rules
+from tests.fakes import (
+    FakeEngine,
+    FakeJetStream,
+    FakeMsg,
+    FakeSource,
+    FakeStore,
+    model_of,
+    nats_settler,
+)
 from tests.fakes import task_msg as nats_task
 from worker.antenna.parts import AntennaParts
 from worker.core.link import SourceLink
-from worker.core.orchestrator import Services, Worker
+from worker.core.orchestrator import Orchestrator, Services
 from worker.health.liveness import Liveness
 from worker.health.metrics import Metrics
 
@@ -68,7 +76,7 @@ class RedeliveringSource(FakeSource):
                     FakeMsg(msg.delivered + 1, msg.seq, msg.data, msg.subject, msg.actions[:0])
                 )
         taken = await super().fetch(batch, runnable)
-        self.out += [d.msg for d in taken]  # type: ignore[misc]
+        self.out += [d.handle.msg for d in taken]  # type: ignore[misc]
         return taken
 
 
@@ -90,9 +98,17 @@ class NatsRig:
         return names
 
     def link(self, s: Settings, metrics: Metrics) -> SourceLink:
-        rules = nats_rules(self.store, self.js, default_pipeline=SLUG)
-        rules.count = lambda outcome: metrics.tasks.labels(outcome).inc()
-        return SourceLink("nats", self.source, self.store, rules, 0.05, 5.0)
+        settler = nats_settler(self.store, self.js, default_pipeline=SLUG)
+        return SourceLink(
+            "nats",
+            self.source,
+            self.store,
+            settler,
+            0.05,
+            5.0,
+            backoff=settler.backoff,
+            model_of=model_of,
+        )
 
     def kept(self) -> dict[str, str]:
         """Task -> the status of the result kept for it."""
@@ -178,7 +194,7 @@ def antenna_detections() -> list[dict[str, Any]]:
     return list(outcome().detections or [])
 
 
-def a_worker(rig: Any, engine: FakeEngine) -> Worker:
+def a_worker(rig: Any, engine: FakeEngine) -> Orchestrator:
     s = settings_for()
     liveness = Liveness(s.health.stall_timeout_s)
     metrics = Metrics(CollectorRegistry(), liveness, rig.kind)
@@ -189,9 +205,8 @@ def a_worker(rig: Any, engine: FakeEngine) -> Worker:
         engine_thread=ThreadPoolExecutor(1),
         liveness=liveness,
         metrics=metrics,
-        default_pipeline=SLUG,
     )
-    return Worker(s, services)
+    return Orchestrator(s, services)
 
 
 async def until(done: Callable[[], bool], what: str) -> None:
@@ -201,7 +216,7 @@ async def until(done: Callable[[], bool], what: str) -> None:
         await asyncio.sleep(0.02)
 
 
-async def run_until(worker: Worker, done: Callable[[], bool], what: str) -> Any:
+async def run_until(worker: Orchestrator, done: Callable[[], bool], what: str) -> Any:
     """Run ``worker`` until ``done``, then stop it (SIGTERM's way) and return its exit."""
     stop = asyncio.Event()
     running = asyncio.create_task(worker.run(stop))

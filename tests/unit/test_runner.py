@@ -13,8 +13,9 @@ from pipelines.registry import resolve
 from pipelines.response import ResponseFormat
 from pipelines.runner import DeviceLimits, decode_plan, load_runner
 from tests.antenna import PipelineResults
+from tests.fakes import result_document
 from worker.commands.demo_images import image_bytes, rectangles_bytes
-from worker.core.tasks import Task, make_result
+from worker.core.tasks import Task
 
 # Three rectangles in columns of their own, on a 1600x1000 source.
 TRUTH = [(100, 100, 300, 400, "red"), (500, 200, 700, 300, "green"), (900, 600, 1200, 900, "blue")]
@@ -22,16 +23,7 @@ TRUTH = [(100, 100, 300, 400, "red"), (500, 200, 700, 300, "green"), (900, 600, 
 
 def _response(detections, image_id="img-1"):
     task = Task("t1", "j1", image_id, "s3://bucket/img.jpg?X-Amz-Signature=secret")
-    result = make_result(
-        task=task,
-        pipeline="p",
-        detections=detections,
-        error=None,
-        model={},
-        timings_s={"load_s": 0.1, "infer_s": 0.2},
-        worker={},
-        attempt=1,
-    )
+    result = result_document(task, detections, {"load_s": 0.1, "infer_s": 0.2})
     return PipelineResults.model_validate(result["response"]), result
 
 

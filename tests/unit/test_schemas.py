@@ -6,15 +6,20 @@ import re
 import pytest
 
 from config.errors import InvalidTask, Undeliverable
-from tests.fakes import FakeMsg, delivery
-from worker.core.tasks import Task, make_result, parse_task
-from worker.nats.subjects import result_subject, subject_token, token_value
+from tests.fakes import result_document
+from worker.core.tasks import Task, parse_task
+from worker.nats.subjects import (
+    result_subject,
+    subject_job,
+    subject_pipeline,
+    subject_token,
+    token_value,
+)
 
 
 def on_subject(data: bytes, subject: str) -> Task:
     """The task as the NATS source reads it from ``subject`` (its pipeline and job)."""
-    d = delivery(FakeMsg(data=data, subject=subject))
-    return parse_task(d.data, pipeline=d.pipeline, job_id=d.job_id)
+    return parse_task(data, pipeline=subject_pipeline(subject), job_id=subject_job(subject))
 
 
 TASK = {"id": "t1", "job_id": "j1", "image_id": "i1", "image_url": "s3://b/k.jpg"}
@@ -193,16 +198,7 @@ def test_a_task_knows_the_pipeline_its_subject_names(subject, pipeline):
 
 def test_total_time_is_the_tasks_time_not_a_sum_of_overlapping_timings():
     task = Task("t", "j", "i", "s3://b/k")
-    result = make_result(
-        task=task,
-        pipeline="p",
-        detections=[],
-        error=None,
-        model={},
-        timings_s={"load_s": 0.2, "infer_s": 0.3, "total_s": 0.6},
-        worker={},
-        attempt=1,
-    )
+    result = result_document(task, [], {"load_s": 0.2, "infer_s": 0.3, "total_s": 0.6})
     assert result["response"]["total_time"] == 0.6
 
 

@@ -14,11 +14,11 @@ import pytest
 from config.errors import ConfigError
 from config.settings import load_settings
 from worker.health.procstats import living
-from worker.process.serve import Server, kill_descendants
+from worker.process.serve import Lifetime, kill_descendants
 
 
-def a_server() -> tuple[Server, list[int]]:
-    server = Server(load_settings(for_worker=False))
+def a_server() -> tuple[Lifetime, list[int]]:
+    server = Lifetime(load_settings(for_worker=False))
     exits: list[int] = []
     server.exit_now = exits.append
     return server, exits
@@ -73,7 +73,7 @@ async def test_a_start_that_fails_raises_its_failure():
 
 async def test_an_unusable_run_dir_is_a_config_error_before_anything_starts(monkeypatch):
     monkeypatch.setenv("WORKER_RUN_DIR", "/proc/iw")
-    server = Server(load_settings(for_worker=False))
+    server = Lifetime(load_settings(for_worker=False))
     with pytest.raises(ConfigError, match="WORKER_RUN_DIR=/proc/iw"):
         await server.serve()
 

@@ -19,15 +19,15 @@ from worker.antenna.post import Poster
 from worker.antenna.registration import project_ids
 from worker.antenna.render import AntennaPipeline
 from worker.antenna.reservations import Reservations
-from worker.antenna.settle import AntennaRules
+from worker.antenna.settle import AntennaSettler
 from worker.antenna.source import AntennaSource
 from worker.antenna.source_metrics import AntennaMetrics
 from worker.antenna.waiting import antenna_waiting_read
 from worker.core.link import SourceLink
 from worker.core.ports import SourceHealth
+from worker.engine.served import ServedPipelines
 from worker.health.metrics import Metrics
 from worker.health.tasks_waiting import TasksWaiting
-from worker.process.served import ServedPipelines
 
 
 class NoResultsLookup:
@@ -65,9 +65,8 @@ class AntennaParts:
         self._pipelines = pipelines
         self.catalog = Catalog(served.names)
         self.client = AntennaClient(a.base_url, a.token, a.request_timeout_s, scheme=a.auth_scheme)
-        projects = tuple(
-            project_ids(a.project_ids)
-        )  # checked as a setting (config/cross_checks.py)
+        # Checked as a setting (config/cross_checks.py).
+        projects = tuple(project_ids(a.project_ids))
         self.jobs = JobRotation(
             self.client, self.catalog.slugs, a.poll_interval_s, a.jobs_limit, projects
         )
@@ -86,9 +85,10 @@ class AntennaParts:
             idle_wait_s=a.idle_wait_s or a.ttr_s + self.jobs.longest_skip_s() + a.poll_interval_s,
             client_info=info,
             unreachable_wait_s=a.unreachable_wait_s,
+            default_pipeline=self.catalog.default,
         )
         self.poster = Poster(self.client, a.max_post_bytes, a.post_timeout_s, client_info=info)
-        self.rules = AntennaRules(self.poster, self.catalog, a.max_post_bytes)
+        self.settler = AntennaSettler(self.poster, self.catalog, a.max_post_bytes)
         self.waiting = TasksWaiting(
             antenna_waiting_read(self.client, self.catalog.slugs, a.jobs_limit, projects),
             s.metrics.tasks_waiting_read_s,
@@ -97,7 +97,7 @@ class AntennaParts:
             kind="antenna",
             source=self.source,
             results=NoResultsLookup(),
-            rules=self.rules,
+            settler=self.settler,
             fetch_wait_s=s.nats.fetch_timeout_s,
             keepalive_tick_s=a.ttr_s / 4,
             unserved=self.unserved,
@@ -117,7 +117,6 @@ class AntennaParts:
         self.client.count = antenna.count_call
         self.poster.on_retry = antenna.posts_retried.inc
         self.poster.on_split = antenna.posts_split.inc
-        self.rules.count = lambda outcome: metrics.tasks.labels(outcome).inc()
         metrics.registry.register(self.waiting)
 
     def started(self) -> dict[str, Any]:

@@ -1,11 +1,11 @@
 """Antenna's reservations as deliveries, and how many more this process can keep.
 
-A task reserved from Antenna is a ``Delivery`` (the core's port) whose reservation runs out
-``ttr_s`` after it was made: Antenna then delivers it again (once). Its job and pipeline are
-the job's it was reserved from; its delivery count is the one in its reply subject, against
-Antenna's ``max_deliver``. There is no call to extend, release or nak a reservation, so
-``in_progress`` does nothing and ``nak``/``term`` mean "left to Antenna's redelivery", said in
-the log. ``ack`` is called once its result is posted.
+A task reserved from Antenna is a ``Delivered`` task (the core's port) whose handle is its
+``Reservation``, which runs out ``ttr_s`` after it was made: Antenna then delivers it again
+(once). Its job and pipeline are the job's it was reserved from; its delivery count is the one
+in its reply subject, against Antenna's ``max_deliver``. There is no call to extend, release
+or give back a reservation: a task not posted is "left to Antenna's redelivery", said in the
+log.
 
 ``Reservations`` keeps what is reserved and not settled, and the rate at which this process
 settles tasks while it holds some (its busy rate): ``allowed`` is how many more it may reserve
@@ -23,6 +23,7 @@ from typing import Any
 import structlog
 
 from config.names import env_name
+from worker.core.ports import Delivered
 
 log = structlog.get_logger(__name__)
 _DECAY_AFTER_BUSY_S = 120.0  # the rate follows the last two minutes or so of work
@@ -47,42 +48,29 @@ def _digits(token: str) -> bool:
 
 
 @dataclass(eq=False)
-class AntennaDelivery:
-    """One reserved task (the orchestrator's ``Delivery``)."""
+class Reservation:
+    """One reserved task, the handle of its ``Delivered`` (the Antenna settler's own): the job
+    it was reserved from and that job's pipeline, its image and reply subject, and when the
+    reservation runs out."""
 
-    data: bytes  # the task as Antenna answered it
     job: int  # the job it was reserved from
     pipeline: str  # that job's pipeline slug
     image_id: str
     reply_subject: str
     reserved_at: float  # time.monotonic()
     expires_at: float
-    delivered: int  # Antenna's count, from the reply subject
-    max_deliver: int
-    on_settled: Callable[[AntennaDelivery, bool], None] = field(repr=False)
+    on_settled: Callable[[Reservation, bool], None] = field(repr=False)
     settled: bool = False
-
-    @property
-    def job_id(self) -> str:
-        return str(self.job)
-
-    @property
-    def deliveries_left(self) -> int:
-        return max(0, self.max_deliver - self.delivered)
-
-    def log_fields(self) -> dict[str, Any]:
-        return {"job_id": self.job, "image_id": self.image_id}
 
     def seconds_left(self, now: float | None = None) -> float:
         return self.expires_at - (time.monotonic() if now is None else now)
 
-    async def ack(self) -> None:
+    def posted(self) -> None:
+        """Its end was recorded: its result posted (or, unusable, logged)."""
         self._settle(posted=True)
 
-    async def term(self) -> None:
-        self._settle(posted=True)  # its end was recorded (an unusable task, logged)
-
-    async def nak(self, delay_s: float | None = None) -> None:
+    def left_to_redelivery(self) -> None:
+        """Nothing posted: Antenna delivers it again once the reservation runs out."""
         if not self.settled:
             log.info(
                 "task_left_to_redelivery",
@@ -93,13 +81,13 @@ class AntennaDelivery:
             )
         self._settle(posted=False)
 
-    async def in_progress(self) -> None:
-        """Antenna has no call to extend a reservation."""
-
     def _settle(self, posted: bool) -> None:
         if not self.settled:
             self.settled = True
             self.on_settled(self, posted)
+
+
+AntennaDelivered = Delivered[Reservation]
 
 
 class Reservations:
@@ -113,7 +101,7 @@ class Reservations:
         self.first_size = first_size  # WORKER_ANTENNA__RESERVATION_SIZE (or the batch size)
         self.floor = max(1, min(first_size, batch_size))  # one batch: WORKER_LOADER__BATCH_SIZE
         self._floor_said: str | None = None  # the rate last said to be overridden
-        self._reserved: dict[int, AntennaDelivery] = {}
+        self._reserved: dict[int, Reservation] = {}
         self._busy_s = 0.0
         self._settled = 0.0
         self._since = time.monotonic()
@@ -130,11 +118,11 @@ class Reservations:
             self._busy_s /= 2
             self._settled /= 2
 
-    def add(self, delivery: AntennaDelivery) -> None:
+    def add(self, delivery: Reservation) -> None:
         self._tick()
         self._reserved[id(delivery)] = delivery
 
-    def settled(self, delivery: AntennaDelivery, posted: bool) -> None:
+    def settled(self, delivery: Reservation, posted: bool) -> None:
         self._tick()
         self._reserved.pop(id(delivery), None)
         if posted:
@@ -213,7 +201,7 @@ class Reservations:
         now = time.monotonic()
         return min(d.seconds_left(now) for d in self._reserved.values())
 
-    def reserved(self) -> list[AntennaDelivery]:
+    def reserved(self) -> list[Reservation]:
         return list(self._reserved.values())
 
     def metrics(self) -> dict[str, Any]:

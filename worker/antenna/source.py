@@ -20,8 +20,14 @@ from config.redact import shorten
 from worker.antenna.answers import task_problem, usable_reply_subject
 from worker.antenna.client import AntennaClient, AntennaUnreachable, Unanswered
 from worker.antenna.job_listing import Job, JobRotation
-from worker.antenna.reservations import AntennaDelivery, Reservations, delivered_of
-from worker.core.ports import Runnable
+from worker.antenna.reservations import (
+    AntennaDelivered,
+    Reservation,
+    Reservations,
+    delivered_of,
+)
+from worker.core.ports import Delivered, Runnable
+from worker.core.tasks import read_task
 
 log = structlog.get_logger(__name__)
 _UNAVAILABLE_BACKOFF_S = 2.0
@@ -40,6 +46,7 @@ class AntennaSource:
         idle_wait_s: float = 0.0,
         client_info: dict[str, Any] | None = None,
         unreachable_wait_s: float = 0.0,
+        default_pipeline: str = "",
     ) -> None:
         self._client = client
         self._client_info = client_info  # sent with each reservation (Antenna's client_info)
@@ -48,6 +55,7 @@ class AntennaSource:
         self._size = reservation_size
         self._wait_s = wait_s
         self._max_deliver = max_deliver
+        self._default_pipeline = default_pipeline  # a job naming no pipeline (never, as listed)
         self._closed = False
         self._dry = False  # the last round found no task in any active job
         # ``idle``: how long active jobs may stay listed and give nothing before a burst run
@@ -64,7 +72,7 @@ class AntennaSource:
         each project of ``WORKER_ANTENNA__PROJECT_IDS`` whose listing it refused."""
         return self.last_refusal or self._jobs.last_refusal
 
-    async def fetch(self, batch: int, runnable: Runnable | None = None) -> list[AntennaDelivery]:
+    async def fetch(self, batch: int, runnable: Runnable | None = None) -> list[AntennaDelivered]:
         """Up to ``batch`` reserved tasks; [] within about ``wait_s`` when there are none."""
         if self._closed:
             return []
@@ -94,7 +102,7 @@ class AntennaSource:
         await asyncio.sleep(self._wait_s)
         return []
 
-    async def _reserve(self, job: Job, wanted: int) -> list[AntennaDelivery]:
+    async def _reserve(self, job: Job, wanted: int) -> list[AntennaDelivered]:
         asked: dict[str, Any] = {"batch_size": wanted}
         if self._client_info is not None:
             asked["client_info"] = self._client_info
@@ -139,7 +147,7 @@ class AntennaSource:
             log.warning("antenna_reserved_more_than_asked", asked=wanted, got=len(tasks))
         return got
 
-    def _checked(self, job: Job, task: object, reserved_at: float) -> AntennaDelivery | None:
+    def _checked(self, job: Job, task: object, reserved_at: float) -> AntennaDelivered | None:
         """One reserved task as a delivery, checked on its own. One that does not fit
         (``answers.ReservedTask``) is still a delivery when its reply subject is usable:
         admission reads it as any task and gives it its error result. One without a usable
@@ -167,26 +175,33 @@ class AntennaSource:
         )
         return None
 
-    def _delivery(self, job: Job, task: dict[str, Any], reserved_at: float) -> AntennaDelivery:
+    def _delivery(self, job: Job, task: dict[str, Any], reserved_at: float) -> AntennaDelivered:
+        """A reserved task read once (``tasks.read_task``, from Antenna's decoded answer), with
+        its reservation as the handle. Antenna's tasks name no job: the job they were reserved
+        from is theirs."""
         reply_subject = str(task.get("reply_subject") or "")
-        # Antenna's tasks name no job: the job they were reserved from is theirs.
-        payload = {**task, "job_id": str(job.id)}
-        delivery = AntennaDelivery(
-            data=json.dumps(payload).encode(),
+        image_id = str(task.get("image_id") or "")
+        reservation = Reservation(
             job=job.id,
             pipeline=job.pipeline,
-            image_id=str(task.get("image_id") or ""),
+            image_id=image_id,
             reply_subject=reply_subject,
             reserved_at=reserved_at,
             expires_at=reserved_at + self.reservations.ttr_s,
-            delivered=delivered_of(reply_subject, unknown=self._max_deliver),
-            max_deliver=self._max_deliver,
             on_settled=self.reservations.settled,
         )
-        self.reservations.add(delivery)
-        return delivery
+        self.reservations.add(reservation)
+        delivered = delivered_of(reply_subject, unknown=self._max_deliver)
+        payload = {**task, "job_id": str(job.id)}
+        return Delivered(
+            read=read_task(payload, job.pipeline, str(job.id), self._default_pipeline),
+            delivered=delivered,
+            deliveries_left=max(0, self._max_deliver - delivered),
+            handle=reservation,
+            log_fields={"job_id": job.id, "image_id": image_id},
+        )
 
-    async def close(self) -> list[AntennaDelivery]:
+    async def close(self) -> list[AntennaDelivered]:
         """Reserve nothing more. Nothing arrives unasked over HTTP: nothing to hand back."""
         self._closed = True
         return []

@@ -180,12 +180,12 @@ async def _run_jobs(app: Any, settings: Settings, drawn: dict[str, Any], started
 
 
 async def run_demo() -> int:
-    from worker.process.app import WorkerApp
+    from worker.process.app import Assembly
 
     workdir = tempfile.mkdtemp(prefix="iw-demo-")
     nats_server = NatsServer(store_dir=os.path.join(workdir, "nats"))
     s3_server = S3Server()
-    app: WorkerApp | None = None
+    app: Assembly | None = None
     try:
         print("starting nats-server and the S3 endpoint on 127.0.0.1 ...")
         nats_server.start()
@@ -196,7 +196,7 @@ async def run_demo() -> int:
             f"uploaded {sum(map(len, drawn.values()))} images of coloured rectangles (one corrupt)"
         )
         settings = _demo_settings(nats_server.url, s3_server.endpoint_url)
-        app = WorkerApp(settings, until_idle=True)  # burst mode: done when the jobs are
+        app = Assembly(settings, until_idle=True)  # burst mode: done when the jobs are
         started = time.monotonic()
         await app.start()
         print(

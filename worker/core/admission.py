@@ -1,65 +1,72 @@
-"""Admission: a delivery's way in. What becomes of it is the delivery rules' decision
-(``worker.core.verdicts.read_task`` says what its bytes make; the source's ``DeliveryRules`` act): a
-delivery that cannot name its job and task is dead-lettered; one that names them but cannot
-be run gets an ``error`` result; one whose result is already stored is only acked; the rest
-are entered in the claims (held tasks), to be loaded.
+"""Admission: a delivered task's way in. Its source read it once (``tasks.read_task``); here
+the core decides what becomes of it (``verdicts.Verdict``), and the source's settler acts: one
+that names no job and task is kept aside (dead-lettered); one that names them but cannot be
+run gets an ``error`` result; one whose result is already kept is settled without another;
+the rest are entered in the claims (held tasks), to be loaded.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import structlog
 
 from config.errors import ResultsUnavailable
 from worker.core.claims import Claim, Claims
 from worker.core.outcome import Outcome
-from worker.core.ports import Delivery, DeliveryRules, Results
+from worker.core.ports import Delivered, Results, Settler
+from worker.core.results import ResultMaker
 from worker.core.tasks import Task
-from worker.core.verdicts import read_task
+from worker.core.verdicts import Decision, Verdict
 
 log = structlog.get_logger(__name__)
 
 
 class Admission:
     def __init__(
-        self, rules: DeliveryRules, results: Results, claims: Claims, default_pipeline: str
+        self, settler: Settler[Any], results: Results, claims: Claims, maker: ResultMaker
     ) -> None:
-        self._rules = rules
+        self._settler = settler
         self._results = results
         self._claims = claims
-        self._default_pipeline = default_pipeline
+        self._maker = maker
 
-    async def admit(self, delivery: Delivery) -> Claim | None:
+    async def admit(self, delivered: Delivered[Any]) -> Claim | None:
         """The per-delivery boundary: whatever a delivery holds, a failure to admit it is
         logged and the delivery given back, never the end of the fetch loop."""
         try:
-            return await self._admit(delivery)
+            return await self._admit(delivered)
         except Exception:
-            log.exception("admission_failed", **delivery.log_fields())
-            await self._rules.give_back(delivery)
+            log.exception("admission_failed", **delivered.log_fields)
+            why = "it could not be admitted"
+            await self._settler.settle(delivered, Verdict(Decision.GIVE_BACK, reason=why))
             return None
 
-    async def _admit(self, delivery: Delivery) -> Claim | None:
-        read = read_task(delivery.data, delivery.pipeline, delivery.job_id, self._default_pipeline)
+    async def _admit(self, delivered: Delivered[Any]) -> Claim | None:
+        read = delivered.read
         if read.task is None:
-            await self._rules.dead_letter(delivery, read.dead_letter_reason)
+            verdict = Verdict(Decision.UNNAMED, reason=read.unnamed_reason)
+            await self._settler.settle(delivered, verdict)
             return None
         if read.failure is not None:
-            await self._rules.settle(read.task, delivery, Outcome(failure=read.failure))
+            outcome = Outcome(failure=read.failure)
+            result = self._maker.make(read.task, delivered.delivered, outcome)
+            await self._settler.settle(delivered, Verdict.keep(result))
             return None
         # Any delivery, not only a redelivery: a job's consumer made again
         # (worker.nats.job_consumers) walks its job from the start, and a task done already
         # must not run twice.
-        if await self._already_stored(delivery, read.task):
+        if await self._done_before(delivered, read.task):
             return None
-        return self._claims.add(delivery, read.task)
+        return self._claims.add(delivered, read.task)
 
-    async def _already_stored(self, delivery: Delivery, task: Task) -> bool:
-        """A task whose result is saved (its ack was lost, or its job's consumer was made
-        again) is only acked."""
+    async def _done_before(self, delivered: Delivered[Any], task: Task) -> bool:
+        """A task whose result is kept (its ack was lost, or its job's consumer was made
+        again) is settled without running it again."""
         try:
             stored = await self._results.exists(task.job_id, task.id)
         except ResultsUnavailable:
             return False  # the store refuses duplicates anyway
         if stored:
-            await self._rules.already_stored(delivery, task)
+            await self._settler.settle(delivered, Verdict(Decision.DONE_BEFORE))
         return stored

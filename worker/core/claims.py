@@ -1,5 +1,5 @@
-"""Claims: the tasks this process took from its source and has not yet settled (acked,
-naked, terminated or given an error result): "held tasks" in the settings, the logs and the
+"""Claims: the tasks this process took from its source and has not yet settled (their result
+kept, left for another delivery, or given back): "held tasks" in the settings, the logs and the
 metrics; a ``Claim`` is one held task.
 
 It owns the held map, the room left under the cap (``max_held_tasks``, which bounds host
@@ -18,13 +18,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
-from worker.core.ports import Delivery
+from worker.core.ports import Delivered, Settler
 from worker.core.tasks import Task
+from worker.core.verdicts import Decision, Verdict
 from worker.health.liveness import Liveness
 
 log = structlog.get_logger(__name__)
@@ -32,9 +34,9 @@ log = structlog.get_logger(__name__)
 
 @dataclass
 class Claim:
-    """A task fetched and not yet acked, naked or terminated."""
+    """A task fetched and not yet settled."""
 
-    delivery: Delivery
+    delivered: Delivered[Any]
     task: Task
     key: int
     fetched_at: float
@@ -45,11 +47,11 @@ class Claims:
         self,
         max_held: int,
         liveness: Liveness,
-        give_back: Callable[[Delivery], Awaitable[None]],
+        settler: Settler[Any],
     ) -> None:
         self.max_held = max_held
         self._liveness = liveness
-        self._give_back = give_back  # the source's delivery rules' ``give_back``
+        self._settler = settler  # the source's: gives back, keeps alive
         self._held: dict[int, Claim] = {}
         self._inferred: set[int] = set()  # keys of held tasks whose batch has run
         self._keys = itertools.count()
@@ -77,8 +79,8 @@ class Claims:
         except TimeoutError:
             pass
 
-    def add(self, delivery: Delivery, task: Task) -> Claim:
-        held = Claim(delivery, task, next(self._keys), time.monotonic())
+    def add(self, delivered: Delivered[Any], task: Task) -> Claim:
+        held = Claim(delivered, task, next(self._keys), time.monotonic())
         self._held[held.key] = held
         self._liveness.set_held(len(self._held))
         return held
@@ -96,22 +98,22 @@ class Claims:
     async def keep_alive(self) -> None:
         """A batch completed: extend the ack wait of everything still held, and only then."""
         for held in self.all():
-            await best_effort(held.delivery.in_progress())
+            await best_effort(self._settler.keep_alive(held.delivered))
 
     async def give_back(self, held: list[Claim], reason: str) -> None:
-        """Given back now (the delivery rules nak them), so the tasks are redelivered at once
-        (to another worker, on a drain)."""
+        """Given back now (the source's settler: a nak, or a note that Antenna delivers it
+        again), so the tasks are redelivered at once (to another worker, on a drain)."""
         if not held:
             return
         for h in held:
-            await self._give_back(h.delivery)
+            await self._settler.settle(h.delivered, Verdict(Decision.GIVE_BACK, reason=reason))
         self.release(held)
         ids = [h.task.id for h in held]
         log.info("tasks_given_back", count=len(held), reason=reason, task_ids=ids)
 
 
 async def best_effort(action: Awaitable[None]) -> None:
-    """Await an in_progress; one that fails can only have failed in the transport
+    """Await a keep-alive; one that fails can only have failed in the transport
     (connection gone, timeout), and then the ack wait brings the message back anyway."""
     try:
         await action

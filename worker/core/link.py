@@ -1,6 +1,6 @@
 """What a task source hands the core, and what the process asks of it.
 
-``SourceLink`` is what the orchestrator is told: the source, its rules and results lookup,
+``SourceLink`` is what the orchestrator is told: the source, its settler and results lookup,
 how long a fetch waits and how often held tasks are kept alive, and when the source is gone
 for good. ``SourceParts`` is what the process asks of a source's parts besides: its health
 (for ``/healthz`` and ``inference_worker_source_connected``), its metrics, what it does when a
@@ -16,7 +16,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from worker.core.ports import DeliveryRules, Results, SourceHealth, TaskSource
+from worker.core.ports import Results, Settler, SourceHealth, TaskSource
+from worker.core.verdicts import NO_BACKOFF, Backoff
 from worker.health.metrics import Metrics
 
 # A coroutine run alongside the orchestrator's loops until the stop event; one that fails
@@ -27,9 +28,9 @@ Helper = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
 @dataclass
 class SourceLink:
     kind: str  # "nats" or "antenna": WORKER_SOURCE, and the source metrics' label
-    source: TaskSource
+    source: TaskSource[Any]
     results: Results
-    rules: DeliveryRules
+    settler: Settler[Any]  # the source's side of each verdict
     fetch_wait_s: float  # how long a fetch waits when there are no tasks
     keepalive_tick_s: float  # how often held tasks are kept alive while a model loads
     gone: asyncio.Event | None = None  # set when the source is gone for good (exit 5)
@@ -43,6 +44,11 @@ class SourceLink:
     finish_held_on_stop: bool = False
     # Finished results are waiting for the source's server to take them (Antenna's posts).
     results_waiting: Callable[[], bool] | None = None
+    # How long a task left for another delivery waits (NATS: the nak's delay; Antenna: none,
+    # its reservation's TTR decides).
+    backoff: Backoff = NO_BACKOFF
+    # What a result says of the pipeline's models (NATS's ``model``; Antenna keeps its own).
+    model_of: Callable[[str], dict[str, Any]] = lambda _pipeline: {}
 
 
 class SourceParts(Protocol):

@@ -3,10 +3,11 @@
 The event loop only orchestrates; loads and forward passes run on the engine's thread.
 Its parts, each in a module of its own:
 
-- the source (``sources.SourceLink``: a ``TaskSource``, its ``DeliveryRules`` and results
-  lookup, its fetch wait and keep-alive tick; NATS's or Antenna's, it is told which);
-- ``Admission`` (``admission.py``): what a delivery becomes (dead letter, error result,
-  duplicate, or a held task);
+- the source (``link.SourceLink``: a ``TaskSource``, its ``Settler`` and results lookup, its
+  fetch wait and keep-alive tick; NATS's or Antenna's, it is told which);
+- ``Admission`` (``admission.py``): what a delivered task becomes (dead letter, error result,
+  done before, or a held task);
+- the verdict on each task (``verdicts.decide``), carried out by the source's settler;
 - ``Claims`` (``claims.py``): what is held, the room left, the keep-alive;
 - ``Batches`` (``batches.py``): batch formation and dispatch to the engine thread;
 - ``BatchObserver`` (``health/observer.py``): liveness, metrics and guards after each batch.
@@ -20,7 +21,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +37,11 @@ from worker.core.claims import Claim, Claims
 from worker.core.exits import STOPPED, Exit, ExitReason
 from worker.core.link import Helper, SourceLink
 from worker.core.outcome import Outcome
-from worker.core.ports import BatchEngine, BatchReport
+from worker.core.ports import BatchEngine, BatchReport, Delivered
+from worker.core.results import ResultMaker
+from worker.core.settling import Settling
 from worker.core.threads import in_daemon_thread
+from worker.core.verdicts import Decision, Verdict, decide
 from worker.health.liveness import Liveness
 from worker.health.metrics import Metrics
 from worker.health.observer import BatchObserver
@@ -67,7 +71,6 @@ class Services:
     engine_thread: Executor
     liveness: Liveness
     metrics: Metrics
-    default_pipeline: str = ""  # the pipeline of a task whose source names none
     guard: Callable[[], str | None] | None = None  # why the process must be replaced, or None
     helpers: tuple[tuple[str, Helper], ...] = ()  # run alongside; one that fails ends us
     # A pipeline's models were loaded (the source publishes or records their algorithms).
@@ -75,19 +78,19 @@ class Services:
     image_bytes: int = 3 * 224 * 224  # the most host bytes one loaded image can take
 
 
-class Worker:
+class Orchestrator:
     def __init__(self, settings: Settings, services: Services, *, until_idle: bool = False):
         self.settings = settings
         self.services = services
+        self.settling = Settling(services.link.settler, services.metrics)
         self.claims = Claims(
             max_held_tasks(settings, services.image_bytes),
             services.liveness,
-            services.link.rules.give_back,
+            self.settling,
         )
         self.link = services.link
-        self.admission = Admission(
-            services.link.rules, services.link.results, self.claims, services.default_pipeline
-        )
+        self.results = ResultMaker(services.link.model_of)
+        self.admission = Admission(self.settling, services.link.results, self.claims, self.results)
         observer = BatchObserver(
             services.metrics,
             services.liveness,
@@ -236,8 +239,17 @@ class Worker:
         total_s = time.monotonic() - held.fetched_at
         timings_s = {**outcome.timings_s, "total_s": total_s}
         timed = Outcome(outcome.detections, outcome.failure, timings_s)
+        delivered = held.delivered
+        verdict = decide(
+            held.task,
+            timed,
+            delivered=delivered.delivered,
+            deliveries_left=delivered.deliveries_left,
+            results=self.results,
+            backoff=self.link.backoff,
+        )
         try:
-            await self.link.rules.settle(held.task, held.delivery, timed)
+            await self.settling.settle(delivered, verdict)
         except asyncio.CancelledError:  # the drain's time ran out: given back, never stranded
             why = "the drain ended before its result was stored"
             await self._give_back_within([held], why)
@@ -374,24 +386,7 @@ class Worker:
         if self.link.finish_held_on_stop:
             await self._finish_held(processor, deadline)
         await self._give_back_within(self.batches.stop(), "shutting down")
-        if leftovers:
-            try:
-                async with asyncio.timeout(GIVE_BACK_WAIT_S):
-                    for delivery in leftovers:
-                        await self.link.rules.give_back(delivery)
-                log.info(
-                    "tasks_given_back",
-                    count=len(leftovers),
-                    reason="delivered after the last fetch",
-                )
-            except TimeoutError:
-                log.error(
-                    "drain_give_back_stuck",
-                    count=len(leftovers),
-                    reason="delivered after the last fetch",
-                    waited_s=GIVE_BACK_WAIT_S,
-                    action=_LEFT_FOR_ACK_WAIT,
-                )
+        await self._give_back_leftovers(leftovers)
         self.services.liveness.still_working()
         if not (await asyncio.wait({processor}, timeout=max(self._drain_left_s(), 0.1)))[0]:
             log.error(
@@ -414,6 +409,26 @@ class Worker:
         rest = self.claims.all()
         self.batches.forget(rest)
         await self._give_back_within(rest, "not finished before exit")
+
+    async def _give_back_leftovers(self, leftovers: Sequence[Delivered[Any]]) -> None:
+        """What arrived after the last fetch, given back, in ``GIVE_BACK_WAIT_S`` at most."""
+        if not leftovers:
+            return
+        why = "delivered after the last fetch"
+        try:
+            async with asyncio.timeout(GIVE_BACK_WAIT_S):
+                for delivered in leftovers:
+                    verdict = Verdict(Decision.GIVE_BACK, reason="shutting down")
+                    await self.settling.settle(delivered, verdict)
+            log.info("tasks_given_back", count=len(leftovers), reason=why)
+        except TimeoutError:
+            log.error(
+                "drain_give_back_stuck",
+                count=len(leftovers),
+                reason=why,
+                waited_s=GIVE_BACK_WAIT_S,
+                action=_LEFT_FOR_ACK_WAIT,
+            )
 
     async def _give_back_within(self, held: list[Claim], reason: str) -> None:
         """``held`` given back (``Claims.give_back``), in ``GIVE_BACK_WAIT_S`` at most: a nak

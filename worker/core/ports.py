@@ -1,58 +1,40 @@
-"""The small interfaces the core talks to. Imports nothing of ours but the schemas.
+"""The small interfaces the core talks to, in tasks and results, never a broker's verbs.
 
-A task as a source delivered it is a ``Delivery``; the transport is a ``TaskSource``; "is
-this task's result saved" is ``Results``; what becomes of a delivery is the source's
-``DeliveryRules``; the engine (loader and model on their thread) is a ``BatchEngine``. Each
-source adapts its own messages to these inside its own room (``worker/nats/``,
-``worker/antenna/``); nothing here names a subject or a server. Tests give the orchestrator
-in-memory fakes of each.
+A task as a source delivered it, read once, is a ``Delivered`` (with the source's own opaque
+handle); the transport is a ``TaskSource``; "is this task's result saved" is ``Results``; the
+core's ``Verdict`` on a task is carried out by the source's ``Settler``; the engine (loader and
+model on their thread) is a ``BatchEngine``. Each source adapts its own messages to these inside
+its own room (``worker/nats/``, ``worker/antenna/``); nothing here names a subject or a server.
+Tests give the orchestrator in-memory fakes of each.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 from config.errors import Failure
 from worker.core.outcome import Outcome
-from worker.core.tasks import Task
+from worker.core.results import Settled
+from worker.core.tasks import Read
+from worker.core.verdicts import Verdict
+
+H = TypeVar("H")  # a source's own handle on a delivered message: opaque to the core
 
 
-class Delivery(Protocol):
-    """A task as delivered: its bytes, the pipeline and job its source names for it, how many
-    times it was delivered and how many more its source will make, and the verbs to settle it.
+@dataclass(frozen=True)
+class Delivered(Generic[H]):
+    """A task as its source delivered it, read once (``tasks.read_task``): the task (or the
+    failure that stops it, or nothing that names one), how many times the source delivered it
+    (this time included: the source's count, not ours) and how many more deliveries it will
+    make (0: this is the last). ``handle`` is the source's own, handed back to its settler."""
 
-    ``pipeline`` "" is the source naming none (the default pipeline serves it); ``job_id``
-    None is the task's own ``job_id`` field naming its job.
-    """
-
-    @property
-    def data(self) -> bytes: ...
-
-    @property
-    def pipeline(self) -> str: ...
-
-    @property
-    def job_id(self) -> str | None: ...
-
-    @property
-    def delivered(self) -> int: ...  # this delivery included; the source's count, not ours
-
-    @property
-    def deliveries_left(self) -> int: ...  # 0: this is the last
-
-    def log_fields(self) -> dict[str, Any]:
-        """How a log line names this delivery at its source (never a secret)."""
-        ...
-
-    async def ack(self) -> None: ...
-
-    async def nak(self, delay_s: float | None = None) -> None: ...
-
-    async def term(self) -> None: ...
-
-    async def in_progress(self) -> None: ...
+    read: Read
+    delivered: int
+    deliveries_left: int
+    handle: H
+    log_fields: Mapping[str, Any] = field(default_factory=dict)  # never a secret
 
 
 class Results(Protocol):
@@ -61,30 +43,29 @@ class Results(Protocol):
         ...
 
 
-class DeliveryRules(Protocol):
-    """A source's delivery rules: every decision about what becomes of its deliveries (NATS:
-    store-then-ack, nak, dead-letter; Antenna: post, or leave to redelivery)."""
+class Settler(Protocol[H]):
+    """A source's side of every verdict: its own wire actions for it, and what it did."""
 
-    async def settle(self, task: Task, delivery: Delivery, outcome: Outcome) -> str: ...
+    async def settle(self, delivered: Delivered[H], verdict: Verdict) -> Settled:
+        """Carry out ``verdict`` (``verdicts.Decision``) for ``delivered``."""
+        ...
 
-    async def dead_letter(self, delivery: Delivery, reason: str) -> str: ...
-
-    async def already_stored(self, delivery: Delivery, task: Task) -> None: ...
-
-    async def give_back(self, delivery: Delivery) -> None: ...
+    async def keep_alive(self, delivered: Delivered[H]) -> None:
+        """The task is still being worked on: its source need not deliver it again yet."""
+        ...
 
 
 Runnable = Callable[[str], bool]  # whether a pipeline's batches may run now (the hold)
 
 
-class TaskSource(Protocol):
-    async def fetch(self, batch: int, runnable: Runnable | None = None) -> Sequence[Delivery]:
+class TaskSource(Protocol[H]):
+    async def fetch(self, batch: int, runnable: Runnable | None = None) -> Sequence[Delivered[H]]:
         """Up to ``batch`` deliveries; [] after the fetch wait or while disconnected. A
         source that can choose takes from jobs of ``runnable`` pipelines first, and from the
         others only when those have none."""
         ...
 
-    async def close(self) -> Sequence[Delivery]:
+    async def close(self) -> Sequence[Delivered[H]]:
         """Stop fetching for good; return what arrived after the last fetch gave up."""
         ...
 

@@ -1,8 +1,10 @@
-"""Task and result messages (the SPEC's schemas). Imports nothing of ours but the errors and
-the redaction helper; nothing here knows a source (a subject's tokens are ``worker.nats``'s).
+"""The task (the SPEC's task schema), read once by its source: ``read_task`` says what a
+message makes. Imports nothing of ours but the errors and the redaction helper; nothing here
+knows a source (a subject's tokens are ``worker.nats``'s).
 
-Everything in a task is untrusted until it passes ``parse_task``: ids are capped and checked
-here, once, before they reach a subject, a header, a file system, a socket or a log line.
+Everything in a task is untrusted until it passes ``parse_task`` (or ``task_of``): ids are
+capped and checked here, once, before they reach a subject, a header, a file system,
+a socket or a log line.
 
 Which ids name the same task: ids compare as exact strings, after an integer id is written
 in decimal (``17`` and ``"17"`` are one task; ``" 17"`` is another).
@@ -15,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from config.errors import InvalidTask, Undeliverable
+from config.errors import Failure, InvalidTask, Undeliverable
 from config.redact import redact_url, shorten
 
 URI_SCHEMES = ("s3://", "http://", "https://", "file://")
@@ -103,6 +105,12 @@ def parse_task(data: bytes, *, pipeline: str = "", job_id: str | None = None) ->
     payload = _decode_json(data)
     if not isinstance(payload, dict):
         raise Undeliverable(f"expected a JSON object, got {type(payload).__name__}")
+    return task_of(payload, pipeline=pipeline, job_id=job_id)
+
+
+def task_of(payload: dict[str, Any], *, pipeline: str = "", job_id: str | None = None) -> Task:
+    """The task in an already decoded JSON object (``parse_task``'s rules): Antenna's answer is
+    decoded once by its client, and its tasks are read from it, not written back to bytes."""
     task_id, job_id = _named(payload, job_id)
     image_id, why_image = _id_text(payload.get("image_id"), MAX_IMAGE_ID_BYTES)
     reply = payload.get("reply_subject")
@@ -167,43 +175,29 @@ def _url_problem(url: str) -> str | None:
     return None
 
 
-def make_result(
-    *,
-    task: Task,
-    pipeline: str,
-    detections: list[dict[str, Any]] | None,
-    error: dict[str, Any] | None,
-    model: dict[str, Any],
-    timings_s: dict[str, float],
-    worker: dict[str, Any],
-    attempt: int,
-) -> dict[str, Any]:
-    """The stored result; an ``ok`` one carries Antenna's ``PipelineResultsResponse`` for its
-    image in ``response`` (source URL without credentials or query)."""
-    response = None
-    if error is None:
-        # total_s covers the task from fetch to result; without it, the stages' sum.
-        stages_s = timings_s.get("load_s", 0.0) + timings_s.get("infer_s", 0.0)
-        response = {
-            "pipeline": pipeline,
-            "total_time": round(timings_s.get("total_s", stages_s), 6),
-            "source_images": [{"id": task.image_id, "url": redact_url(task.image_url)}],
-            "detections": [
-                {"source_image_id": task.image_id, **detection} for detection in detections or []
-            ],
-            "errors": None,
-        }
-    return {
-        "task_id": task.id,
-        "job_id": task.job_id,
-        "image_id": task.image_id,
-        "pipeline": pipeline,
-        "status": "error" if error else "ok",
-        "response": response,
-        "error": error,
-        "model": model,
-        "timings_s": {k: round(v, 6) for k, v in timings_s.items()},
-        "worker": worker,
-        "attempt": attempt,
-        "reply_subject": task.reply_subject,
-    }
+@dataclass(frozen=True)
+class Read:
+    """What a delivered message makes: a task, a task that cannot be run (``failure``: it gets
+    an error result), or nothing that names a job and a task (``task`` None: kept aside with
+    ``unnamed_reason``)."""
+
+    task: Task | None
+    failure: Failure | None = None
+    unnamed_reason: str = ""
+
+
+def read_task(
+    payload: bytes | dict[str, Any], pipeline: str, job_id: str | None, default_pipeline: str
+) -> Read:
+    """What a message's bytes (or its decoded object) make, for the pipeline and job its source
+    names: the pipeline, when the source names none, is ``default_pipeline`` (the one place an
+    unnamed pipeline becomes the default)."""
+    pipeline = pipeline or default_pipeline
+    try:
+        if isinstance(payload, dict):
+            return Read(task_of(payload, pipeline=pipeline, job_id=job_id))
+        return Read(parse_task(payload, pipeline=pipeline, job_id=job_id))
+    except Undeliverable as error:
+        return Read(None, unnamed_reason=str(error))
+    except InvalidTask as error:
+        return Read(invalid_task(error, pipeline), error.failure())

@@ -1,106 +1,87 @@
-"""The rules every task source shares, once: what a delivery's bytes make, retry or give up
-given the deliveries left, what a final failure says, who this worker is, and the one
-``task_done`` line. Each source's delivery rules (``worker/nats/settle.py``,
-``worker/antenna/settle.py``) keep only what is its own: how a result is kept and a delivery
-settled there.
+"""What becomes of a delivered task, decided once for every source: a typed ``Verdict``.
+
+The core decides; each source's settler (``worker/nats/settle.py``, ``worker/antenna/settle.py``)
+only turns the verdict into its own wire actions (NATS: store then ack, nak after the delay,
+dead-letter; Antenna: post, or leave to its redelivery) and says what it did (``Settled``).
+A transient failure is left for another delivery while the source will make one; on the last
+it becomes a final error result that says the deliveries ran out and what the last one died of.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
-from config.errors import Failure, InvalidTask, Undeliverable
 from worker.core.outcome import Outcome
-from worker.core.ports import Delivery
-from worker.core.tasks import Task, invalid_task, make_result, parse_task
+from worker.core.results import Result, ResultMaker, Settled
+from worker.core.tasks import Task
+
+
+class Decision(Enum):
+    KEEP = "keep"  # keep the result (ok, or a final error), then the task is done
+    RETRY = "retry"  # leave it for another delivery, after ``delay_s``
+    DONE_BEFORE = "done_before"  # its result is kept already: done, nothing kept again
+    GIVE_BACK = "give_back"  # not finished here: delivered again at once (a drain, a failure)
+    UNNAMED = "unnamed"  # names no job and task: kept aside with the reason (dead letter)
 
 
 @dataclass(frozen=True)
-class Read:
-    """What a delivery's bytes make: a task, a task that cannot be run (``failure``: it gets an
-    error result), or nothing that names a job and a task (``task`` None: a dead letter)."""
+class Verdict:
+    decision: Decision
+    result: Result | None = None  # KEEP: what to keep
+    delay_s: float = 0.0  # RETRY: after how long it may come back
+    reason: str = ""  # RETRY, GIVE_BACK, UNNAMED: why
 
-    task: Task | None
-    failure: Failure | None = None
-    dead_letter_reason: str = ""
-
-
-def read_task(data: bytes, pipeline: str, job_id: str | None, default_pipeline: str) -> Read:
-    """What a task's bytes make, for the pipeline and job its source names (``Delivery``):
-    the pipeline, when the source names none, is ``default_pipeline`` (the one place an
-    unnamed pipeline becomes the default)."""
-    pipeline = pipeline or default_pipeline
-    try:
-        return Read(parse_task(data, pipeline=pipeline, job_id=job_id))
-    except Undeliverable as error:
-        return Read(None, dead_letter_reason=str(error))
-    except InvalidTask as error:
-        return Read(invalid_task(error, pipeline), error.failure())
+    @classmethod
+    def keep(cls, result: Result) -> Verdict:
+        return cls(Decision.KEEP, result)
 
 
-def retries(outcome: Outcome, delivery: Delivery) -> bool:
-    """A transient failure is left to the source to deliver again, while it will."""
-    return outcome.retryable and delivery.deliveries_left > 0
+@dataclass(frozen=True)
+class Backoff:
+    """How long a task left for another delivery waits before it comes back: ``base_s``
+    doubled per delivery, ``max_s`` at most (0: at once, or when the source decides)."""
+
+    base_s: float = 0.0
+    max_s: float = 0.0
+
+    def delay_s(self, delivered: int) -> float:
+        return float(min(self.max_s, self.base_s * (2 ** max(0, delivered - 1))))
 
 
-def ran_out(delivered: int, last_error: str) -> str:
-    """What a transient failure on a task's last delivery says."""
-    return f"deliveries ran out after {delivered} attempts; last error: {last_error}"
+NO_BACKOFF = Backoff()
 
 
-def final(outcome: Outcome, delivered: int) -> Outcome:
-    """The outcome a task ends with: a transient failure on its last delivery says the
-    deliveries ran out, and what the last one died of (its message, else its kind)."""
-    failure = outcome.failure
-    if failure is None or not failure.retryable:
-        return outcome
-    message = ran_out(delivered, failure.message or failure.kind)
-    return replace(outcome, failure=replace(failure, message=message))
-
-
-def worker_identity() -> dict[str, Any]:
-    """Who made a result: this host and process (the result's ``worker``)."""
-    return {"host": socket.gethostname(), "pid": os.getpid()}
-
-
-def log_task_done(
-    bound: Any,
-    status: str,
-    timings_s: dict[str, float],
+def decide(
+    task: Task,
+    outcome: Outcome,
     *,
-    detections: int = 0,
-    error_type: str | None = None,
-    error: str | None = None,
-) -> None:
-    """The one line per completed task (docs/metrics.md, "Logs"): its status and stage timings, and
-    its detection count, or its error's type and scrubbed message. INFO when ok, WARNING when
-    not."""
-    if status == "ok":
-        bound.info("task_done", status=status, **timings_s, detections=detections)
+    delivered: int,
+    deliveries_left: int,
+    results: ResultMaker,
+    backoff: Backoff,
+) -> Verdict:
+    """A transient failure is left for another delivery while the source will make one; any
+    other outcome is kept, a transient failure on the last delivery saying it ran out."""
+    if outcome.retryable and deliveries_left > 0:
+        why = outcome.failure.message if outcome.failure is not None else ""
+        return Verdict(Decision.RETRY, delay_s=backoff.delay_s(delivered), reason=why)
+    return Verdict.keep(results.make(task, delivered, outcome, ran_out=outcome.retryable))
+
+
+def log_task_done(bound: Any, settled: Settled, timings_s: dict[str, float]) -> None:
+    """The one line per task whose result was kept (docs/metrics.md, "Logs"): its status and
+    stage timings, and its detection count, or its error's type and scrubbed message. INFO
+    when ok, WARNING when not."""
+    status = settled.kept.value
+    if settled.error is None and settled.error_type is None:
+        bound.info("task_done", status=status, **timings_s, detections=settled.detections)
         return
-    bound.warning("task_done", status=status, **timings_s, error_type=error_type, error=error)
-
-
-@dataclass
-class ResultMaker:
-    """The result document a task ends with (``schemas.make_result``): its pipeline's
-    ``model`` (``model_of``) and this worker's identity."""
-
-    model_of: Callable[[str], dict[str, Any]] = lambda _pipeline: {}
-    worker: dict[str, Any] = field(default_factory=worker_identity)
-
-    def make(self, task: Task, attempt: int, outcome: Outcome) -> dict[str, Any]:
-        return make_result(
-            task=task,
-            pipeline=task.pipeline,
-            detections=outcome.detections,
-            error=outcome.failure.as_dict() if outcome.failure is not None else None,
-            model=self.model_of(task.pipeline),
-            timings_s=outcome.timings_s,
-            worker=self.worker,
-            attempt=attempt,
-        )
+    bound.warning(
+        "task_done",
+        status=status,
+        **timings_s,
+        error_type=settled.error_type,
+        error=settled.error,
+    )

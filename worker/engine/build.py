@@ -23,9 +23,9 @@ from pipelines.setup import Chosen
 from worker.core.ports import BatchEngine
 from worker.core.threads import in_daemon_thread
 from worker.engine import Engine
+from worker.engine.served import ServedPipelines
 from worker.engine.split import device_failed
 from worker.health.liveness import Liveness
-from worker.process.served import ServedPipelines
 
 
 def source_config(s: Settings) -> SourceConfig:

@@ -24,6 +24,7 @@ from pipelines.device_identity import read_identity
 from pipelines.models import resolve_device
 from worker.core.ports import SourceHealth
 from worker.engine import Engine
+from worker.engine.served import ServedPipelines
 from worker.health.liveness import Liveness
 from worker.health.metrics import (
     PREFIX,
@@ -34,7 +35,6 @@ from worker.health.metrics import (
 )
 from worker.health.procstats import ProcessTreeCollector
 from worker.health.server import HealthServer, Probes
-from worker.process.served import ServedPipelines
 
 _STARTING = "starting: not serving tasks yet"
 

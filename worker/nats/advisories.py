@@ -4,8 +4,8 @@ When the last delivery of a task dies with its worker (killed, wedged, restarted
 worker sees the task again. JetStream then publishes a max-deliveries advisory; provision
 keeps those advisories in a stream, and every worker pulls them from one shared durable
 consumer and reads the original task by its stream sequence; what becomes of it (an
-``error`` result, create-if-absent, or a dead letter) is the delivery rules' decision
-(``worker.nats.settle.NatsRules.exhausted``). This module only pulls, reads and paces advisories.
+``error`` result, create-if-absent, or a dead letter) is the settler's
+(``worker.nats.settle.NatsSettler.exhausted``). This module only pulls, reads and paces advisories.
 
 An advisory is checked before it is acted on: its type, stream and consumer must be the
 server's, its deliveries at least the consumer's max_deliver, and its task one the consumer has
@@ -28,7 +28,7 @@ from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from config.settings import NatsSettings
 from worker.nats.job_consumers import is_job_consumer
-from worker.nats.settle import NatsRules, backoff_s
+from worker.nats.settle import NatsSettler, nak_backoff
 from worker.nats.subjects import advisory_consumer
 
 log = structlog.get_logger(__name__)
@@ -48,10 +48,10 @@ async def _settle_advisory(action: Awaitable[None]) -> None:
 class ExhaustedTasks:
     """Pulls max-deliveries advisories and stores the results nobody else will."""
 
-    def __init__(self, js: JetStreamContext, settings: NatsSettings, rules: NatsRules) -> None:
+    def __init__(self, js: JetStreamContext, settings: NatsSettings, settler: NatsSettler) -> None:
         self._js = js
         self._settings = settings
-        self._rules = rules
+        self._settler = settler
         self._sub: object | None = None
         self._failures: dict[int, int] = {}  # advisory sequence -> unexpected failures
 
@@ -98,15 +98,11 @@ class ExhaustedTasks:
 
     async def _later(self, msg: Msg) -> None:
         """An outage (store or stream): try again with backoff, as long as it lasts."""
-        delay_s = backoff_s(
-            msg.metadata.num_delivered,
-            self._settings.nak_backoff_base_s,
-            self._settings.nak_backoff_max_s,
-        )
+        delay_s = nak_backoff(self._settings).delay_s(msg.metadata.num_delivered)
         await _settle_advisory(msg.nak(delay=delay_s))
 
     async def handle(self, msg: Msg) -> None:
-        """One advisory: the delivery rules settle the original task (``NatsRules.exhausted``);
+        """One advisory: the settler settles the original task (``NatsSettler.exhausted``);
         the advisory is acked once they have, and comes back later when the store did not
         confirm."""
         read = _read_advisory(msg.data)
@@ -126,7 +122,7 @@ class ExhaustedTasks:
             await msg.term()
             return
         data, subject = original.data or b"", original.subject or ""
-        if await self._rules.exhausted(data, subject, seq, deliveries):
+        if await self._settler.exhausted(data, subject, seq, deliveries):
             await msg.ack()
         else:
             await self._later(msg)

@@ -1,28 +1,26 @@
-"""A message from a consumer on the tasks stream, as the core's ``Delivery``: the pipeline
-and job its subject names (``tasks.<pipeline>[.<job token>]``), and the server's delivery
-count against the consumer's ``max_deliver``. Nothing outside ``worker/nats/`` reads a
-subject or JetStream metadata."""
+"""A message from a consumer on the tasks stream, read once into the core's ``Delivered``: the
+pipeline and job its subject names (``tasks.<pipeline>[.<job token>]``), and the server's
+delivery count against the consumer's ``max_deliver``. The ``NatsHandle`` keeps the message for
+this room's settler (``worker.nats.settle``). Nothing outside ``worker/nats/`` reads a subject
+or JetStream metadata."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 
+from worker.core.ports import Delivered
+from worker.core.tasks import read_task
 from worker.nats.subjects import subject_job, subject_pipeline
 
 
-class NatsDelivery:
-    """One task message (``Delivery``); ``msg`` is the JetStream message it adapts."""
+@dataclass(frozen=True)
+class NatsHandle:
+    """The JetStream message a task came in, and where it sits in the stream."""
 
-    __slots__ = ("delivered", "max_deliver", "msg", "stream_seq")
-
-    def __init__(self, msg: Msg, max_deliver: int) -> None:
-        self.msg = msg
-        self.max_deliver = max_deliver
-        metadata = msg.metadata  # parsed from the reply subject: once
-        self.delivered: int = metadata.num_delivered
-        self.stream_seq: int = metadata.sequence.stream
+    msg: Msg
+    stream_seq: int
 
     @property
     def data(self) -> bytes:
@@ -32,36 +30,23 @@ class NatsDelivery:
     def subject(self) -> str:
         return self.msg.subject
 
-    @property
-    def pipeline(self) -> str:
-        return subject_pipeline(self.msg.subject)
 
-    @property
-    def job_id(self) -> str | None:
-        return subject_job(self.msg.subject)
-
-    @property
-    def deliveries_left(self) -> int:
-        return max(0, self.max_deliver - self.delivered)
-
-    def log_fields(self) -> dict[str, Any]:
-        return {"stream_seq": self.stream_seq, "subject": self.msg.subject}
-
-    async def ack(self) -> None:
-        await self.msg.ack()
-
-    async def nak(self, delay_s: float | None = None) -> None:
-        await self.msg.nak(delay=delay_s)
-
-    async def term(self) -> None:
-        await self.msg.term()
-
-    async def in_progress(self) -> None:
-        await self.msg.in_progress()
+NatsDelivered = Delivered[NatsHandle]
 
 
-def own(delivery: object) -> NatsDelivery:
-    """``delivery`` as this room's: the NATS rules settle only NATS deliveries."""
-    if not isinstance(delivery, NatsDelivery):
-        raise TypeError(f"not a NATS delivery: {type(delivery).__name__}")
-    return delivery
+def delivered(msg: Msg, max_deliver: int, default_pipeline: str) -> NatsDelivered:
+    """``msg`` read once: its task for the pipeline and job its subject names (the default
+    pipeline when it names none), with the server's delivery count. Raises when the message
+    has no JetStream metadata (no JetStream reply subject)."""
+    metadata = msg.metadata  # parsed from the reply subject: once
+    count: int = metadata.num_delivered
+    seq: int = metadata.sequence.stream
+    subject = msg.subject
+    read = read_task(msg.data, subject_pipeline(subject), subject_job(subject), default_pipeline)
+    return Delivered(
+        read=read,
+        delivered=count,
+        deliveries_left=max(0, max_deliver - count),
+        handle=NatsHandle(msg, seq),
+        log_fields={"stream_seq": seq, "subject": subject},
+    )

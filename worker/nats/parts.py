@@ -15,6 +15,7 @@ from nats.aio.client import Client as NATS
 from config.settings import Settings
 from worker.core.link import SourceLink
 from worker.core.ports import SourceHealth
+from worker.engine.served import ServedPipelines
 from worker.health.metrics import Metrics
 from worker.health.tasks_waiting import TasksWaiting
 from worker.nats.advisories import ExhaustedTasks
@@ -23,11 +24,10 @@ from worker.nats.connection import ConnectionState, abort_socket, connect
 from worker.nats.feed import TaskFeed
 from worker.nats.provision import provision, refuse_other_fair_jobs
 from worker.nats.result_store import ResultStore
-from worker.nats.settle import NatsRules, nats_rules
+from worker.nats.settle import NatsSettler, nats_settler
 from worker.nats.source import NatsSource
 from worker.nats.source_metrics import JobConsumersCollector
 from worker.nats.waiting import nats_waiting_read
-from worker.process.served import ServedPipelines
 
 log = structlog.get_logger(__name__)
 _CLOSE_WAIT_S = 10.0
@@ -51,7 +51,8 @@ class NatsParts:
         self.connection = ConnectionState()
         self.nc: NATS | None = None
         self.feed: TaskFeed | None = None
-        self.rules: NatsRules | None = None
+        self.settler: NatsSettler | None = None
+        self._source: NatsSource | None = None
         self._link: SourceLink | None = None
         self.waiting: TasksWaiting | None = None
 
@@ -70,22 +71,25 @@ class NatsParts:
         await self.feed.open()
         store = _result_store(s, js, lambda: int(nc.max_payload))
         max_deliver = await self.feed.max_deliver()
-        self.rules = rules = nats_rules(js, s.nats, store, served.default, served.model_info)
+        self.settler = settler = nats_settler(js, s.nats, store, served.default, served.model_info)
         self.waiting = waiting = TasksWaiting(
             nats_waiting_read(js, s.nats, served.names), s.metrics.tasks_waiting_read_s
         )
-        rules.until_connected = self.connection.until_connected
+        settler.until_connected = self.connection.until_connected
+        self._source = NatsSource(self.feed, max_deliver, served.default)
         self._link = SourceLink(
             kind="nats",
-            source=NatsSource(self.feed, max_deliver),
+            source=self._source,
             results=store,
-            rules=rules,
+            settler=settler,
+            backoff=settler.backoff,
+            model_of=served.model_info,
             fetch_wait_s=s.nats.fetch_timeout_s,
             keepalive_tick_s=s.nats.ack_wait_s / 4,
             gone=self.connection.lost,
             gone_reason="the NATS connection closed for good",
             helpers=(
-                ("max-deliveries", ExhaustedTasks(js, s.nats, rules).run),
+                ("max-deliveries", ExhaustedTasks(js, s.nats, settler).run),
                 ("tasks-waiting", waiting.run),
             ),
         )
@@ -99,16 +103,16 @@ class NatsParts:
         return SourceHealth(self.connection.connected(), self.connection.down_for_s())
 
     def attach(self, metrics: Metrics) -> None:
-        assert self.feed is not None and self.rules is not None, "open() first"
+        assert self.feed is not None and self.settler is not None, "open() first"
         metrics.registry.register(JobConsumersCollector(self.feed.job_stats))
         if self.waiting is not None:
             metrics.registry.register(self.waiting)
-        self.rules.count = lambda outcome: metrics.tasks.labels(outcome).inc()
-        self.rules.completed_twice = metrics.results_already_stored.inc
+        self.settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
+        self.settler.completed_twice = metrics.results_already_stored.inc
 
     def started(self) -> dict[str, Any]:
-        source = self.link.source
-        return {"max_deliver": source.max_deliver if isinstance(source, NatsSource) else None}
+        source = self._source
+        return {"max_deliver": source.max_deliver if source is not None else None}
 
     async def loaded(self, pipeline: str) -> None:
         """Publish the loaded pipeline's algorithms (their class lists) for ``results``."""

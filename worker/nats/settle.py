@@ -1,21 +1,20 @@
-"""The NATS source's delivery rules: what becomes of a delivery from the tasks stream.
+"""The NATS source's settler: the core's verdict on a task from the tasks stream, carried out.
 
-A message that cannot name its job and task is dead-lettered (kept with the reason, then
-terminated); one that names them but cannot be run gets an ``error`` result; a redelivered one
-whose result is already stored is only acked. A task is acked only after its result is
-stored. Permanent failures get an ``error`` result and an ack; transient ones are naked with
-a backoff delay while deliveries are left (``worker.core.verdicts.retries``), and the last delivery
-gets an ``error`` result saying the deliveries ran out; so does a task whose last delivery
-died with its worker (the max-deliveries advisory asks ``exhausted``). Retries are counted
-with the server's ``num_delivered``, never in memory. Admission and the advisory handler
-only ask.
+Keep: the result is stored, then the message acked (a task is acked only after its result is
+stored); a result the results stream refuses becomes a small error result, and when not even
+that fits, a dead letter. Retry: a nak with the verdict's delay. Unnamed: the message is kept
+with the reason on the dead-letter subject, then terminated. Done before: acked only. Given
+back: a nak now. A store or dead letter the stream does not confirm gives the message back; on
+its last delivery the max-deliveries advisory takes over (``exhausted``: the error result of a
+task whose last delivery died with its worker). Retries are counted with the server's
+``num_delivered``, never in memory.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import nats
@@ -25,12 +24,13 @@ from nats.js import JetStreamContext
 from config.errors import ErrorKind, Failure, ResultRefused, ResultsUnavailable
 from config.settings import NatsSettings
 from worker.core.outcome import Outcome
-from worker.core.ports import Delivery
-from worker.core.tasks import Task
-from worker.core.verdicts import ResultMaker, final, log_task_done, read_task, retries
+from worker.core.results import Kept, Result, ResultMaker, Settled
+from worker.core.tasks import read_task
+from worker.core.verdicts import Backoff, Decision, Verdict
 from worker.nats.dead_letters import DeadLetters
-from worker.nats.delivery import own
+from worker.nats.delivery import NatsDelivered
 from worker.nats.patience import UntilConnected, at_once, patiently
+from worker.nats.render import document
 from worker.nats.result_store import ResultStore
 from worker.nats.subjects import subject_job, subject_pipeline
 
@@ -38,19 +38,17 @@ log = structlog.get_logger(__name__)
 EXHAUSTED_KIND: ErrorKind = "deliveries_exhausted"
 
 
-def backoff_s(delivered: int, base_s: float, max_s: float) -> float:
-    return float(min(max_s, base_s * (2 ** max(0, delivered - 1))))
-
-
 @dataclass
-class NatsRules:
+class NatsSettler:
+    """The NATS source's side of each verdict (the core's ``Settler``)."""
+
     store: ResultStore
     dead_letters: DeadLetters
-    documents: ResultMaker
+    documents: ResultMaker  # the max-deliveries advisory's results (``exhausted``)
     default_pipeline: str
     store_retry_s: float
-    nak_backoff_base_s: float
-    nak_backoff_max_s: float
+    backoff: Backoff
+    # The advisory's results, counted as the orchestrator counts the rest.
     count: Callable[[str], None] = lambda _outcome: None
     # A result not written because one was already stored: a second completion of the task.
     completed_twice: Callable[[], None] = lambda: None
@@ -58,38 +56,46 @@ class NatsRules:
     # ``store_retry_s``) and is made on it at once: see ``patience``.
     until_connected: UntilConnected = at_once
 
-    async def settle(self, task: Task, delivery: Delivery, outcome: Outcome) -> str:
-        """Store-then-ack, or nak, for the engine's ``outcome``; returns what is counted (ok,
-        error, retried, ...)."""
-        delivered = delivery.delivered
-        bound = log.bind(task_id=task.id, job_id=task.job_id, attempt=delivered)
-        if retries(outcome, delivery):
-            return await self._retry(delivery, bound, outcome.failure)
-        result = self.documents.make(task, delivered, final(outcome, delivered))
+    async def settle(self, delivered: NatsDelivered, verdict: Verdict) -> Settled:
+        """Store-then-ack, nak, or dead-letter, as ``verdict`` says; what was done."""
+        bound = log.bind(attempt=delivered.delivered, **_named(delivered))
+        decision = verdict.decision
+        if decision is Decision.KEEP:
+            assert verdict.result is not None
+            return await self._keep(delivered, bound, verdict.result)
+        if decision is Decision.RETRY:
+            return await self._retry(delivered, bound, verdict.delay_s, verdict.reason)
+        if decision is Decision.UNNAMED:
+            return await self._dead_letter(delivered, verdict.reason)
+        if decision is Decision.DONE_BEFORE:
+            # If the ack fails, the admission boundary logs it and gives the task back.
+            await delivered.handle.msg.ack()
+            bound.info("redelivered_task_already_stored")
+            return Settled(Kept.DONE_BEFORE)
+        await self._give_back(delivered)
+        return Settled(Kept.GIVEN_BACK)
+
+    async def keep_alive(self, delivered: NatsDelivered) -> None:
+        """Extend the message's ack wait."""
+        await delivered.handle.msg.in_progress()
+
+    async def _keep(self, delivered: NatsDelivered, bound: Any, result: Result) -> Settled:
         try:
-            result = await self._store_or_smaller(result, task, delivered)
+            stored = await self._store_or_smaller(result)
         except ResultRefused as refused:
             why = f"no result can be stored for this task: {refused}"
-            return await self.dead_letter(delivery, why)
+            return await self._dead_letter(delivered, why)
         except ResultsUnavailable as failure:
             return await self._unconfirmed(
-                delivery, bound, failure, "result", "stores an error result for it"
+                delivered, bound, failure, "result", "stores an error result for it"
             )
-        await _settle_message(delivery.ack, bound)
-        status = str(result["status"])
-        self.count(status)
-        _log_done(bound, result)
-        return status
+        await _settle_message(delivered.handle.msg.ack, bound)
+        return _said(stored)
 
-    async def already_stored(self, delivery: Delivery, task: Task) -> None:
-        """A redelivered task whose result is stored (its ack was lost): ack only."""
-        await delivery.ack()  # if it fails, the admission boundary logs it and gives it back
-        log.info("redelivered_task_already_stored", task_id=task.id, job_id=task.job_id)
-
-    async def give_back(self, delivery: Delivery) -> None:
-        """Nak now: a message we could not even admit comes back at once."""
+    async def _give_back(self, delivered: NatsDelivered) -> None:
+        """Nak now: the task comes back at once."""
         try:
-            await delivery.nak()
+            await delivered.handle.msg.nak()
         except Exception as error:  # noqa: BLE001 - the ack wait brings it back anyway
             log.warning("settle_action_failed", error=f"{type(error).__name__}: {error}")
 
@@ -104,12 +110,10 @@ class NatsRules:
             # Its last delivery failed to dead-letter it (or died first): do it here. The
             # dead-letter stream keeps one copy if the worker's attempt did land.
             if not await _confirmed(
-                self.dead_letters.keep(data, subject, seq, read.dead_letter_reason)
+                self.dead_letters.keep(data, subject, seq, read.unnamed_reason)
             ):
                 return False
-            log.warning(
-                "exhausted_task_dead_lettered", stream_seq=seq, reason=read.dead_letter_reason
-            )
+            log.warning("exhausted_task_dead_lettered", stream_seq=seq, reason=read.unnamed_reason)
             return True
         message = (
             f"deliveries ran out: all {deliveries} deliveries ended without a result "
@@ -118,7 +122,7 @@ class NatsRules:
         failure = Failure(EXHAUSTED_KIND, message, retryable=True)
         result = self.documents.make(read.task, deliveries, Outcome(failure=failure))
         try:
-            stored = await self.store.store(result)
+            stored = await self.store.store(document(result))
         except ResultsUnavailable:
             return False
         except ResultRefused as refused:
@@ -137,26 +141,19 @@ class NatsRules:
         )
         return True
 
-    async def _store_or_smaller(
-        self, result: dict[str, Any], task: Task, delivered: int
-    ) -> dict[str, Any]:
+    async def _store_or_smaller(self, result: Result) -> dict[str, Any]:
         """Store ``result``; if no retry could store it, store a small error result instead.
 
         Returns what was stored. ResultRefused when not even that fits; ResultsUnavailable
         when the stream did not confirm.
         """
+        stored = document(result)
         try:
-            await self._store_patiently(result)
-            return result
+            await self._store_patiently(stored)
+            return stored
         except ResultRefused as refused:
-            smaller = self.documents.make(
-                task,
-                delivered,
-                Outcome(
-                    failure=Failure(refused.kind, f"the result could not be stored: {refused}"),
-                    timings_s=result.get("timings_s") or {},
-                ),
-            )
+            failure = Failure(refused.kind, f"the result could not be stored: {refused}")
+            smaller = document(replace(result, detections=None, failure=failure))
             await self._store_patiently(smaller)
             return smaller
 
@@ -178,52 +175,71 @@ class NatsRules:
 
     async def _unconfirmed(
         self,
-        delivery: Delivery,
+        delivered: NatsDelivered,
         bound: Any,
         failure: ResultsUnavailable,
         what: str,
         advisory_does: str,
-    ) -> str:
+    ) -> Settled:
         """The store did not confirm ``what``: give the message back. On its last delivery the
         max-deliveries advisory takes over, and that is said in the log."""
-        if delivery.deliveries_left <= 0:
+        if delivered.deliveries_left <= 0:
             bound.error(
                 f"{what}_not_stored_on_last_delivery",
                 error=str(failure),
                 hint=f"the max-deliveries advisory {advisory_does}",
             )
-        return await self._retry(delivery, bound, failure.failure())
+        delay_s = self.backoff.delay_s(delivered.delivered)
+        return await self._retry(delivered, bound, delay_s, failure.failure().message)
 
-    async def _retry(self, delivery: Delivery, bound: Any, why: Failure | None) -> str:
-        delay_s = backoff_s(delivery.delivered, self.nak_backoff_base_s, self.nak_backoff_max_s)
+    async def _retry(
+        self, delivered: NatsDelivered, bound: Any, delay_s: float, why: str
+    ) -> Settled:
         try:
-            await delivery.nak(delay_s=delay_s)
+            await delivered.handle.msg.nak(delay=delay_s)
         except nats.errors.Error as error:  # the ack wait will bring it back anyway
             bound.warning("nak_failed", error=str(error))
-        bound.info("task_retried", delay_s=delay_s, reason=why.message if why else None)
-        self.count("retried")
-        return "retried"
+        bound.info("task_retried", delay_s=delay_s, reason=why or None)
+        return Settled(Kept.RETRIED)
 
-    async def dead_letter(self, delivery: Delivery, reason: str) -> str:
+    async def _dead_letter(self, delivered: NatsDelivered, reason: str) -> Settled:
         """Keep a message and the reason on the dead-letter subject, confirmed; then terminate.
 
         If the dead-letter stream does not confirm, the message is given back (nak); on its
         last delivery the max-deliveries advisory dead-letters it instead. Nothing is lost.
         """
-        msg = own(delivery)
-        bound = log.bind(stream_seq=msg.stream_seq, attempt=msg.delivered)
+        msg, seq = delivered.handle.msg, delivered.handle.stream_seq
+        bound = log.bind(stream_seq=seq, attempt=delivered.delivered)
         try:
-            await self.dead_letters.keep(msg.data, msg.subject, msg.stream_seq, reason)
+            await self.dead_letters.keep(msg.data, msg.subject, seq, reason)
         except ResultsUnavailable as failure:
-            return await self._unconfirmed(msg, bound, failure, "dead_letter", "dead-letters it")
+            return await self._unconfirmed(
+                delivered, bound, failure, "dead_letter", "dead-letters it"
+            )
         await _settle_message(msg.term, bound)
-        self.count("dead_lettered")
         bound.warning(
             "task_dead_lettered",
             reason=reason,
             preview=json.dumps(msg.data[:200].decode("utf-8", "replace")),
         )
-        return "dead_lettered"
+        return Settled(Kept.DEAD_LETTERED)
+
+
+def _named(delivered: NatsDelivered) -> dict[str, Any]:
+    """How the log names a delivered task: its ids when it names them."""
+    task = delivered.read.task
+    if task is None:
+        return {"stream_seq": delivered.handle.stream_seq}
+    return {"task_id": task.id, "job_id": task.job_id}
+
+
+def _said(stored: dict[str, Any]) -> Settled:
+    """What the ``task_done`` line says of a stored result document."""
+    error = stored["error"]
+    if error:
+        return Settled(Kept.ERROR, error_type=error["type"], error=error["message"])
+    detections = (stored.get("response") or {}).get("detections")
+    return Settled(Kept.OK, detections=len(detections or []))
 
 
 async def _confirmed(write: Awaitable[None]) -> bool:
@@ -243,36 +259,24 @@ async def _settle_message(action: Callable[[], Awaitable[None]], bound: Any) -> 
         bound.warning("settle_message_failed", action=action.__name__, error=str(error))
 
 
-def _log_done(bound: Any, result: dict[str, Any]) -> None:
-    """``task_done`` (``worker.core.verdicts.log_task_done``) for a stored result."""
-    error = result["error"]
-    if error:
-        log_task_done(
-            bound,
-            result["status"],
-            result["timings_s"],
-            error_type=error["type"],
-            error=error["message"],
-        )
-        return
-    detections = (result.get("response") or {}).get("detections")
-    log_task_done(bound, result["status"], result["timings_s"], detections=len(detections or []))
-
-
-def nats_rules(
+def nats_settler(
     js: JetStreamContext,
     settings: NatsSettings,
     store: ResultStore,
     default_pipeline: str,
     model_of: Callable[[str], dict[str, Any]] = lambda _pipeline: {},
-) -> NatsRules:
-    """The rules over the results stream ``store`` and the dead-letter stream, as settled."""
-    return NatsRules(
+) -> NatsSettler:
+    """The settler over the results stream ``store`` and the dead-letter stream."""
+    return NatsSettler(
         store,
         DeadLetters(js, settings, store.max_message_bytes),
         ResultMaker(model_of),
         default_pipeline,
         settings.store_retry_s,
-        settings.nak_backoff_base_s,
-        settings.nak_backoff_max_s,
+        nak_backoff(settings),
     )
+
+
+def nak_backoff(settings: NatsSettings) -> Backoff:
+    """How long a task left for another delivery waits: ``WORKER_NATS__NAK_BACKOFF_*``."""
+    return Backoff(settings.nak_backoff_base_s, settings.nak_backoff_max_s)

@@ -18,9 +18,10 @@ from datasets.loader import StreamingLoader
 from pipelines.setup import Chosen
 from worker.core.exits import Exit
 from worker.core.link import SourceParts
-from worker.core.orchestrator import Services, Worker
+from worker.core.orchestrator import Orchestrator, Services
 from worker.engine import Engine
 from worker.engine import build as engine_build
+from worker.engine.served import ServedPipelines
 from worker.health.compose import ProcessHealth
 from worker.health.guards import ResourceGuard
 from worker.health.liveness import Liveness
@@ -28,15 +29,14 @@ from worker.health.watchdog import Watchdog
 from worker.process import pipeline_choice
 from worker.process.device_claim import claim_device
 from worker.process.pick_source import refusals, source_parts
-from worker.process.served import ServedPipelines
 
 log = structlog.get_logger(__name__)
 _CLOSE_WAIT_S = 10.0
 
 
-class WorkerApp:
+class Assembly:
     """One worker process's parts. ``start`` -> ``run(stop)`` -> ``close``, driven by
-    ``worker.process.serve.Server`` (signals, the run directory, the process's exit code).
+    ``worker.process.serve.Lifetime`` (signals, the run directory, the process's exit code).
 
     ``start`` reads as the process map: the listeners, the device, the pipelines and their
     budget, the engine (model on the engine thread, the loader and its children), the task
@@ -51,14 +51,14 @@ class WorkerApp:
         self.registry = self.health.registry
         self.engine: Engine | None = None
         self.parts: SourceParts | None = None
-        self.worker: Worker | None = None
+        self.worker: Orchestrator | None = None
         self.device = "cpu"
         self._loader: StreamingLoader | None = None
 
     async def start(self, checked: Callable[[], None] = lambda: None) -> None:
         """``checked`` is called once the start can no longer be refused for its settings
         (port, device, pipelines, memory budget: ConfigError, exit 2), before any child
-        process starts: ``Server`` empties its run directory then."""
+        process starts: ``Lifetime`` empties its run directory then."""
         s = self.settings
         self.health.listen()  # first: a port another process holds ends the start at once
         liveness = Liveness(
@@ -82,7 +82,7 @@ class WorkerApp:
         await parts.open()
         for name in served.names:  # those loaded at start
             await parts.loaded(name)
-        self.worker = Worker(
+        self.worker = Orchestrator(
             s, self._services(parts, liveness, chosen, served), until_idle=self.until_idle
         )
         log.info(
@@ -123,7 +123,6 @@ class WorkerApp:
             engine_thread=self.engine_thread,
             liveness=liveness,
             metrics=metrics,
-            default_pipeline=served.default,
             guard=ResourceGuard(s.guards, engine.loader.child_pids).check,
             helpers=helpers,
             loaded=parts.loaded,

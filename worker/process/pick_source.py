@@ -7,7 +7,7 @@ from config.settings import Settings
 from pipelines.declare import Pipeline
 from pipelines.setup import Chosen
 from worker.core.link import SourceParts
-from worker.process.served import ServedPipelines
+from worker.engine.served import ServedPipelines
 
 
 def refusals(s: Settings, pipelines: list[Pipeline]) -> list[str]:

@@ -5,7 +5,7 @@
   A second one while stopping means "now": the process's children (fork server, loader
   children) are SIGKILLed and reaped, bounded, then out at once with 128 + the signal's number.
 - Startup: the run directory's slot is claimed (``datasets.rundir``: this process's
-  temporary files), then the parts start (``WorkerApp.start``). Only once the start's checks
+  temporary files), then the parts start (``Assembly.start``). Only once the start's checks
   have passed, before its first child process, is the slot emptied of a dead predecessor's
   leftovers and made the temporary directory: a refused start (exit 2) removes nothing. A
   start waits on an unreachable NATS server or a slow model for as long as it takes, so a
@@ -36,12 +36,12 @@ from config.errors import DeviceFailed
 from config.settings import Settings
 from datasets import rundir
 from worker.core.exits import FORCED_BY, STOPPED, Exit, ExitReason, forced_exit_code
-from worker.process.app import WorkerApp
+from worker.process.app import Assembly
 
 log = structlog.get_logger(__name__)
 
 
-class Server:
+class Lifetime:
     def __init__(self, settings: Settings, *, until_idle: bool = False) -> None:
         self.settings = settings
         self.until_idle = until_idle
@@ -52,7 +52,7 @@ class Server:
         self.install_signal_handlers()
         s = self.settings
         run = rundir.claim(run_dir_base(s), s.process_index, run_dir_setting(s))  # locked only
-        app = WorkerApp(self.settings, until_idle=self.until_idle)
+        app = Assembly(self.settings, until_idle=self.until_idle)
         try:
             try:
                 started = await self.startup(app, checked=lambda: take_over(run))
@@ -78,7 +78,7 @@ class Server:
             return
         self.should_exit.set()
 
-    async def startup(self, app: WorkerApp, checked: Callable[[], None] = lambda: None) -> bool:
+    async def startup(self, app: Assembly, checked: Callable[[], None] = lambda: None) -> bool:
         """``app.start(checked)``, given up when a signal comes first; False then."""
         starting = asyncio.ensure_future(app.start(checked))
         stopping = asyncio.ensure_future(self.should_exit.wait())
@@ -96,10 +96,10 @@ class Server:
         print("stopped while starting: exiting 0", file=sys.stderr, flush=True)
         return False
 
-    async def main_loop(self, app: WorkerApp) -> Exit:
+    async def main_loop(self, app: Assembly) -> Exit:
         return await app.run(self.should_exit)
 
-    async def shutdown(self, app: WorkerApp) -> None:
+    async def shutdown(self, app: Assembly) -> None:
         await app.close()
 
 
@@ -166,4 +166,4 @@ def exit_at_once(code: int) -> None:
 
 async def serve(settings: Settings, *, until_idle: bool = False) -> int:
     """Run one worker process from start to exit; returns its exit code."""
-    return await Server(settings, until_idle=until_idle).serve()
+    return await Lifetime(settings, until_idle=until_idle).serve()

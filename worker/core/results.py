@@ -1,0 +1,124 @@
+"""What a task ends with, typed: the ``Result`` the core hands a source to keep, and what the
+source says it did (``Settled``). Each source renders a ``Result`` into its own wire format
+(``worker.nats.render``: the stored result document; ``worker.antenna.render``: Antenna's
+result post); nothing here knows either format but the detections' own shape.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Any
+
+from config.errors import Failure
+from config.redact import redact_url
+from worker.core.outcome import Outcome
+from worker.core.tasks import Task
+
+
+@dataclass(frozen=True)
+class Result:
+    """A task's end: its detections (``failure`` None) or the failure that stopped it, which
+    pipeline's ``model`` made it, its stage timings, this worker, and the delivery (``attempt``,
+    the source's count) that made it."""
+
+    task: Task
+    detections: list[dict[str, Any]] | None
+    failure: Failure | None
+    model: dict[str, Any]
+    timings_s: dict[str, float]
+    worker: dict[str, Any]
+    attempt: int
+    # A transient failure on the source's last delivery: the task ran out of deliveries.
+    ran_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    def final_failure(self) -> Failure | None:
+        """The failure as a result says it: one that ran out of deliveries says so, and what
+        the last delivery died of (its message, else its kind)."""
+        failure = self.failure
+        if failure is None or not self.ran_out:
+            return failure
+        return replace(failure, message=ran_out(self.attempt, failure.message or failure.kind))
+
+    def response(self) -> dict[str, Any] | None:
+        """An ok result's detections as Antenna's ``PipelineResultsResponse`` for its image
+        (source URL without credentials or query); None for an error."""
+        if self.failure is not None:
+            return None
+        # total_s covers the task from fetch to result; without it, the stages' sum.
+        stages_s = self.timings_s.get("load_s", 0.0) + self.timings_s.get("infer_s", 0.0)
+        image_id = self.task.image_id
+        return {
+            "pipeline": self.task.pipeline,
+            "total_time": round(self.timings_s.get("total_s", stages_s), 6),
+            "source_images": [{"id": image_id, "url": redact_url(self.task.image_url)}],
+            "detections": [
+                {"source_image_id": image_id, **found} for found in self.detections or []
+            ],
+            "errors": None,
+        }
+
+
+def ran_out(delivered: int, last_error: str) -> str:
+    """What a transient failure on a task's last delivery says."""
+    return f"deliveries ran out after {delivered} attempts; last error: {last_error}"
+
+
+def worker_identity() -> dict[str, Any]:
+    """Who made a result: this host and process (the result's ``worker``)."""
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+@dataclass
+class ResultMaker:
+    """The ``Result`` a task ends with: its pipeline's ``model`` (``model_of``) and this
+    worker's identity."""
+
+    model_of: Callable[[str], dict[str, Any]] = lambda _pipeline: {}
+    worker: dict[str, Any] = field(default_factory=worker_identity)
+
+    def make(self, task: Task, attempt: int, outcome: Outcome, *, ran_out: bool = False) -> Result:
+        return Result(
+            task=task,
+            detections=outcome.detections,
+            failure=outcome.failure,
+            model=self.model_of(task.pipeline),
+            timings_s=outcome.timings_s,
+            worker=self.worker,
+            attempt=attempt,
+            ran_out=ran_out and outcome.retryable,
+        )
+
+
+class Kept(Enum):
+    """What a source did with a task (the ``inference_worker_tasks_total`` outcome; a task left
+    for another delivery counts as ``retried``, one already done or given back not at all)."""
+
+    OK = "ok"  # its ok result kept
+    ERROR = "error"  # an error result kept (the one asked for, or one the source made instead)
+    RETRIED = "retried"  # left for another delivery
+    DEAD_LETTERED = "dead_lettered"  # kept aside with the reason: no result fits or names it
+    DONE_BEFORE = "done_before"  # its result was kept before: settled without another
+    GIVEN_BACK = "given_back"  # handed back to be delivered again at once
+
+    @property
+    def counted(self) -> bool:
+        return self not in (Kept.DONE_BEFORE, Kept.GIVEN_BACK)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What a source did (``kept``), and what the ``task_done`` line says of it: the detections
+    kept, or why it ended in an error."""
+
+    kept: Kept
+    detections: int = 0
+    error_type: str | None = None
+    error: str | None = None
