@@ -83,14 +83,14 @@ def n_consumer(settings) -> str:
 async def test_a_job_consumer_made_later_with_other_settings_is_given_ours_at_discovery(
     nats_server, settings_for, capsys
 ):
-    from worker.nats.job_consumers import JobRotation
+    from worker.nats.job_consumers import JobConsumers
 
     settings = settings_for(nats_server.url, nats={"ack_wait_s": 900.0, "max_deliver": 2})
     n, pipeline = settings.nats, settings.model.pipeline
     subject = job_tasks_subject(pipeline, subject_token("job-later"))
     async with client(settings) as js:
         await provision(js, n, pipeline)
-        jobs = JobRotation(js, n, [pipeline])
+        jobs = JobConsumers(js, n, [pipeline])
         await jobs.open()
         # Given a job consumer made after this process started, by one with the defaults
         older = settings_for(nats_server.url).nats.model_copy(

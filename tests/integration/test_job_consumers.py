@@ -303,7 +303,7 @@ async def test_a_task_published_as_its_consumer_is_deleted_is_served_after_both_
         # within a few of its discoveries: the message the stopped process gave back comes
         # back to a short read, which a loaded machine may miss once (a discovery a third of
         # SCOUT_ACK_WAIT_S later reads again; here at once, bounded).
-        monkeypatch.setattr("worker.nats.lifecycle.SCOUT_ACK_WAIT_S", 0.0)
+        monkeypatch.setattr("worker.nats.job_discovery.SCOUT_ACK_WAIT_S", 0.0)
         following = JobLifecycle(js, n.model_copy(update={"max_job_consumers": 4}), [pipeline])
         await following.open()
         for _ in range(10):
@@ -412,7 +412,7 @@ class _ListingFailsOnce:
 async def test_a_new_job_read_by_a_failed_discovery_gets_its_consumer_at_the_next(
     nats_server, settings_for
 ):
-    from worker.nats.job_consumers import JobRotation, job_consumer
+    from worker.nats.job_consumers import JobConsumers, job_consumer
     from worker.nats.provision import provision
     from worker.nats.subjects import job_tasks_subject, subject_token
 
@@ -422,7 +422,7 @@ async def test_a_new_job_read_by_a_failed_discovery_gets_its_consumer_at_the_nex
     async with client(settings) as js:
         await provision(js, n, pipeline)
         flaky = _ListingFailsOnce(js)
-        jobs = JobRotation(flaky, n, [pipeline])
+        jobs = JobConsumers(flaky, n, [pipeline])
         await jobs._life.open()
         # Given a new job's task, read by a discovery whose listing then fails
         await js.publish(subject, b"{}", stream=n.tasks_stream)

@@ -13,10 +13,10 @@ from nats.aio.msg import Msg
 
 from config.settings import NatsSettings
 from worker.core.ports import Runnable
+from worker.nats.consumer_stats import ConsumerStats
 from worker.nats.hints import NewJobHints
-from worker.nats.job_consumers import JobRotation
+from worker.nats.job_consumers import JobConsumers
 from worker.nats.late import unsubscribe
-from worker.nats.lifecycle import ConsumerStats
 from worker.nats.subjects import advisory_consumer
 
 log = structlog.get_logger(__name__)
@@ -43,7 +43,9 @@ class TaskFeed:
         self._sub: Any = None
         self._late: list[Msg] = []
         self._jobs = (
-            JobRotation(self._js, settings, pipelines) if settings.fair_jobs and pipelines else None
+            JobConsumers(self._js, settings, pipelines)
+            if settings.fair_jobs and pipelines
+            else None
         )
         self._hints = NewJobHints(nc, pipelines or [], self._jobs.hinted) if self._jobs else None
 

@@ -3,7 +3,7 @@ discovery.
 
 A JetStream publish is a core NATS message on its subject, so a plain subscription to each
 served pipeline's ``tasks.<pipeline>`` and ``tasks.<pipeline>.*`` sees every task as the
-stream stores it. Only the subject is read (``JobRotation.hinted``): a job subject not served
+stream stores it. Only the subject is read (``JobConsumers.hinted``): a job subject not served
 yet makes the next discovery due now. It is a hint and nothing more: the periodic discovery
 (``WORKER_NATS__JOB_DISCOVERY_S``) still finds every job, so a hint lost (a slow consumer, a
 subscribe permission denied, a reconnect) costs that interval's latency, never a task.

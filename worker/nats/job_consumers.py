@@ -7,19 +7,20 @@ So every job subject ``tasks.<pipeline>.<job>`` of a served pipeline gets a cons
 own while it has work, filtered to that subject and shared by every worker process (its name
 is made from the subject: ``<WORKER_NATS__CONSUMER>-job-<sha256 of the subject, 16 hex>``, its
 description is the subject). Consumers are made as jobs come and deleted as they finish,
-within a bound (``worker.nats.lifecycle``). Every ``WORKER_NATS__JOB_DISCOVERY_S``, and at
-once when a task of a job not served yet is heard of (``worker.nats.hints``), one consumer
-listing gives the job consumers' pending counts. Each fetch takes from the jobs with tasks
-pending (or awaiting an ack: redeliveries come from there) in rotation, an equal share each,
-concurrently (and from the durable consumer for ``tasks.<pipeline>``, the job in the
-payload), so the held tasks hold every job's; the orchestrator's fair share then forms the
-batches.
+within a bound (``worker.nats.lifecycle``, which composes ``job_discovery``,
+``consumer_maker``, ``drift_repair`` and ``consumer_deleter``). Every
+``WORKER_NATS__JOB_DISCOVERY_S``, and at once when a task of a job not served yet is heard of
+(``worker.nats.hints``), one consumer listing gives the job consumers' pending counts. Each
+fetch takes from the jobs with tasks pending (or awaiting an ack: redeliveries come from
+there) in rotation, an equal share each, concurrently (and from the durable consumer for
+``tasks.<pipeline>``, the job in the payload), so the held tasks hold every job's; the
+orchestrator's fair share then forms the batches.
 
 Should a job's consumer be made again from its start (a new release reading an old stream),
 it walks its job: a task whose result is already stored is only acked (admission checks
 every task), so nothing runs twice.
 
-Limits: consumers are listed 256 per request, 64 pages at most.
+Limits: consumers are listed 256 per request, 64 pages at most (``job_discovery``).
 """
 
 from __future__ import annotations
@@ -37,16 +38,17 @@ from nats.js import JetStreamContext, api
 from config.names import env_name
 from config.settings import NatsSettings
 from worker.core.ports import Runnable
+from worker.nats.consumer_stats import ConsumerStats
+from worker.nats.drift_repair import Caller
+from worker.nats.job_discovery import list_consumers
 from worker.nats.job_names import is_job_consumer, job_consumer, job_consumer_config
 from worker.nats.late import unsubscribe
-from worker.nats.lifecycle import ConsumerStats, JobLifecycle, new_jobs_consumer
-from worker.nats.provision import SCOUT_BATCH, serves_job_subjects
+from worker.nats.lifecycle import JobLifecycle
+from worker.nats.provision import SCOUT_BATCH, new_jobs_consumer, serves_job_subjects
 from worker.nats.subjects import tasks_subject
 
 log = structlog.get_logger(__name__)
-_PAGE = 256
-_MAX_PAGES = 64
-__all__ = ["BoundJob", "JobRotation", "is_job_consumer", "job_consumer", "job_consumer_config"]
+__all__ = ["BoundJob", "JobConsumers", "is_job_consumer", "job_consumer", "job_consumer_config"]
 
 
 @dataclass
@@ -60,7 +62,7 @@ class BoundJob:
     dry: bool = False  # its last fetch came back short: skipped until listed or heard of
 
 
-class JobRotation:
+class JobConsumers:
     """The job consumers of the served pipelines: discovered, made, bound while they have
     work, and handed out in rotation."""
 
@@ -173,7 +175,7 @@ class JobRotation:
                     job.pending = job.ack_pending = 0
                 return await self._bind_or_unbind()
             self._life.listed(ours)
-            await self._life.align(ours)
+            await self._life.repair_drift(ours, Caller.DISCOVERY)
             await self._life.make_missing(scouted, ours)
             return await self._settle_listing(ours, scouted)
         except (nats.errors.Error, TimeoutError) as error:
@@ -262,8 +264,8 @@ class JobRotation:
         process's delivery settings (ConfigError when one cannot be), then a discovery."""
         await self._life.open()
         listed = await self._listed()
-        await self._life.converge(
-            {n: i for n, i in listed.items() if is_job_consumer(self._settings, n)}
+        await self._life.repair_drift(
+            {n: i for n, i in listed.items() if is_job_consumer(self._settings, n)}, Caller.OPEN
         )
         return await self.refresh()
 
@@ -309,13 +311,7 @@ class JobRotation:
 
     async def _listed(self) -> dict[str, api.ConsumerInfo]:
         """Every consumer of the tasks stream, by name (paged)."""
-        listed: dict[str, api.ConsumerInfo] = {}
-        for page in range(_MAX_PAGES):
-            infos = await self._js.consumers_info(self._settings.tasks_stream, offset=page * _PAGE)
-            listed.update((info.name, info) for info in infos)
-            if len(infos) < _PAGE:
-                break
-        return listed
+        return await list_consumers(self._js, self._settings.tasks_stream)
 
     async def _bind_or_unbind(self) -> list[Msg]:
         """Bound: the jobs with tasks pending or awaiting an ack (a task given back, or whose

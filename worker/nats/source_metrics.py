@@ -10,7 +10,7 @@ from worker.health.metrics import PREFIX
 
 
 class JobConsumersCollector:
-    """Fair share's job consumers (``worker.nats.lifecycle``): how many exist, the bound,
+    """Fair share's job consumers (``worker.nats.consumer_stats``): how many exist, the bound,
     and those made, deleted and refused by the server. ``stats`` returns an object with
     ``existing``, ``bound``, ``made``, ``deleted``, ``refused`` and ``updated``."""
 

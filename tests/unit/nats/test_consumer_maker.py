@@ -1,0 +1,68 @@
+"""Making job consumers within the bound (``worker.nats.consumer_maker``)."""
+
+from __future__ import annotations
+
+import datetime
+
+from nats.js import api
+from nats.js.errors import APIError, NotFoundError
+
+from config.settings import NatsSettings
+from worker.nats.consumer_maker import ConsumerMaker
+from worker.nats.consumer_stats import ConsumerStats
+
+
+class FakeJetStream:
+    """Makes every consumer asked for, or refuses each (none then exists)."""
+
+    def __init__(self, refuses: bool = False) -> None:
+        self.refuses = refuses
+        self.made: list[str] = []
+
+    async def add_consumer(self, stream: str, config: api.ConsumerConfig) -> api.ConsumerInfo:
+        if self.refuses:
+            raise APIError(code=400, description="maximum consumers limit reached", err_code=1)
+        self.made.append(config.name or "")
+        now = datetime.datetime.now(datetime.UTC)
+        return api.ConsumerInfo(
+            name=config.name or "", stream_name=stream, config=config, created=now
+        )
+
+    async def consumer_info(self, stream: str, name: str) -> api.ConsumerInfo:
+        raise NotFoundError()
+
+
+def maker(js: FakeJetStream, bound: int) -> ConsumerMaker:
+    return ConsumerMaker(js, NatsSettings(consumer="w"), ConsumerStats(bound=bound))  # type: ignore[arg-type]
+
+
+async def test_consumers_are_made_until_the_bound_counting_those_that_exist():
+    js = FakeJetStream()
+    make = maker(js, bound=3)
+    make.counted = 1
+    ours: dict[str, api.ConsumerInfo] = {}
+    made = [await make.make(f"tasks.p.job-{i}", ours) for i in range(3)]
+    assert made == [True, True, False]
+    assert len(js.made) == 2 and make.stats.made == 2
+
+
+async def test_a_refusal_is_counted_and_said_until_a_consumer_is_made():
+    js = FakeJetStream(refuses=True)
+    make = maker(js, bound=10)
+    ours: dict[str, api.ConsumerInfo] = {}
+    assert not await make.make("tasks.p.job-1", ours)
+    assert make.stats.refused == 1 and "maximum consumers" in (make.stats.refusal or "")
+    js.refuses = False
+    assert await make.make("tasks.p.job-1", ours)
+    assert make.stats.refusal is None and make.stats.made == 1
+
+
+async def test_a_remake_owed_is_made_from_where_the_deleted_one_stopped():
+    js = FakeJetStream()
+    make = maker(js, bound=10)
+    make.owed["tasks.p.job-1"] = 42
+    ours: dict[str, api.ConsumerInfo] = {}
+    await make.make_owed(ours)
+    (info,) = ours.values()
+    assert make.owed == {} and info.config.opt_start_seq == 42
+    assert info.config.deliver_policy == api.DeliverPolicy.BY_START_SEQUENCE

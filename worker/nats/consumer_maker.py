@@ -1,0 +1,112 @@
+"""Making job consumers within a bound well under the server's per-stream consumer limit.
+
+The bound: ``WORKER_NATS__MAX_JOB_CONSUMERS``, and at most half of the server's per-stream
+limit (the stream's ``max_consumers``, else the account's, else 1,000 as nats-server 2.15's
+default), counted from the consumer listing of each discovery. Processes count alike, so a
+fleet overshoots it by at most what its processes make in one discovery between them. A
+consumer the server refuses is counted and logged once while the refusals last; its job waits
+for room. Remakes owed (a task published as its job's consumer was deleted, no room then) are
+made first at the next discovery, from where the deleted consumer stopped.
+"""
+
+from __future__ import annotations
+
+import nats
+import structlog
+from nats.js import JetStreamContext, api
+from nats.js.errors import APIError, NotFoundError
+
+from config.settings import NatsSettings
+from worker.nats.consumer_stats import ConsumerStats
+from worker.nats.job_names import job_consumer_config
+
+log = structlog.get_logger(__name__)
+ASSUMED_SERVER_LIMIT = 1000  # nats-server 2.15's per-stream default, where nothing says more
+
+
+class ConsumerMaker:
+    """Makes job consumers (or finds them made elsewhere) while there is room."""
+
+    def __init__(self, js: JetStreamContext, settings: NatsSettings, stats: ConsumerStats):
+        self._js = js
+        self._settings = settings
+        self.stats = stats
+        self.counted = 0  # job consumers that exist besides those in hand
+        self.owed: dict[str, int] = {}  # subject -> start sequence of a remake not done yet
+        self._known: set[str] = set()  # job consumers as last listed, and made since
+
+    async def open(self) -> None:
+        limit = await self._server_limit()
+        self.stats.bound = max(1, min(self._settings.max_job_consumers, limit // 2))
+        log.info("job_consumers_bounded", most_at_once=self.stats.bound)
+
+    async def _server_limit(self) -> int:
+        """The stream's max_consumers, else the account's, else the assumed default."""
+        info = await self._js.stream_info(self._settings.tasks_stream)
+        if info.config.max_consumers and info.config.max_consumers > 0:
+            return int(info.config.max_consumers)
+        try:
+            account = await self._js.account_info()
+        except (nats.errors.Error, TimeoutError):
+            return ASSUMED_SERVER_LIMIT
+        limit = account.limits.max_consumers
+        return int(limit) if limit and limit > 0 else ASSUMED_SERVER_LIMIT
+
+    def listed(self, ours: dict[str, api.ConsumerInfo]) -> None:
+        self._known = set(ours)
+        self.stats.existing = len(ours)
+
+    def forget(self, name: str) -> None:
+        """``name`` was deleted: made again, it counts as made."""
+        self._known.discard(name)
+
+    async def make_owed(self, ours: dict[str, api.ConsumerInfo]) -> None:
+        """The remakes owed, each done while there is room."""
+        for subject, start in list(self.owed.items()):
+            if await self.make(subject, ours, start=start):
+                del self.owed[subject]
+
+    async def make(self, subject: str, ours: dict[str, api.ConsumerInfo], start: int = 0) -> bool:
+        """Make ``subject``'s consumer (from stream sequence ``start`` when given); False when
+        there is no room for more now (the bound, or the server's refusal)."""
+        if self.counted + len(ours) >= self.stats.bound:
+            return False
+        config = job_consumer_config(self._settings, subject)
+        if start:
+            config.deliver_policy = api.DeliverPolicy.BY_START_SEQUENCE
+            config.opt_start_seq = start
+        try:
+            info = await self._js.add_consumer(self._settings.tasks_stream, config)
+        except APIError as error:
+            try:  # made meanwhile by another worker (with another start): that one serves
+                ours[config.name or ""] = await self._js.consumer_info(
+                    self._settings.tasks_stream, config.name or ""
+                )
+                return True
+            except NotFoundError:
+                self._refused(subject, error)
+                return False
+        ours[info.name] = info
+        self.stats.refusal = None
+        if info.name not in self._known:  # else add_consumer found it made: nothing new
+            self._known.add(info.name)
+            self.stats.made += 1
+            log.info("job_consumer_made", consumer=info.name, subject=subject, start_seq=start or 1)
+        return True
+
+    def _refused(self, subject: str, error: APIError) -> None:
+        """Counted each time; logged once while the refusals last (they are retried at every
+        discovery)."""
+        self.stats.refused += 1
+        first = self.stats.refusal is None
+        self.stats.refusal = (
+            f"NATS refused a job consumer on stream {self._settings.tasks_stream}: "
+            f"{error.description or error} (code {error.err_code}); new jobs wait for room"
+        )
+        (log.error if first else log.debug)(
+            "job_consumer_refused",
+            subject=subject,
+            error=f"{error.description or error} (code {error.err_code})",
+            hint="the stream's or account's max_consumers is reached (other clients' "
+            "consumers count too): jobs wait until there is room",
+        )

@@ -1,0 +1,186 @@
+"""Finding jobs: the consumer listing, and the new-jobs messages read and kept in hand.
+
+New jobs are found by one shared durable consumer, ``<WORKER_NATS__CONSUMER>-new-jobs``, on
+the served pipelines' job subjects (``tasks.<pipeline>.*``), headers only: each task published
+reaches one worker process once, as a few hundred bytes of headers. Of a job's messages in
+hand only the latest is kept (the others are acked: a consumer that delivers it has delivered
+them), its ack wait renewed: ``waiting`` while the job has no consumer, ``held`` until its
+consumer, listed after the message was read, has delivered past it or has nothing left to
+deliver; only then is it acked. A worker that dies holding one gives it back after its ack
+wait. Making the consumers is ``worker.nats.consumer_maker``'s job; this module only keeps the
+messages and says which are done.
+
+Limits: consumers are listed 256 per request, 64 pages at most.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable
+
+import nats
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+
+from config.settings import NatsSettings
+from worker.nats.consumer_stats import delivered_seq
+from worker.nats.job_names import job_consumer
+from worker.nats.provision import SCOUT_ACK_WAIT_S, SCOUT_BATCH, new_jobs_consumer
+
+GIVEN_BACK_READ_S = 0.25  # a read for new-jobs messages given back, with none pending
+FETCHED_KEPT = 10_000  # jobs whose consumer was made on a hint, remembered at most
+_PAGE = 256
+_MAX_PAGES = 64
+
+
+async def settled(action: Awaitable[None]) -> None:
+    """An ack, nak or in-progress whose failure needs nothing: the ack wait gives it back."""
+    try:
+        await action
+    except nats.errors.Error:
+        pass  # the ack wait gives it back
+
+
+def seq(msg: Msg) -> int:
+    return int(msg.metadata.sequence.stream)
+
+
+def _past(info: api.ConsumerInfo, task_seq: int) -> bool:
+    """Whether the consumer ``info`` (read after task ``task_seq`` was stored) has delivered
+    it, or has nothing left to deliver (the task gone from the stream, past its max_age)."""
+    return delivered_seq(info) >= task_seq or not (info.num_pending or info.num_ack_pending)
+
+
+async def list_consumers(js: JetStreamContext, stream: str) -> dict[str, api.ConsumerInfo]:
+    """Every consumer of ``stream``, by name (paged)."""
+    listed: dict[str, api.ConsumerInfo] = {}
+    for page in range(_MAX_PAGES):
+        infos = await js.consumers_info(stream, offset=page * _PAGE)
+        listed.update((info.name, info) for info in infos)
+        if len(infos) < _PAGE:
+            break
+    return listed
+
+
+class JobDiscovery:
+    """The new-jobs consumer's reads, and the messages of new jobs kept in hand."""
+
+    def __init__(self, js: JetStreamContext, settings: NatsSettings):
+        self._js = js
+        self._settings = settings
+        self._scout: object | None = None
+        self.more = False  # the last scout read was full: discover again at once
+        self.waiting: dict[str, Msg] = {}  # subject -> latest new-jobs message, no consumer yet
+        self.held: dict[str, Msg] = {}  # subject -> the same, its consumer not yet past it
+        # subject -> the latest task fetched here from the consumer made on a hint for it,
+        # before its new-jobs message was read (which is then done if that is past it)
+        self.fetched: dict[str, int] = {}
+        self._renewed_at = 0.0
+        self._given_back_read_at = float("-inf")
+
+    async def open(self) -> None:
+        self._scout = await self._js.pull_subscribe_bind(
+            durable=new_jobs_consumer(self._settings), stream=self._settings.tasks_stream
+        )
+
+    def in_hand(self, subject: str) -> bool:
+        return subject in self.waiting or subject in self.held
+
+    async def scout(self, existing: int, bound: int) -> list[Msg]:
+        """New-job messages waiting (none read while ``existing`` reaches the ``bound``, or
+        while a page of jobs waits in hand). Read only when the consumer says it has some: a
+        read that finds none waits out its whole timeout, which must cover a round trip to
+        the server."""
+        self.more = False
+        if self._scout is None or existing >= bound:
+            return []
+        if len(self.waiting) >= SCOUT_BATCH:
+            return []
+        s = self._settings
+        info = await self._js.consumer_info(s.tasks_stream, new_jobs_consumer(s))
+        # Messages given back (a worker stopped, or died and its ack wait ran out) are awaiting
+        # an ack, not pending: looked for now and then, when more await one than are in hand.
+        in_hand = len(self.waiting) + len(self.held)
+        given_back = (info.num_ack_pending or 0) > in_hand and (
+            time.monotonic() - self._given_back_read_at >= SCOUT_ACK_WAIT_S / 3
+        )
+        if not info.num_pending and not given_back:
+            return []
+        timeout_s = s.fetch_timeout_s
+        if given_back:  # ready at once if any: a short read (others may hold them all)
+            self._given_back_read_at = time.monotonic()
+            timeout_s = timeout_s if info.num_pending else min(timeout_s, GIVEN_BACK_READ_S)
+        try:
+            msgs: list[Msg] = await self._scout.fetch(SCOUT_BATCH, timeout=timeout_s)  # type: ignore[attr-defined]
+        except (TimeoutError, nats.errors.TimeoutError):
+            return []
+        self.more = len(msgs) == SCOUT_BATCH
+        return msgs
+
+    async def keep(self, msg: Msg) -> None:
+        """Hold ``msg``, the latest of its job's in hand; the older one is acked (a consumer
+        past the latest is past it too)."""
+        hand = self.held if msg.subject in self.held else self.waiting
+        old = hand.get(msg.subject)
+        if old is not None and seq(old) > seq(msg):
+            await settled(msg.ack())
+            return
+        hand[msg.subject] = msg
+        if old is not None and seq(old) < seq(msg):
+            await settled(old.ack())
+
+    def wait_again(self, ours: dict[str, api.ConsumerInfo]) -> None:
+        """A held job whose consumer is not listed (deleted elsewhere) needs one again."""
+        for subject in [s for s in self.held if job_consumer(self._settings, s) not in ours]:
+            self.waiting[subject] = self.held.pop(subject)
+
+    async def ack_past(self, ours: dict[str, api.ConsumerInfo]) -> None:
+        """Ack the held messages whose consumer, as listed in ``ours``, is past them, or
+        whose task was fetched here already; forget the fetches."""
+        for subject, msg in list(self.held.items()):
+            info = ours.get(job_consumer(self._settings, subject))
+            fetched = self.fetched.get(subject, 0) >= seq(msg)
+            if fetched or (info is not None and _past(info, seq(msg))):
+                del self.held[subject]
+                await settled(msg.ack())
+        self.fetched.clear()
+
+    def made_on_hint(self, subject: str) -> None:
+        """``subject``'s consumer was made before its new-jobs message was read."""
+        self.fetched.setdefault(subject, 0)
+        if len(self.fetched) > FETCHED_KEPT:
+            del self.fetched[next(iter(self.fetched))]
+
+    async def delivered(self, tasks: list[Msg]) -> None:
+        """Tasks fetched here from job consumers: a held new-jobs message they are past is
+        acked now, not at the next listing."""
+        for task in tasks:
+            held = self.held.get(task.subject)
+            if held is not None and seq(held) <= seq(task):
+                del self.held[task.subject]
+                await settled(held.ack())
+            elif task.subject in self.fetched:
+                self.fetched[task.subject] = max(self.fetched[task.subject], seq(task))
+
+    async def give_back(self, scouted: list[Msg]) -> None:
+        """Scouted messages a failed discovery did not take in hand, given back at once."""
+        in_hand = {id(msg) for msg in [*self.waiting.values(), *self.held.values()]}
+        for msg in scouted:
+            if id(msg) not in in_hand:
+                await settled(msg.nak())
+
+    async def close(self) -> None:
+        """Give back the messages in hand, for another worker at once."""
+        hands, self.waiting, self.held = [self.waiting, self.held], {}, {}
+        for hand in hands:
+            for msg in hand.values():
+                await settled(msg.nak())
+
+    async def keep_in_hand(self) -> None:
+        """Renew the ack wait of the messages in hand (else another worker would get them
+        back after SCOUT_ACK_WAIT_S)."""
+        if time.monotonic() - self._renewed_at < SCOUT_ACK_WAIT_S / 3:
+            return
+        self._renewed_at = time.monotonic()
+        for msg in [*self.waiting.values(), *self.held.values()]:
+            await settled(msg.in_progress())
