@@ -1,10 +1,12 @@
-"""The core speaks tasks, not NATS messages, and its port no broker verb: no module of the
-core imports ``nats``, ``worker.nats`` or ``worker.antenna``, directly or through another core
-module (a function-local import counts). The core is every module of ``worker/`` but the sources' rooms
-(``worker/nats/``, ``worker/antenna/``), the commands (``worker/commands/``) and the wiring
-that picks a source and assembles the process (``worker/process/``,
-``worker/__main__.py``); ``config``, ``datasets`` and ``pipelines``,
-which the core builds on, are held to the same rule."""
+"""The core speaks tasks, not NATS messages, and its port no broker verb.
+
+No module of the core imports ``nats``, ``worker.nats`` or ``worker.antenna``, directly or
+through another core module (a function-local import counts). The core here is every module of
+``worker/`` but the sources' rooms (``worker/nats/``, ``worker/antenna/``), the commands
+(``worker/commands/``) and the process's assembly (``worker/process/``, ``worker/__main__.py``);
+``config``, ``datasets`` and ``pipelines``, which the core builds on, are held to the same rule.
+The core room itself (``worker/core/``) imports no assembly or command either, and only the
+commands import the assembly."""
 
 from __future__ import annotations
 
