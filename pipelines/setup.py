@@ -1,5 +1,6 @@
 """The pipeline these settings ask for, checked before anything is loaded: its stages'
-weights exist, and the bytes cap holds a batch of the largest images it can load."""
+weights exist, the bytes cap holds a batch of the largest images it can load, and the models'
+memory budget holds each pipeline alone (``budget_bytes``: the one place it is worked out)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from config.names import env_name
 from config.settings import Settings
 from datasets.images import DecodePlan
 from pipelines.declare import Pipeline
+from pipelines.device import default_budget_bytes
+from pipelines.models import resolve_device
 from pipelines.registry import resolve
 from pipelines.response import ResponseFormat
 from pipelines.runner import DeviceLimits, Runner, decode_plan
@@ -77,6 +80,17 @@ def estimated_bytes(pipeline: Pipeline) -> int:
             path = Path(stage.weights.removeprefix("file://"))
             total += path.stat().st_size if path.is_file() else 0
     return total
+
+
+def budget_bytes(s: Settings, device: str, chosen: list[Chosen]) -> int:
+    """The models' memory budget (``WORKER_MODEL__MEMORY_BUDGET_BYTES``, else derived from the
+    device), which the model cache (``pipelines.cache``) keeps; ConfigError when a pipeline
+    cannot fit it alone."""
+    budget = s.model.memory_budget_bytes or default_budget_bytes(resolve_device(device))
+    problems = budget_problems(s, chosen, budget)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return budget
 
 
 def budget_problems(s: Settings, chosen: list[Chosen], budget_bytes: int) -> list[str]:

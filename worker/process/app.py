@@ -15,7 +15,7 @@ import structlog
 
 from config.settings import Settings
 from datasets.loader import StreamingLoader
-from pipelines.setup import Chosen
+from pipelines.setup import Chosen, budget_bytes
 from worker.core.exits import Exit
 from worker.core.link import SourceParts
 from worker.core.orchestrator import Orchestrator, Services
@@ -67,7 +67,7 @@ class Assembly:
         )
         self.device = claim_device(s)  # before anything may touch CUDA
         chosen = pipeline_choice.choose(s, self.device, lambda p: refusals(s, p))
-        budget = pipeline_choice.budget_bytes(s, self.device, chosen)
+        budget = budget_bytes(s, self.device, chosen)
         checked()
         served = engine_build.served_pipelines(s, chosen, self.device, budget)
         self._loader = engine_build.loader(s, chosen)  # closed by close() if the start stops

@@ -1,5 +1,6 @@
-"""Which pipelines this process serves, checked, and the memory budget their models share:
-both refused at start (ConfigError, exit 2) before anything starts."""
+"""Which pipelines this process serves, checked, and none its source refuses: refused at start
+(ConfigError, exit 2) before anything starts. Their memory budget is worked out in
+``pipelines.setup.budget_bytes`` and kept by ``pipelines.cache``."""
 
 from __future__ import annotations
 
@@ -11,9 +12,7 @@ import structlog
 from config.errors import ConfigError
 from config.settings import Settings
 from pipelines.declare import Pipeline
-from pipelines.device import default_budget_bytes
-from pipelines.models import resolve_device
-from pipelines.setup import Chosen, budget_problems, choose_all
+from pipelines.setup import Chosen, choose_all
 from worker.process.device_claim import device_type
 
 log = structlog.get_logger(__name__)
@@ -32,14 +31,3 @@ def choose(
         log.warning("device_decode_without_cuda", hint="JPEGs are decoded by the loader")
         chosen = [replace(c, plan=replace(c.plan, encoded=False)) for c in chosen]
     return chosen
-
-
-def budget_bytes(s: Settings, device: str, chosen: list[Chosen]) -> int:
-    """The models' memory budget; ConfigError when a pipeline cannot fit it alone."""
-    budget = s.model.memory_budget_bytes
-    if not budget:
-        budget = default_budget_bytes(resolve_device(device))
-    problems = budget_problems(s, chosen, budget)
-    if problems:
-        raise ConfigError("\n".join(problems))
-    return budget
