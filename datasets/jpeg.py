@@ -8,7 +8,7 @@ takes milliseconds; importing torchvision to reach it takes about 1.5 s of CPU i
 process and its loader's fork server (``datasets.resize`` says why). So the extension is
 loaded by itself, once per process at the first JPEG; where it cannot be (a torchvision
 without it, or one whose op has another signature), ``decoder()`` is None and PIL decodes
-the same pixels. ``tests/unit/test_resize.py`` checks the op against ``torchvision.io``.
+the same pixels. ``tests/unit/datasets/test_resize.py`` checks the op against ``torchvision.io``.
 """
 
 from __future__ import annotations

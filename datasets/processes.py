@@ -2,7 +2,7 @@
 fork server and resource tracker that multiprocessing starts for us.
 
 The one place that reaches into multiprocessing's private state (Python 3.11; tested by
-``tests/unit/test_loader.py``, which stops them all): ``forkserver._forkserver`` with its
+``tests/unit/datasets/test_loader.py``, which stops them all): ``forkserver._forkserver`` with its
 ``_forkserver_pid``, ``_forkserver_alive_fd`` and ``_forkserver_address``, and
 ``resource_tracker._resource_tracker`` with ``_pid`` and ``_fd``. multiprocessing believes a
 stopped fork server is alive and waits on it forever; here a stopped, dead or unreaped one

@@ -7,8 +7,8 @@ torchvision's ``resize`` on a tensor is ``torch.nn.functional.interpolate`` (bil
 ``align_corners=False``, antialiased), on uint8 directly where torch has a uint8 kernel (a CPU
 with AVX2 or AVX512, or ARM), through float32 and rounding elsewhere (a GPU); its
 ``center_crop`` is a slice at rounded offsets, zero-padded when the crop is larger. These are
-the same steps, the same pixels (``tests/unit/test_resize.py`` compares them with torchvision's
-own on CPU).
+the same steps, the same pixels (``tests/unit/datasets/test_resize.py`` compares them with
+torchvision's own on CPU).
 """
 
 from __future__ import annotations

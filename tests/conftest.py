@@ -44,7 +44,7 @@ _SLOW = (
     "tests/integration/test_antenna.py::test_sigterm_posts_what_is_finished",
     "tests/integration/test_antenna.py::test_sigkill_mid_job_and_a_restart",
     "tests/integration/test_antenna.py::test_register_is_idempotent",
-    "tests/unit/test_antenna.py::test_a_29176_class_result",
+    "tests/unit/antenna/test_source.py::test_a_29176_class_result",
     "tests/integration/test_alerts.py::",
     "tests/integration/test_cli.py::test_check_says_ready_or_names_each_problem",
     "tests/integration/test_nothing_lost.py::test_sigterm_mid_job_finishes_the_batch",

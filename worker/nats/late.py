@@ -20,7 +20,7 @@ log = structlog.get_logger(__name__)
 def late_deliveries(sub: Any) -> asyncio.Queue[Msg] | None:
     """The queue where nats-py keeps messages delivered to a pull subscription after its
     last fetch returned (``PullSubscription._sub._pending_queue``, nats-py 2.x; tested in
-    ``tests/unit/test_transport.py``; the only other private part of nats-py we read is its
+    ``tests/unit/nats/test_late.py``; the only other private part of nats-py we read is its
     socket, in ``worker.nats.connection.abort_socket``).
 
     If it has moved, None: those messages are then not given back at once but wait out

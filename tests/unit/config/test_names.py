@@ -8,7 +8,7 @@ from pathlib import Path
 
 from config.names import env_name
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[3]
 PACKAGES = ("worker", "datasets", "pipelines", "config")
 THE_RULE = ROOT / "config" / "names.py"
 

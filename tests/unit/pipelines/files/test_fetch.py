@@ -23,7 +23,7 @@ from datasets.uris import SourceConfig
 from pipelines.files.fetch import ModelFiles
 from tests.served_files import Served
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[4]
 QUICK = SourceConfig(connect_timeout_s=1.0, http_timeout_s=1.0, read_timeout_s=1.0)
 
 

@@ -16,7 +16,7 @@ import structlog
 
 from config.errors import Failure
 from tests.fakes import FakeEngine, FakeSource, task_msg
-from tests.unit.test_orchestrator import a_worker
+from tests.unit.core.test_orchestrator import a_worker
 from worker.core import batches as batches_module
 from worker.core.batches import MAX_HOLD_S, Batches
 from worker.core.ports import BatchReport

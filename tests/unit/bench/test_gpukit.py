@@ -28,7 +28,7 @@ from bench.gpukit.gather import (
 )
 from bench.gpukit.run import FIGURES, Clock, Options, child, cuda_test_files, install, junit
 
-REPO = Path(__file__).parents[2]
+REPO = Path(__file__).parents[3]
 
 
 def _resolved(name: str, version: str = "1.0") -> Resolved:
@@ -78,14 +78,14 @@ def test_the_requirements_are_the_projects_less_torch_and_the_kits_from_the_dev_
 
 
 _JUNIT = """<testsuites><testsuite>
-<testcase classname="tests.unit.test_device" name="test_a_real_cuda_out_of_memory_x">
+<testcase classname="tests.unit.pipelines.test_device" name="test_a_real_cuda_out_of_memory_x">
  <properties><property name="out_of_memory_splits" value="7"/>
  <property name="cpu_s" value="0.1"/><property name="wall_s" value="2.5"/></properties>
 </testcase>
-<testcase classname="tests.unit.test_device" name="test_nvjpeg_decodes_y">
+<testcase classname="tests.unit.pipelines.test_device" name="test_nvjpeg_decodes_y">
  <properties><property name="wall_s" value="0.1"/></properties><failure message="boom"/>
 </testcase>
-<testcase classname="tests.unit.test_device" name="test_copies_z">
+<testcase classname="tests.unit.pipelines.test_device" name="test_copies_z">
  <properties><property name="wall_s" value="0.0"/></properties>
  <skipped message="needs CUDA"/></testcase>
 </testsuite></testsuites>"""
@@ -95,7 +95,7 @@ def test_the_report_counts_the_tests_and_keeps_what_the_ones_that_ran_recorded()
     read = junit(_JUNIT)
     counts = {k: read[k] for k in ("passed", "failed", "errors", "skipped")}
     assert counts == {"passed": 1, "failed": 1, "errors": 0, "skipped": 1}
-    assert read["failures"] == ["tests.unit.test_device::test_nvjpeg_decodes_y"]
+    assert read["failures"] == ["tests.unit.pipelines.test_device::test_nvjpeg_decodes_y"]
     assert read["skips"] == {"needs CUDA": 1}
     assert read["recorded"] == {
         "test_a_real_cuda_out_of_memory_x": {"out_of_memory_splits": 7, "wall_s": 2.5},
@@ -104,8 +104,8 @@ def test_the_report_counts_the_tests_and_keeps_what_the_ones_that_ran_recorded()
 
 
 def test_every_figure_the_report_lifts_out_names_a_cuda_test_the_kit_collects():
-    assert "tests/unit/test_device.py" in cuda_test_files(REPO)
-    tree = ast.parse((REPO / "tests/unit/test_device.py").read_text())
+    assert "tests/unit/pipelines/test_device.py" in cuda_test_files(REPO)
+    tree = ast.parse((REPO / "tests/unit/pipelines/test_device.py").read_text())
     cuda_tests = [
         node.name
         for node in tree.body

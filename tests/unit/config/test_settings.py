@@ -206,7 +206,7 @@ def test_every_name_the_docs_document_is_a_setting():
     from config.settings import Settings
     from config.unknown import known_names
 
-    root = Path(__file__).parents[2]
+    root = Path(__file__).parents[3]
     docs = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
     documented = set(re.findall(r"`(WORKER_[A-Z0-9_]+)`", "".join(d.read_text() for d in docs)))
     assert documented and documented <= known_names(Settings)

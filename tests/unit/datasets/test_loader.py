@@ -59,7 +59,7 @@ def run_script(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=str(Path(__file__).parents[2]),
+        cwd=str(Path(__file__).parents[3]),
         check=False,
     )
 
@@ -194,7 +194,7 @@ def test_no_semaphore_is_left_in_dev_shm_even_when_the_whole_group_is_sigkilled(
         timeout=120,
         start_new_session=True,
         check=False,
-        cwd=str(Path(__file__).parents[2]),
+        cwd=str(Path(__file__).parents[3]),
     )
     assert done.stdout.startswith("started"), done.stderr
     assert done.returncode == -9

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 OUTSIDE = ("worker.nats", "worker.antenna", "worker.commands")
 WIRING = {
     "worker.process.pick_source",

@@ -133,7 +133,7 @@ class AntennaRig:
     kind = "antenna"
 
     def __init__(self) -> None:
-        from tests.unit.test_antenna import SERVED
+        from tests.unit.antenna.test_source import SERVED
 
         self.fake = FakeAntenna(token=TOKEN, ttr_s=0.5)
         self.fake.register_direct(1, SERVED.config())
@@ -189,7 +189,7 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Any]:
 
 def antenna_detections() -> list[dict[str, Any]]:
     """What the engine finds in each image: one box, classified (the served pipeline's keys)."""
-    from tests.unit.test_antenna import outcome
+    from tests.unit.antenna.test_source import outcome
 
     return list(outcome().detections or [])
 

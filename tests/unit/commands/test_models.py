@@ -14,7 +14,7 @@ from config.settings import load_settings
 from tests.served_files import Served
 from worker.commands.models import pin_lines
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[3]
 
 
 def _env(weights: str, cache: Path) -> dict[str, str]:

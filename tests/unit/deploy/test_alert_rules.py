@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.conftest import _unavailable
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[3]
 
 
 def promtool() -> str:

@@ -16,7 +16,7 @@ from config.settings import load_settings
 from pipelines.device import visibility
 from worker.commands.healthwatch import process_port
 
-DEPLOY = Path(__file__).parents[2] / "deploy" / "supervisor"
+DEPLOY = Path(__file__).parents[3] / "deploy" / "supervisor"
 GPUS = [f"cuda:{i}" for i in range(8)]
 MIGS = [f"MIG-{i}a3e7c5e-0c4f-5b5e-9d2f-1b6a2f7d9c0{i}" for i in range(7)]
 

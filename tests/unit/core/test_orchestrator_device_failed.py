@@ -20,7 +20,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from config.settings import load_settings
-from tests.unit.test_orchestrator_sources import (
+from tests.unit.core.test_orchestrator_sources import (
     WAIT_S,
     AntennaRig,
     NatsRig,
@@ -29,7 +29,7 @@ from tests.unit.test_orchestrator_sources import (
     settings_for,
     until,
 )
-from tests.unit.test_sticky_device_errors import Loader, Models
+from tests.unit.engine.test_sticky_device_errors import Loader, Models
 from worker.commands.localservers import free_port
 from worker.core.exits import ExitReason
 from worker.core.orchestrator import Orchestrator, Services

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from worker.core.exits import ExitReason, documented, forced_exit_code
 
-OPERATING = Path(__file__).parents[2] / "docs" / "operating.md"
+OPERATING = Path(__file__).parents[3] / "docs" / "operating.md"
 
 
 def docs_exit_codes() -> dict[str, set[int]]:

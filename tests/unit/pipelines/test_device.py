@@ -18,7 +18,7 @@ from pipelines.declare import Classifier, Pipeline, Preprocess
 from pipelines.device import CopyStats, decode_on_device, to_device_overlapped, visibility
 from pipelines.runner import DeviceLimits, load_runner
 from tests.fakes import FakePredictor
-from tests.unit.test_engine import FlakyLoader, ReadyLoader, submit
+from tests.unit.engine.test_engine import FlakyLoader, ReadyLoader, submit
 from worker.commands.demo_images import image_bytes
 from worker.engine import Engine
 from worker.health.metrics import DeviceCollector

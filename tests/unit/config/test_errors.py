@@ -9,7 +9,7 @@ import pytest
 
 from config.errors import ERROR_KINDS, Failure, PermanentError, TransientError
 
-NATS_DOC = Path(__file__).parents[2] / "docs" / "nats.md"
+NATS_DOC = Path(__file__).parents[3] / "docs" / "nats.md"
 
 
 def _docs_error_types() -> list[str]:
