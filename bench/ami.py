@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common.meters import PeakRss, machine, tree
-from bench.common.results import save, stamp
+from bench.common.records import save, stamp
 from bench.outcomes import BenchmarkFailed, Outcomes, refusing
 from tests.antenna_fake import FakeAntenna, endpoint_of
 from worker.commands.demo_images import image_bytes

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common.meters import machine
-from bench.common.results import save
+from bench.common.records import save
 from bench.outcomes import BenchmarkFailed, Outcomes, refusing
 from tests.antenna_fake import FakeAntenna
 from worker.commands.demo_images import image_bytes
@@ -304,7 +304,7 @@ def run_nats_case(
 
 async def _nats_job(url: str, uris: list[str]) -> tuple[list[float], Outcomes]:
     """Publish one job of ``uris``; when each task's first result came, and what they said."""
-    from bench.common.jobs import Job, client, run_jobs
+    from bench.common.job_runs import Job, client, run_jobs
     from config.settings import load_settings
 
     settings = load_settings(for_worker=False, nats={"url": url}).nats

@@ -16,8 +16,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.common.jobs import client, wait_stored
-from bench.common.results import save, stamp
+from bench.common.job_runs import client, wait_stored
+from bench.common.records import save, stamp
 from bench.common.world import PIPELINE, nats_settings, start_worker, stop_worker, upload, world
 from bench.outcomes import BenchmarkFailed, refusing
 from config.settings import NatsSettings

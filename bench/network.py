@@ -36,7 +36,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from bench.common.cli import run_benchmark
+from bench.common.bench_args import run_benchmark
 from bench.common.meters import PeakRss, machine, median
 from bench.common.world import PIPELINE, World, cycle, start_worker, stop_worker, world
 from bench.outcomes import Outcomes, refusing
@@ -204,7 +204,7 @@ def ami_case(endpoint: str, uris: list[str], runs: int) -> dict[str, Any]:
 
 
 async def worker_case(w: World, endpoint: str, uris: list[str], runs: int) -> dict[str, Any]:
-    from bench.common.jobs import client, run_job
+    from bench.common.job_runs import client, run_job
     from bench.common.world import nats_settings
 
     settings = nats_settings(w)

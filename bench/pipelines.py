@@ -41,9 +41,9 @@ from typing import Any
 
 import psutil
 
-from bench.common.jobs import Job, client, run_jobs
+from bench.common.job_runs import Job, client, run_jobs
 from bench.common.meters import PeakRss, machine, median
-from bench.common.results import save, stamp
+from bench.common.records import save, stamp
 from bench.common.world import World, cycle, start_worker, stop_worker, upload, world
 from bench.outcomes import BenchmarkFailed, Outcomes, refusing
 from config.names import env_name

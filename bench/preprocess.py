@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from bench.common.results import date_utc
+from bench.common.records import date_utc
 from bench.outcomes import BenchmarkFailed, refusing
 from datasets.images import DecodePlan, decode
 from pipelines.architectures import build_classifier

@@ -19,8 +19,8 @@ from typing import Any
 
 import psutil
 
-from bench.common.jobs import Job, client, count, run_jobs
-from bench.common.results import save
+from bench.common.job_runs import Job, client, count, run_jobs
+from bench.common.records import save
 from bench.common.world import (
     PIPELINE,
     World,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.common.cli import run_benchmark
+from bench.common.bench_args import run_benchmark
 from bench.common.stages import SIZES, stages
 from bench.common.world import cycle, upload, world
 from bench.outcomes import refusing

@@ -36,7 +36,7 @@ import psutil
 import torch
 
 from bench.common.meters import PeakRss, TreeCpu, last_json_line, machine, median, tree
-from bench.common.results import save, stamp
+from bench.common.records import save, stamp
 from bench.common.stages import take_loaded
 from bench.common.world import World, start_worker, stop_worker, world
 from bench.outcomes import Outcomes, refusing
@@ -229,7 +229,7 @@ async def rounds_of(
 ) -> tuple[list[dict[str, float]], Meters, int]:
     """The three stages interleaved, round by round (the first warms up): their rates, their
     meters, and the benchmark process's RSS after the models ran alone."""
-    from bench.common.jobs import client, run_job
+    from bench.common.job_runs import client, run_job
     from bench.common.world import nats_settings
     from datasets.uris import SourceConfig
     from pipelines.registry import resolve

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bench.common.jobs import Job, client, count, run_job, run_jobs
+from bench.common.job_runs import Job, client, count, run_job, run_jobs
 from bench.common.meters import CpuMeter, PeakRss, TreeCpu, machine, median, tree
 from bench.common.world import (
     ARCHITECTURE,

@@ -12,7 +12,7 @@ a section started is killed with its group):
   without CUDA): counts, the failures' names, and what each recorded (``record_property``):
   the real out-of-memory halving, nvJPEG against the CPU decode, autocast, the copies on the
   side stream.
-- ``worker_run``: ``bench.gpukit.serve``, a whole worker on 4K JPEGs.
+- ``worker_run``: ``bench.gpukit.worker_run``, a whole worker on 4K JPEGs.
 - ``bench_gpu``: ``python -m bench.gpu``, its JSON lines, with what time is left.
 
 The report goes to stdout, and with the sections' logs to ``$OUT`` when that is set (the
@@ -307,13 +307,13 @@ def tests(options: Options, work: Path, clock: Clock) -> dict[str, Any]:
 
 
 def worker_run(options: Options, work: Path, clock: Clock) -> dict[str, Any]:
-    """A whole worker (``bench.gpukit.serve``); its own timeout leaves it time to clean up."""
+    """A whole worker (``bench.gpukit.worker_run``); its own timeout leaves it time to clean up."""
     timeout_s = clock.left(CAPS_S["worker_run"])
     tasks = (
         (4 if options.quick else 8) if options.device == "cpu" else (64 if options.quick else 400)
     )
     out = work / "worker-run.json"
-    argv = [sys.executable, "-m", "bench.gpukit.serve", "--device", options.device]
+    argv = [sys.executable, "-m", "bench.gpukit.worker_run", "--device", options.device]
     argv += ["--tasks", str(tasks), "--timeout-s", str(max(10.0, timeout_s - 60.0))]
     argv += ["--log", str(work / "worker.log"), "--out", str(out)]
     done = child(argv, section_env(options), timeout_s, work / "worker-run.log")

@@ -61,7 +61,7 @@ def _answer(job: str, task: str, pipeline: str, sha: str, label: str) -> dict:
 def test_bench_pipelines_refuses_a_job_answered_by_another_model_twice_or_not_at_all(tmp_path):
     """bench.pipelines counts a result only when it is its own pipeline's answer (name,
     weights sha256, labels), once per task; anything else stops the run."""
-    from bench.common.jobs import Job
+    from bench.common.job_runs import Job
     from bench.pipelines import Declared, check_job
     from worker.commands.job_client import make_tasks
 

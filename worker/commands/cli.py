@@ -355,7 +355,7 @@ async def _check(settings: Settings, _args: argparse.Namespace) -> int:
     problems = await readiness_problems(settings)
     for problem in problems:
         print(f"not ready: {problem}", file=sys.stderr)
-    from worker.commands.models import pin_lines
+    from worker.commands.model_files import pin_lines
 
     for line in await asyncio.to_thread(pin_lines, settings):
         print(line)
@@ -366,7 +366,7 @@ async def _check(settings: Settings, _args: argparse.Namespace) -> int:
 
 
 async def _models(settings: Settings, _args: argparse.Namespace) -> int:
-    from worker.commands.models import fetch_command
+    from worker.commands.model_files import fetch_command
 
     return await asyncio.to_thread(fetch_command, settings)
 

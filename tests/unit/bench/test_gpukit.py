@@ -117,7 +117,7 @@ def test_every_figure_the_report_lifts_out_names_a_cuda_test_the_kit_collects():
 
 
 def test_the_pipeline_is_declared_to_the_worker_as_it_is_in_bench_gpu():
-    from bench.gpukit.serve import as_toml
+    from bench.gpukit.worker_run import as_toml
     from pipelines.declare import Classifier, Detector, Pipeline, Preprocess
     from pipelines.registry import from_toml
 
@@ -219,7 +219,7 @@ def test_the_machines_own_versions_are_reported_where_they_differ(tmp_path):
 
 
 def test_the_worker_runs_rates_are_withheld_unless_every_task_ended_ok_and_it_exited_0():
-    from bench.gpukit.serve import checked
+    from bench.gpukit.worker_run import checked
 
     ran = {"tasks": 4, "ok": 4, "errors_by_kind": {}, "worker_exit_code": 0}
     rated = {**ran, "images_per_s": 2.5, "images_per_s_from_start": 0.4}

@@ -3,7 +3,7 @@ the project is not installed there) serving a detector pipeline on 4K JPEGs, aga
 nats-server and S3 endpoint (``bench.common.world``), the job published before the worker
 starts; one JSON line.
 
-    python -m bench.gpukit.serve --device cuda --tasks 400 --timeout-s 170 [--log worker.log]
+    python -m bench.gpukit.worker_run --device cuda --tasks 400 --timeout-s 170 [--log worker.log]
 
 The pipeline is ``bench.gpu``'s detect-and-classify (FasterRCNN ResNet-50 FPN, its top 30
 boxes, two ResNet-50s on the crops), declared to the worker in a TOML file. Reported: results
@@ -271,7 +271,7 @@ def checked(report: dict[str, Any]) -> dict[str, Any]:
 
 async def serve_job(w: World, device: str, tasks: int, timeout_s: float, log: Path) -> dict:
     """Weights, the TOML, the images uploaded, the job published, then the worker run."""
-    from bench.common.jobs import client
+    from bench.common.job_runs import client
     from bench.common.world import nats_settings
     from worker.commands.job_client import job_results, make_tasks, publish_tasks
     from worker.nats.subjects import job_results_subject

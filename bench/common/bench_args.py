@@ -1,5 +1,5 @@
 """The command line the throughput family of benchmarks shares: ``--images N --tasks T
---runs R [--smoke]``, the run, and its result recorded (``bench.common.results``)."""
+--runs R [--smoke]``, the run, and its result recorded (``bench.common.records``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from bench.common.results import save, stamp
+from bench.common.records import save, stamp
 
 SMOKE = {"images": 4, "tasks": 8, "runs": 1}
 

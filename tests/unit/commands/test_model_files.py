@@ -12,7 +12,7 @@ from pathlib import Path
 
 from config.settings import load_settings
 from tests.served_files import Served
-from worker.commands.models import pin_lines
+from worker.commands.model_files import pin_lines
 
 ROOT = Path(__file__).parents[3]
 
