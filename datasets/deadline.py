@@ -19,6 +19,11 @@ class Cutoff:
         self._timers: list[threading.Timer] = []
         self.fired = False
 
+    @property
+    def deadline(self) -> float:
+        """When the object's time is up, as ``time.monotonic()``."""
+        return self._deadline
+
     def remaining_s(self) -> float:
         return max(0.0, self._deadline - time.monotonic())
 

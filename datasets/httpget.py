@@ -8,9 +8,12 @@
 - Size: ``max_bytes`` enforced while reading, whatever Content-Length says.
 - Time: one deadline for the whole object (connect, TLS, headers, body), see ``Cutoff``.
 - Connections: with ``keep_alive`` > 0, kept alive per origin and process
-  (``datasets.keepalive``) once an answer was read whole; a connection that failed, was cut
-  at the deadline, or carried a redirect or an error answer is closed. A kept one the server
-  closed before answering is given up and the GET made once more on a new connection.
+  (``datasets.http_transport.pool``) once an answer was read whole; a connection that failed,
+  was cut at the deadline, or carried a redirect or an error answer is closed. A kept one the
+  server closed before answering is given up and the GET made once more on a new connection.
+
+Each GET is one exchange of ``datasets.http_transport`` (its deadline the object's, its body
+capped at ``max_bytes``); this module decides where it may go and what its answer means.
 
 Errors name the URL redacted (scheme, host, path): never a query string or credentials.
 """
@@ -30,10 +33,10 @@ from urllib.parse import urljoin, urlsplit
 from config.errors import ErrorKind, PermanentError, RetryableRead, TransientError
 from config.names import env_name
 from config.redact import redact_url
-from datasets import keepalive
+from datasets import http_transport
 from datasets.budget import Admit, admit_all
-from datasets.deadline import Cutoff, Watch
-from datasets.keepalive import Origin
+from datasets.deadline import Cutoff
+from datasets.http_transport import Exchange, Origin, Request, TooLarge, fetch
 
 _REDIRECTS = {301, 302, 303, 307, 308}
 _CHUNK_BYTES = 256 * 1024
@@ -146,13 +149,13 @@ def _getaddrinfo_by(host: str, port: int, cutoff: Cutoff) -> list[Any]:
     return list(answer[0])
 
 
-def _connect(addresses: list[Address], policy: HttpPolicy, cutoff: Cutoff) -> socket.socket:
+def _connect(addresses: list[Address], policy: HttpPolicy, exchange: Exchange) -> socket.socket:
     last: OSError | None = None
     for family, sockaddr in addresses:
-        if cutoff.expired():
+        if exchange.was_cut or exchange.remaining_s() <= 0:
             break
         sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.settimeout(min(policy.connect_timeout_s, cutoff.remaining_s()))
+        sock.settimeout(min(policy.connect_timeout_s, exchange.remaining_s()))
         try:
             sock.connect(sockaddr)
             return sock
@@ -220,17 +223,16 @@ def _get_once(url: str, policy: HttpPolicy, cutoff: Cutoff, admit: Admit) -> tup
         port = parts.port or (443 if scheme == "https" else 80)
     except ValueError:
         raise PermanentError(f"{redact_url(url)}: invalid port", kind="invalid_uri") from None
-    origin = Origin(scheme, host.lower().rstrip("."), port, policy.allowed)
+    hop = _Hop(url, host, port, policy, cutoff, admit)
     try:
-        kept = keepalive.pool().take(origin) if policy.keep_alive > 0 else None
-        if kept is not None:
-            try:
-                return _on(kept, cutoff.watch(kept.sock), True, url, origin, policy, cutoff, admit)
-            except _Stale:
-                pass  # the server closed it as we asked: once more, on a connection of our own
-        addresses = _resolve(url, host, port, policy, cutoff)
-        connection, watch = _open(addresses, host, port, scheme, policy, cutoff)
-        return _on(connection, watch, False, url, origin, policy, cutoff, admit)
+        answer = fetch(Exchange(cutoff.deadline, cut_at_deadline=True), _request(url, policy), hop)
+        return answer.status, answer.location, answer.body
+    except TooLarge as error:
+        if error.declared is not None:
+            too_large = f"{redact_url(url)} is {error.declared} bytes, over {policy.max_bytes}"
+        else:
+            too_large = f"{redact_url(url)} is over {policy.max_bytes} bytes"
+        raise PermanentError(too_large, kind="too_large") from None
     except ssl.SSLCertVerificationError as error:
         raise PermanentError(
             f"{redact_url(url)}: TLS certificate refused ({error.verify_message})",
@@ -254,122 +256,82 @@ def _get_once(url: str, policy: HttpPolicy, cutoff: Cutoff, admit: Admit) -> tup
         ) from None
 
 
-class _Stale(Exception):
-    """A kept-alive connection the server had closed: no answer began on it."""
+def _request(url: str, policy: HttpPolicy) -> Request:
+    split = urlsplit(url)
+    target = (split.path or "/") + (f"?{split.query}" if split.query else "")
+    headers = {
+        "Host": split.netloc.rpartition("@")[2],  # never send userinfo anywhere
+        "User-Agent": _USER_AGENT,
+        "Accept-Encoding": "identity",
+    }
+    if policy.keep_alive <= 0:
+        headers["Connection"] = "close"
+    return Request(
+        "GET",
+        target,
+        headers,
+        max_bytes=policy.max_bytes,
+        read_timeout_s=policy.read_timeout_s,
+        chunk_bytes=_CHUNK_BYTES,
+    )
+
+
+class _Hop:
+    """One hop's way to its origin (a ``Route``): a kept connection under the same policy, or
+    a new one to a checked address; only a whole 2xx answer's connection is kept."""
+
+    def __init__(
+        self, url: str, host: str, port: int, policy: HttpPolicy, cutoff: Cutoff, admit: Admit
+    ) -> None:
+        self._url, self._host, self._port = url, host, port
+        self._scheme = urlsplit(url).scheme
+        self._policy, self._cutoff, self._admit = policy, cutoff, admit
+        self._origin = Origin(self._scheme, host.lower().rstrip("."), port, policy.allowed)
+
+    def take(self) -> http.client.HTTPConnection | None:
+        return http_transport.pool().take(self._origin) if self._policy.keep_alive > 0 else None
+
+    def dial(self, exchange: Exchange) -> http.client.HTTPConnection:
+        addresses = _resolve(self._url, self._host, self._port, self._policy, self._cutoff)
+        return _open(addresses, self._host, self._port, self._scheme, self._policy, exchange)
+
+    def wants_body(self, status: int) -> bool:
+        return 200 <= status < 300  # a redirect or an error answer: closed, as the docs say
+
+    def admit(self, size_bytes: int) -> None:
+        self._admit(size_bytes, self._cutoff.remaining_s())
+
+    def keeps(self, status: int) -> bool:
+        return self._policy.keep_alive > 0 and 200 <= status < 300
+
+    def give(self, conn: http.client.HTTPConnection) -> None:
+        http_transport.pool().give(self._origin, conn, self._policy.keep_alive)
 
 
 def _open(
-    addresses: list[Address], host: str, port: int, scheme: str, policy: HttpPolicy, cutoff: Cutoff
-) -> tuple[http.client.HTTPConnection, Watch]:
-    """A new connection to a checked address (TLS handshake made), watched by ``cutoff``."""
-    sock = _connect(addresses, policy, cutoff)
+    addresses: list[Address],
+    host: str,
+    port: int,
+    scheme: str,
+    policy: HttpPolicy,
+    exchange: Exchange,
+) -> http.client.HTTPConnection:
+    """A new connection to a checked address (TLS handshake made under the deadline)."""
+    connection = http.client.HTTPConnection(host, port, timeout=exchange.remaining_s())
+    connection.auto_open = 0  # never a connection of its own, to an address nobody checked
+    sock = _connect(addresses, policy, exchange)
     try:
-        sock.settimeout(min(policy.read_timeout_s, cutoff.remaining_s()))
+        sock.settimeout(exchange.timeout_s(policy.read_timeout_s))
+        connection.sock = sock
+        exchange.hold(connection)
         if scheme == "https":
             sock = _tls_context().wrap_socket(
                 sock, server_hostname=host, do_handshake_on_connect=False
             )
-            watch = cutoff.watch(sock)
-            try:
-                sock.do_handshake()  # under the deadline too
-            except BaseException:
-                watch.release()
-                raise
-        else:
-            watch = cutoff.watch(sock)
+            connection.sock = sock
+            exchange.hold(connection)  # raises when the plain socket was cut meanwhile
+            sock.do_handshake()  # under the deadline too
     except BaseException:
         sock.close()
         raise
-    connection = http.client.HTTPConnection(host, port, timeout=cutoff.remaining_s())
-    connection.sock = sock
-    connection.auto_open = 0  # never a connection of its own, to an address nobody checked
-    return connection, watch
-
-
-def _on(
-    connection: http.client.HTTPConnection,
-    watch: Watch,
-    reused: bool,
-    url: str,
-    origin: Origin,
-    policy: HttpPolicy,
-    cutoff: Cutoff,
-    admit: Admit,
-) -> tuple[int, str, bytes]:
-    """One exchange on ``connection``; kept for the next read when its answer was read whole
-    and the server keeps it open, closed otherwise."""
-    keep = False
-    try:
-        if connection.sock is not None:
-            connection.sock.settimeout(min(policy.read_timeout_s, cutoff.remaining_s()))
-        response = _ask(url, connection, policy, reused)
-        status, location, body = _answer(url, response, policy, cutoff, admit)
-        whole = response.isclosed() or response.length == 0  # read1 leaves it open at 0
-        ok = 200 <= status < 300  # a redirect or an error answer: closed, as the docs say
-        keep = policy.keep_alive > 0 and not response.will_close and whole and ok
-        if keep:
-            response.close()  # its file only: the connection's socket stays, for the next GET
-        return status, location, body
-    finally:
-        cut_already = not watch.release()
-        if keep and not cut_already and not cutoff.expired():
-            keepalive.pool().give(origin, connection, policy.keep_alive)
-        else:
-            connection.close()
-
-
-def _ask(
-    url: str, connection: http.client.HTTPConnection, policy: HttpPolicy, reused: bool
-) -> http.client.HTTPResponse:
-    split = urlsplit(url)
-    target = (split.path or "/") + (f"?{split.query}" if split.query else "")
-    netloc = split.netloc.rpartition("@")[2]  # never send userinfo anywhere
-    try:
-        connection.putrequest("GET", target, skip_host=True, skip_accept_encoding=True)
-        connection.putheader("Host", netloc)
-        connection.putheader("User-Agent", _USER_AGENT)
-        connection.putheader("Accept-Encoding", "identity")
-        if policy.keep_alive <= 0:
-            connection.putheader("Connection", "close")
-        connection.endheaders()
-        return connection.getresponse()
-    except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-        if reused:
-            raise _Stale from None
-        raise
-
-
-def _answer(
-    url: str,
-    response: http.client.HTTPResponse,
-    policy: HttpPolicy,
-    cutoff: Cutoff,
-    admit: Admit,
-) -> tuple[int, str, bytes]:
-    status = response.status
-    if status in _REDIRECTS or not 200 <= status < 300:
-        return status, response.getheader("Location") or "", b""
-    declared = response.getheader("Content-Length")
-    if declared and declared.isdigit() and int(declared) > policy.max_bytes:
-        raise PermanentError(
-            f"{redact_url(url)} is {declared} bytes, over {policy.max_bytes}", kind="too_large"
-        )
-    size = int(declared) if declared and declared.isdigit() else policy.max_bytes
-    admit(size, cutoff.remaining_s())
-    chunks: list[bytes] = []
-    total = 0
-    while True:
-        chunk = response.read1(_CHUNK_BYTES)  # at most one read of the socket
-        if not chunk:
-            break
-        total += len(chunk)
-        if total > policy.max_bytes:
-            raise PermanentError(
-                f"{redact_url(url)} is over {policy.max_bytes} bytes", kind="too_large"
-            )
-        chunks.append(chunk)
-    if cutoff.expired():
-        raise OSError("cut off at the deadline")
-    if response.length:  # the server closed before the Content-Length it declared
-        raise http.client.IncompleteRead(b"".join(chunks), response.length)
-    return status, "", b"".join(chunks)
+    return connection

@@ -44,7 +44,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from config.errors import Failure, LoaderFailure, WorkerError
-from datasets import keepalive, processes, rundir
+from datasets import http_transport, processes, rundir
 from datasets.images import Decoded, DecodePlan, decode
 from datasets.reads import Read, ReadPool, ReadStats
 from datasets.semaphores import semlock_names, unlink_names, wait_until_mapped
@@ -136,7 +136,7 @@ class RequestStream(IterableDataset[Loaded]):
                 yield loaded._replace(reads=pool.finished(read))
         finally:
             pool.close()
-            keepalive.close_idle()
+            http_transport.close_idle()
 
     def finish(self, read: Read) -> Loaded:
         plan = getattr(read.request, "plan", None)

@@ -1,4 +1,7 @@
-"""Antenna's worker-facing HTTP API, one call at a time: the only module that speaks HTTP to it.
+"""Antenna's worker-facing HTTP API, one call at a time: the only module that calls it. Each call
+is one exchange of ``datasets.http_transport`` (pool, deadline, no redirect, size cap); whether
+its answer is Antenna's is ``worker.antenna.answers``' to say; this module keeps the token, the
+call's deadline on the event loop, and whether Antenna is available.
 
 Every call carries ``Authorization: <scheme> <key>`` (``WORKER_ANTENNA__AUTH_SCHEME``: ``Token``
 by default, or ``Api-Key``); the key lives in a ``SecretStr`` and is
@@ -8,21 +11,21 @@ believed only when its answer is one Antenna gives:
 - no redirect is followed: a 3xx is ``BadAnswer`` naming where it pointed (the token goes to
   the configured origin only);
 - a 2xx counts only with the JSON body its endpoint answers (``answers.BY_ENDPOINT``); an HTML
-  page, a body cut short, one over ``_MAX_BODY_BYTES`` or nested deeper than ``_MAX_DEPTH``, a
-  field of the wrong type: ``BadAnswer`` naming what was wrong;
+  page, a body cut short, one over ``_MAX_BODY_BYTES`` or nested deeper than
+  ``answers.MAX_DEPTH``, a field of the wrong type: ``BadAnswer`` naming what was wrong;
 - one deadline for the whole exchange (connect, TLS, request, headers, body): a call that has
   no complete answer by then is given up and its connection closed under it
   (``AntennaUnreachable``), however slowly the bytes come. The exchange runs on a daemon
   thread of its own, so a call given up holds neither the event loop nor the process's exit.
 
-Connections are kept alive (``http.client``, a small pool for the one origin): one TCP and TLS
-handshake per connection, not per call (docs/antenna.md, Connections). A reused connection that
-drops unanswered is tried once more on a fresh one only when that cannot make Antenna act twice:
-the request never left in full, or Antenna takes it twice as once (a GET, a result, a
-registration); a reservation sent in full is not sent again (``Unanswered``): sent twice it
-reserves twice, and the first reservation's tasks would reach no worker until Antenna's TTR. A
-reservation sent in full whose answer does not come by the deadline is ``Unanswered`` too:
-Antenna may have reserved tasks for it all the same.
+Connections are kept alive (``http_transport.Pool``, a small one for the one origin): one TCP
+and TLS handshake per connection, not per call (docs/antenna.md, Connections). A reused
+connection that drops unanswered is tried once more on a fresh one only when that cannot make
+Antenna act twice: the request never left in full, or Antenna takes it twice as once (a GET, a
+result, a registration); a reservation sent in full is not sent again (``Unanswered``): sent
+twice it reserves twice, and the first reservation's tasks would reach no worker until
+Antenna's TTR. A reservation sent in full whose answer does not come by the deadline is
+``Unanswered`` too: Antenna may have reserved tasks for it all the same.
 
 The token is masked in what is shown (``Reply.text``, ``Reply.why``, every error message), never
 in what is parsed: a token that happens to occur in the data (an image id) leaves it intact.
@@ -38,29 +41,22 @@ from __future__ import annotations
 
 import asyncio
 import http.client
-import json
-import re
 import ssl
-import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-import pydantic
 from pydantic import SecretStr
 
 from config.errors import TransientError
 from config.names import env_name
 from config.redact import redact_url, scrub, shorten
-from datasets.keepalive import dropped
-from worker.antenna.answers import BY_ENDPOINT, wrong_fields
+from datasets.http_transport import Exchange, Pool, Request, SentUnanswered, TooLarge, fetch
+from worker.antenna.answers import SHOWN_BODY_CHARS, NotAntennas, Received, Reply, checked_reply
 from worker.core.threads import in_daemon_thread
 
-_SHOWN_BODY_CHARS = 300
 _MAX_BODY_BYTES = 64 * 1024 * 1024  # a register answer echoes every category map
-_MAX_DEPTH = 64
 _READ_BYTES = 64 * 1024
 _MAX_IDLE_CONNECTIONS = 8
 _UNAVAILABLE_STATUSES = frozenset({502, 503, 504})  # a proxy with no Antenna behind it, or
@@ -96,23 +92,6 @@ _SETTLE_S = 1.0  # how long a call given up mid-write waits for its thread to sa
 _MASK = "<redacted>"
 
 
-@dataclass(frozen=True)
-class Reply:
-    status: int
-    body: Any  # the parsed JSON as Antenna sent it (checked against its endpoint's schema
-    # when 2xx), or None
-    text: str  # the start of the answer, scrubbed, the token masked: for messages
-    said: str = ""  # its ``detail`` or ``error``, scrubbed, the token masked: for messages
-
-    @property
-    def ok(self) -> bool:
-        return 200 <= self.status < 300
-
-    def why(self) -> str:
-        """One line for a log or an error: the status and what Antenna said."""
-        return f"HTTP {self.status}: {shorten(self.said or self.text, _SHOWN_BODY_CHARS)}"
-
-
 def api_root(base_url: str) -> str:
     """``base_url`` with a trailing slash; a URL without ``/api/`` gets ``/api/v2/``."""
     root = base_url.rstrip("/")
@@ -121,49 +100,49 @@ def api_root(base_url: str) -> str:
     return root + "/"
 
 
-class _Exchange:
-    """One call's connection, so that the event loop can close it under the thread at the
-    deadline (a blocked read then ends at once), and how far its request went: ``sending``
-    once the thread starts to write it, ``sent`` once it is written in full (from then on
-    Antenna may act on it)."""
+class _Origin:
+    """Antenna's one origin as the transport reaches it (a ``http_transport.Route``): its
+    kept connections, and new ones made by ``http.client`` (which resolves the configured
+    host and, over https, checks its certificate with the default context)."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._conn: http.client.HTTPConnection | None = None
-        self.aborted = False
-        self.sending = False
-        self.sent = False
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._url = urllib.parse.urlsplit(root)
+        self._pool = Pool(max_origins=1, max_idle_s=None)
+        self._tls: ssl.SSLContext | None = None
+        self.made = 0
 
-    def mark(self, *, sending: bool = False, sent: bool = False) -> None:
-        with self._lock:
-            self.sending = self.sending or sending
-            self.sent = self.sent or sent
+    def take(self) -> http.client.HTTPConnection | None:
+        return self._pool.take(self.root)
 
-    def hold(self, conn: http.client.HTTPConnection) -> None:
-        with self._lock:
-            self._conn = conn
-            if self.aborted:
-                _close(conn)
-                raise AntennaUnreachable("the call was given up")
+    def dial(self, exchange: Exchange) -> http.client.HTTPConnection:
+        timeout_s = exchange.timeout_s()
+        host, port, scheme = self._url.hostname or "", self._url.port, self._url.scheme
+        self.made += 1
+        if scheme == "https":
+            if self._tls is None:
+                self._tls = ssl.create_default_context()  # SSL_CERT_FILE is honoured
+            return http.client.HTTPSConnection(host, port, timeout=timeout_s, context=self._tls)
+        if scheme != "http":
+            raise AntennaUnreachable(
+                f"{env_name('antenna', 'base_url')} {redact_url(self.root)} is not an http(s) URL"
+            )
+        return http.client.HTTPConnection(host, port, timeout=timeout_s)
 
-    def abort(self) -> bool | None:
-        """Close the connection under the thread; whether the request was sent in full by
-        then (None: it was being written, and the thread alone knows how far it got)."""
-        with self._lock:
-            self.aborted = True
-            if self._conn is not None:
-                _close(self._conn)
-            return True if self.sent else None if self.sending else False
+    def wants_body(self, status: int) -> bool:
+        return True  # an error's body says why
 
+    def admit(self, size_bytes: int) -> None:
+        pass  # capped at _MAX_BODY_BYTES, no budget beyond it
 
-def _close(conn: http.client.HTTPConnection) -> None:
-    sock = conn.sock
-    try:
-        if sock is not None:
-            sock.shutdown(2)  # SHUT_RDWR: a read blocked on it returns now
-        conn.close()
-    except Exception:  # noqa: BLE001 - closed already, by the thread itself
-        pass
+    def keeps(self, status: int) -> bool:
+        return True
+
+    def give(self, conn: http.client.HTTPConnection) -> None:
+        self._pool.give(self.root, conn, _MAX_IDLE_CONNECTIONS)
+
+    def close(self) -> None:
+        self._pool.close_all()
 
 
 class AntennaClient:
@@ -180,13 +159,14 @@ class AntennaClient:
         self._scheme = scheme
         self._timeout_s = timeout_s
         self.count = count  # set by the wiring once the metrics exist
-        self._url = urllib.parse.urlsplit(self.root)
-        self._idle: list[http.client.HTTPConnection] = []
-        self._idle_lock = threading.Lock()
-        self._tls: ssl.SSLContext | None = None
-        self.connections_made = 0
+        self._origin = _Origin(self.root)
+        self._path = urllib.parse.urlsplit(self.root).path
         self.unreachable_since: float | None = None  # time.monotonic()
         self.last_problem = ""
+
+    @property
+    def connections_made(self) -> int:
+        return self._origin.made
 
     def shown(self) -> str:
         """The API root as it may be written in a log line."""
@@ -213,18 +193,16 @@ class AntennaClient:
         """One call, ended at its deadline; AntennaUnreachable when no usable answer came."""
         timeout_s = timeout_s or self._timeout_s
         where = f"{method} {redact_url(self.root + path)}"
-        exchange = _Exchange()
         started = time.monotonic()
-        deadline = started + timeout_s
-        running = in_daemon_thread(
-            self._call_blocking, exchange, method, path, body, endpoint, deadline
-        )
+        exchange = Exchange(started + timeout_s)
+        running = in_daemon_thread(self._call_blocking, exchange, method, path, body, endpoint)
         running.add_done_callback(_retrieved)
         try:
             reply = await asyncio.wait_for(asyncio.shield(running), timeout_s)
         except TimeoutError:
-            sent = exchange.abort()
-            if sent is None:  # being written: the closed socket ends the write at once
+            exchange.cut()
+            sent = exchange.how_far()
+            if sent is None:  # being written: the cut socket ends the write at once
                 await asyncio.wait({running}, timeout=_SETTLE_S)
                 sent = exchange.sent
             message = f"Antenna unreachable ({where}): no complete answer within {timeout_s:g}s"
@@ -236,7 +214,7 @@ class AntennaClient:
             self._unavailable(endpoint, str(error), started, isinstance(error, BadAnswer))
             raise
         except BaseException:  # cancelled (a stop): the thread must not go on
-            exchange.abort()
+            exchange.cut()
             raise
         self.count(endpoint, str(reply.status))
         if reply.status in _UNAVAILABLE_STATUSES:
@@ -257,78 +235,49 @@ class AntennaClient:
             self.unreachable_since = since
 
     def _call_blocking(
-        self,
-        exchange: _Exchange,
-        method: str,
-        path: str,
-        body: bytes | None,
-        endpoint: str,
-        deadline: float,
+        self, exchange: Exchange, method: str, path: str, body: bytes | None, endpoint: str
     ) -> Reply:
         where = f"{method} {redact_url(self.root + path)}"
         try:
-            status, location, kind, raw = self._exchange(
-                exchange, method, path, body, endpoint, deadline
-            )
+            answer = fetch(exchange, self._request(method, path, body, endpoint), self._origin)
         except AntennaUnreachable as error:
             raise type(error)(self._masked(str(error))) from None
+        except TooLarge as error:
+            raise BadAnswer(_too_large(error)) from None
+        except SentUnanswered as error:
+            raise Unanswered(self._masked(_unanswered(where, error))) from None
         except Exception as error:  # noqa: BLE001 - OSError, HTTPException, TLS: no answer
-            if exchange.aborted:
+            if exchange.was_cut:
                 raise AntennaUnreachable(f"Antenna unreachable ({where}): given up") from None
             reason = getattr(error, "reason", None) or error
             raise AntennaUnreachable(
                 f"Antenna unreachable ({where}): {type(error).__name__} "
-                f"{shorten(scrub(self._masked(str(reason).strip())), _SHOWN_BODY_CHARS)}"
+                f"{shorten(scrub(self._masked(str(reason).strip())), SHOWN_BODY_CHARS)}"
             ) from None
+        received = Received(answer.status, answer.location, answer.content_type, answer.body)
         try:
-            return _reply(where, endpoint, status, location, kind, raw, self.root, self._masked)
-        except BadAnswer as error:  # a page echoing our headers: the token never shown
+            return checked_reply(where, endpoint, received, self.root, self._masked)
+        except NotAntennas as error:  # a page echoing our headers: the token never shown
             raise BadAnswer(self._masked(str(error))) from None
+
+    def _request(self, method: str, path: str, body: bytes | None, endpoint: str) -> Request:
+        return Request(
+            method,
+            self._path + path,
+            self._headers(body is not None),
+            max_bytes=_MAX_BODY_BYTES,
+            body=body,
+            may_resend=_replayable(method, endpoint),
+            chunk_bytes=_READ_BYTES,
+        )
 
     def _masked(self, text: str) -> str:
         """``text`` as it may be shown: the token masked wherever it occurs."""
         secret = self._token.get_secret_value()
         return text.replace(secret, _MASK) if secret else text
 
-    def _connection(self, timeout_s: float) -> tuple[http.client.HTTPConnection, bool]:
-        """An idle connection still open (and so reused), or a new one."""
-        with self._idle_lock:
-            while self._idle:
-                conn = self._idle.pop()
-                if not dropped(conn):
-                    conn.timeout = timeout_s
-                    if conn.sock is not None:
-                        conn.sock.settimeout(timeout_s)
-                    return conn, True
-                conn.close()
-        host = self._url.hostname or ""
-        port = self._url.port
-        scheme = self._url.scheme
-        self.connections_made += 1
-        if scheme == "https":
-            if self._tls is None:
-                self._tls = ssl.create_default_context()  # SSL_CERT_FILE is honoured
-            return http.client.HTTPSConnection(
-                host, port, timeout=timeout_s, context=self._tls
-            ), False
-        if scheme != "http":
-            raise AntennaUnreachable(
-                f"{env_name('antenna', 'base_url')} {self.shown()} is not an http(s) URL"
-            )
-        return http.client.HTTPConnection(host, port, timeout=timeout_s), False
-
-    def _give_back(self, conn: http.client.HTTPConnection) -> None:
-        with self._idle_lock:
-            if len(self._idle) < _MAX_IDLE_CONNECTIONS:
-                self._idle.append(conn)
-                return
-        conn.close()
-
     def close(self) -> None:
-        with self._idle_lock:
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
+        self._origin.close()
 
     def _headers(self, has_body: bool) -> dict[str, str]:
         headers = {"Accept": "application/json", "User-Agent": "inference-worker"}
@@ -339,84 +288,20 @@ class AntennaClient:
             headers["Content-Type"] = "application/json"
         return headers
 
-    def _exchange(
-        self,
-        exchange: _Exchange,
-        method: str,
-        path: str,
-        body: bytes | None,
-        endpoint: str,
-        deadline: float,
-    ) -> tuple[int, str, str, bytes]:
-        """Status, Location, Content-Type and body of one exchange."""
-        headers, target = self._headers(body is not None), self._url.path + path
-        for attempt in range(2):
-            conn, reused = self._connection(_left(deadline))
-            exchange.hold(conn)
-            exchange.mark(sending=True)
-            sent = False
-            where = f"{method} {redact_url(self.root + path)}"
-            try:
-                conn.request(method, target, body, headers)
-                sent = True  # in full: Antenna may act on it from here
-                exchange.mark(sent=True)
-                response = conn.getresponse()
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-                conn.close()
-                if sent and not _replayable(method, endpoint):
-                    raise Unanswered(
-                        f"Antenna unreachable ({where}): the connection closed after the "
-                        f"request was sent, with no answer; {_NOT_SENT_AGAIN}"
-                    ) from None
-                if reused and attempt == 0 and not exchange.aborted:
-                    continue  # the server closed the idle connection: once on a fresh one
-                raise
-            except TimeoutError:  # the socket's own timeout: the deadline, on this thread
-                conn.close()
-                if sent and not _replayable(method, endpoint):
-                    raise _late(where) from None
-                raise
-            except BaseException:
-                conn.close()
-                raise
-            return self._answer(conn, response, deadline, where, _replayable(method, endpoint))
-        raise AssertionError("unreachable")  # pragma: no cover
 
-    def _answer(
-        self,
-        conn: http.client.HTTPConnection,
-        response: http.client.HTTPResponse,
-        deadline: float,
-        where: str,
-        replayable: bool,
-    ) -> tuple[int, str, str, bytes]:
-        """Status, Location, Content-Type and body of an answer; its connection kept for the
-        next call where the answer allows. A body not in by the deadline of a request that may
-        not be sent again is ``Unanswered``."""
-        try:
-            raw = _body(conn, response, deadline)
-        except TimeoutError:
-            conn.close()
-            if not replayable:
-                raise _late(where) from None
-            raise
-        except BaseException:
-            conn.close()
-            raise
-        if response.will_close:
-            conn.close()
-        else:
-            self._give_back(conn)
+def _too_large(error: TooLarge) -> str:
+    if error.declared is not None:
+        return f"an answer of {error.declared} bytes, over {error.max_bytes}"
+    return f"an answer over {error.max_bytes} bytes"
+
+
+def _unanswered(where: str, error: SentUnanswered) -> str:
+    if error.closed:
         return (
-            response.status,
-            response.getheader("Location") or "",
-            response.getheader("Content-Type") or "",
-            raw,
+            f"Antenna unreachable ({where}): the connection closed after the request was "
+            f"sent, with no answer; {_NOT_SENT_AGAIN}"
         )
-
-
-def _late(where: str) -> Unanswered:
-    return Unanswered(
+    return (
         f"Antenna unreachable ({where}): no complete answer by the call's deadline after the "
         f"request was sent; {_NOT_SENT_AGAIN}"
     )
@@ -432,120 +317,3 @@ def _retrieved(future: asyncio.Future[Reply]) -> None:
     """A call given up still ends on its thread: its error is nobody's to report."""
     if not future.cancelled():
         future.exception()
-
-
-def _left(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("the call's deadline passed")
-    return left
-
-
-def _body(
-    conn: http.client.HTTPConnection, response: http.client.HTTPResponse, deadline: float
-) -> bytes:
-    length = response.getheader("Content-Length")
-    if length and length.isdigit() and int(length) > _MAX_BODY_BYTES:
-        raise BadAnswer(f"an answer of {int(length)} bytes, over {_MAX_BODY_BYTES}")
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        if conn.sock is not None:
-            conn.sock.settimeout(_left(deadline))
-        chunk = response.read(_READ_BYTES)
-        if not chunk:
-            raw = b"".join(chunks)
-            if length and length.isdigit() and len(raw) < int(length):  # read(n) does not say
-                raise http.client.IncompleteRead(raw, int(length) - len(raw))
-            return raw
-        size += len(chunk)
-        if size > _MAX_BODY_BYTES:
-            raise BadAnswer(f"an answer over {_MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
-
-
-_STRUCTURE = re.compile(rb'["\[\]{}]')
-# The rest of a string after its opening quote. Possessive: matched once, from a known start,
-# in linear time or not at all (a pattern that may backtrack, tried at every offset, went
-# quadratic on an unterminated string of escaped quotes, holding the GIL: the process froze).
-_STRING_REST = re.compile(rb'(?:[^"\\]++|\\.)*+"', re.DOTALL)
-_QUOTE = ord('"')
-_OPENS = frozenset(b"[{")
-
-
-def json_depth(raw: bytes) -> int:
-    """How deeply ``raw``'s arrays and objects nest (strings skipped), without parsing it: one
-    pass, linear whatever ``raw`` holds, stopping once past ``_MAX_DEPTH`` or at a string that
-    never ends (then it is not JSON, as ``json.loads`` says next)."""
-    depth = deepest = 0
-    at = 0
-    while (found := _STRUCTURE.search(raw, at)) is not None:
-        byte, at = raw[found.start()], found.end()
-        if byte == _QUOTE:
-            rest = _STRING_REST.match(raw, at)
-            if rest is None:
-                return deepest
-            at = rest.end()
-        elif byte in _OPENS:
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-                if deepest > _MAX_DEPTH:
-                    return deepest
-        else:
-            depth -= 1
-    return deepest
-
-
-def _parsed(raw: bytes) -> tuple[Any, str]:
-    """The JSON in ``raw`` and "", or None and why it is not JSON the worker reads."""
-    if not raw:
-        return None, "an empty body"
-    if json_depth(raw) > _MAX_DEPTH:
-        return None, f"JSON nested deeper than {_MAX_DEPTH}"
-    try:
-        return json.loads(raw), ""
-    except (ValueError, RecursionError):
-        return None, "not JSON"
-
-
-def _reply(
-    where: str,
-    endpoint: str,
-    status: int,
-    location: str,
-    kind: str,
-    raw: bytes,
-    root: str,
-    masked: Callable[[str], str],
-) -> Reply:
-    """``raw`` parsed as it came; only what is shown (``text``, ``said``) is masked."""
-    # Masked before it is cut, so that a token across the cut shows none of itself.
-    head = masked(raw[: _SHOWN_BODY_CHARS * 4].decode("utf-8", "replace"))
-    text = scrub(head[:_SHOWN_BODY_CHARS])
-    if 300 <= status < 400:
-        pointed = redact_url(urllib.parse.urljoin(root, location)) if location else "nowhere"
-        raise BadAnswer(
-            f"Antenna answered {where} with HTTP {status}, a redirect to {pointed}: redirects "
-            f"are not followed (is {env_name('antenna', 'base_url')} Antenna's own address?)"
-        )
-    body, why = _parsed(raw)
-    said = body.get("detail") or body.get("error") if isinstance(body, dict) else None
-    shown = shorten(scrub(masked(str(said))), _SHOWN_BODY_CHARS) if said else ""
-    if not 200 <= status < 300:
-        return Reply(status, body, text, shown)
-    if body is None:
-        raise BadAnswer(
-            f"Antenna answered {where} with HTTP {status} and {why} "
-            f"({kind or 'no Content-Type'}): {shorten(text, 120)}"
-        )
-    schema = BY_ENDPOINT.get(endpoint)
-    if schema is not None:
-        try:
-            schema.model_validate(body)
-        except pydantic.ValidationError as error:
-            raise BadAnswer(
-                f"Antenna answered {where} with HTTP {status} and a body that is not its "
-                f"{endpoint} answer: {wrong_fields(error)}"
-            ) from None
-    return Reply(status, body, text, shown)

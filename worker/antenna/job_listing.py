@@ -45,7 +45,8 @@ from typing import Any
 import structlog
 
 from config.names import env_name
-from worker.antenna.client import AntennaClient, AntennaUnreachable, Reply
+from worker.antenna.answers import Reply
+from worker.antenna.client import AntennaClient, AntennaUnreachable
 
 log = structlog.get_logger(__name__)
 ACTIVE = ("STARTED", "RETRY")

@@ -25,7 +25,8 @@ from typing import Any
 
 import structlog
 
-from worker.antenna.client import AntennaClient, AntennaUnreachable, Reply
+from worker.antenna.answers import Reply
+from worker.antenna.client import AntennaClient, AntennaUnreachable
 from worker.antenna.render import ENVELOPE_BYTES, encoded, error_result, item
 from worker.core.tasks import Task
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 from config.names import env_name
-from worker.antenna.client import AntennaClient, AntennaUnreachable, Reply
+from worker.antenna.answers import Reply
+from worker.antenna.client import AntennaClient, AntennaUnreachable
 from worker.antenna.job_listing import project_params
 from worker.antenna.render import AntennaPipeline
 

@@ -3,6 +3,7 @@ shared across a fork, none left open by a failure, none past its deadline."""
 
 from __future__ import annotations
 
+import http.client
 import os
 import socket
 import threading
@@ -12,7 +13,7 @@ import warnings
 import pytest
 
 from config.errors import PermanentError, TransientError
-from datasets import keepalive
+from datasets import http_transport
 from datasets.uris import SourceConfig, read_bytes
 from tests.listeners import Listener
 
@@ -35,9 +36,9 @@ def fds_once_settled(expected: int, timeout_s: float = 10.0) -> int:
 
 @pytest.fixture(autouse=True)
 def no_idle_connections():
-    keepalive.close_idle()
+    http_transport.close_idle()
     yield
-    keepalive.close_idle()
+    http_transport.close_idle()
 
 
 def test_many_images_of_one_origin_take_one_connection():
@@ -61,7 +62,7 @@ def test_reads_at_once_take_a_connection_each_and_keep_at_most_reads_in_flight()
         for thread in threads:
             thread.join(timeout=30)
         assert results == [b"IMAGE"] * 6
-        assert keepalive.pool().idle_count() <= CONFIG.reads_in_flight
+        assert http_transport.pool().idle_count() <= CONFIG.reads_in_flight
 
 
 def test_failed_reads_leave_no_descriptor_open():
@@ -79,7 +80,7 @@ def test_failed_reads_leave_no_descriptor_open():
                 read_bytes(listener.url("/endless"), capped)
         kept = CONFIG.reads_in_flight  # each kept connection: our end and the listener's
         assert fds_once_settled(before + 2 * kept) <= before + 2 * kept
-        keepalive.close_idle()
+        http_transport.close_idle()
         assert fds_once_settled(before) == before
 
 
@@ -94,7 +95,7 @@ def test_the_object_deadline_holds_on_a_kept_connection_and_it_is_not_kept_after
             read_bytes(listener.url("/drip"), short)  # on the kept connection
         assert error.value.kind == "deadline_exceeded"
         assert listener.connections == 1
-        assert keepalive.pool().idle_count() == 0
+        assert http_transport.pool().idle_count() == 0
         assert fds_once_settled(before) == before
 
 
@@ -132,7 +133,7 @@ def test_a_forked_child_never_uses_its_parents_connection():
         if pid == 0:
             ok = False
             try:
-                ok = keepalive.pool().idle_count() == 0 and read_bytes(url, CONFIG) == b"IMAGE"
+                ok = http_transport.pool().idle_count() == 0 and read_bytes(url, CONFIG) == b"IMAGE"
             finally:
                 os._exit(0 if ok else 1)
         _, status = os.waitpid(pid, 0)
@@ -140,3 +141,76 @@ def test_a_forked_child_never_uses_its_parents_connection():
         assert listener.connections == 2  # the child's own
         assert read_bytes(url, CONFIG) == b"IMAGE"  # the parent's, still good
         assert listener.connections == 2
+
+
+class _Plain:
+    """A route to the listener with no policy of its own: what the transport alone does."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.kept = http_transport.Pool(max_origins=1, max_idle_s=None)
+
+    def take(self) -> http.client.HTTPConnection | None:
+        return self.kept.take("listener")
+
+    def dial(self, exchange: http_transport.Exchange) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=exchange.timeout_s())
+
+    def wants_body(self, status: int) -> bool:
+        return True
+
+    def admit(self, size_bytes: int) -> None:
+        pass
+
+    def keeps(self, status: int) -> bool:
+        return True
+
+    def give(self, conn: http.client.HTTPConnection) -> None:
+        self.kept.give("listener", conn, 2)
+
+
+def fetched(
+    listener: Listener, path: str, exchange: http_transport.Exchange, max_bytes: int = 10**6
+) -> http_transport.Answer:
+    request = http_transport.Request("GET", path, {}, max_bytes=max_bytes)
+    return http_transport.fetch(exchange, request, _Plain(listener.port))
+
+
+def in_s(seconds: float) -> float:
+    return time.monotonic() + seconds
+
+
+def test_the_transport_never_follows_a_redirect_it_returns_it_with_its_location():
+    with Listener(b"IMAGE", keep_alive=True) as listener:
+        answer = fetched(listener, "/redirect?to=/image", http_transport.Exchange(in_s(5)))
+    assert (answer.status, answer.location) == (302, "/image")
+    assert listener.requests == ["/redirect?to=/image"]  # the target was never asked
+
+
+def test_a_body_over_the_cap_is_too_large_declared_or_found_while_reading():
+    with Listener(b"x" * 5000, keep_alive=True) as listener:
+        with pytest.raises(http_transport.TooLarge) as declared:
+            fetched(listener, "/image", http_transport.Exchange(in_s(5)), max_bytes=1000)
+        assert declared.value.declared == 5000
+        with pytest.raises(http_transport.TooLarge) as read:
+            fetched(listener, "/endless", http_transport.Exchange(in_s(5)), max_bytes=100_000)
+        assert read.value.declared is None
+
+
+def test_an_exchange_its_caller_cuts_ends_a_dripping_answer_at_once():
+    """The Antenna client's way: no timer of the exchange's own, the event loop cuts it."""
+    with Listener(keep_alive=True, drip_interval_s=0.05) as listener:
+        exchange = http_transport.Exchange(in_s(60))
+        threading.Timer(0.5, exchange.cut).start()
+        started = time.monotonic()
+        with pytest.raises(OSError):
+            fetched(listener, "/drip", exchange)
+        assert time.monotonic() - started < 5
+
+
+def test_an_exchange_with_its_own_timer_ends_a_dripping_answer_at_its_deadline():
+    with Listener(keep_alive=True, drip_interval_s=0.05) as listener:
+        started = time.monotonic()
+        with pytest.raises(OSError):
+            fetched(listener, "/drip", http_transport.Exchange(in_s(0.5), cut_at_deadline=True))
+        assert time.monotonic() - started < 5

@@ -97,20 +97,12 @@ async def test_connections_are_kept_alive_between_calls(fake: FakeAntenna) -> No
     assert fake.connections == 1
 
 
-def test_json_depth_is_counted_without_parsing() -> None:
-    from worker.antenna.client import json_depth
-
-    assert json_depth(b"[" * 200_000) > 64
-    assert json_depth(b'{"a": [1, {"b": "[[[[["}]}') == 3
-    assert json_depth(rb'["a\"[[[", [1]]') == 2 and json_depth(rb'["a\\", [[1]]]') == 3
-
-
 async def test_an_unterminated_string_of_escaped_quotes_is_judged_not_json(
     fake: FakeAntenna,
 ) -> None:
     # 2 MB: a depth check whose pattern backtracks takes hours here, holding the GIL.
     unterminated = b"[" + b'"\\' * 1_000_000
-    from worker.antenna.client import json_depth
+    from worker.antenna.answers import json_depth
 
     assert json_depth(unterminated) == 1
     job = fake.add_job("p", [("a", "http://x/a.jpg")])
