@@ -167,6 +167,7 @@ class Misbehaviour:
     status: int = 200  # json: the status it is answered with
     location: str = ""
     interval_s: float = 3.0
+    drip_bytes: int = 600  # slow: how much of the answer is sent before the connection closes
     used: int = 0
 
 
@@ -825,7 +826,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif mode is not None and mode.kind == "cut":
             self._raw(self._head(status, kind, len(data)) + data[: len(data) // 2])
         elif mode is not None and mode.kind == "slow":
-            self._drip(self._head(status, kind, len(data)) + data, mode.interval_s)
+            self._drip(self._head(status, kind, len(data)) + data, mode)
         else:
             self._send(status, data, kind)
 
@@ -869,14 +870,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
             self.connection.shutdown(socket.SHUT_RDWR)
 
-    def _drip(self, data: bytes, interval_s: float) -> None:
-        """``data`` one byte every ``interval_s`` (bounded: 600 bytes at most, then closed)."""
+    def _drip(self, data: bytes, mode: Misbehaviour) -> None:
+        """``data`` one byte every ``interval_s`` (bounded: ``drip_bytes`` at most, then
+        closed)."""
         self.close_connection = True
         with contextlib.suppress(OSError):
-            for byte in data[:600]:
+            for byte in data[: mode.drip_bytes]:
                 self.wfile.write(bytes([byte]))
                 self.wfile.flush()
-                time.sleep(interval_s)
+                time.sleep(mode.interval_s)
 
     def _send(self, status: int, data: bytes, kind: str) -> None:
         self.send_response(status)

@@ -562,7 +562,9 @@ def test_sigterm_finishes_what_it_reserved_when_the_drain_time_allows(
     # the worker's reservations run ahead of its posts, so tasks wait for a batch when the
     # signal comes, whether the machine is idle or busy (a fast idle worker could otherwise
     # finish every reservation before one was seen held, a busy one have none waiting).
-    antenna.misbehave("result", "slow", interval_s=0.004)
+    # Whole answers, however many results a post gathered (an answer cut short would leave its
+    # tasks to redelivery: about 170 bytes a result, and a post can gather 8 here).
+    antenna.misbehave("result", "slow", interval_s=0.004, drip_bytes=4096)
     env = env_for(
         antenna,
         WORKER_LOADER__BATCH_SIZE="2",
@@ -594,6 +596,7 @@ def test_sigterm_finishes_what_it_reserved_when_the_drain_time_allows(
     assert len(antenna.jobs[job].done) >= done_at_signal + held_at_signal, text[-4000:]
     assert reserved <= antenna.jobs[job].done and "task_left_to_redelivery" not in text
     assert all(t.delivered <= 1 for t in tasks)
+    assert "never retrieved" not in text, text[-4000:]  # no post's failure left unread
 
 
 def test_a_failed_register_prints_no_algorithm_lines(antenna: FakeAntenna) -> None:

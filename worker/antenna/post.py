@@ -93,8 +93,12 @@ class Poster:
             self._flushes[job_id] = asyncio.create_task(self._flush(job_id), name=f"post-{job_id}")
         return await asyncio.shield(pending.done)
 
-    def _resolved(self, _done: asyncio.Future[dict[str, Any]]) -> None:
+    def _resolved(self, done: asyncio.Future[dict[str, Any]]) -> None:
         self._waiting -= 1
+        # Its settle may be gone (cancelled by a drain, past the shield): the failure is then
+        # nobody's to read, and asyncio would log it as "never retrieved" at exit.
+        if not done.cancelled():
+            done.exception()
 
     async def close(self) -> None:
         """Stop posting: what is not posted fails (its tasks are redelivered by Antenna)."""
