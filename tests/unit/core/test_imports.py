@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 OUTSIDE = ("worker.nats", "worker.antenna", "worker.commands")
 WIRING = {
@@ -159,3 +161,33 @@ def test_the_verb_check_sees_a_verb_on_a_protocol() -> None:
     port = "class Delivery(Protocol):\n    async def nak(self, delay_s: float) -> None: ...\n"
     assert names_in(port) & BROKER_VERBS == {"nak"}
     assert names_in("async def settle(d):\n    await d.msg.ack()\n") & BROKER_VERBS == {"ack"}
+
+
+def direct_imports(room: str) -> dict[str, set[str]]:
+    """Every module of ``room`` (a dotted package) and what it imports."""
+    folder = ROOT.joinpath(*room.split("."))
+    return {
+        (name := module_name(path)): imported(path, name) for path in sorted(folder.rglob("*.py"))
+    }
+
+
+@pytest.mark.parametrize(
+    ("room", "never"),
+    [
+        ("config", ("worker", "datasets", "pipelines")),
+        ("datasets", ("worker", "nats")),
+        ("pipelines", ("worker", "nats")),
+        ("worker.engine", ("nats", "worker.nats", "worker.antenna", "worker.process")),
+        ("worker.health", ("nats", "worker.nats", "worker.antenna", "worker.process")),
+        ("worker.nats", ("worker.antenna", "worker.process", "worker.commands")),
+        ("worker.antenna", ("nats", "worker.nats", "worker.process", "worker.commands")),
+        ("worker.process", ("worker.commands",)),
+    ],
+)
+def test_each_room_imports_only_inward(room: str, never: tuple[str, ...]) -> None:
+    """docs/architecture.md, "What may import what", as a test."""
+    found = {
+        name: sorted(t for t in targets if is_forbidden(t, never))
+        for name, targets in direct_imports(room).items()
+    }
+    assert {name: bad for name, bad in found.items() if bad} == {}
