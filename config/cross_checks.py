@@ -105,7 +105,10 @@ def sources_well_formed(s: Settings) -> list[str]:
 
 
 def fetch_within_stall(s: Settings) -> list[str]:
-    return _shorter(s, ("nats", "fetch_timeout_s"), ("health", "stall_timeout_s"))
+    """The serving source's empty fetch ends within the stall timeout (Antenna's wait is its
+    own setting: the NATS one tunes NATS only)."""
+    fetch = ("antenna", "fetch_wait_s") if s.source == "antenna" else ("nats", "fetch_timeout_s")
+    return _shorter(s, fetch, ("health", "stall_timeout_s"))
 
 
 def watchdog_between_stall_and_redelivery(s: Settings) -> list[str]:
@@ -147,6 +150,7 @@ def metrics_port_is_a_port(s: Settings) -> list[str]:
 
 _ANTENNA_POSITIVE = (
     "poll_interval_s",
+    "fetch_wait_s",
     "ttr_s",
     "max_post_bytes",
     "request_timeout_s",

@@ -520,6 +520,11 @@ class AntennaSettings(BaseModel):
         description="how often the active jobs are listed; an empty job is asked again at the "
         "next poll, then twice as late each time, up to 12 polls",
     )
+    fetch_wait_s: float = Field(
+        1.0,
+        description="how long a fetch that reserves nothing waits before the worker asks again "
+        "(the NATS source's is WORKER_NATS__FETCH_TIMEOUT_S)",
+    )
     reservation_size: int = Field(
         0,
         description="most tasks asked for in one reservation; 0 = WORKER_LOADER__BATCH_SIZE; "

@@ -48,7 +48,7 @@ def env_for(fake: FakeAntenna, **extra: str) -> dict[str, str]:
             "WORKER_ANTENNA__PROJECT_IDS": "1",
             "WORKER_ANTENNA__POLL_INTERVAL_S": "0.3",
             "WORKER_SOURCES__ALLOWED_HOSTS": host,
-            "WORKER_NATS__FETCH_TIMEOUT_S": "0.3",
+            "WORKER_ANTENNA__FETCH_WAIT_S": "0.3",
             "WORKER_LOADER__NUM_WORKERS": "1",
             "WORKER_LOADER__BATCH_SIZE": "4",
             "WORKER_S3__HTTP_TIMEOUT_S": "3",

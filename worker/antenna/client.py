@@ -158,7 +158,7 @@ class AntennaClient:
         self._token = token
         self._scheme = scheme
         self._timeout_s = timeout_s
-        self.count = count  # set by the wiring once the metrics exist
+        self.count = count
         self._origin = _Origin(self.root)
         self._path = urllib.parse.urlsplit(self.root).path
         self.unreachable_since: float | None = None  # time.monotonic()

@@ -54,52 +54,83 @@ def pipeline_entry(pipeline: Pipeline, algorithms: list[Algorithm]) -> AntennaPi
 
 class AntennaParts:
     """The parts for the served pipelines: their jobs are listed and reserved from, and
-    results are checked against each one's entry (``Catalog``) as its models load."""
+    results are checked against each one's entry (``Catalog``) as its models load. Each part
+    counts into ``metrics`` (Antenna's own metrics are registered in its registry) from the
+    start."""
 
     def __init__(
-        self, s: Settings, served: ServedPipelines, pipelines: dict[str, Pipeline]
+        self,
+        s: Settings,
+        served: ServedPipelines,
+        pipelines: dict[str, Pipeline],
+        metrics: Metrics,
     ) -> None:
         a = s.antenna
         self._settings = s
         self._served = served
         self._pipelines = pipelines
         self.catalog = Catalog(served.names)
-        self.client = AntennaClient(a.base_url, a.token, a.request_timeout_s, scheme=a.auth_scheme)
+        reservations = Reservations(
+            a.ttr_s, finish_within_s(s), reservation_size(s), batch_size=s.loader.batch_size
+        )
+        counted = AntennaMetrics(
+            metrics.registry, lambda: len(reservations), reservations.oldest_seconds_left
+        )
+        self.client = AntennaClient(
+            a.base_url,
+            a.token,
+            a.request_timeout_s,
+            count=counted.count_call,
+            scheme=a.auth_scheme,
+        )
         # Checked as a setting (config/cross_checks.py).
         projects = tuple(project_ids(a.project_ids))
         self.jobs = JobRotation(
             self.client, self.catalog.slugs, a.poll_interval_s, a.jobs_limit, projects
         )
         info = client_info(a.service_name, self.catalog.slugs, s.process_index)
-        reservations = Reservations(
-            a.ttr_s, finish_within_s(s), reservation_size(s), batch_size=s.loader.batch_size
+        self.source = self._source(s, reservations, info)
+        self.poster = Poster(
+            self.client,
+            a.max_post_bytes,
+            a.post_timeout_s,
+            retried=counted.posts_retried.inc,
+            split=counted.posts_split.inc,
+            client_info=info,
         )
-        # Antenna's source waits as long as a NATS fetch would (WORKER_NATS__FETCH_TIMEOUT_S).
-        self.source = AntennaSource(
+        self.settler = AntennaSettler(self.poster, self.catalog, a.max_post_bytes)
+        self.waiting = TasksWaiting(
+            antenna_waiting_read(self.client, self.catalog.slugs, a.jobs_limit, projects),
+            s.metrics.tasks_waiting_read_s,
+        )
+        metrics.registry.register(self.waiting)
+        self.link = self._link(s)
+
+    def _source(
+        self, s: Settings, reservations: Reservations, info: dict[str, Any]
+    ) -> AntennaSource:
+        a = s.antenna
+        return AntennaSource(
             self.client,
             self.jobs,
             reservations,
             reservation_size=reservation_size(s),
-            wait_s=s.nats.fetch_timeout_s,
+            wait_s=a.fetch_wait_s,
             max_deliver=a.max_deliver,
             idle_wait_s=a.idle_wait_s or a.ttr_s + self.jobs.longest_skip_s() + a.poll_interval_s,
             client_info=info,
             unreachable_wait_s=a.unreachable_wait_s,
             default_pipeline=self.catalog.default,
         )
-        self.poster = Poster(self.client, a.max_post_bytes, a.post_timeout_s, client_info=info)
-        self.settler = AntennaSettler(self.poster, self.catalog, a.max_post_bytes)
-        self.waiting = TasksWaiting(
-            antenna_waiting_read(self.client, self.catalog.slugs, a.jobs_limit, projects),
-            s.metrics.tasks_waiting_read_s,
-        )
-        self.link = SourceLink(
+
+    def _link(self, s: Settings) -> SourceLink:
+        return SourceLink(
             kind="antenna",
             source=self.source,
             results=NoResultsLookup(),
             settler=self.settler,
-            fetch_wait_s=s.nats.fetch_timeout_s,
-            keepalive_tick_s=a.ttr_s / 4,
+            fetch_wait_s=s.antenna.fetch_wait_s,
+            keepalive_tick_s=s.antenna.ttr_s / 4,
             unserved=self.unserved,
             finish_held_on_stop=True,  # a give-back costs the TTR and a delivery
             results_waiting=lambda: self.poster.waiting() > 0,
@@ -108,16 +139,6 @@ class AntennaParts:
 
     async def open(self) -> None:
         """Nothing to connect: every call is its own (kept-alive) exchange."""
-
-    def attach(self, metrics: Metrics) -> None:
-        reservations = self.source.reservations
-        antenna = AntennaMetrics(
-            metrics.registry, lambda: len(reservations), reservations.oldest_seconds_left
-        )
-        self.client.count = antenna.count_call
-        self.poster.on_retry = antenna.posts_retried.inc
-        self.poster.on_split = antenna.posts_split.inc
-        metrics.registry.register(self.waiting)
 
     def started(self) -> dict[str, Any]:
         return {"max_deliver": self._settings.antenna.max_deliver}

@@ -3,10 +3,10 @@
 ``SourceLink`` is what the orchestrator is told: the source, its settler and results lookup,
 how long a fetch waits and how often held tasks are kept alive, and when the source is gone
 for good. ``SourceParts`` is what the process asks of a source's parts besides: its health
-(for ``/healthz`` and ``inference_worker_source_connected``), its metrics, what it does when a
-pipeline's models load, and its shutdown. Each source builds its own parts in its own room
-(``worker/nats/parts.py``, ``worker/antenna/parts.py``); ``worker/process/pick_source.py``
-picks one.
+(for ``/healthz`` and ``inference_worker_source_connected``), what it does when a pipeline's
+models load, and its shutdown. Each source builds its own parts in its own room
+(``worker/nats/parts.py``, ``worker/antenna/parts.py``), given the metrics they count into
+(made first); ``worker/process/pick_source.py`` picks one.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Any, Protocol
 
 from worker.core.ports import Results, Settler, SourceHealth, TaskSource
 from worker.core.verdicts import NO_BACKOFF, Backoff
-from worker.health.metrics import Metrics
 
 # A coroutine run alongside the orchestrator's loops until the stop event; one that fails
 # ends the process.
@@ -64,10 +63,6 @@ class SourceParts(Protocol):
         ...
 
     def health(self) -> SourceHealth: ...
-
-    def attach(self, metrics: Metrics) -> None:
-        """The source's own metrics in ``metrics.registry``; its rules count into ``metrics``."""
-        ...
 
     def started(self) -> dict[str, Any]:
         """What the ``worker_started`` line says of the source."""

@@ -69,19 +69,23 @@ class ProcessHealth:
             ) from None
         self.server.start()
 
-    def serve(
+    def metrics(
         self,
         liveness: Liveness,
         loader_pids: Callable[[], list[int]],
         source: str,
         source_health: Callable[[], SourceHealth],
-        source_problem: Callable[[], str | None],
     ) -> Metrics:
-        """The metrics; from now on /livez says whether only a restart mends the worker
-        (its device failed, else stalled), /readyz that or the task source's problem, and
-        ``inference_worker_ready`` whether /readyz answers 200."""
+        """The metrics, in the registry /metrics serves, made before the parts that count into
+        them (the task source's); the probes still answer ``starting`` until ``serve``."""
         metrics = Metrics(self.registry, liveness, source, source_health)
         self.registry.register(ProcessTreeCollector(PREFIX, loader_pids))
+        return metrics
+
+    def serve(self, liveness: Liveness, source_problem: Callable[[], str | None]) -> None:
+        """From now on /livez says whether only a restart mends the worker (its device
+        failed, else stalled), /readyz that or the task source's problem, and
+        ``inference_worker_ready`` whether /readyz answers 200."""
 
         def not_live() -> str | None:
             restart = liveness.restart_reason()
@@ -100,7 +104,6 @@ class ProcessHealth:
             "(stalled, its device failed, or its task source's problem: /readyz says which).",
             registry=self.registry,
         ).set_function(lambda: 0.0 if not_ready() else 1.0)
-        return metrics
 
     def collect_engine(
         self, metrics: Metrics, engine: Engine, served: ServedPipelines, device: str

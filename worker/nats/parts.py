@@ -45,9 +45,10 @@ def _result_store(s: Settings, js: Any, max_payload: Callable[[], int]) -> Resul
 class NatsParts:
     """``open`` connects and provisions; ``close`` takes it down, whatever ``open`` reached."""
 
-    def __init__(self, settings: Settings, served: ServedPipelines) -> None:
+    def __init__(self, settings: Settings, served: ServedPipelines, metrics: Metrics) -> None:
         self._settings = settings
         self._served = served
+        self._metrics = metrics
         self.connection = ConnectionState()
         self.nc: NATS | None = None
         self.feed: TaskFeed | None = None
@@ -62,20 +63,32 @@ class NatsParts:
         return self._link
 
     async def open(self) -> None:
-        s, served = self._settings, self._served
+        """Connect, provision, and build the parts over the connection, each counting into
+        the metrics (the job consumers' and the tasks waiting are registered with them)."""
+        s, served, metrics = self._settings, self._served, self._metrics
         self.nc = nc = await connect(s.nats, state=self.connection)
         js = nc.jetstream()
         await refuse_other_fair_jobs(js, s.nats)
         await provision(js, s.nats, served.names)
         self.feed = TaskFeed(nc, s.nats, served.names)
         await self.feed.open()
+        metrics.registry.register(JobConsumersCollector(self.feed.job_stats))
         store = _result_store(s, js, lambda: int(nc.max_payload))
         max_deliver = await self.feed.max_deliver()
-        self.settler = settler = nats_settler(js, s.nats, store, served.default, served.model_info)
+        self.settler = settler = nats_settler(
+            js,
+            s.nats,
+            store,
+            served.default,
+            served.model_info,
+            count=lambda outcome: metrics.tasks.labels(outcome).inc(),
+            completed_twice=metrics.results_already_stored.inc,
+            until_connected=self.connection.until_connected,
+        )
         self.waiting = waiting = TasksWaiting(
             nats_waiting_read(js, s.nats, served.names), s.metrics.tasks_waiting_read_s
         )
-        settler.until_connected = self.connection.until_connected
+        metrics.registry.register(waiting)
         self._source = NatsSource(self.feed, max_deliver, served.default)
         self._link = SourceLink(
             kind="nats",
@@ -101,14 +114,6 @@ class NatsParts:
 
     def health(self) -> SourceHealth:
         return SourceHealth(self.connection.connected(), self.connection.down_for_s())
-
-    def attach(self, metrics: Metrics) -> None:
-        assert self.feed is not None and self.settler is not None, "open() first"
-        metrics.registry.register(JobConsumersCollector(self.feed.job_stats))
-        if self.waiting is not None:
-            metrics.registry.register(self.waiting)
-        self.settler.count = lambda outcome: metrics.tasks.labels(outcome).inc()
-        self.settler.completed_twice = metrics.results_already_stored.inc
 
     def started(self) -> dict[str, Any]:
         source = self._source

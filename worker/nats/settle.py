@@ -265,8 +265,13 @@ def nats_settler(
     store: ResultStore,
     default_pipeline: str,
     model_of: Callable[[str], dict[str, Any]] = lambda _pipeline: {},
+    *,
+    count: Callable[[str], None] = lambda _outcome: None,
+    completed_twice: Callable[[], None] = lambda: None,
+    until_connected: UntilConnected = at_once,
 ) -> NatsSettler:
-    """The settler over the results stream ``store`` and the dead-letter stream."""
+    """The settler over the results stream ``store`` and the dead-letter stream; ``count``,
+    ``completed_twice`` and ``until_connected`` as ``NatsSettler`` says."""
     return NatsSettler(
         store,
         DeadLetters(js, settings, store.max_message_bytes),
@@ -274,6 +279,9 @@ def nats_settler(
         default_pipeline,
         settings.store_retry_s,
         nak_backoff(settings),
+        count=count,
+        completed_twice=completed_twice,
+        until_connected=until_connected,
     )
 
 

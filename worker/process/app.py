@@ -19,12 +19,14 @@ from pipelines.setup import Chosen, budget_bytes
 from worker.core.exits import Exit
 from worker.core.link import SourceParts
 from worker.core.orchestrator import Orchestrator, Services
+from worker.core.ports import SourceHealth
 from worker.engine import Engine
 from worker.engine import build as engine_build
 from worker.engine.served import ServedPipelines
 from worker.health.compose import ProcessHealth
 from worker.health.guards import ResourceGuard
 from worker.health.liveness import Liveness
+from worker.health.metrics import Metrics
 from worker.health.watchdog import Watchdog
 from worker.process import pipeline_choice
 from worker.process.device_claim import claim_device
@@ -39,8 +41,8 @@ class Assembly:
     ``worker.process.serve.Lifetime`` (signals, the run directory, the process's exit code).
 
     ``start`` reads as the process map: the listeners, the device, the pipelines and their
-    budget, the engine (model on the engine thread, the loader and its children), the task
-    source's parts, the health layer over them, and the orchestrator.
+    budget, the engine (model on the engine thread, the loader and its children), the metrics,
+    the task source's parts (counting into them), the probes over them, and the orchestrator.
     """
 
     def __init__(self, settings: Settings, *, until_idle: bool = False) -> None:
@@ -78,12 +80,17 @@ class Assembly:
         except Exception:
             self._loader = None  # start_engine closed it (a cancel leaves it to close())
             raise
-        self.parts = parts = source_parts(s, served, chosen)
+        # The metrics first: the source's parts count into them from their making. Until the
+        # probes answer (``_services``), /livez and /readyz still say starting.
+        metrics = self.health.metrics(
+            liveness, self.engine.loader.child_pids, s.source, self._source_health
+        )
+        self.parts = parts = source_parts(s, served, chosen, metrics)
         await parts.open()
         for name in served.names:  # those loaded at start
             await parts.loaded(name)
         self.worker = Orchestrator(
-            s, self._services(parts, liveness, chosen, served), until_idle=self.until_idle
+            s, self._services(parts, liveness, metrics, chosen, served), until_idle=self.until_idle
         )
         log.info(
             "worker_started",
@@ -97,22 +104,26 @@ class Assembly:
             **parts.started(),
         )
 
+    def _source_health(self) -> SourceHealth:
+        """The source's, read by the metrics, which are made before the source's parts: not
+        connected in the moment before those are."""
+        return self.parts.health() if self.parts is not None else SourceHealth(False, 0.0)
+
     def _services(
         self,
         parts: SourceParts,
         liveness: Liveness,
+        metrics: Metrics,
         chosen: list[Chosen],
         served: ServedPipelines,
     ) -> Services:
         """What the orchestrator talks to: the source's link, and what every source shares
-        (the engine and its metrics, the resource guard, the idle unloader)."""
+        (the engine and its metrics, the resource guard, the idle unloader). The probes
+        answer from now on."""
         s, engine = self.settings, self.engine
         assert engine is not None
         link = parts.link
-        metrics = self.health.serve(
-            liveness, engine.loader.child_pids, link.kind, parts.health, parts.problem
-        )
-        parts.attach(metrics)
+        self.health.serve(liveness, parts.problem)
         self.health.collect_engine(metrics, engine, served, self.device)
         helpers: tuple[tuple[str, Any], ...] = ()
         if s.model.idle_unload_s > 0:

@@ -8,6 +8,7 @@ from pipelines.declare import Pipeline
 from pipelines.setup import Chosen
 from worker.core.link import SourceParts
 from worker.engine.served import ServedPipelines
+from worker.health.metrics import Metrics
 
 
 def refusals(s: Settings, pipelines: list[Pipeline]) -> list[str]:
@@ -19,12 +20,15 @@ def refusals(s: Settings, pipelines: list[Pipeline]) -> list[str]:
     return antenna_refusals(pipelines)
 
 
-def source_parts(s: Settings, served: ServedPipelines, chosen: list[Chosen]) -> SourceParts:
-    """The source's parts, not yet open."""
+def source_parts(
+    s: Settings, served: ServedPipelines, chosen: list[Chosen], metrics: Metrics
+) -> SourceParts:
+    """The source's parts, not yet open, counting into ``metrics`` (its own metrics registered
+    in ``metrics.registry``)."""
     if s.source == "antenna":
         from worker.antenna.parts import AntennaParts
 
-        return AntennaParts(s, served, {c.pipeline.name: c.pipeline for c in chosen})
+        return AntennaParts(s, served, {c.pipeline.name: c.pipeline for c in chosen}, metrics)
     from worker.nats.parts import NatsParts
 
-    return NatsParts(s, served)
+    return NatsParts(s, served, metrics)

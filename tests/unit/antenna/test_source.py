@@ -16,6 +16,7 @@ import pytest
 import structlog
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from config.aliases import alias_overrides
@@ -49,6 +50,7 @@ from worker.core.results import ResultMaker
 from worker.core.tasks import Task
 from worker.core.verdicts import NO_BACKOFF, decide
 from worker.health.liveness import Liveness
+from worker.health.metrics import Metrics
 
 TOKEN = "unit-token-5b7d"
 SLUG = "moths"
@@ -779,6 +781,45 @@ async def test_project_ids_scope_which_jobs_are_reserved_from(fake: FakeAntenna)
     assert {d.handle.image_id for d in both} == {"b0", "b1", "b2"}
 
 
+def parts_of(configured: Any, registry: CollectorRegistry | None = None) -> AntennaParts:
+    """The Antenna source's parts for ``configured``, counting into metrics of their own."""
+    served = SimpleNamespace(names=[SLUG], loaded=lambda _p: None)
+    metrics = Metrics(registry or CollectorRegistry(), Liveness(30.0), "antenna")
+    return AntennaParts(configured, served, {}, metrics)  # type: ignore[arg-type]
+
+
+async def test_an_empty_fetch_waits_as_long_as_the_antenna_setting_says_not_the_nats_one(
+    fake: FakeAntenna,
+) -> None:
+    # WORKER_ANTENNA__FETCH_WAIT_S is Antenna's own: WORKER_NATS__FETCH_TIMEOUT_S (which
+    # once set both) tunes NATS only.
+    antenna = {"base_url": fake.url, "token": TOKEN, "project_ids": "1", "poll_interval_s": 0.05}
+    default = load_settings(for_worker=False, antenna=antenna)
+    nats_only = load_settings(for_worker=False, antenna=antenna, nats={"fetch_timeout_s": 7.0})
+    assert default.antenna.fetch_wait_s == nats_only.antenna.fetch_wait_s == 1.0
+    registry = CollectorRegistry()
+    configured = load_settings(
+        for_worker=False,
+        antenna={**antenna, "fetch_wait_s": 0.3},
+        nats={"fetch_timeout_s": 7.0},
+    )
+    for settings_, wait_s in ((default, 1.0), (nats_only, 1.0), (configured, 0.3)):
+        parts = parts_of(settings_, registry if settings_ is configured else None)
+        try:
+            assert parts.link.fetch_wait_s == wait_s
+            if settings_ is configured:  # no job: the fetch gives nothing after the wait
+                started = time.monotonic()
+                assert await parts.source.fetch(4) == []
+                assert 0.3 <= time.monotonic() - started < 3.0
+        finally:
+            parts.client.close()
+    # The parts counted into the metrics they were made with (the jobs were listed)
+    listed = registry.get_sample_value(
+        "inference_worker_antenna_requests_total", {"endpoint": "jobs", "status": "200"}
+    )
+    assert listed is not None and listed >= 1
+
+
 async def test_a_refused_project_is_named_and_the_other_projects_are_served(
     fake: FakeAntenna,
 ) -> None:
@@ -788,8 +829,7 @@ async def test_a_refused_project_is_named_and_the_other_projects_are_served(
     fake.add_job(SLUG, images(3, "a"), project=1)
     antenna = {"base_url": fake.url, "token": TOKEN, "project_ids": "1,99", "ttr_s": 0.5}
     configured = load_settings(for_worker=False, antenna={**antenna, "poll_interval_s": 0.05})
-    served = SimpleNamespace(names=[SLUG], loaded=lambda _p: None)
-    parts = AntennaParts(configured, served, {})  # type: ignore[arg-type]
+    parts = parts_of(configured)
     try:
         got = await reserve_all(parts.source, 3)
         assert {d.handle.image_id for d in got} == {"a0", "a1", "a2"}

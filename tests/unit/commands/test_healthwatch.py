@@ -258,7 +258,6 @@ def test_the_probe_tells_a_starting_answer_from_a_stall():
 def test_a_worker_live_but_not_ready_is_never_struck_and_a_stalled_one_is():
     from config.settings import load_settings
     from worker.commands.localservers import free_port
-    from worker.core.ports import SourceHealth
     from worker.health.compose import ProcessHealth
     from worker.health.liveness import Liveness
 
@@ -271,7 +270,7 @@ def test_a_worker_live_but_not_ready_is_never_struck_and_a_stalled_one_is():
     clock = [1000.0]
     liveness = Liveness(stall_timeout_s=30.0, clock=lambda: clock[0])
     refused = "NATS refused a job consumer on stream TASKS: maximum consumers limit reached"
-    health.serve(liveness, lambda: [], "nats", lambda: SourceHealth(True, 0.0), lambda: refused)
+    health.serve(liveness, lambda: refused)
     rpc = FakeRPC([proc("inference-worker_00", start=0.0)])
     log = io.StringIO()
     watch = HealthWatch(

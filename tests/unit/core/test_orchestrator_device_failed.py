@@ -33,7 +33,6 @@ from tests.unit.engine.test_sticky_device_errors import Loader, Models
 from worker.commands.localservers import free_port
 from worker.core.exits import ExitReason
 from worker.core.orchestrator import Orchestrator, Services
-from worker.core.ports import SourceHealth
 from worker.engine import Engine
 from worker.engine.faults import DeviceFaultModels, sticky_cuda_error
 from worker.engine.predictors import OneModel
@@ -215,9 +214,7 @@ def test_healthz_answers_503_restart_once_the_device_failed_over_any_other_answe
     liveness = Liveness(stall_timeout_s=30.0)
     health.listen()
     try:
-        health.serve(
-            liveness, lambda: [], "nats", lambda: SourceHealth(False, 999.0), lambda: "nats: down"
-        )
+        health.serve(liveness, lambda: "nats: down")
         assert healthz(health.port) == (503, "nats: down")  # readiness's problem, as before
         liveness.must_restart("device cuda:0 failed: AcceleratorError: CUDA error: ...")
         liveness.must_restart("a later reason")  # the first one stays

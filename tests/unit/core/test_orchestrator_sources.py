@@ -54,6 +54,7 @@ def settings_for(**antenna: Any) -> Settings:
         antenna={
             "ttr_s": 0.5,
             "poll_interval_s": 0.05,
+            "fetch_wait_s": 0.05,
             "token": TOKEN,
             "reservation_size": 2 * BATCH,  # the stop test holds two batches
             **antenna,
@@ -156,9 +157,8 @@ class AntennaRig:
     def link(self, s: Settings, metrics: Metrics) -> SourceLink:
         served = SimpleNamespace(names=[SLUG], loaded=lambda _p: None)
         settings = settings_for(base_url=self.fake.url, ttr_s=self.ttr_s)
-        self.parts = AntennaParts(settings, served, {})  # type: ignore[arg-type]
+        self.parts = AntennaParts(settings, served, {}, metrics)  # type: ignore[arg-type]
         self.parts.catalog.add(self.served)
-        self.parts.attach(metrics)
         return self.parts.link
 
     def kept(self) -> dict[str, str]:

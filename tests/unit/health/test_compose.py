@@ -13,7 +13,6 @@ import pytest
 
 from config.settings import load_settings
 from worker.commands.localservers import free_port
-from worker.core.ports import SourceHealth
 from worker.health.compose import ProcessHealth
 from worker.health.liveness import Liveness
 
@@ -70,13 +69,7 @@ def test_the_source_refusing_makes_the_worker_unready_and_never_unlive(health):
     # Until it serves, every probe says starting
     starting = (503, "starting: not serving tasks yet")
     assert answers(health) == dict.fromkeys(PROBES, starting)
-    health.serve(
-        Liveness(stall_timeout_s=30.0),
-        lambda: [],
-        "nats",
-        lambda: SourceHealth(True, 0.0),
-        lambda: problem[0],
-    )
+    health.serve(Liveness(stall_timeout_s=30.0), lambda: problem[0])
     assert answers(health) == dict.fromkeys(PROBES, (200, "ok"))
     assert ready_gauge(health) == 1.0
     # When the server refuses a job consumer: not ready (its reason), still live
@@ -96,7 +89,7 @@ def test_the_source_refusing_makes_the_worker_unready_and_never_unlive(health):
 def test_a_stall_then_a_failed_device_make_the_worker_neither_live_nor_ready(health):
     clock = Clock()
     liveness = Liveness(stall_timeout_s=30.0, clock=clock)
-    health.serve(liveness, lambda: [], "nats", lambda: SourceHealth(False, 999.0), lambda: REFUSED)
+    health.serve(liveness, lambda: REFUSED)
     liveness.set_held(3)
     clock.now += 31  # held work, no batch for longer than the stall timeout
     stalled = (503, "stalled: 3 tasks held and no batch completed for 31s (stall timeout 30s)")
