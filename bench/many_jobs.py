@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -26,6 +27,11 @@ from worker.commands.localservers import free_port
 
 WAVE = 500
 CONSUMERS = "inference_worker_job_consumers"
+
+
+def say(line: str) -> None:
+    """Progress on stderr, so a run that stops somewhere says where."""
+    print(f"many_jobs: {line}", file=sys.stderr, flush=True)
 
 
 def rss_bytes(pid: int) -> int:
@@ -71,7 +77,8 @@ async def flood(
 
     sampler = asyncio.create_task(sample())
     started = time.monotonic()
-    deadline = started + 3600  # an hour at most
+    # 10,000 jobs take about 4 minutes here: ten times the rate's time, two minutes at least.
+    deadline = started + max(120.0, jobs * 0.25)
     try:
         for wave in range(0, jobs, WAVE):
             tasks = [
@@ -99,8 +106,10 @@ async def run(jobs: int) -> dict[str, Any]:
             async with client(settings, PIPELINE) as nc:
                 js = nc.jetstream()
                 await wait_port_answers(port)
+                say(f"worker {proc.pid} answers on port {port}; publishing {jobs} jobs")
                 rss_before = rss_bytes(proc.pid)
                 seconds, seen = await flood(js, settings, uris, jobs)
+                say(f"{jobs} results stored in {seconds:.1f}s; waiting out the consumers' linger")
                 ok = metric(port, 'inference_worker_tasks_total{outcome="ok"}')
                 if ok != jobs:
                     raise BenchmarkFailed(f"{ok} ok results of {jobs}")

@@ -177,7 +177,7 @@ async def wait_stored(
 ) -> None:
     """Until ``stream`` holds ``at_least`` results; ``TimeoutError`` past ``deadline``
     (``time.monotonic()``)."""
-    while await results_stored(js, stream) < at_least:
+    while (stored := await results_stored(js, stream)) < at_least:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"fewer than {at_least} results stored by the deadline")
+            raise TimeoutError(f"{stored} results stored of the {at_least} awaited by the deadline")
         await asyncio.sleep(poll_s)
