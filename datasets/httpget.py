@@ -55,7 +55,7 @@ class HttpPolicy:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 20.0  # one read; the deadline bounds them all
     max_redirects: int = 5
-    keep_alive: int = 0  # idle connections kept per origin (datasets.keepalive); 0: none
+    keep_alive: int = 0  # idle connections kept per origin (datasets.http_transport); 0: none
 
 
 def refused_address(ip: IPAddress) -> bool:

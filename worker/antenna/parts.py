@@ -1,6 +1,6 @@
 """The Antenna source's parts, built once from the settings (the counterpart of
 ``worker/nats/parts.py``): client, job rotation, reservations, the source, the poster, the
-delivery rules, their health and their shutdown. No NATS connection."""
+settler, their health and their shutdown. No NATS connection."""
 
 from __future__ import annotations
 

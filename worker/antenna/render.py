@@ -7,7 +7,7 @@ keys registered are the keys results name.
   (``Registered``: AMI's catalogue) registers and answers under that key, name, description
   and URIs verbatim, as AMI's own worker does.
 - ``ok_result``: the response shaping's ``PipelineResultsResponse`` (``pipelines/response.py``
-  via ``make_result``), with ``pipeline`` the job's slug, ``source_images`` the task's image,
+  via ``Result.response``), with ``pipeline`` the job's slug, ``source_images`` the task's image,
   and algorithm references under their Antenna keys. A detector alone writes its label as a
   one-score classification; Antenna registers a detector without a category map, so that
   classification is left out (the box is kept).

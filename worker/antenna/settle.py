@@ -43,17 +43,16 @@ class AntennaSettler:
         reservation = delivered.handle
         decision = verdict.decision
         if decision is Decision.KEEP:
-            assert verdict.result is not None
+            if verdict.result is None:
+                raise ValueError("a keep verdict carries its result")
             result = verdict.result
             entry, status, why = self._entry(result)
             return await self._post(reservation, result.task, result.attempt, entry, status, why)
         if decision is Decision.RETRY:
             reservation.left_to_redelivery()
-            task_id = delivered.read.task.id if delivered.read.task is not None else None
             log.info(
                 "task_retried",
-                task_id=task_id,
-                **delivered.log_fields,
+                **_named(delivered),
                 attempt=delivered.delivered,
                 reason=verdict.reason or None,
                 how=_REDELIVERY,
@@ -97,8 +96,9 @@ class AntennaSettler:
         if posted is not entry:  # replaced by an error result after Antenna refused it
             status, why = "error", str(posted["result"].get("error"))
         if status == "ok":
-            return Settled(Kept.OK, detections=len(posted["result"].get("detections") or []))
-        return Settled(Kept.ERROR, error=why or None)
+            found = len(posted["result"].get("detections") or [])
+            return Settled(Kept.OK, detections=found, task=task)
+        return Settled(Kept.ERROR, error=why or None, task=task)
 
     def _entry(self, result: Result) -> tuple[dict[str, Any], str, str]:
         """The item to post for ``result``, its status, and why when it is an error."""
@@ -147,3 +147,12 @@ class AntennaSettler:
         )
         reservation.posted()  # its end is recorded: logged
         return Settled(Kept.DEAD_LETTERED)
+
+
+def _named(delivered: AntennaDelivered) -> dict[str, Any]:
+    """How a log line names a reserved task: its ids when it names them, else its job and
+    image as reserved."""
+    task = delivered.read.task
+    if task is None:
+        return dict(delivered.log_fields)
+    return {"task_id": task.id, "job_id": task.job_id, "image_id": task.image_id}

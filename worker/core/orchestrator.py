@@ -82,7 +82,7 @@ class Orchestrator:
     def __init__(self, settings: Settings, services: Services, *, until_idle: bool = False):
         self.settings = settings
         self.services = services
-        self.settling = Settling(services.link.settler, services.metrics)
+        self.settling = Settling(services.link.settler, services.metrics, services.link.kind)
         self.claims = Claims(
             max_held_tasks(settings, services.image_bytes),
             services.liveness,
@@ -240,15 +240,15 @@ class Orchestrator:
         timings_s = {**outcome.timings_s, "total_s": total_s}
         timed = Outcome(outcome.detections, outcome.failure, timings_s)
         delivered = held.delivered
-        verdict = decide(
-            held.task,
-            timed,
-            delivered=delivered.delivered,
-            deliveries_left=delivered.deliveries_left,
-            results=self.results,
-            backoff=self.link.backoff,
-        )
         try:
+            verdict = decide(
+                held.task,
+                timed,
+                delivered=delivered.delivered,
+                deliveries_left=delivered.deliveries_left,
+                results=self.results,
+                backoff=self.link.backoff,
+            )
             await self.settling.settle(delivered, verdict)
         except asyncio.CancelledError:  # the drain's time ran out: given back, never stranded
             why = "the drain ended before its result was stored"
@@ -418,7 +418,7 @@ class Orchestrator:
         try:
             async with asyncio.timeout(GIVE_BACK_WAIT_S):
                 for delivered in leftovers:
-                    verdict = Verdict(Decision.GIVE_BACK, reason="shutting down")
+                    verdict = Verdict(Decision.GIVE_BACK, reason=why)
                     await self.settling.settle(delivered, verdict)
             log.info("tasks_given_back", count=len(leftovers), reason=why)
         except TimeoutError:

@@ -1,7 +1,7 @@
 """What became of a task's work in the engine: its detections, or the failure that stopped it.
 
-Imports nothing of ours but the errors. Not a wire schema: ``schemas.make_result`` turns an
-outcome into the stored result.
+Imports nothing of ours but the errors. Not a wire schema: the core makes a ``results.Result``
+of it, which each source renders in its own format.
 """
 
 from __future__ import annotations

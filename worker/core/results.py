@@ -122,3 +122,6 @@ class Settled:
     detections: int = 0
     error_type: str | None = None
     error: str | None = None
+    # The task a result was kept for when the verdict carried none (a task that names none,
+    # which its source still answered with an error result).
+    task: Task | None = None

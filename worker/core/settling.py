@@ -17,32 +17,35 @@ log = structlog.get_logger(__name__)
 
 
 class Settling:
-    def __init__(self, settler: Settler[Any], metrics: Metrics) -> None:
+    def __init__(self, settler: Settler[Any], metrics: Metrics, source: str) -> None:
         self._settler = settler
         self._metrics = metrics
+        self._source = source  # "nats" or "antenna": said in each task_done line
 
     async def settle(self, delivered: Delivered[Any], verdict: Verdict) -> Settled:
         settled = await self._settler.settle(delivered, verdict)
         if settled.kept.counted:
             self._metrics.tasks.labels(settled.kept.value).inc()
         if settled.kept in (Kept.OK, Kept.ERROR):
-            _say_done(delivered, verdict, settled)
+            _say_done(log.bind(source=self._source), delivered, verdict, settled)
         return settled
 
     async def keep_alive(self, delivered: Delivered[Any]) -> None:
         await self._settler.keep_alive(delivered)
 
 
-def _say_done(delivered: Delivered[Any], verdict: Verdict, settled: Settled) -> None:
-    """The ``task_done`` line of a task whose result was kept: named by its result's task, or,
-    for one that names none (its source still kept an error result), by its delivery."""
+def _say_done(bound: Any, delivered: Delivered[Any], verdict: Verdict, settled: Settled) -> None:
+    """The ``task_done`` line of a task whose result was kept, named by the task the result
+    was kept for: the verdict's, or the one its source made up for a task that names none
+    (``Settled.task``)."""
     result = verdict.result
-    if result is None:
-        bound = log.bind(**delivered.log_fields, attempt=delivered.delivered)
-        log_task_done(bound, settled, {})
-        return
-    task = result.task
-    bound = log.bind(
-        task_id=task.id, job_id=task.job_id, image_id=task.image_id, attempt=result.attempt
+    task = result.task if result is not None else settled.task
+    attempt = result.attempt if result is not None else delivered.delivered
+    timings_s = result.timings_s if result is not None else {}
+    if task is not None:
+        bound = bound.bind(task_id=task.id, job_id=task.job_id, image_id=task.image_id)
+    else:
+        bound = bound.bind(**delivered.log_fields)
+    log_task_done(
+        bound.bind(attempt=attempt), settled, {name: round(s, 6) for name, s in timings_s.items()}
     )
-    log_task_done(bound, settled, {name: round(s, 6) for name, s in result.timings_s.items()})

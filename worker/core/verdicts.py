@@ -14,7 +14,7 @@ from enum import Enum
 from typing import Any
 
 from worker.core.outcome import Outcome
-from worker.core.results import Result, ResultMaker, Settled
+from worker.core.results import Kept, Result, ResultMaker, Settled
 from worker.core.tasks import Task
 
 
@@ -22,7 +22,7 @@ class Decision(Enum):
     KEEP = "keep"  # keep the result (ok, or a final error), then the task is done
     RETRY = "retry"  # leave it for another delivery, after ``delay_s``
     DONE_BEFORE = "done_before"  # its result is kept already: done, nothing kept again
-    GIVE_BACK = "give_back"  # not finished here: delivered again at once (a drain, a failure)
+    GIVE_BACK = "give_back"  # not finished here: for another delivery as soon as the source can
     UNNAMED = "unnamed"  # names no job and task: kept aside with the reason (dead letter)
 
 
@@ -75,7 +75,7 @@ def log_task_done(bound: Any, settled: Settled, timings_s: dict[str, float]) -> 
     stage timings, and its detection count, or its error's type and scrubbed message. INFO
     when ok, WARNING when not."""
     status = settled.kept.value
-    if settled.error is None and settled.error_type is None:
+    if settled.kept is Kept.OK:
         bound.info("task_done", status=status, **timings_s, detections=settled.detections)
         return
     bound.warning(

@@ -22,14 +22,6 @@ class NatsHandle:
     msg: Msg
     stream_seq: int
 
-    @property
-    def data(self) -> bytes:
-        return self.msg.data
-
-    @property
-    def subject(self) -> str:
-        return self.msg.subject
-
 
 NatsDelivered = Delivered[NatsHandle]
 

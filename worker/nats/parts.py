@@ -1,6 +1,6 @@
 """The NATS source's parts, built once from the settings (the counterpart of
 ``worker/antenna/parts.py``): the connection, the provisioned streams and consumers, the
-feed, the results stream, the dead letters, the delivery rules, the max-deliveries handler,
+feed, the results stream, the dead letters, the settler, the max-deliveries handler,
 and their shutdown."""
 
 from __future__ import annotations

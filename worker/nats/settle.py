@@ -61,7 +61,8 @@ class NatsSettler:
         bound = log.bind(attempt=delivered.delivered, **_named(delivered))
         decision = verdict.decision
         if decision is Decision.KEEP:
-            assert verdict.result is not None
+            if verdict.result is None:
+                raise ValueError("a keep verdict carries its result")
             return await self._keep(delivered, bound, verdict.result)
         if decision is Decision.RETRY:
             return await self._retry(delivered, bound, verdict.delay_s, verdict.reason)
@@ -153,7 +154,8 @@ class NatsSettler:
             return stored
         except ResultRefused as refused:
             failure = Failure(refused.kind, f"the result could not be stored: {refused}")
-            smaller = document(replace(result, detections=None, failure=failure))
+            # Its own failure, said as it is: not the task's, which may have run out.
+            smaller = document(replace(result, detections=None, failure=failure, ran_out=False))
             await self._store_patiently(smaller)
             return smaller
 

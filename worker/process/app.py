@@ -1,12 +1,14 @@
 """One worker process: build every layer from the settings once, run, take it all down in
 order. Each layer is built in a module of its own: the device claim (``device_claim``), the
-pipelines and their memory budget (``pipeline_choice``), the engine (``engine.build``), the
-health layer (``health.compose``), and the task source's parts, picked in ``wiring``."""
+pipelines (``pipeline_choice``) and their memory budget (``pipelines.setup``), the engine
+(``engine.build``), the health layer (``health.compose``) and its metrics, and the task
+source's parts, given those metrics and picked in ``pick_source``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -55,6 +57,8 @@ class Assembly:
         self.parts: SourceParts | None = None
         self.worker: Orchestrator | None = None
         self.device = "cpu"
+        self._opening_since = time.monotonic()  # when the source's parts began to open
+        self._open = False  # whether they are
         self._loader: StreamingLoader | None = None
 
     async def start(self, checked: Callable[[], None] = lambda: None) -> None:
@@ -85,8 +89,10 @@ class Assembly:
         metrics = self.health.metrics(
             liveness, self.engine.loader.child_pids, s.source, self._source_health
         )
-        self.parts = parts = source_parts(s, served, chosen, metrics)
+        self.parts = parts = source_parts(s, served, chosen, metrics)  # closed by close()
+        self._opening_since = time.monotonic()
         await parts.open()
+        self._open = True  # its health is read from now: the connection is made
         for name in served.names:  # those loaded at start
             await parts.loaded(name)
         self.worker = Orchestrator(
@@ -105,9 +111,12 @@ class Assembly:
         )
 
     def _source_health(self) -> SourceHealth:
-        """The source's, read by the metrics, which are made before the source's parts: not
-        connected in the moment before those are."""
-        return self.parts.health() if self.parts is not None else SourceHealth(False, 0.0)
+        """The source's, read by the metrics, which are made before the source's parts are
+        open: not connected until they are, down since the start began opening them (a start
+        waiting on an unreachable NATS server says so)."""
+        if self.parts is not None and self._open:
+            return self.parts.health()
+        return SourceHealth(False, time.monotonic() - self._opening_since)
 
     def _services(
         self,

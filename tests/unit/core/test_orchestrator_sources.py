@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import structlog
 from prometheus_client import CollectorRegistry
 
 from config.errors import Failure
@@ -232,6 +233,23 @@ async def test_every_task_ends_with_its_result_kept_once(rig: Any) -> None:
     exit = await run_until(a_worker(rig, FakeEngine()), lambda: len(rig.kept()) == 5, "5 results")
     assert exit.code == 0
     assert rig.kept() == dict.fromkeys(names, "ok")
+
+
+async def test_each_task_done_line_names_its_task_and_source_at_its_status_level(
+    rig: Any,
+) -> None:
+    """The one ``task_done`` line per kept result, the same for both sources (docs/metrics.md,
+    "Logs"): INFO when ok, WARNING when not, its task's ids and its source."""
+    bad, good = rig.add(2)
+    engine = FakeEngine(failures={URL.format(bad): Failure("object_missing", "no such key")})
+    with structlog.testing.capture_logs() as logs:
+        await run_until(a_worker(rig, engine), lambda: len(rig.kept()) == 2, "2 results")
+    done = {e["task_id"]: e for e in logs if e["event"] == "task_done"}
+    assert set(done) == {bad, good}
+    assert (done[good]["log_level"], done[good]["status"]) == ("info", "ok")
+    assert (done[bad]["log_level"], done[bad]["status"]) == ("warning", "error")
+    assert {e["source"] for e in done.values()} == {rig.kind}
+    assert all(e["job_id"] and e["image_id"] and e["attempt"] == 1 for e in done.values())
 
 
 async def test_a_permanent_failure_ends_with_an_error_result_and_the_rest_are_ok(rig: Any) -> None:

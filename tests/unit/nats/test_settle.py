@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from config.errors import ResultsUnavailable
+from config.errors import Failure, ResultsUnavailable
 from tests.fakes import FakeJetStream, FakeMsg, FakeStore, delivery, model_of, nats_settler
 from worker.core.outcome import Outcome
 from worker.core.results import ResultMaker
@@ -166,3 +166,16 @@ async def test_an_exhausted_message_without_ids_is_dead_lettered_and_an_outage_a
     down = FakeStore(unavailable=True)
     assert not await settler(down, FakeJetStream()).exhausted(TASK_BYTES, "tasks.p", 7, 5)
     assert not await settler(store, FakeJetStream(fail=True)).exhausted(b"x", "tasks.p", 7, 5)
+
+
+async def test_a_result_too_large_on_the_last_delivery_says_why_it_is_smaller_not_ran_out():
+    """The small error result that replaces one the stream refuses says its own failure:
+    the task's transient failure ran out, but the stored result is not that one."""
+    store, msg = FakeStore(refuse_over_bytes=1000), FakeMsg(delivered=2)  # its message: capped
+    slow = Failure("loader_timeout", "x" * 3000, retryable=True)
+    result = ResultMaker(model_of).make(TASK, 2, Outcome(failure=slow), ran_out=True)
+    settled = await settler(store, FakeJetStream()).settle(delivery(msg), Verdict.keep(result))
+    assert settled.kept.value == "error" and msg.actions == ["ack"]
+    (stored,) = store.stored
+    assert stored["error"]["type"] == "result_too_large"
+    assert stored["error"]["message"].startswith("the result could not be stored")
