@@ -18,7 +18,7 @@ from worker.antenna.job_listing import JobRotation
 from worker.antenna.post import Poster
 from worker.antenna.registration import project_ids
 from worker.antenna.render import AntennaPipeline
-from worker.antenna.reservations import Reservations
+from worker.antenna.reservations import Reservation, Reservations
 from worker.antenna.settle import AntennaSettler
 from worker.antenna.source import AntennaSource
 from worker.antenna.source_metrics import AntennaMetrics
@@ -123,7 +123,7 @@ class AntennaParts:
             default_pipeline=self.catalog.default,
         )
 
-    def _link(self, s: Settings) -> SourceLink:
+    def _link(self, s: Settings) -> SourceLink[Reservation]:
         return SourceLink(
             kind="antenna",
             source=self.source,

@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol
 
-from worker.core.ports import Results, Settler, SourceHealth, TaskSource
+from worker.core.ports import H, Results, Settler, SourceHealth, TaskSource
 from worker.core.verdicts import NO_BACKOFF, Backoff
 
 # A coroutine run alongside the orchestrator's loops until the stop event; one that fails
@@ -25,11 +25,15 @@ Helper = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
 
 
 @dataclass
-class SourceLink:
+class SourceLink(Generic[H]):
+    """A source's tasks and its settler share one handle type ``H`` (the JetStream message's,
+    the Antenna reservation): mypy holds a source to handing its settler only its own
+    deliveries, so no settler checks, or casts, what it is given."""
+
     kind: str  # "nats" or "antenna": WORKER_SOURCE, and the source metrics' label
-    source: TaskSource[Any]
+    source: TaskSource[H]
     results: Results
-    settler: Settler[Any]  # the source's side of each verdict
+    settler: Settler[H]  # the source's side of each verdict
     fetch_wait_s: float  # how long a fetch waits when there are no tasks
     keepalive_tick_s: float  # how often held tasks are kept alive while a model loads
     gone: asyncio.Event | None = None  # set when the source is gone for good (exit 5)
@@ -52,7 +56,7 @@ class SourceLink:
 
 class SourceParts(Protocol):
     @property
-    def link(self) -> SourceLink: ...  # once open
+    def link(self) -> SourceLink[Any]: ...  # once open
 
     async def open(self) -> None:
         """Connect and provision (NATS); a failure here is the start's."""

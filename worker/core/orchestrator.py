@@ -66,7 +66,7 @@ _LEFT_FOR_ACK_WAIT = (
 class Services:
     """What the orchestrator talks to; built by the app from the source's parts."""
 
-    link: SourceLink  # the task source and what it tells
+    link: SourceLink[Any]  # the task source and what it tells
     engine: BatchEngine
     engine_thread: Executor
     liveness: Liveness

@@ -21,6 +21,7 @@ from worker.health.tasks_waiting import TasksWaiting
 from worker.nats.advisories import ExhaustedTasks
 from worker.nats.algorithms import publish_algorithms
 from worker.nats.connection import ConnectionState, abort_socket, connect
+from worker.nats.delivery import NatsHandle
 from worker.nats.feed import TaskFeed
 from worker.nats.provision import provision, refuse_other_fair_jobs
 from worker.nats.result_store import ResultStore
@@ -54,11 +55,11 @@ class NatsParts:
         self.feed: TaskFeed | None = None
         self.settler: NatsSettler | None = None
         self._source: NatsSource | None = None
-        self._link: SourceLink | None = None
+        self._link: SourceLink[NatsHandle] | None = None
         self.waiting: TasksWaiting | None = None
 
     @property
-    def link(self) -> SourceLink:
+    def link(self) -> SourceLink[NatsHandle]:
         assert self._link is not None, "open() first"
         return self._link
 
