@@ -6,6 +6,7 @@ import http.client
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -93,6 +94,16 @@ class NatsCluster:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class _QuietOnHangUp(ThreadingHTTPServer):
+    """A client that hangs up mid-answer (a worker or loader child killed by the scenario) is
+    the fault under test, not an error of the proxy: no traceback for it on stderr."""
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)  # type: ignore[arg-type]
+
+
 class FlakyS3Proxy:
     """Forwards to a real S3 endpoint, each request ``delay_s`` late (a job then lasts long
     enough for a fault to land in its middle); ``fail_for(seconds)`` answers 503/500 until
@@ -143,7 +154,7 @@ class FlakyS3Proxy:
                 return
 
         self.port = free_port()
-        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._server = _QuietOnHangUp(("127.0.0.1", self.port), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
