@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import signal
 import sys
 import time
 import urllib.request
@@ -96,7 +97,20 @@ async def flood(
     return time.monotonic() - started, seen
 
 
+def dump_tasks_on_sigusr1() -> None:
+    """``kill -USR1 <pid>``: every asyncio task's stack on stderr (a run that stalls shows
+    what it awaits; faulthandler shows only the event loop's select)."""
+
+    def dump() -> None:
+        for task in asyncio.all_tasks():
+            task.print_stack(file=sys.stderr)
+        sys.stderr.flush()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
+
+
 async def run(jobs: int) -> dict[str, Any]:
+    dump_tasks_on_sigusr1()
     with world() as w:
         uris = upload(w.s3.client(), "many", [(64, 48)], 8)
         port = free_port()
