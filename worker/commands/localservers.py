@@ -6,6 +6,7 @@ Each server gets a free port and its own store directory; ``stop`` reaps what ``
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -23,9 +24,35 @@ class ServerNotFound(RuntimeError):
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A port nothing listens on now, for a server started a moment later. Chosen below the
+    kernel's ephemeral range: a port from that range can be taken meanwhile by any outgoing
+    connection on the machine as its source port (a test's worker then could not bind its
+    metrics port); below it only another explicit bind can, and the choice is random."""
+    low = _ephemeral_low()
+    for _ in range(_PORT_TRIES):
+        port = random.randrange(_FIRST_PORT, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # held: another
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+_FIRST_PORT = 10_000  # above the well-known services of a development machine
+_PORT_TRIES = 50
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 when it cannot be read)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return low if low > _FIRST_PORT + 1000 else 32768
 
 
 def stop_process(proc: subprocess.Popen[bytes], wait_s: float = 10.0) -> int:
