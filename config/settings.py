@@ -259,10 +259,19 @@ class LoaderSettings(BaseModel):
     )
     max_side: int = Field(
         4096,
-        description="pipelines with a detector: longest side of the image handed over (a larger "
-        "source is decoded at a reduced scale; boxes are still reported in source pixels)",
+        description="pipelines with a detector, but those detecting at full size (AMI's): "
+        "longest side of the image handed over (a larger source is decoded at a reduced scale; "
+        "boxes are still reported in source pixels)",
         ge=64,
         le=16384,
+    )
+    max_pixels: int = Field(
+        64_000_000,
+        description="pipelines detecting at full size (AMI's): the largest image taken, in "
+        "pixels (width x height), decoded whole as AMI's worker reads it; a larger one gets a "
+        "too_large error result. The memory bound counts each image held at 3 bytes a pixel",
+        ge=1_000_000,
+        le=64_000_000,
     )
     device_decode: bool = Field(
         False,

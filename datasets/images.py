@@ -1,9 +1,11 @@
 """Decode JPEG/PNG bytes into the uint8 CHW array a pipeline wants, by a ``DecodePlan``.
 
-Two plans: a classifier-only pipeline gets its square input (``size``), made the way the
+Three plans: a classifier-only pipeline gets its square input (``size``), made the way the
 model was trained (``squash`` or ``shorter_crop``); a pipeline with a detector gets the
 image itself, its longest side bounded by ``max_side``, with the source's size beside it so
-boxes can be reported in source pixels.
+boxes can be reported in source pixels; a detector that sees images at their own size (AMI's,
+as ``ami worker`` does) gets the image whole, up to ``max_pixels``, and a larger one is
+refused (``too_large``) rather than detected at another size than its publisher's.
 
 Three ways to make a classifier's square (docs/data-loading.md, "Preprocessing"):
 
@@ -32,6 +34,7 @@ import torch
 from PIL import Image
 
 from config.errors import PermanentError
+from config.names import env_name
 from datasets import jpeg
 from datasets.resize import center_crop, resized, shorter_side_to
 
@@ -63,6 +66,9 @@ class DecodePlan:
     size: int = 0  # > 0: a square of this side; 0: the image, bounded by max_side
     resize: str = "squash"  # squash | shorter_crop (square plans only)
     max_side: int = 4096
+    # > 0 (detector plans): the image at its own size, never reduced; one of more pixels is
+    # refused. 0: the image bounded by max_side.
+    max_pixels: int = 0
     fast: bool = False  # square plans: the old fast path (reduced scale to ~1x, PIL resize)
     exact: bool = False  # square plans: the reference path (full decode); else ``reduced``
     # Detector pipelines: hand a JPEG over still encoded (checked, not decoded), for the engine
@@ -75,6 +81,8 @@ class DecodePlan:
 
     def max_image_bytes(self) -> int:
         """The most host bytes one decoded image can take under this plan."""
+        if not self.size and self.max_pixels:
+            return 3 * self.max_pixels
         side = self.size or self.max_side
         return 3 * side * side
 
@@ -86,15 +94,16 @@ class Decoded(NamedTuple):
     encoded: bytes | None = None  # the JPEG itself, when the engine is to decode it
 
 
-def encoded_jpeg(data: bytes, max_side: int) -> Decoded:
+def encoded_jpeg(data: bytes, max_side: int, max_pixels: int = 0) -> Decoded:
     """A JPEG checked (format, size, bombs) but left encoded; other images decoded now."""
-    plan = DecodePlan(max_side=max_side)
+    plan = DecodePlan(max_side=max_side, max_pixels=max_pixels)
     try:
         image = _open(data)
     except PermanentError:
         raise
     except Exception:  # noqa: BLE001 - whatever it is, the full decode below says it properly
         return decode(data, plan)
+    _check_full_size(image, plan)
     if not _libjpeg_decodable(image):
         return decode(data, plan)
     return Decoded(np.zeros((3, 0, 0), dtype=np.uint8), image.width, image.height, data)
@@ -103,7 +112,7 @@ def encoded_jpeg(data: bytes, max_side: int) -> Decoded:
 def decode(data: bytes, plan: DecodePlan) -> Decoded:
     """``data`` decoded by ``plan``; PermanentError for anything not a sound image."""
     if plan.encoded and not plan.size:
-        return encoded_jpeg(data, plan.max_side)
+        return encoded_jpeg(data, plan.max_side, plan.max_pixels)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -111,6 +120,9 @@ def decode(data: bytes, plan: DecodePlan) -> Decoded:
             source = image.size
             if plan.size:
                 pixels = _square(image, data, plan)
+            elif plan.max_pixels:
+                _check_full_size(image, plan)
+                pixels = _full(image, data).numpy()
             else:
                 pixels = _bounded(image, data, plan.max_side)
     except PermanentError:
@@ -159,6 +171,19 @@ def _open(data: bytes) -> Image.Image:
             kind="too_large",
         )
     return image
+
+
+def _check_full_size(image: Image.Image, plan: DecodePlan) -> None:
+    """Refuse, from the header, an image over a full-size plan's ``max_pixels``: it would be
+    detected at another size than its publisher's worker detects it, or not fit the memory
+    bound the plan was counted at."""
+    if plan.max_pixels and image.width * image.height > plan.max_pixels:
+        raise PermanentError(
+            f"image is {image.width}x{image.height} ({image.width * image.height} pixels): this "
+            f"pipeline detects at full size, up to {plan.max_pixels} pixels "
+            f"({env_name('loader', 'max_pixels')})",
+            kind="too_large",
+        )
 
 
 def _check_resize(image: Image.Image, plan: DecodePlan) -> None:

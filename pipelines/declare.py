@@ -109,6 +109,9 @@ class Detector:
     max_size: int = 1333
     # Boxes truncated to whole pixels (toward zero) before they are reported and cut.
     whole_pixel_boxes: bool = False
+    # Images detected at their own size, never reduced to WORKER_LOADER__MAX_SIDE (as AMI's
+    # worker detects them); one over WORKER_LOADER__MAX_PIXELS is refused (too_large).
+    full_size: bool = False
     # Images of different sizes detected in separate calls: torchvision pads a batch to its
     # largest image, which changes a smaller image's boxes; apart, each gets its own alone.
     sizes_apart: bool = False

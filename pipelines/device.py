@@ -196,9 +196,12 @@ class InFlight:
             self._launched.popleft().synchronize()
 
 
-def decode_on_device(image: Decoded, device: torch.device, max_side: int) -> Decoded:
+def decode_on_device(
+    image: Decoded, device: torch.device, max_side: int, max_pixels: int = 0
+) -> Decoded:
     """A JPEG the loader left encoded, decoded on the GPU (nvJPEG, torchvision's
-    ``decode_jpeg``) and bounded by ``max_side`` there; on the CPU when there is no CUDA, or
+    ``decode_jpeg``) and bounded by ``max_side`` there (kept whole when ``max_pixels``: a
+    full-size plan, whose loader checked its pixels); on the CPU when there is no CUDA, or
     when the device cannot decode it (progressive or CMYK JPEGs, corrupt data), where a
     corrupt one becomes the usual ``corrupt_image`` error."""
     assert image.encoded is not None
@@ -210,7 +213,7 @@ def decode_on_device(image: Decoded, device: torch.device, max_side: int) -> Dec
             data = torch.frombuffer(bytearray(image.encoded), dtype=torch.uint8)
             pixels = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
             _, height, width = pixels.shape
-            if max(height, width) > max_side:
+            if not max_pixels and max(height, width) > max_side:
                 scale = max_side / max(height, width)
                 size = [max(1, int(height * scale)), max(1, int(width * scale))]
                 pixels = F.resize(pixels, size, antialias=True)
@@ -219,7 +222,7 @@ def decode_on_device(image: Decoded, device: torch.device, max_side: int) -> Dec
             if is_out_of_memory(error) or is_sticky_device_error(error):
                 raise  # the engine splits the batch, or ends the process: not the CPU's to mend
             # Otherwise the device cannot decode this one: the CPU does, below.
-    decoded = decode(image.encoded, DecodePlan(max_side=max_side))
+    decoded = decode(image.encoded, DecodePlan(max_side=max_side, max_pixels=max_pixels))
     if device.type == "cuda":  # one place for a batch's pixels: crops are stacked together
         return decoded._replace(pixels=torch.from_numpy(decoded.pixels).to(device))
     return decoded

@@ -39,6 +39,7 @@ class DeviceLimits:
     detector_batch: int = 4
     crop_batch: int = 64
     max_side: int = 4096  # for JPEGs the loader left encoded (decoded on the device)
+    max_pixels: int = 0  # > 0: those JPEGs kept at full size (a full-size detector's plan)
 
 
 class _Hook:
@@ -159,9 +160,9 @@ class Runner:
         hook = _Hook(while_running)
         where = self.device
         if any(image.encoded is not None for image in images):
-            side = self.limits.max_side
+            side, pixels = self.limits.max_side, self.limits.max_pixels
             images = [
-                decode_on_device(image, where, side) if image.encoded is not None else image
+                decode_on_device(image, where, side, pixels) if image.encoded is not None else image
                 for image in images
             ]
         if self.detector is None:
@@ -392,13 +393,16 @@ def decode_plan(
     fast: bool,
     device_decode: bool = False,
     exact: bool = False,
+    max_pixels: int = 0,
 ) -> DecodePlan:
     """What the loader children make of each image for this pipeline: the classifier's square
     input when there is no detector (by the fast, exact or default reduced path), else the
-    image bounded by ``max_side`` (a JPEG left encoded for the device when ``device_decode``)."""
+    image bounded by ``max_side``, or whole up to ``max_pixels`` for a ``full_size`` detector
+    (a JPEG left encoded for the device when ``device_decode``)."""
     if pipeline.detector is None and pipeline.classifier is not None:
         pre = pipeline.classifier.preprocess
         return DecodePlan(
             size=pre.size, resize=pre.resize, max_side=max_side, fast=fast, exact=exact
         )
-    return DecodePlan(size=0, max_side=max_side, fast=fast, encoded=device_decode)
+    whole = max_pixels if pipeline.detector is not None and pipeline.detector.full_size else 0
+    return DecodePlan(size=0, max_side=max_side, max_pixels=whole, fast=fast, encoded=device_decode)

@@ -111,11 +111,13 @@ def _chosen(s: Settings, pipeline: Pipeline) -> Chosen:
         s.loader.fast_decode,
         s.loader.device_decode,
         exact=s.loader.exact_decode,
+        max_pixels=s.loader.max_pixels,
     )
     limits = DeviceLimits(
         detector_batch=s.model.detector_batch_size,
         crop_batch=s.model.crop_batch_size,
         max_side=s.loader.max_side,
+        max_pixels=plan.max_pixels,
     )
     fmt = ResponseFormat(s.model.scores, s.model.top_k, s.model.labels_inline_max)
     return Chosen(pipeline, plan, limits, fmt)

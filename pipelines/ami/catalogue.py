@@ -245,6 +245,7 @@ def _detector(files_mirror: str, published: bool) -> Detector:
         score_threshold=DETECTOR_SCORE_THRESHOLD,
         max_detections=DETECTOR_MAX_DETECTIONS,
         whole_pixel_boxes=True,
+        full_size=True,  # detected at the image's own size, as ami worker detects it
         frozen_batch_norms=True,  # AMI builds it with a pretrained backbone: frozen norms
         sizes_apart=True,  # boxes independent of batch-mates, as AMI's detector gives alone
         checkpoint_entry=STATE_DICT_ENTRY,

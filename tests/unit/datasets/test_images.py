@@ -252,3 +252,21 @@ def test_the_exact_setting_reaches_the_loaders_plan():
     assert decode_plan(pipeline, 4096, fast=False, exact=True).exact
     default = decode_plan(pipeline, 4096, fast=False)
     assert not default.exact and not default.fast
+
+
+def test_a_full_size_plan_keeps_the_image_whole_up_to_its_pixel_bound_and_refuses_past_it():
+    from datasets.images import DecodePlan, decode
+
+    plan = DecodePlan(max_side=500, max_pixels=1_000_000)
+    encoded = DecodePlan(max_side=500, max_pixels=1_000_000, encoded=True)
+    data = image_bytes(1200, 800, seed=4)  # 960,000 pixels: over max_side, under the bound
+    whole = decode(data, plan)
+    assert whole.pixels.shape == (3, 800, 1200)
+    assert decode(data, encoded).encoded == data  # left for the device, not reduced
+    assert plan.max_image_bytes() == 3 * 1_000_000
+    for over in (plan, encoded):
+        with pytest.raises(PermanentError) as refused:
+            decode(image_bytes(1200, 840, seed=4), over)  # 1,008,000 pixels
+        assert refused.value.kind == "too_large"
+        message = str(refused.value)
+        assert "1200x840" in message and "WORKER_LOADER__MAX_PIXELS" in message

@@ -318,3 +318,14 @@ def test_bfloat16_autocast_keeps_the_top_label_of_float32(record_property):
     record_property("max_relative_logit_difference", round(float(relative), 4))
     assert torch.equal(reference.argmax(1), torch.arange(len(batch))), "each image its own class"
     assert agreement >= 0.95
+
+
+@pytest.mark.parametrize(
+    "where", [torch.device("cpu"), pytest.param(CUDA, marks=pytest.mark.cuda)], ids=str
+)
+def test_a_full_size_plan_keeps_a_jpeg_left_encoded_whole_where_it_is_decoded(where):
+    data = image_bytes(1200, 800, seed=4)  # over the side bound of 500, under 1,000,000 pixels
+    left = encoded_jpeg(data, 500, 1_000_000)
+    decoded = decode_on_device(left, where, 500, 1_000_000)
+    assert tuple(decoded.pixels.shape) == (3, 800, 1200)
+    assert tuple(decode_on_device(left, where, 500).pixels.shape) == (3, 333, 500)
