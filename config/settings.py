@@ -348,8 +348,9 @@ class ModelSettings(BaseModel):
     file_digests: Annotated[dict[str, str], NoDecode] = Field(
         default_factory=dict,
         description="sha256s of model files the operator verified, as name=sha256 pairs, "
-        "comma-separated (name: the file name, the last part of its URL); a file named here "
-        "is pinned as verified: a download or cached file with another sha256 is refused",
+        "comma-separated (name: the file name, the last part of its URL, or its whole URL); a "
+        "file named here is pinned as verified: a download or cached file with another sha256 "
+        "is refused",
     )
     require_digests: bool = Field(
         False,
@@ -426,10 +427,10 @@ class ModelSettings(BaseModel):
             return value
         pairs = {}
         for part in (p.strip() for p in value.split(",") if p.strip()):
-            name, _, digest = part.partition("=")
+            name, _, digest = part.rpartition("=")  # a URI's query may hold "="
             digest = digest.strip().lower().removeprefix("sha256:")
             if not name.strip() or len(digest) != 64 or set(digest) - set("0123456789abcdef"):
-                raise ValueError(f"{part.partition('=')[0]!r}: give name=<64 hex digits>")
+                raise ValueError(f"{name.strip()!r}: give name=<64 hex digits>")
             pairs[name.strip()] = digest
         return pairs
 

@@ -111,8 +111,8 @@ class ModelFiles:
     def _wanted(self, uri: str, digest: str | None) -> Wanted:
         """What ``uri``'s file must be: the operator's verified sha256 (else the declared
         digest), the published size; ConfigError when strict and no sha256 is verified."""
-        name = _file_name(uri)
-        verified = (self._pins.verified or {}).get(name)
+        name, pins = _file_name(uri), self._pins.verified or {}
+        verified = pins.get(uri) or pins.get(name)
         size = self._hosts.size_of(uri)
         wanted = Wanted.parse(verified or digest, uri, verified is not None, size)
         if self._pins.strict and is_remote(uri) and not wanted.full:
@@ -246,8 +246,8 @@ def _larger(error: WorkerError) -> str:
 
 
 def _file_name(uri: str) -> str:
-    """The file's name as the operator names it in WORKER_MODEL__FILE_DIGESTS: the last part
-    of its path (of its key, for s3://)."""
+    """The file's name as the operator may name it in WORKER_MODEL__FILE_DIGESTS (or by its
+    whole URI): the last part of its path (of its key, for s3://)."""
     if uri.startswith("s3://"):
         return uri.rpartition("/")[2]
     return urlsplit(uri).path.rstrip("/").rpartition("/")[2]
