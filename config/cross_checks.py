@@ -7,6 +7,8 @@ need what only a worker knows (the pipeline's largest image, weights on disk).
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from config.derived import healthz_port, metrics_port
+from config.model_cache import cache_root, own_problem
 from config.names import env_name as n
 from config.redact import redact_url
 
@@ -284,8 +287,48 @@ def memory_problems(s: Settings, image_bytes: int) -> list[str]:
 
 def worker_problems(s: Settings) -> list[str]:
     """What a worker process needs beyond a sound combination: weights it can load, when
-    WORKER_MODEL__WEIGHTS is given (which pipelines need it is the pipeline registry's call)."""
-    return weights_problems(s.model.weights, n("model", "weights")) if s.model.weights else []
+    WORKER_MODEL__WEIGHTS is given (which pipelines need it is the pipeline registry's call),
+    model-file hosts it may download from, and a model-file cache of its own."""
+    problems = weights_problems(s.model.weights, n("model", "weights")) if s.model.weights else []
+    problems += model_hosts_problems(s)
+    refused = own_problem(cache_root(s.model.cache_dir, os.environ), os.geteuid())
+    return problems + ([refused] if refused else [])
+
+
+def model_hosts_problems(s: Settings) -> list[str]:
+    """AMI's file hosts: one way to name them (a mirror, or the hosts in turn), and none at
+    plain http:// off this host unless every file's sha256 is required (the one rule `run`,
+    `check` and `models fetch` keep; a file's own URL is held to it as it is read)."""
+    mirror, hosts = s.model.files_mirror, s.model.files_hosts
+    problems = []
+    if mirror and hosts:
+        problems.append(
+            f"{n('model', 'files_mirror')} and {n('model', 'files_hosts')} are both set: the "
+            "mirror is used instead of the hosts; set one (a mirror tried first: put it first "
+            f"in {n('model', 'files_hosts')})"
+        )
+    named = [("files_mirror", mirror)] if mirror else []
+    named += [("files_hosts", host) for host in hosts]
+    for field, url in named:
+        if urlsplit(url).scheme == "http" and not loopback_url(url) and not s.model.require_digests:
+            problems.append(
+                f"{n('model', field)}={redact_url(url)!r}: plain http:// only to this host "
+                "(anyone on the way could change the files, whose sha256s are not declared); "
+                f"use https://, or set {n('model', 'require_digests')}=true with each file's "
+                f"sha256 in {n('model', 'file_digests')}"
+            )
+    return problems
+
+
+def loopback_url(uri: str) -> bool:
+    """Whether ``uri``'s host is this host (``localhost`` or a loopback address)."""
+    host = (urlsplit(uri).hostname or "").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def weights_problems(weights: str, where: str) -> list[str]:

@@ -335,18 +335,37 @@ class ModelSettings(BaseModel):
         "",
         description="AMI's pipelines (quebec_vermont_moths_2023 ...): a base URI (a path, "
         "file://, https://, s3://, or http:// to this host only: plain http:// elsewhere is "
-        "refused, as AMI declares no full sha256) standing for AMI's "
-        "https://object-arbutus.cloud.computecanada.ca/ami-models/ in their weights and "
-        "category map URLs; the files keep AMI's relative paths under it",
+        "refused at start) of the host's own copy of AMI's files, used instead of "
+        "WORKER_MODEL__FILES_HOSTS; the files keep AMI's relative paths under it",
+    )
+    files_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="AMI's pipelines: the base URLs AMI's files are downloaded from, tried in "
+        "order (comma-separated; a host answering 403, 404, 410 or not at all: the next); "
+        "empty: AMI's current host "
+        "https://object-arbutus.alliancecan.ca/swift/v1/AUTH_3c987b8fc90743469d42899b1fdb48eb/"
+        "ami-models/, then the old https://object-arbutus.cloud.computecanada.ca/ami-models/; "
+        "not with WORKER_MODEL__FILES_MIRROR",
     )
     published_digests: bool = Field(
         True,
-        description="AMI's pipelines: the six weights files whose published names carry a "
-        "sha256 prefix (torch hub's name-<8 hex>.ext) are checked against it (the detector, "
-        "Turing and insect-order weights and the category maps have none: their first "
-        "download's sha256 is recorded and held); false: no prefix is checked, every file's "
-        "first sha256 is recorded and held (test weights under AMI's names; see "
+        description="AMI's pipelines: the seven weights files whose size AMI's model cards "
+        "publish are checked against it (a download or a cached file of another size is "
+        "refused); false: no size is checked (test weights under AMI's names; see "
         "docs/model-files.md, Mirrors)",
+    )
+    file_digests: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description="sha256s of model files the operator verified, as name=sha256 pairs, "
+        "comma-separated (name: the file name, the last part of its URL, or its whole URL); a "
+        "file named here is pinned as verified: a download or cached file with another sha256 "
+        "is refused",
+    )
+    require_digests: bool = Field(
+        False,
+        description="strict: every downloaded model file (https://, s3://) needs its sha256 in "
+        "WORKER_MODEL__FILE_DIGESTS (or declared in full by its pipeline); one without is "
+        "refused before any download, a recorded first download is not enough",
     )
     memory_budget_bytes: int = Field(
         0,
@@ -402,6 +421,27 @@ class ModelSettings(BaseModel):
         description="intra-op threads for the forward pass; 0 = the cores left over by the "
         "loader children (at least 1), so inference does not fight decoding for the CPU",
     )
+
+    @field_validator("files_hosts", mode="before")
+    @classmethod
+    def _host_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("file_digests", mode="before")
+    @classmethod
+    def _digest_pairs(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        pairs = {}
+        for part in (p.strip() for p in value.split(",") if p.strip()):
+            name, _, digest = part.rpartition("=")  # a URI's query may hold "="
+            digest = digest.strip().lower().removeprefix("sha256:")
+            if not name.strip() or len(digest) != 64 or set(digest) - set("0123456789abcdef"):
+                raise ValueError(f"{name.strip()!r}: give name=<64 hex digits>")
+            pairs[name.strip()] = digest
+        return pairs
 
     @field_validator("pipelines", mode="before")
     @classmethod

@@ -37,12 +37,9 @@ CATALOGUE = catalogue.SLUGS  # AMI's pipelines: their weights are AMI's publishe
 _PIPELINE = env_name("model", "pipeline")
 
 
-def resolve(
-    name: str, weights: str = "", files_mirror: str = "", published_digests: bool = True
-) -> Pipeline:
+def resolve(name: str, weights: str = "", files_mirror: str = "") -> Pipeline:
     """The pipeline ``name`` stands for; ConfigError saying why when there is none.
-    ``files_mirror``: the base URI standing for AMI's in catalogue pipelines' file URLs;
-    ``published_digests``: whether their files are checked against AMI's published digests."""
+    ``files_mirror``: the base URI standing for AMI's in catalogue pipelines' file URLs."""
     if name in BUILT_IN and not weights:
         raise ConfigError(
             f"{env_name('model', 'weights')} is not set; pipeline {name} needs a state_dict "
@@ -57,7 +54,7 @@ def resolve(
             name, detector=Detector(name, name, _DETECTORS[name], weights or None, labels=None)
         )
     elif name in CATALOGUE:
-        pipeline = catalogue.pipeline(name, files_mirror, published_digests)
+        pipeline = catalogue.pipeline(name, files_mirror)
     else:
         pipeline = _declared(name)
     found = problems(pipeline)

@@ -44,9 +44,7 @@ def choose_all(s: Settings) -> list[Chosen]:
     problems: list[str] = []
     for entry in s.model.pipeline_entries():
         try:
-            pipeline = resolve(
-                entry, s.model.weights, s.model.files_mirror, s.model.published_digests
-            )
+            pipeline = resolve(entry, s.model.weights, s.model.files_mirror)
         except ConfigError as error:
             problems.extend(str(error).splitlines())
             continue

@@ -12,9 +12,10 @@ from typing import Any
 
 
 class Served:
-    """A directory served over HTTP on 127.0.0.1, its GETs counted (each may be delayed)."""
+    """A directory served over HTTP on 127.0.0.1, its GETs counted (each may be delayed);
+    ``refuse``: every GET answered with this status instead (403: a host that denies)."""
 
-    def __init__(self, root: Path, delay_s: float = 0.0) -> None:
+    def __init__(self, root: Path, delay_s: float = 0.0, refuse: int = 0) -> None:
         self.root = root
         self.gets = 0
         counting = threading.Lock()
@@ -25,6 +26,9 @@ class Served:
                 with counting:
                     served.gets += 1
                 time.sleep(delay_s)
+                if refuse:
+                    self.send_error(refuse)
+                    return
                 super().do_GET()
 
             def log_message(self, *_args: Any) -> None:

@@ -8,11 +8,17 @@ classifier's input with an antialiased bilinear resize of their float pixels (``
 as ``ami worker`` does. Names, keys (AMI's ``get_key()``), descriptions, URIs and taxon ranks
 are AMI's, registered verbatim. ``files_mirror`` replaces ``AMI_BASE`` in every file URL.
 
+AMI's files are named under ``AMI_BASE`` (the URIs registered and cached) and downloaded from
+``FILE_HOSTS`` in turn (``file_hosts``); the sizes are those AMI's model cards publish
+(docs/model-files.md says where each fact comes from). The 8 hex digits some names end with
+are names, not digests: nothing shows they are part of a sha256, so they are not checked.
+
 A new AMI pipeline is one more ``_Row`` in ``_ROWS`` (docs/replacing-ami-worker.md).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from pipelines.declare import (
@@ -24,8 +30,14 @@ from pipelines.declare import (
     Preprocess,
     Registered,
 )
+from pipelines.files.hosts import Hosts
 
 AMI_BASE = "https://object-arbutus.cloud.computecanada.ca/ami-models/"
+AMI_CURRENT_BASE = (
+    "https://object-arbutus.alliancecan.ca/swift/v1/AUTH_3c987b8fc90743469d42899b1fdb48eb/"
+    "ami-models/"
+)
+FILE_HOSTS = (AMI_CURRENT_BASE, AMI_BASE)  # AMI's current host first, the old one after
 _CLASSIFICATION = "moths/classification/"
 HALF = (0.5, 0.5, 0.5)
 STATE_DICT_ENTRY = "model_state_dict"  # AMI unwraps it where a checkpoint has it
@@ -45,7 +57,7 @@ class _Model:
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     taxon_rank: str = "SPECIES"
-    weights_digest: str | None = None  # torch hub's name-<8 hex>.ext
+    weights_bytes: int | None = None  # the size AMI's model card publishes, where it does
     classes: int | None = None  # the published category map's size, where AMI states it
 
 
@@ -57,6 +69,7 @@ DETECTOR = _Model(
     "moths/localization/fasterrcnn_resnet50_fpn_tz53qv9v.pt",
     None,
     "fasterrcnn_resnet50_fpn",
+    weights_bytes=330_066_092,
 )
 DETECTOR_SCORE_THRESHOLD = 0.8
 DETECTOR_MAX_DETECTIONS = 500
@@ -68,22 +81,25 @@ BINARY = _Model(
     _CLASSIFICATION + "05-moth-nonmoth_category_map.json",
     "resnet50",
     taxon_rank="SUPERFAMILY",
-    weights_digest="b4fe3efe",
+    weights_bytes=94_373_731,
     classes=2,
 )
 KEEP = ("moth",)  # the binary classifier's positive label
 
 
-def _timm_resnet50(name: str, key: str, what: str, run: str, weights: str, labels: str) -> _Model:
-    """``what``: "<date> for <n> species", as AMI's description says it."""
+def _timm_resnet50(
+    name: str, key: str, what: str, run: str, weights: tuple[str, int], labels: str
+) -> _Model:
+    """``what``: "<date> for <n> species", as AMI's description says it; ``weights``: the
+    file's name and published size."""
     return _Model(
         name,
         key,
         f"Trained on {what}. https://wandb.ai/moth-ai/{run}/overview",
-        _CLASSIFICATION + weights,
+        _CLASSIFICATION + weights[0],
         _CLASSIFICATION + labels,
         "timm/resnet50",
-        weights_digest=weights.rpartition("_")[2].partition(".")[0],
+        weights_bytes=weights[1],
         classes=int(what.split(" for ")[1].split()[0].replace(",", "")),
     )
 
@@ -119,7 +135,6 @@ _ROWS = (
             _CLASSIFICATION + "panama_resetnet50_best_5aeb515a.pth",
             _CLASSIFICATION + "03_moths_centralAmerica_category_map-202311110-with-names.json",
             "resnet50",
-            weights_digest="5aeb515a",
             classes=1060,
         ),
     ),
@@ -130,7 +145,7 @@ _ROWS = (
             "panama_species_classifier_apr_2024",
             "April 17, 2024 for 636 species",
             "ami-gbif-fine-grained/runs/1sekgkan",
-            "panama_resnet50_baseline_20240417_edbb46dd.pth",
+            ("panama_resnet50_baseline_20240417_edbb46dd.pth", 99_570_019),
             "03_ami-gbif_fine-grained_c-america_category_map-with_names.json",
         ),
     ),
@@ -141,7 +156,7 @@ _ROWS = (
             "quebec_vermont_species_classifier_apr_2024",
             "April 17, 2024 for 2,497 species",
             "ami-gbif-fine-grained/runs/1x53zmp2",
-            "quebec-vermont_resnet50_baseline_20240417_950de764.pth",
+            ("quebec-vermont_resnet50_baseline_20240417_950de764.pth", 114_822_755),
             "01_ami-gbif_fine-grained_ne-america_category_map-with_names.json",
         ),
     ),
@@ -152,7 +167,7 @@ _ROWS = (
             "uk_denmark_species_classifier_apr_2024",
             "April 17, 2024 for 2,603 species",
             "ami-gbif-fine-grained/runs/x5u7jcbf",
-            "uk-denmark_resnet50_baseline_20240417_55250a8b.pth",
+            ("uk-denmark_resnet50_baseline_20240417_55250a8b.pth", 115_691_491),
             "02_ami-gbif_fine-grained_w-europe_category_map-with_names.json",
         ),
     ),
@@ -193,7 +208,7 @@ _ROWS = (
             "global_species_classifier_aug_2024",
             "August 28th, 2024 for 29,176 species",
             "global-moth-classifier/runs/h0cuqrbc",
-            "global_resnet50_20240828_b06d3b3a.pth",
+            ("global_resnet50_20240828_b06d3b3a.pth", 333_489_027),
             "global_category_map_with_names_20240828.json",
         ),
     ),
@@ -209,12 +224,31 @@ _ROWS = (
             "insect_orders/insect_order_category_map.json",
             "timm/convnext_tiny_in22k",
             taxon_rank="ORDER",
+            weights_bytes=334_241_031,
             classes=16,
         ),
         filtered=False,
     ),
 )
 SLUGS = tuple(row.slug for row in _ROWS)
+
+
+def published_sizes() -> dict[str, int]:
+    """The size in bytes of each file AMI publishes one for, by its path under the base."""
+    models = (DETECTOR, BINARY, *(row.classifier for row in _ROWS))
+    return {m.weights: m.weights_bytes for m in models if m.weights_bytes is not None}
+
+
+def file_hosts(files_mirror: str, hosts: tuple[str, ...], published: bool) -> Hosts:
+    """Where AMI's files are downloaded from: the mirror alone when one is set, else
+    ``hosts`` in turn (empty: ``FILE_HOSTS``); with ``published``, the sizes AMI states."""
+    sizes = published_sizes() if published else {}
+    if files_mirror:
+        base = files_mirror.rstrip("/") + "/"
+        if "://" not in base:
+            base = "file://" + os.path.abspath(base) + "/"  # as the stages' URIs are read
+        return Hosts(base, (base,), sizes)
+    return Hosts(AMI_BASE, hosts or FILE_HOSTS, sizes)
 
 
 def mirrored(relative: str, files_mirror: str) -> str:
@@ -234,13 +268,12 @@ def _registered(model: _Model) -> Registered:
     )
 
 
-def _detector(files_mirror: str, published: bool) -> Detector:
+def _detector(files_mirror: str) -> Detector:
     return Detector(
         key=DETECTOR.key,
         name=DETECTOR.name,
         architecture=DETECTOR.architecture,
         weights=mirrored(DETECTOR.weights, files_mirror),
-        weights_digest=DETECTOR.weights_digest if published else None,
         labels=("object",),  # one class and the background
         score_threshold=DETECTOR_SCORE_THRESHOLD,
         max_detections=DETECTOR_MAX_DETECTIONS,
@@ -253,9 +286,7 @@ def _detector(files_mirror: str, published: bool) -> Detector:
     )
 
 
-def _classifier(
-    model: _Model, files_mirror: str, published: bool, keep: tuple[str, ...] = ()
-) -> Classifier:
+def _classifier(model: _Model, files_mirror: str, keep: tuple[str, ...] = ()) -> Classifier:
     assert model.labels is not None
     return Classifier(
         key=model.key,
@@ -266,7 +297,6 @@ def _classifier(
         preprocess=Preprocess(model.size, "squash", model.mean, model.std, resize_in="float"),
         keep=keep,
         dropped_terminal=not keep,  # ami worker: the filter's label is never terminal
-        weights_digest=model.weights_digest if published else None,
         checkpoint_entry=STATE_DICT_ENTRY,
         registered=_registered(model),
     )
@@ -281,18 +311,17 @@ def model_of(slug: str) -> _Model:
     return _row(slug).classifier
 
 
-def pipeline(slug: str, files_mirror: str = "", published_digests: bool = True) -> Pipeline:
-    """The pipeline ``slug`` names (one of ``SLUGS``); KeyError for another.
-    ``published_digests``: each file checked against the digest its published name carries;
-    False for a mirror holding other files under AMI's names (then nothing is declared, and a
-    download's first sha256 is recorded and held)."""
+def pipeline(slug: str, files_mirror: str = "") -> Pipeline:
+    """The pipeline ``slug`` names (one of ``SLUGS``); KeyError for another. Its files are
+    AMI's URIs (or the mirror's), with no digest declared: each is pinned as ``recorded``
+    (or by the operator's verified sha256), its size checked by ``file_hosts``'s sizes."""
     row = _row(slug)
     return Pipeline(
         name=row.slug,
         title=row.classifier.name,
         description=row.classifier.description,
         version=1,
-        detector=_detector(files_mirror, published_digests),
-        filter=_classifier(BINARY, files_mirror, published_digests, KEEP) if row.filtered else None,
-        classifier=_classifier(row.classifier, files_mirror, published_digests),
+        detector=_detector(files_mirror),
+        filter=_classifier(BINARY, files_mirror, KEEP) if row.filtered else None,
+        classifier=_classifier(row.classifier, files_mirror),
     )

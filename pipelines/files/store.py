@@ -1,15 +1,18 @@
 """The model-file cache directory, shared by every process of the host.
 
-Per file, a key ``<first 32 hex of sha256(scheme://host/path)>-<file name>`` names three
-files: the content ``<key>``, its record ``<key>.json`` (the URI redacted, its sha256, size
-and how it is pinned) and, while a download runs, a lock ``<key>.lock``. A URI's query and
-fragment, and its credentials, are no part of its key: a presigned URL whose signature rotates
-is the same file. Writes go to a temporary file in the same directory, are flushed to disk and
-renamed over the target, so a reader sees a whole file or none. A cached file whose record
-holds is read with no lock and no write (a read-only cache serves). Only a download takes the
-lock, ``fcntl.flock`` on the key's lock file: the process that holds it downloads, the others
-wait for it and then find the file; the holder removes the lock file as it lets go. Imports
-nothing of the network.
+Per file, a key ``<first 32 hex of sha256(the whole URI)>-<file name>`` names three files:
+the content ``<key>``, its record ``<key>.json`` (the URI redacted, its sha256, size and how it
+is pinned) and, while a download runs, a lock ``<key>.lock``. The whole URI is the file's
+identity: its query and fragment are part of it (``dl?model=a`` and ``dl?model=b`` are two
+files), an ``s3://`` URI is taken as S3 reads it (``clf#1.pth`` is a key, not a fragment);
+only credentials are left out. Writes go to a temporary file in the same directory, are
+flushed to disk and renamed over the target, so a reader sees a whole file or none. A cached
+file whose record holds is read with no lock and no write (a read-only cache serves). Only a
+download takes the lock, ``fcntl.flock`` on the key's lock file: the process that holds it
+downloads, the others wait for it and then find the file; the holder removes the lock file as
+it lets go. The directory must be the worker's own (``config.model_cache.own_problem``,
+checked with the settings); the directories made for it are writable by their owner alone.
+Imports nothing of the network.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -41,12 +45,9 @@ _LOCK_POLL_S = 0.05
 _CHUNK_BYTES = 1024 * 1024
 _LOCK_REOPENS = 1000
 _FULL = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a user's quota spent
-
-
-def default_root(environ: Mapping[str, str]) -> Path:
-    """``$XDG_CACHE_HOME/inference-worker/models``, or ``~/.cache/inference-worker/models``."""
-    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "inference-worker" / "models"
+_KEY_FORM = "uri-v2 "
+_OTHERS_WRITE = 0o022  # group or others may write
+_DIR_MODE = 0o755
 
 
 @dataclass(frozen=True)
@@ -72,14 +73,13 @@ class Store:
 
     @staticmethod
     def key(uri: str) -> str:
-        """The key of ``uri``'s file: its scheme, host (and port) and path; its query,
-        fragment and credentials left out (they do not make another file)."""
-        parts = urlsplit(uri)
-        host = parts.netloc.rpartition("@")[2].lower()
-        where = f"{parts.scheme}://{host}{parts.path}"
-        name = parts.path.rstrip("/").rpartition("/")[2]
+        """The key of ``uri``'s file: the whole URI, credentials left out (an ``s3://`` URI
+        as it is: its key is everything after the bucket's slash). ``_KEY_FORM`` sets these
+        keys apart from those of the form before it, which left out a query and a fragment."""
+        where, name = _identity(uri)
         safe = _UNSAFE.sub("_", name)[-_NAME_CHARS:] or "file"
-        return f"{hashlib.sha256(where.encode()).hexdigest()[:32]}-{safe}"
+        digest = hashlib.sha256(f"{_KEY_FORM}{where}".encode()).hexdigest()[:32]
+        return f"{digest}-{safe}"
 
     def path(self, key: str) -> Path:
         return self.root / key
@@ -115,7 +115,7 @@ class Store:
 
     def _open_lock(self, path: Path, uri: str) -> int:
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_dirs(self.root)
             return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as error:
             raise ConfigError(
@@ -178,7 +178,7 @@ class Store:
             self.path(key).unlink()
 
     def _write(self, name: str, data: bytes) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.root)
         fd, temporary = tempfile.mkstemp(dir=self.root, prefix=f".{name[:40]}.", suffix=".part")
         try:
             with os.fdopen(fd, "wb") as file:
@@ -191,6 +191,29 @@ class Store:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temporary)
             raise
+
+
+def _identity(uri: str) -> tuple[str, str]:
+    """(``uri`` without credentials, its file name)."""
+    if uri.startswith("s3://"):
+        return uri, uri.rpartition("/")[2]
+    parts = urlsplit(uri)
+    host = parts.netloc.rpartition("@")[2].lower()
+    where = f"{parts.scheme}://{host}{parts.path}"
+    where += (f"?{parts.query}" if parts.query else "") + (
+        f"#{parts.fragment}" if parts.fragment else ""
+    )
+    return where, parts.path.rstrip("/").rpartition("/")[2]
+
+
+def make_dirs(root: Path) -> None:
+    """``root`` and the directories above it that are missing, each writable by its owner
+    alone (whatever the umask lets group or others write)."""
+    missing = [d for d in (root, *root.parents) if not d.exists()]
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(mode=_DIR_MODE)
+            os.chmod(directory, stat.S_IMODE(directory.stat().st_mode) & ~_OTHERS_WRITE)
 
 
 def _flock(fd: int, uri: str, wait_s: float, give_up: float) -> None:

@@ -20,6 +20,7 @@ import psutil
 from worker.health.procstats import living
 
 DEPLOY = Path(__file__).parents[2] / "deploy" / "supervisor"
+_CACHE = 'WORKER_MODEL__CACHE_DIR="/var/cache/inference-worker/models"'
 GROUP = "inference-worker"
 # healthwatch's, in these tests (120 in the deploy config); it ends at a worker's first healthy
 # answer, so it bounds only a start that never answers (a slow start on a busy machine is none)
@@ -81,6 +82,7 @@ class Supervisord:
             ("--startup-grace-s 120", f"--startup-grace-s {STARTUP_GRACE_S}"),
             ("stopwaitsecs=60", f"stopwaitsecs={stopwaitsecs}"),
             ("startsecs=10", "startsecs=2"),
+            (_CACHE, f'WORKER_MODEL__CACHE_DIR="{run_dir}/models"'),
             *(
                 [("command=%(ENV_IW_BIN)s/inference-worker run", f"command={command}")]
                 if command

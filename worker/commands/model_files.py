@@ -67,8 +67,8 @@ def pin_lines(settings: Settings) -> list[str]:
     from pipelines.files.fetch import is_remote
     from worker.engine.build import model_files
 
-    files = model_files(settings)
     try:
+        files = model_files(settings)  # a cache not the worker's own: check said so already
         served = _served_files(settings)
     except WorkerError:
         return []

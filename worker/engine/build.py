@@ -7,17 +7,16 @@ import asyncio
 import os
 from collections.abc import Callable
 from concurrent.futures import Executor
-from pathlib import Path
 from typing import Any
 
 from config.derived import max_held_tasks, object_deadline_s, torch_threads
 from config.errors import ConfigError, ModelLoadFailed
+from config.model_cache import cache_root
 from config.settings import Settings
 from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.uris import SourceConfig
 from pipelines.device import release_cached_memory, sticky_cause
-from pipelines.files.fetch import ModelFiles
-from pipelines.files.store import default_root
+from pipelines.files.fetch import ModelFiles, Pins
 from pipelines.runner import load_runner
 from pipelines.setup import Chosen
 from worker.core.ports import BatchEngine
@@ -47,9 +46,20 @@ def source_config(s: Settings) -> SourceConfig:
 
 
 def model_files(s: Settings) -> ModelFiles:
-    """The host's model-file cache (WORKER_MODEL__CACHE_DIR, or the per-user default)."""
-    root = Path(s.model.cache_dir) if s.model.cache_dir else default_root(os.environ)
-    return ModelFiles(source_config(s), root, s.model.file_max_bytes, s.model.download_deadline_s)
+    """The host's model-file cache (WORKER_MODEL__CACHE_DIR, or the per-user default), AMI's
+    hosts and sizes, the operator's digests (whether the cache is the worker's own was checked
+    with the settings: ``config.cross_checks.worker_problems``)."""
+    from pipelines.ami.catalogue import file_hosts
+
+    m = s.model
+    return ModelFiles(
+        source_config(s),
+        cache_root(m.cache_dir, os.environ),
+        m.file_max_bytes,
+        m.download_deadline_s,
+        file_hosts(m.files_mirror, tuple(m.files_hosts), m.published_digests),
+        Pins(dict(m.file_digests), m.require_digests),
+    )
 
 
 def served_pipelines(

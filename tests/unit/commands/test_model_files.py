@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from config.errors import ConfigError
 from config.settings import load_settings
 from tests.served_files import Served
 from worker.commands.model_files import pin_lines
@@ -93,17 +96,34 @@ def test_check_says_how_each_file_is_pinned_without_downloading(served: Served, 
     assert served.gets == 0
 
 
-def test_check_says_a_plain_http_mirror_elsewhere_is_refused(tmp_path):
-    settings = load_settings(
-        for_worker=False,
-        model={
-            "pipeline": "moth_binary",
-            "files_mirror": "http://mirror.example.org/ami",
-            "cache_dir": str(tmp_path / "cache"),
-        },
+@pytest.mark.parametrize("setting", ["FILES_MIRROR", "FILES_HOSTS"])
+def test_run_and_check_refuse_a_plain_http_mirror_on_another_host_at_start(
+    setting, monkeypatch, tmp_path, capsys
+):
+    """One rule for every command that loads models: a worker serving several pipelines
+    (which loads none at start) refuses it at start too, before any task is taken."""
+    from worker.commands.cli import main
+    from worker.commands.localservers import free_port
+
+    monkeypatch.chdir(tmp_path)  # no .env
+    for name in [name for name in os.environ if name.startswith("WORKER_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("WORKER_MODEL__PIPELINES", "moth_binary,panama_moths_2024")
+    monkeypatch.setenv(f"WORKER_MODEL__{setting}", "http://mirror.example.org/ami")
+    monkeypatch.setenv("WORKER_MODEL__CACHE_DIR", str(tmp_path / "cache"))
+    # Were it not refused, run would give up on a server that is not there.
+    monkeypatch.setenv("WORKER_NATS__URL", f"nats://127.0.0.1:{free_port()}")
+    refusal = (
+        f"config error: WORKER_MODEL__{setting}='http://mirror.example.org/ami': plain "
+        "http:// only to this host"
     )
-    lines = pin_lines(settings)
-    assert len(lines) == 3  # the detector's weights, the classifier's weights and map
-    for line in lines:
-        assert line.startswith("model file: http://mirror.example.org/ami/moths/")
-        assert "refused: " in line and "use https://" in line
+    with pytest.raises(ConfigError, match=f"WORKER_MODEL__{setting}="):
+        load_settings()
+    for command in ("run", "check", "models"):
+        argv = [command, "fetch"] if command == "models" else [command]
+        assert main(argv) == 2, command
+        assert capsys.readouterr().err.startswith(refusal), command
+    monkeypatch.setenv(f"WORKER_MODEL__{setting}", "http://127.0.0.1:8080/ami")
+    load_settings()  # this host's own mirror may be plain http://
+    monkeypatch.setenv(f"WORKER_MODEL__{setting}", "https://mirror.example.org/ami")
+    load_settings()

@@ -231,3 +231,27 @@ def test_weights_named_in_a_refusal_never_show_a_presigned_signature():
         load_settings(model={"weights": presigned})
     assert "WORKER_MODEL__WEIGHTS" in str(refused.value)
     assert "deadbeefcafe" not in str(refused.value) and "AKIA" not in str(refused.value)
+
+
+def test_verified_digests_and_amis_hosts_are_read_and_checked(tmp_path, monkeypatch):
+    from config.settings import load_settings
+
+    monkeypatch.chdir(tmp_path)  # no .env
+    sha = "AB" * 32
+    model = {
+        "file_digests": f"m.pth={sha}, https://h.example/dl?model=a=sha256:{sha.lower()}",
+        "files_hosts": "https://a.example/ami/, https://b.example/ami/",
+        "cache_dir": str(tmp_path / "cache"),
+    }
+    settings = load_settings(model=model)
+    assert settings.model.file_digests == {
+        "m.pth": sha.lower(),
+        "https://h.example/dl?model=a": sha.lower(),
+    }
+    assert settings.model.files_hosts == ["https://a.example/ami/", "https://b.example/ami/"]
+    with pytest.raises(ConfigError, match=r"WORKER_MODEL__FILE_DIGESTS: 'm\.pth': give name="):
+        load_settings(model={**model, "file_digests": "m.pth=1234"})
+    with pytest.raises(
+        ConfigError, match="WORKER_MODEL__FILES_MIRROR and WORKER_MODEL__FILES_HOSTS are both"
+    ):
+        load_settings(model={**model, "files_mirror": "/srv/ami"})

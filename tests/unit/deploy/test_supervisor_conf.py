@@ -123,6 +123,21 @@ def test_the_antenna_example_runs_the_same_processes_with_antenna_as_the_source(
         metrics={"port": int(env["WORKER_METRICS__PORT"])},
     )
     assert settings.source == "antenna"
+    assert _own_cache(env)
     assert metrics_port(settings) == process_port(workers[1].name, 9460) == 9461
     listener = groups["inference-worker-antenna-healthwatch"].process_configs[0]
     assert "--group inference-worker-antenna " in listener.command
+
+
+def _own_cache(env: dict[str, str]) -> bool:
+    """The model-file cache is set, and not under HOME=/tmp, where another account could
+    plant the files served as a model's (docs/model-files.md, The cache directory)."""
+    cache = Path(env["WORKER_MODEL__CACHE_DIR"])
+    return cache.is_absolute() and Path("/tmp") not in (cache, *cache.parents)
+
+
+def test_the_model_cache_is_a_lasting_directory_outside_tmp(tmp_path, monkeypatch):
+    processes, _listener = render(tmp_path, monkeypatch, 2, GPUS[:2])
+    for process in processes:
+        assert process.environment["HOME"] == "/tmp"  # a system account has no home
+        assert _own_cache(process.environment), process.environment

@@ -157,14 +157,33 @@ def test_each_slug_resolves_to_amis_stages(slug: str) -> None:
 
 
 @pytest.mark.parametrize("slug", list(EXPECTED))
-def test_digests_are_the_hex_prefixes_torch_hub_names_carry(slug: str) -> None:
-    pipeline = resolve(slug)
-    for stage in pipeline.stages():
-        assert isinstance(stage.weights, str)
-        stem = stage.weights.rsplit("/", 1)[1].rsplit(".", 1)[0]
-        tail = stem.rsplit("_", 1)[-1].rsplit("-", 1)[-1]
-        is_hex = len(tail) == 8 and all(c in "0123456789abcdef" for c in tail)
-        assert stage.weights_digest == (tail if is_hex else None), stage.weights
+def test_no_digest_is_read_into_a_files_name(slug: str) -> None:
+    """The 8 hex digits some of AMI's names end with are names, not digests: nothing shows
+    they are part of a sha256, so no stage declares one (each file is pinned as recorded)."""
+    for stage in resolve(slug).stages():
+        assert (stage.weights_digest, stage.labels_digest) == (None, None), stage.weights
+
+
+def test_the_sizes_are_those_amis_model_cards_publish() -> None:
+    sizes = catalogue.published_sizes()
+    by_name = {path.rpartition("/")[2]: size for path, size in sizes.items()}
+    assert by_name == {
+        "fasterrcnn_resnet50_fpn_tz53qv9v.pt": 330_066_092,
+        "moth-nonmoth_resnet50_20240417_b4fe3efe.pth": 94_373_731,
+        "quebec-vermont_resnet50_baseline_20240417_950de764.pth": 114_822_755,
+        "uk-denmark_resnet50_baseline_20240417_55250a8b.pth": 115_691_491,
+        "panama_resnet50_baseline_20240417_edbb46dd.pth": 99_570_019,
+        "global_resnet50_20240828_b06d3b3a.pth": 333_489_027,
+        "convnext_tiny_in22k_worder0.5_wbinary0.5_run2_checkpoint.pt": 334_241_031,
+    }
+    hosts = catalogue.file_hosts("", (), True)
+    uri = resolve("moth_binary").stages()[0].weights
+    assert isinstance(uri, str) and uri.startswith(BASE)  # named and cached as AMI names it
+    assert hosts.candidates(uri) == (
+        uri.replace(BASE, catalogue.AMI_CURRENT_BASE),  # AMI's current host first
+        uri,
+    )
+    assert "/swift/v1/AUTH_" in catalogue.AMI_CURRENT_BASE  # the card: the segment is required
 
 
 def test_declared_sizes_and_urls_of_the_published_files() -> None:
@@ -292,7 +311,7 @@ def test_crops_are_squashed_and_normalised_as_amis_worker_does(
     tmp_path: Path, slug: str, wrapped: bool
 ) -> None:
     _write_stage(tmp_path, slug, wrapped)
-    stage = resolve(slug, "", str(tmp_path), published_digests=False).classifier
+    stage = resolve(slug, "", str(tmp_path)).classifier
     assert stage is not None
     model = ClassifierModel(stage, SourceConfig(), torch.device("cpu"))
     assert model.algorithm.labels == tuple(labels_by_index(species_map()))
@@ -381,8 +400,8 @@ def test_the_same_stage_in_two_pipelines_is_loaded_once(tmp_path: Path) -> None:
     (tmp_path / binary.weights).parent.mkdir(parents=True)
     torch.save(classifier_state("resnet50", 2, 1, 0), tmp_path / binary.weights)
     (tmp_path / binary.labels).write_text(json.dumps(BINARY_MAP))
-    as_filter = resolve("panama_moths_2023", "", str(tmp_path), published_digests=False).filter
-    alone = resolve("moth_binary", "", str(tmp_path), published_digests=False).classifier
+    as_filter = resolve("panama_moths_2023", "", str(tmp_path)).filter
+    alone = resolve("moth_binary", "", str(tmp_path)).classifier
     assert as_filter is not None and alone is not None and as_filter != alone  # keep differs
     cpu = torch.device("cpu")
 
@@ -497,12 +516,15 @@ def test_a_float_crop_resize_only_squashes() -> None:
     ]
 
 
-def test_a_mirrored_file_that_is_not_amis_is_refused_naming_both_digests(tmp_path: Path) -> None:
-    """By default a mirror must hold AMI's own files: the digest prefix in a published name
-    is checked, so other weights under that name are refused before they are loaded."""
+def test_a_mirrored_file_that_is_not_amis_is_refused_naming_both_sizes(tmp_path: Path) -> None:
+    """By default a mirror must hold AMI's own files: the size AMI publishes is checked, so
+    other weights under that name are refused before they are loaded."""
+    from pipelines.files.fetch import ModelFiles
+
     _write_stage(tmp_path, "global_moths_2024", False)
     stage = resolve("global_moths_2024", "", str(tmp_path)).classifier
-    assert stage is not None and stage.weights_digest == "b06d3b3a"
+    assert stage is not None and stage.weights_digest is None
+    files = ModelFiles(SourceConfig(), hosts=catalogue.file_hosts(str(tmp_path), (), True))
     with pytest.raises(ConfigError, match=r"global_resnet50_20240828_b06d3b3a\.pth refused.*"
-                       r"expected sha256 b06d3b3a, got [0-9a-f]{64}"):  # fmt: skip
-        ClassifierModel(stage, SourceConfig(), torch.device("cpu"))
+                       r"expected 333489027 bytes, got [0-9]+ bytes"):  # fmt: skip
+        ClassifierModel(stage, SourceConfig(), torch.device("cpu"), files=files)

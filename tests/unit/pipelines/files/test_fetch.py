@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -188,7 +189,6 @@ def test_a_classifier_loads_its_weights_and_labels_by_url_then_offline(served, t
 
 
 def test_a_redirect_to_another_scheme_is_refused(tmp_path):
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class Redirecting(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -304,20 +304,52 @@ def test_a_file_missing_from_a_read_only_cache_is_an_error_naming_it(served, tmp
     assert served.gets == 0
 
 
-def test_a_presigned_url_whose_signature_rotates_is_one_cached_file(served, tmp_path):
+def test_a_query_or_a_fragment_makes_another_file(tmp_path):
+    """The whole URI is the file: ``dl?model=a`` and ``dl?model=b`` are two entries, each
+    with its own bytes, and so are two fragments; credentials are no part of it."""
     from pipelines.files.store import Store
 
-    sha = _publish(served, "model.pt", b"weights")
-    cache = tmp_path / "cache"
-    files = ModelFiles(QUICK, cache)
-    first = files.fetch(served.url("model.pt?X-Amz-Signature=aaa&X-Amz-Expires=60"))
-    again = files.fetch(served.url("model.pt?X-Amz-Signature=bbb&X-Amz-Expires=60#x"))
-    assert (first.downloaded, again.downloaded, again.sha256) == (True, False, sha)
-    assert served.gets == 1
-    assert len(_kept(cache)) == 2  # the file and its record, once
+    class ByQuery(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = f"weights of {self.path}".encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ByQuery)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        files = ModelFiles(QUICK, tmp_path / "cache")
+        assert files.read(f"{base}/dl?model=a") == b"weights of /dl?model=a"
+        assert files.read(f"{base}/dl?model=b") == b"weights of /dl?model=b"
+        assert files.read(f"{base}/dl?model=a") == b"weights of /dl?model=a"  # cached, its own
+        assert files.fetch(f"{base}/dl#1").downloaded and files.fetch(f"{base}/dl#2").downloaded
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(_kept(tmp_path / "cache")) == 8  # four files, each with its record
     plain = "https://models.example.org/m/model.pt"
-    assert Store.key("https://user:secret@models.example.org/m/model.pt?sig=1") == Store.key(plain)
-    assert Store.key("https://models.example.org/other/model.pt") != Store.key(plain)
+    assert Store.key("https://user:secret@models.example.org/m/model.pt") == Store.key(plain)
+    assert Store.key(plain + "?sig=1") != Store.key(plain) != Store.key(plain + "#x")
+
+
+def test_s3_keys_are_taken_as_s3_reads_them(s3_server, bucket, tmp_path):
+    """``clf#1.pth`` and ``clf#2.pth`` are two objects (S3 keys may hold ``#``), two entries."""
+    from dataclasses import replace
+
+    client = s3_server.client()
+    client.put_object(Bucket=bucket, Key="m/clf#1.pth", Body=b"first classifier")
+    client.put_object(Bucket=bucket, Key="m/clf#2.pth", Body=b"second classifier")
+    sources = replace(QUICK, s3_endpoint_url=s3_server.endpoint_url)
+    files = ModelFiles(sources, tmp_path / "cache")
+    assert files.read(f"s3://{bucket}/m/clf#1.pth") == b"first classifier"
+    assert files.read(f"s3://{bucket}/m/clf#2.pth") == b"second classifier"
+    assert files.fetch(f"s3://{bucket}/m/clf#2.pth").downloaded is False
 
 
 def test_no_lock_file_stays_after_a_download_or_a_failed_one(served, tmp_path):

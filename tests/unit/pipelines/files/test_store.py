@@ -1,0 +1,22 @@
+"""The model-file cache's own writes (pipelines/files/store.py): directories made for it are
+writable by their owner alone, whatever the umask (``config.model_cache`` refuses others)."""
+
+from __future__ import annotations
+
+import os
+
+from config.model_cache import own_problem
+from pipelines.files.store import make_dirs
+
+ME = os.geteuid()
+
+
+def test_directories_made_for_the_cache_are_writable_by_their_owner_alone(tmp_path):
+    old = os.umask(0o002)
+    try:
+        make_dirs(tmp_path / "a" / "b" / "cache")
+    finally:
+        os.umask(old)
+    for directory in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "cache"):
+        assert directory.stat().st_mode & 0o022 == 0, directory
+    assert own_problem(tmp_path / "a" / "b" / "cache", ME) is None
