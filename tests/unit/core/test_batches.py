@@ -119,7 +119,7 @@ async def test_no_hold_is_longer_than_its_cap():
 
 
 class SourceThatCannotChoose(FakeSource):
-    async def fetch(self, batch: int, runnable: Any = None) -> Sequence[Any]:
+    async def fetch(self, batch: int, runnable: Any = None, available: Any = None) -> Sequence[Any]:
         return await super().fetch(batch)
 
 
