@@ -233,6 +233,20 @@ async def test_a_task_on_its_last_delivery_waits_held_until_its_pipeline_loads_a
     assert last.actions == ["ack"] and availability.available("broken")
 
 
+async def test_a_task_of_an_unavailable_pipeline_is_given_back_at_admission_not_loaded_for():
+    availability = Availability(first_s=60.0)
+    availability.lost("broken", Failure("model_load_failed", "403", reason="download_refused"))
+    broken, fine = task_msg("b", subject="tasks.broken"), task_msg("f", subject="tasks.fine")
+    engine = FakeEngine()
+    worker, store, _js, _m = a_worker(FakeSource([broken, fine]), engine, availability=availability)
+
+    exit = await run(worker)
+
+    assert exit.code == 0 and [r["task_id"] for r in store.stored] == ["f"]
+    assert broken.actions == ["nak"] and broken.nak_delays == [0.01]  # the backoff's first
+    assert engine.loaded == ["fine"]  # no load tried for a task: the retry is the background's
+
+
 class GatedEngine(FakeEngine):
     """The first batch waits for ``release``: tasks stay held and no batch completes."""
 
