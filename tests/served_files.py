@@ -1,5 +1,6 @@
 """A directory served over HTTP on 127.0.0.1 by a real server, its GETs counted (model-file
-tests: pipelines/files, ``models fetch``)."""
+tests: pipelines/files, ``models fetch``); it answers 403 to every GET while ``refusing`` (a
+file host refusing a new host for a while)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from typing import Any
 
 
 class Served:
-    """A directory served over HTTP on 127.0.0.1, its GETs counted (each may be delayed)."""
+    """A directory served over HTTP on 127.0.0.1, its GETs counted (each may be delayed);
+    403 to each while ``refusing``, those counted in ``refused``."""
 
-    def __init__(self, root: Path, delay_s: float = 0.0) -> None:
+    def __init__(self, root: Path, delay_s: float = 0.0, refusing: bool = False) -> None:
         self.root = root
         self.gets = 0
+        self.refusing = refusing
+        self.refused = 0
         counting = threading.Lock()
         served = self
 
@@ -24,7 +28,12 @@ class Served:
             def do_GET(self) -> None:
                 with counting:
                     served.gets += 1
+                    refuse = served.refusing
+                    served.refused += refuse
                 time.sleep(delay_s)
+                if refuse:
+                    self.send_error(403, "Forbidden")
+                    return
                 super().do_GET()
 
             def log_message(self, *_args: Any) -> None:
