@@ -247,6 +247,33 @@ async def test_a_task_of_an_unavailable_pipeline_is_given_back_at_admission_not_
     assert engine.loaded == ["fine"]  # no load tried for a task: the retry is the background's
 
 
+async def test_one_served_pipeline_whose_reload_fails_after_an_idle_unload_fails_no_task():
+    first = [task_msg(f"a{i}") for i in range(2)]
+    later = [task_msg(f"b{i}") for i in range(3)]
+    engine = FakeEngine()
+    source = FakeSource(list(first))
+    worker, store, _js, _m = a_worker(source, engine, availability=Availability(60.0))
+    worker._until_idle = False
+    running = asyncio.create_task(run(worker))
+    for _ in range(400):
+        if len(store.stored) == 2:
+            break
+        await asyncio.sleep(0.01)
+    engine.loaded.clear()  # unloaded when idle; its file host now refuses this host
+    engine.load_failures["p"] = Failure("model_load_failed", "403", reason="download_refused")
+    source.msgs += later
+    for _ in range(400):
+        if all(m.actions for m in later):
+            break
+        await asyncio.sleep(0.01)
+    worker._stop.set()
+    await running
+
+    assert [r["status"] for r in store.stored] == ["ok", "ok"]  # the first two only
+    assert all(m.actions == ["nak"] for m in later)  # given back, none failed
+    assert not worker.availability.available("p")
+
+
 class GatedEngine(FakeEngine):
     """The first batch waits for ``release``: tasks stay held and no batch completes."""
 
