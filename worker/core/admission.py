@@ -75,7 +75,13 @@ class Admission:
             await self._settler.settle(
                 delivered, Verdict(Decision.GIVE_BACK, delay_s=delay_s, reason=why)
             )
-            log.info("task_given_back", **delivered.log_fields, reason=why, delay_s=delay_s)
+            log.info(
+                "task_given_back",
+                task_id=read.task.id,
+                **delivered.log_fields,
+                reason=why,
+                delay_s=delay_s,
+            )
             return None
         return self._claims.add(delivered, read.task)
 

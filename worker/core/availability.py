@@ -135,13 +135,6 @@ class Availability:
         now = self._clock()
         return min((lost.retry_at_s - now for lost in self._lost.values()), default=float("inf"))
 
-    def said(self) -> str | None:
-        """What ``/readyz`` says of the unavailable pipelines (None: none is)."""
-        if not self._lost:
-            return None
-        each = [f"{name} ({lost.reason}: {lost.error})" for name, lost in self._lost.items()]
-        return "unavailable pipelines: " + "; ".join(each)
-
     def _changed(self) -> None:
         for changed in self._watchers:
             changed()

@@ -42,16 +42,15 @@ def test_a_lost_pipeline_is_retried_after_the_first_wait_then_twice_as_long_up_t
     assert changes == ["changed", "changed"]  # lost, then back
 
 
-def test_readiness_names_each_unavailable_pipeline_and_why():
+def test_each_unavailable_pipeline_is_known_with_its_reason_and_error():
     availability = Availability()
-    assert availability.said() is None
+    assert availability.unavailable() == {} and availability.failure("moths") is None
     availability.lost("moths", REFUSED)
     too_large = Failure("model_too_large", "takes 9 bytes loaded, over the memory budget")
     availability.lost("orders", too_large)
-    said = availability.said()
-    assert said is not None
-    assert "moths (download_refused: GET https://host/m.pt: 403)" in said
-    assert "orders (over_budget: " in said
+    lost = availability.unavailable()
+    assert (lost["moths"].reason, lost["moths"].error) == ("download_refused", REFUSED.message)
+    assert lost["orders"].reason == "over_budget"
     assert availability.failure("moths") == Failure(
         "model_load_failed", REFUSED.message, reason="download_refused"
     )
