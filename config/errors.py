@@ -38,8 +38,6 @@ ErrorKind = Literal[
     "invalid_result_subject",
     "invalid_model_output",
     "load_failed",
-    "model_load_failed",  # retryable when only the weights' store was unavailable
-    "model_too_large",
     "pipeline_not_served",
     # Transient: retried; stored after the last delivery (``retryable: true``).
     "s3_unavailable",
@@ -53,8 +51,18 @@ ErrorKind = Literal[
     "results_unavailable",  # the store did not confirm a write: a retry's reason, never stored
     # An error raised without naming its kind (a bug to report).
     "internal_error",
+    # A pipeline's models could not be loaded on this host: never a task's result. Its tasks
+    # are given back and the pipeline is unavailable until a background load succeeds
+    # (``UNAVAILABLE_KINDS``; docs/nats.md, "When a pipeline cannot be loaded").
+    "model_load_failed",
+    "model_too_large",
 ]
 ERROR_KINDS: frozenset[ErrorKind] = frozenset(get_args(ErrorKind))
+UNAVAILABLE_KINDS: frozenset[ErrorKind] = frozenset({"model_load_failed", "model_too_large"})
+# Why a pipeline is unavailable (``Failure.reason``, the metric's ``reason`` label): its file
+# host refused the download, the model cache cannot be written, its models are over the memory
+# budget, or anything else its load raised.
+LOAD_REASONS = ("download_refused", "cache_unwritable", "over_budget", "load_failed")
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,7 @@ class Failure:
     kind: ErrorKind
     message: str
     retryable: bool = False
+    reason: str = ""  # a load failure's: one of ``LOAD_REASONS`` (never in a result)
 
     def as_dict(self) -> dict[str, Any]:
         """The result's ``error``: the message capped and with every URL in it redacted."""

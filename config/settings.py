@@ -386,6 +386,19 @@ class ModelSettings(BaseModel):
         "0 = only when another pipeline needs the room",
         ge=0,
     )
+    load_retry_s: float = Field(
+        30.0,
+        description="a pipeline whose models cannot be loaded (its file host refuses, the cache "
+        "cannot be written, over the memory budget, a broken file) is unavailable: its tasks are "
+        "given back and none more taken, and its load is tried again in the background after "
+        "this many seconds, then twice as long each time",
+        gt=0,
+    )
+    load_retry_max_s: float = Field(
+        600.0,
+        description="the longest wait between two background loads of an unavailable pipeline",
+        gt=0,
+    )
     hold_per_load: float = Field(
         4.0,
         description="after a pipeline's models load, pipelines whose models are not loaded wait "

@@ -4,12 +4,14 @@ in an LRU cache bounded by a memory budget (bytes of the models' weights on thei
 The least recently used pipeline that no batch is using is unloaded when another needs the
 room, or after ``idle_unload_s`` without a batch; a pipeline in use is never unloaded. A
 pipeline larger than the whole budget is refused at start (``estimated_bytes``), or, when only
-its load shows it, its tasks get an error. Loads and unloads are serialised by one lock; the
-caller decides on which thread they run (the worker: a thread of their own, never the event
-loop). A failed load is remembered for ``retry_after_s``: that pipeline's tasks fail fast with
-the same failure instead of loading again for each batch. With ``together`` (the bytes of
-several models at once), what models share (one stage in several pipelines,
-``pipelines/shared.py``) counts once against the budget.
+its load shows it, its load fails (``model_too_large``). Loads are serialised by a lock of their
+own, and the cache's state by another, held only for moments: a batch acquiring a loaded model
+never waits for another pipeline's load (a download can take minutes). The caller decides on
+which thread loads run (the worker: a thread of their own, never the event loop). A failed load
+raises ``ModelLoadFailed`` each time it is tried, its ``Failure.reason`` saying why
+(``config.errors.LOAD_REASONS``); when to try again is the caller's (``worker.core.availability``).
+With ``together`` (the bytes of several models at once), what models share (one stage in several
+pipelines, ``pipelines/shared.py``) counts once against the budget.
 """
 
 from __future__ import annotations
@@ -23,12 +25,25 @@ from typing import Any, Generic, TypeVar
 
 import structlog
 
-from config.errors import Failure, ModelLoadFailed, TransientError
+from config.errors import ConfigError, Failure, ModelLoadFailed, WorkerError
 from config.names import env_name
 
 log = structlog.get_logger(__name__)
 M = TypeVar("M")
-RETRY_AFTER_S = 30.0
+# The kinds of a model file's download that its file host refused or could not answer.
+_DOWNLOAD_KINDS = frozenset(
+    {
+        "access_denied",
+        "object_missing",
+        "http_error",
+        "s3_error",
+        "redirect_refused",
+        "address_refused",
+        "tls_error",
+        "http_unavailable",
+        "s3_unavailable",
+    }
+)
 
 
 @dataclass
@@ -58,7 +73,6 @@ class ModelCache(Generic[M]):
         *,
         estimated_bytes: dict[str, int] | None = None,
         unloaded: Callable[[str], None] = lambda _name: None,
-        retry_after_s: float = RETRY_AFTER_S,
         clock: Callable[[], float] = time.monotonic,
         together: Callable[[list[M]], int] | None = None,
     ) -> None:
@@ -68,11 +82,10 @@ class ModelCache(Generic[M]):
         self.budget_bytes = budget_bytes
         self._estimated = dict(estimated_bytes or {})
         self._unloaded = unloaded  # after a model's last reference is dropped (CUDA: trim)
-        self._retry_after_s = retry_after_s
         self._clock = clock
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the state below, held for moments only
+        self._loading = threading.Lock()  # one load at a time, the state's lock not held
         self._resident: OrderedDict[str, _Entry[M]] = OrderedDict()  # least recent first
-        self._failed: dict[str, tuple[float, Failure]] = {}
         self.stats = CacheStats()
 
     # -- what is there ------------------------------------------------------------------
@@ -95,12 +108,15 @@ class ModelCache(Generic[M]):
     def acquire(self, name: str) -> M:
         """The model for a batch (loaded now if it is not); unloaded by nobody until
         ``release``. ModelLoadFailed when it cannot be had."""
-        with self._lock:
-            entry = self._resident.get(name) or self._loaded(name)
-            entry.in_use += 1
-            entry.used_at = self._clock()
-            self._resident.move_to_end(name)
-            return entry.model
+        while True:
+            with self._lock:
+                entry = self._resident.get(name)
+                if entry is not None:
+                    entry.in_use += 1
+                    entry.used_at = self._clock()
+                    self._resident.move_to_end(name)
+                    return entry.model
+            self.load(name)  # then taken above, unless unloaded meanwhile for room
 
     def release(self, name: str) -> None:
         with self._lock:
@@ -111,11 +127,22 @@ class ModelCache(Generic[M]):
 
     def load(self, name: str) -> None:
         """Make ``name`` resident (a no-op when it is); ModelLoadFailed when it cannot be."""
-        with self._lock:
-            if name in self._resident:
-                self._resident.move_to_end(name)
-                return
-            self._loaded(name)
+        with self._loading:
+            with self._lock:
+                if name in self._resident:
+                    self._resident.move_to_end(name)
+                    return
+                self._make_room(name, self._estimated.get(name, 0))
+            started = time.perf_counter()
+            try:
+                model = self._load(name)
+            except Exception as error:  # noqa: BLE001 - the pipeline's code and weights, the host
+                failure = _load_failure(name, error)
+                self.stats.load_failures[name] = self.stats.load_failures.get(name, 0) + 1
+                log.error("model_load_failed", pipeline=name, error=failure.message)
+                raise ModelLoadFailed(failure, error) from None
+            with self._lock:
+                self._admit(name, model, time.perf_counter() - started)
 
     def unload_idle(self, idle_s: float) -> list[str]:
         """Unload every pipeline not used for ``idle_s`` (none in use); their names."""
@@ -136,37 +163,25 @@ class ModelCache(Generic[M]):
                 self._evict(name, "closing", counted=False)
 
     # -- inside the lock ------------------------------------------------------------------
-    def _loaded(self, name: str) -> _Entry[M]:
-        failed = self._failed.get(name)
-        if failed is not None and self._clock() - failed[0] < self._retry_after_s:
-            raise ModelLoadFailed(failed[1])
-        self._make_room(name, self._estimated.get(name, 0))
-        started = time.perf_counter()
-        try:
-            model = self._load(name)
-        except Exception as error:  # noqa: BLE001 - the pipeline's code and weights: its tasks fail
-            failure = _load_failure(name, error)
-            self._failed[name] = (self._clock(), failure)
-            self.stats.load_failures[name] = self.stats.load_failures.get(name, 0) + 1
-            log.error("model_load_failed", pipeline=name, error=failure.message)
-            raise ModelLoadFailed(failure, error) from None
-        seconds = time.perf_counter() - started
+    def _admit(self, name: str, model: M, seconds: float) -> None:
+        """``model``, just loaded, made resident, unloading others for its room; over the
+        whole budget, dropped (ModelLoadFailed, ``over_budget``)."""
         size = self._size_of(model)
-        self._failed.pop(name, None)
         self._estimated[name] = size  # the measured size is the one to make room for next time
         if size > self.budget_bytes:
             del model
             self._unloaded(name)
+            self.stats.load_failures[name] = self.stats.load_failures.get(name, 0) + 1
             failure = Failure(
                 "model_too_large",
                 f"pipeline {name!r} takes {size} bytes loaded, over the memory budget "
                 f"({env_name('model', 'memory_budget_bytes')}={self.budget_bytes})",
+                reason="over_budget",
             )
-            self._failed[name] = (self._clock(), failure)
+            log.error("model_load_failed", pipeline=name, error=failure.message)
             raise ModelLoadFailed(failure)
         self._make_room(name, size, model)
-        entry = _Entry(model, size, self._clock())
-        self._resident[name] = entry
+        self._resident[name] = _Entry(model, size, self._clock())
         self.stats.loads[name] = self.stats.loads.get(name, 0) + 1
         self.stats.load_seconds[name] = self.stats.load_seconds.get(name, 0.0) + seconds
         log.info(
@@ -176,7 +191,6 @@ class ModelCache(Generic[M]):
             load_s=round(seconds, 3),
             resident=list(self._resident),
         )
-        return entry
 
     def _make_room(self, name: str, needed: int, model: M | None = None) -> None:
         """Unload least recently used idle pipelines until ``needed`` more bytes fit (or,
@@ -205,10 +219,28 @@ class ModelCache(Generic[M]):
 
 
 def _load_failure(name: str, error: Exception) -> Failure:
-    """What a failed load gives its pipeline's tasks: retried later when its store was only
-    unavailable, an error result at once otherwise (weights that do not fit, a broken plugin)."""
+    """What a failed load makes of its pipeline: unavailable on this host, for a reason of the
+    host or of the file host (``load_reason``); never its tasks' fault."""
     message = f"pipeline {name!r} could not be loaded: {error}"
-    return Failure("model_load_failed", message, retryable=isinstance(error, TransientError))
+    return Failure("model_load_failed", message, reason=load_reason(error))
+
+
+def load_reason(error: BaseException) -> str:
+    """Why a load failed, as one of ``config.errors.LOAD_REASONS``: the first error in its
+    chain (what the load wrapped it in, then what it wrapped) that says."""
+    cache = env_name("model", "cache_dir")
+    seen: BaseException | None = error
+    for _ in range(8):  # a chain is short; a cycle is not followed for ever
+        if seen is None:
+            break
+        if isinstance(seen, WorkerError) and seen.kind in _DOWNLOAD_KINDS:
+            return "download_refused"
+        if isinstance(seen, WorkerError | OSError) and str(seen).startswith(cache):
+            return "cache_unwritable"
+        if isinstance(seen, ConfigError) and "cannot write model files" in str(seen):
+            return "cache_unwritable"
+        seen = seen.__cause__ or seen.__context__
+    return "load_failed"
 
 
 def tensor_bytes(tensors: Iterable[Any]) -> int:

@@ -1,8 +1,13 @@
 """Pipelines Antenna can keep the results of (a detector first), with no weights files: the
 demo's test detector, then a classifier over the given labels. Named ``module:attribute`` by
-the Antenna tests (``tests.antenna_pipelines:animals``)."""
+the Antenna tests (``tests.antenna_pipelines:animals``). ``colours_from_url``: the same with
+its classifier's weights read from the URL in ``IW_TEST_COLOURS_WEIGHTS`` (read when the
+worker declares it), for a file host that refuses a while."""
 
 from __future__ import annotations
+
+import os
+from dataclasses import replace
 
 from pipelines.declare import Classifier, Detector, Pipeline, Preprocess
 from worker.commands.demo_models import HALF, BrightBoxesDetector, ColourClassifier
@@ -37,3 +42,10 @@ def animals() -> Pipeline:
 
 def colours() -> Pipeline:
     return _boxes_then("colours", COLOURS)
+
+
+def colours_from_url() -> Pipeline:
+    pipeline = _boxes_then("colours", COLOURS)
+    assert pipeline.classifier is not None
+    weights = os.environ["IW_TEST_COLOURS_WEIGHTS"]
+    return replace(pipeline, classifier=replace(pipeline.classifier, weights=weights))

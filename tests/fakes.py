@@ -47,6 +47,7 @@ class FakeMsg:
     actions: list[str] = field(default_factory=list)
     fail_term: bool = False
     kept_alive: int = 0
+    nak_delays: list[float | None] = field(default_factory=list)
 
     @property
     def metadata(self) -> Any:
@@ -59,6 +60,7 @@ class FakeMsg:
 
     async def nak(self, delay: float | None = None) -> None:
         self.actions.append("nak")
+        self.nak_delays.append(delay)
 
     async def in_progress(self) -> None:
         self.kept_alive += 1
@@ -156,7 +158,9 @@ class FakeSource:
     max_deliver: int = 2
     default_pipeline: str = "p"  # for a task on ``tasks`` alone
 
-    async def fetch(self, batch: int, runnable: Any = None) -> Sequence[NatsDelivered]:
+    async def fetch(
+        self, batch: int, runnable: Any = None, available: Any = None
+    ) -> Sequence[NatsDelivered]:
         import asyncio
 
         self.fetches += 1

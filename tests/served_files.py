@@ -1,5 +1,6 @@
 """A directory served over HTTP on 127.0.0.1 by a real server, its GETs counted (model-file
-tests: pipelines/files, ``models fetch``)."""
+tests: pipelines/files, ``models fetch``); it answers 403 to every GET while ``refusing`` (a
+file host refusing a new host for a while)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,16 @@ from typing import Any
 
 class Served:
     """A directory served over HTTP on 127.0.0.1, its GETs counted (each may be delayed);
-    ``refuse``: every GET answered with this status instead (403: a host that denies)."""
+    ``refuse``: every GET answered with this status instead (403: a host that denies); 403 to
+    each while ``refusing`` (settable while it runs), those counted in ``refused``."""
 
-    def __init__(self, root: Path, delay_s: float = 0.0, refuse: int = 0) -> None:
+    def __init__(
+        self, root: Path, delay_s: float = 0.0, refuse: int = 0, refusing: bool = False
+    ) -> None:
         self.root = root
         self.gets = 0
+        self.refusing = refusing
+        self.refused = 0
         counting = threading.Lock()
         served = self
 
@@ -25,9 +31,11 @@ class Served:
             def do_GET(self) -> None:
                 with counting:
                     served.gets += 1
+                    status = refuse or (403 if served.refusing else 0)
+                    served.refused += bool(status)
                 time.sleep(delay_s)
-                if refuse:
-                    self.send_error(refuse)
+                if status:
+                    self.send_error(status)
                     return
                 super().do_GET()
 

@@ -17,6 +17,7 @@ from worker.health.metrics import (
     Metrics,
     ModelsCollector,
     ReadsCollector,
+    UnavailableCollector,
 )
 from worker.nats.source_metrics import JobConsumersCollector
 
@@ -48,6 +49,7 @@ def _registered() -> set[str]:
     stats = SimpleNamespace(loads={}, load_failures={}, evictions={}, load_seconds={})
     cache = SimpleNamespace(resident=dict, stats=stats, budget_bytes=1)
     registry.register(ModelsCollector(cache, ["p"]))
+    registry.register(UnavailableCollector(("p",), dict))
     counts = dict(existing=0, bound=1, made=0, deleted=0, refused=0, updated=0)
     registry.register(JobConsumersCollector(lambda: SimpleNamespace(**counts)))
     return {family.name for family in registry.collect()}

@@ -72,8 +72,12 @@ class AntennaSource:
         each project of ``WORKER_ANTENNA__PROJECT_IDS`` whose listing it refused."""
         return self.last_refusal or self._jobs.last_refusal
 
-    async def fetch(self, batch: int, runnable: Runnable | None = None) -> list[AntennaDelivered]:
-        """Up to ``batch`` reserved tasks; [] within about ``wait_s`` when there are none."""
+    async def fetch(
+        self, batch: int, runnable: Runnable | None = None, available: Runnable | None = None
+    ) -> list[AntennaDelivered]:
+        """Up to ``batch`` reserved tasks; [] within about ``wait_s`` when there are none.
+        Nothing is reserved from jobs of a pipeline ``available`` says no to (its models
+        cannot be loaded here: what it reserved could only be left to redelivery)."""
         if self._closed:
             return []
         wanted = min(batch, self._size, self.reservations.allowed())
@@ -83,6 +87,8 @@ class AntennaSource:
         if self._jobs.due():
             await self._jobs.refresh()
         jobs = self._jobs.next_jobs()
+        if available is not None:
+            jobs = [job for job in jobs if available(job.pipeline)]
         if runnable is not None:  # the jobs of pipelines that can run now first
             jobs.sort(key=lambda job: not runnable(job.pipeline))
         for job in jobs:

@@ -2,11 +2,14 @@
 the core decides what becomes of it (``verdicts.Verdict``), and the source's settler acts: one
 that names no job and task is kept aside (dead-lettered); one that names them but cannot be
 run gets an ``error`` result; one whose result is already kept is settled without another;
-the rest are entered in the claims (held tasks), to be loaded.
+one of a pipeline unavailable on this host (``availability``) is given back after the retry
+backoff's delay, unless on its last delivery; the rest are entered in the claims (held tasks),
+to be loaded.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -17,19 +20,27 @@ from worker.core.outcome import Outcome
 from worker.core.ports import Delivered, Results, Settler
 from worker.core.results import ResultMaker
 from worker.core.tasks import Task
-from worker.core.verdicts import Decision, Verdict
+from worker.core.verdicts import NO_BACKOFF, Backoff, Decision, Verdict
 
 log = structlog.get_logger(__name__)
 
 
 class Admission:
     def __init__(
-        self, settler: Settler[Any], results: Results, claims: Claims, maker: ResultMaker
+        self,
+        settler: Settler[Any],
+        results: Results,
+        claims: Claims,
+        maker: ResultMaker,
+        available: Callable[[str], bool] = lambda _pipeline: True,
+        backoff: Backoff = NO_BACKOFF,
     ) -> None:
         self._settler = settler
         self._results = results
         self._claims = claims
         self._maker = maker
+        self._available = available  # whether a pipeline's models can be had on this host
+        self._backoff = backoff  # how long a task given back for that waits
 
     async def admit(self, delivered: Delivered[Any]) -> Claim | None:
         """The per-delivery boundary: whatever a delivery holds, a failure to admit it is
@@ -57,6 +68,20 @@ class Admission:
         # (worker.nats.job_consumers) walks its job from the start, and a task done already
         # must not run twice.
         if await self._done_before(delivered, read.task):
+            return None
+        if not self._available(read.task.pipeline) and delivered.deliveries_left > 0:
+            why = f"pipeline {read.task.pipeline!r} is unavailable on this host"
+            delay_s = self._backoff.delay_s(delivered.delivered)
+            await self._settler.settle(
+                delivered, Verdict(Decision.GIVE_BACK, delay_s=delay_s, reason=why)
+            )
+            log.info(
+                "task_given_back",
+                task_id=read.task.id,
+                **delivered.log_fields,
+                reason=why,
+                delay_s=delay_s,
+            )
             return None
         return self._claims.add(delivered, read.task)
 

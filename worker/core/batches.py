@@ -5,7 +5,10 @@ Batches form when the engine thread is free, from every admitted task not yet in
 a job is published would otherwise lock the worker into batches of one or two. Which tasks:
 the fair share across jobs (``fairshare.FairQueue``); a batch never mixes pipelines. Before a
 pipeline's batch runs, its models are made ready (``prepare``: loaded off the event loop when
-they are not); a pipeline whose models cannot be had gives its waiting tasks that failure.
+they are not). A pipeline whose models cannot be loaded is unavailable (``availability``): the
+batch that met it and its waiting tasks are given back (the verdict's), but for those on their
+last delivery, which wait here for the pipeline to load again; no batch of it forms meanwhile.
+A task that names a pipeline not served gets that failure.
 While one batch runs on the engine thread, the ones before it are settled on the event loop,
 up to ``SETTLES_IN_FLIGHT`` at once: a settle that takes longer than a batch (an Antenna result
 post is a WAN's round trip, after its gather) would otherwise leave the engine idle after every
@@ -31,6 +34,7 @@ from typing import Any
 import structlog
 
 from config.errors import DeviceFailed, Failure
+from worker.core.availability import Availability, is_unavailable
 from worker.core.claims import Claim
 from worker.core.fairshare import FairQueue, JobKey
 from worker.core.outcome import Outcome
@@ -143,6 +147,7 @@ class Batches:
         hold_per_load: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         on_device_failed: Callable[[DeviceFailed], None] = lambda _failed: None,
+        availability: Availability | None = None,
     ) -> None:
         self._batch_size = batch_size
         self._engine = engine
@@ -158,6 +163,9 @@ class Batches:
         self._on_device_failed = on_device_failed  # said before the settles in flight end
         self._hold: _Hold | None = None
         self._in_engine: asyncio.Future[BatchReport] | None = None
+        self._availability = availability or Availability()
+        self._strays: list[Claim] = []  # to give back: their pipeline was lost as they came
+        self._availability.watch(self._arrived.set)  # a pipeline back: its tasks may run
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -172,15 +180,24 @@ class Batches:
         for pipeline, claims in by_pipeline.items():
             self._engine.submit([(h.key, h.task.image_url) for h in claims], pipeline)
         for held in admitted:
-            self._waiting.add((held.task.pipeline, held.task.job_id), held)
+            if self._stray(held):  # admitted while its pipeline was being found unavailable
+                self._strays.append(held)
+            else:
+                self._waiting.add((held.task.pipeline, held.task.job_id), held)
         self._arrived.set()
 
+    def _stray(self, held: Claim) -> bool:
+        """A task of an unavailable pipeline that may be given back (not its last delivery)."""
+        available = self._availability.available(held.task.pipeline)
+        return not available and held.delivered.deliveries_left > 0
+
     def waiting(self) -> list[Claim]:
-        return list(self._waiting)
+        """The waiting tasks a batch may take (not those of an unavailable pipeline)."""
+        return [h for h in self._waiting if self._availability.available(h.task.pipeline)]
 
     def stop(self) -> list[Claim]:
         """No new batches after the one in hand; return the tasks that will not run."""
-        left = self._waiting.take_all()
+        left, self._strays = self._waiting.take_all() + self._strays, []
         self._engine.forget([h.key for h in left])
         self._stopped = True
         self._arrived.set()
@@ -232,7 +249,10 @@ class Batches:
         loop = asyncio.get_running_loop()
         while batch := await self._next_batch():
             pipeline = batch[0].task.pipeline
-            failure = await self._prepared(pipeline)
+            failure = self._availability.failure(pipeline) or await self._prepared(pipeline)
+            if is_unavailable(failure):
+                await self._set_aside(pipeline, batch, failure, settle)
+                continue
             if failure is not None:
                 batch += self._waiting.take_pipeline(pipeline)
                 self._engine.forget([h.key for h in batch])
@@ -245,8 +265,38 @@ class Batches:
             )
             self._in_engine = running
             report = await running
+            failed = next((o.failure for o in report.outcomes.values() if o.failure), None)
+            if is_unavailable(failed):  # unloaded since it was prepared, and not loaded again
+                await self._set_aside(pipeline, batch, failed, settle)
+                continue
             self._on_batch(batch, report)
             await settle(batch, report)
+
+    async def _set_aside(
+        self, pipeline: str, batch: list[Claim], failure: Failure | None, settle: SettleBatch
+    ) -> None:
+        """``pipeline`` cannot be loaded: unavailable from now; ``batch`` and its waiting tasks
+        given back (the verdict's), but those on their last delivery (a give-back would end
+        them as a final error), which wait, held, until it loads again or the drain."""
+        assert failure is not None
+        self._availability.lost(pipeline, failure)
+        batch += self._waiting.take_pipeline(pipeline)
+        self._engine.forget([h.key for h in batch])
+        last = [h for h in batch if h.delivered.deliveries_left <= 0]
+        back = [h for h in batch if h.delivered.deliveries_left > 0]
+        self.add(last)  # their images loaded again, for when it is back
+        if not back:
+            return
+        log.warning(
+            "tasks_given_back",
+            count=len(back),
+            pipeline=pipeline,
+            reason=f"pipeline {pipeline!r} is unavailable on this host",
+            kept_held=len(last),
+            task_ids=[h.task.id for h in back],
+        )
+        report = BatchReport({h.key: Outcome(failure=failure) for h in back}, 0, 0, 0)
+        await settle(back, report)
 
     async def _prepared(self, pipeline: str) -> Failure | None:
         """``prepare``; a load that happened starts a hold for ``pipeline``."""
@@ -275,15 +325,23 @@ class Batches:
     async def _next_batch(self) -> list[Claim]:
         """The fair share's next batch, once a task waits; [] to stop. Under a hold, the
         fairest job that needs no load; any, when only such jobs wait (after waiting up to
-        ``SWITCH_WAIT_S`` for runnable tasks: the held pipeline's next ones may be arriving)."""
+        ``SWITCH_WAIT_S`` for runnable tasks: the held pipeline's next ones may be arriving).
+        Never one of an unavailable pipeline."""
+        available = self._availability.available
+        usable = lambda pipeline: available(pipeline) and self.runnable(pipeline)  # noqa: E731
         while not self._stopped:
-            batch = self._waiting.next_batch(self._batch_size, self.runnable)
+            if self._strays:
+                stray = self._strays[0].task.pipeline
+                batch = [h for h in self._strays if h.task.pipeline == stray]
+                self._strays = [h for h in self._strays if h.task.pipeline != stray]
+                return batch
+            batch = self._waiting.next_batch(self._batch_size, usable)
             if not batch and len(self._waiting) and self._holding():
                 self._arrived.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._arrived.wait(), SWITCH_WAIT_S)
-                batch = self._waiting.next_batch(self._batch_size, self.runnable)
-            batch = batch or self._waiting.next_batch(self._batch_size)
+                batch = self._waiting.next_batch(self._batch_size, usable)
+            batch = batch or self._waiting.next_batch(self._batch_size, available)
             if batch:
                 return batch
             self._arrived.clear()

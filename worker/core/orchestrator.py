@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -32,8 +32,9 @@ from config.derived import chosen_device, max_held_tasks
 from config.errors import DeviceFailed, Failure, LoaderGaveUp
 from config.settings import Settings
 from worker.core.admission import Admission
+from worker.core.availability import Availability, retry_loads
 from worker.core.batches import CANCELLED_SETTLES_WAIT_S, GIVE_BACK_WAIT_S, Batches
-from worker.core.claims import Claim, Claims
+from worker.core.claims import Claim, Claims, best_effort
 from worker.core.exits import STOPPED, Exit, ExitReason
 from worker.core.link import Helper, SourceLink
 from worker.core.outcome import Outcome
@@ -76,6 +77,8 @@ class Services:
     # A pipeline's models were loaded (the source publishes or records their algorithms).
     loaded: Callable[[str], Coroutine[Any, Any, None]] | None = None
     image_bytes: int = 3 * 224 * 224  # the most host bytes one loaded image can take
+    # Which pipelines cannot be loaded on this host now, and when each is tried again.
+    availability: Availability = field(default_factory=Availability)
 
 
 class Orchestrator:
@@ -90,7 +93,15 @@ class Orchestrator:
         )
         self.link = services.link
         self.results = ResultMaker(services.link.model_of)
-        self.admission = Admission(self.settling, services.link.results, self.claims, self.results)
+        self.availability = available = services.availability
+        self.admission = Admission(
+            self.settling,
+            services.link.results,
+            self.claims,
+            self.results,
+            available.available,
+            services.link.backoff,
+        )
         observer = BatchObserver(
             services.metrics,
             services.liveness,
@@ -106,6 +117,7 @@ class Orchestrator:
             prepare=self._prepare,
             hold_per_load=settings.model.hold_per_load,
             on_device_failed=self._device_failed,
+            availability=available,
         )
         self._until_idle = until_idle
         self._batch_s: deque[float] = deque(maxlen=5)  # the last batches' load + infer + store
@@ -123,6 +135,7 @@ class Orchestrator:
         stopped = asyncio.create_task(stop.wait(), name="stop-wait")
         halted = asyncio.create_task(self._stop.wait(), name="halt-wait")
         helpers = [asyncio.create_task(self._watch_gone(), name="source-watch")]
+        helpers.append(asyncio.create_task(self._retry_loads(), name="load-retry"))
         if self.link.results_waiting is not None:
             helpers.append(asyncio.create_task(self._note_blocked(), name="blocked-watch"))
         helpers += [
@@ -164,7 +177,9 @@ class Orchestrator:
                 continue
             try:
                 deliveries = await self.link.source.fetch(
-                    min(self.settings.loader.batch_size, room), self.batches.runnable
+                    min(self.settings.loader.batch_size, room),
+                    self.batches.runnable,
+                    self.availability.available,
                 )
             except Exception as error:  # the source's boundary: never the process
                 failed += 1
@@ -225,6 +240,30 @@ class Orchestrator:
         if failure is None and self.services.loaded is not None:
             await self.services.loaded(pipeline)
         return failure
+
+    async def _retry_loads(self) -> None:
+        """The loads of unavailable pipelines tried again in the background, each on a thread
+        of its own (never the event loop, never a batch's wait); meanwhile the tasks held for
+        them (on their last delivery) are kept alive, and while they are all that is held the
+        worker counts as loading, not stalled."""
+
+        async def load(pipeline: str) -> Failure | None:
+            failure = await in_daemon_thread(self.services.engine.load, pipeline)
+            if failure is None and self.services.loaded is not None:
+                await self.services.loaded(pipeline)
+            return failure
+
+        async def tick() -> None:
+            waiting = [
+                h for h in self.claims.all() if not self.availability.available(h.task.pipeline)
+            ]
+            for held in waiting:
+                await best_effort(self.settling.keep_alive(held.delivered))
+            if waiting and len(waiting) == len(self.claims) and not self.batches.engine_busy():
+                self.services.liveness.loading()
+
+        tick_s = min(_LOAD_TICK_S, self.link.keepalive_tick_s)
+        await retry_loads(self.availability, load, self._stop, tick, tick_s)
 
     async def _settle_batch(self, batch: list[Claim], report: BatchReport) -> None:
         self.claims.inferred(batch)  # their images are gone: the next batch may be fetched

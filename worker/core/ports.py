@@ -55,14 +55,18 @@ class Settler(Protocol[H]):
         ...
 
 
-Runnable = Callable[[str], bool]  # whether a pipeline's batches may run now (the hold)
+# Whether a pipeline's batches may run now (the hold), or at all (its models can be had).
+Runnable = Callable[[str], bool]
 
 
 class TaskSource(Protocol[H]):
-    async def fetch(self, batch: int, runnable: Runnable | None = None) -> Sequence[Delivered[H]]:
+    async def fetch(
+        self, batch: int, runnable: Runnable | None = None, available: Runnable | None = None
+    ) -> Sequence[Delivered[H]]:
         """Up to ``batch`` deliveries; [] after the fetch wait or while disconnected. A
         source that can choose takes from jobs of ``runnable`` pipelines first, and from the
-        others only when those have none."""
+        others only when those have none; never from jobs of a pipeline ``available`` says
+        no to (its models cannot be loaded on this host)."""
         ...
 
     async def close(self) -> Sequence[Delivered[H]]:

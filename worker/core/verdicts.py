@@ -5,6 +5,8 @@ only turns the verdict into its own wire actions (NATS: store then ack, nak afte
 dead-letter; Antenna: post, or leave to its redelivery) and says what it did (``Settled``).
 A transient failure is left for another delivery while the source will make one; on the last
 it becomes a final error result that says the deliveries ran out and what the last one died of.
+A pipeline whose models cannot be loaded is the host's trouble, never the task's: its tasks are
+given back (after the retry backoff's delay), never kept as an error.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from config.errors import UNAVAILABLE_KINDS
 from worker.core.outcome import Outcome
 from worker.core.results import Kept, Result, ResultMaker, Settled
 from worker.core.tasks import Task
@@ -30,7 +33,7 @@ class Decision(Enum):
 class Verdict:
     decision: Decision
     result: Result | None = None  # KEEP: what to keep
-    delay_s: float = 0.0  # RETRY: after how long it may come back
+    delay_s: float = 0.0  # RETRY, GIVE_BACK: after how long it may come back (0: at once)
     reason: str = ""  # RETRY, GIVE_BACK, UNNAMED: why
 
     @classmethod
@@ -63,7 +66,12 @@ def decide(
     backoff: Backoff,
 ) -> Verdict:
     """A transient failure is left for another delivery while the source will make one; any
-    other outcome is kept, a transient failure on the last delivery saying it ran out."""
+    other outcome is kept, a transient failure on the last delivery saying it ran out. A task
+    whose pipeline could not be loaded is given back, after the backoff's delay."""
+    failure = outcome.failure
+    if failure is not None and failure.kind in UNAVAILABLE_KINDS:
+        delay_s = backoff.delay_s(delivered)
+        return Verdict(Decision.GIVE_BACK, delay_s=delay_s, reason=failure.message)
     if outcome.retryable and deliveries_left > 0:
         why = outcome.failure.message if outcome.failure is not None else ""
         return Verdict(Decision.RETRY, delay_s=backoff.delay_s(delivered), reason=why)

@@ -4,6 +4,8 @@ healthwatch's loopback probes), the metrics in their registry, and what the prob
 ``/livez``: 503 only for what a restart mends: ``starting`` until the worker serves, then
 ``restart`` once its device failed, else ``stalled``. ``/readyz``: that, else the task
 source's problem (down, a refusal by its server, Antenna unreachable), which no restart mends.
+``/readyz`` also names each served pipeline that cannot be loaded here and why: 503 when none
+is available (the worker can take no work), 200 with their names while others serve.
 ``/healthz``: as ``/readyz``, what it answered before the two were apart. Whatever restarts
 processes (healthwatch) asks ``/livez``; load balancers and alerts, ``/readyz``.
 """
@@ -32,6 +34,7 @@ from worker.health.metrics import (
     Metrics,
     ModelsCollector,
     ReadsCollector,
+    UnavailableCollector,
 )
 from worker.health.procstats import ProcessTreeCollector
 from worker.health.server import HealthServer, Probes
@@ -46,6 +49,7 @@ class ProcessHealth:
         self.server: HealthServer | None = None
         self._not_live: Callable[[], str | None] = lambda: _STARTING
         self._not_ready: Callable[[], str | None] = lambda: _STARTING
+        self._ready_note: Callable[[], str | None] = lambda: None
 
     def listen(self) -> None:
         """Bind the listeners when a port is set, answering ``starting`` (503) until
@@ -59,7 +63,11 @@ class ProcessHealth:
                 s.metrics.host,
                 port,
                 self.registry,
-                Probes(lambda: self._not_live(), lambda: self._not_ready()),
+                Probes(
+                    lambda: self._not_live(),
+                    lambda: self._not_ready(),
+                    lambda: self._ready_note(),
+                ),
                 healthz_port=healthz_port(s),
             )
         except OSError as error:
@@ -82,9 +90,16 @@ class ProcessHealth:
         self.registry.register(ProcessTreeCollector(PREFIX, loader_pids))
         return metrics
 
-    def serve(self, liveness: Liveness, source_problem: Callable[[], str | None]) -> None:
+    def serve(
+        self,
+        liveness: Liveness,
+        source_problem: Callable[[], str | None],
+        unavailable: Callable[[], dict[str, str]] = dict,
+        served: tuple[str, ...] = (),
+    ) -> None:
         """From now on /livez says whether only a restart mends the worker (its device
-        failed, else stalled), /readyz that or the task source's problem, and
+        failed, else stalled), /readyz that or the task source's problem, or that no served
+        pipeline can be loaded (``unavailable``: pipeline -> why), and
         ``inference_worker_ready`` whether /readyz answers 200."""
 
         def not_live() -> str | None:
@@ -95,9 +110,18 @@ class ProcessHealth:
             return f"stalled: {stalled}" if stalled else None
 
         def not_ready() -> str | None:
-            return not_live() or source_problem()
+            return not_live() or source_problem() or (ready_note() if none_available() else None)
 
-        self._not_live, self._not_ready = not_live, not_ready
+        def ready_note() -> str | None:
+            lost = unavailable()
+            each = [f"{name} ({why})" for name, why in lost.items()]
+            return f"pipelines unavailable on this host: {'; '.join(each)}" if each else None
+
+        def none_available() -> bool:
+            return bool(served) and set(served) <= set(unavailable())
+
+        self._not_live, self._not_ready, self._ready_note = not_live, not_ready, ready_note
+        self.registry.register(UnavailableCollector(served, unavailable))
         Gauge(
             f"{PREFIX}_ready",
             "1 while GET /readyz answers 200 (the worker takes work); 0 while it answers 503 "

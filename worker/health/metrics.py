@@ -8,6 +8,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from config.errors import LOAD_REASONS
 from config.names import env_name
 from datasets.reads import ReadStats
 from worker.core.ports import SourceHealth
@@ -193,6 +194,33 @@ class ReadsCollector:
         for reason in ("stalled", "throttled", "unavailable"):
             retries.add_metric([reason], float(counts.get(reason, 0)))
         yield retries
+
+
+class UnavailableCollector:
+    """``inference_worker_pipeline_unavailable{pipeline,reason}``: 1 for each served pipeline
+    whose models cannot be loaded on this host, under the reason why, 0 under the others."""
+
+    def __init__(
+        self, pipelines: tuple[str, ...], unavailable: Callable[[], dict[str, str]]
+    ) -> None:
+        self._pipelines = pipelines
+        self._unavailable = unavailable  # pipeline -> "reason: error"
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        lost = {name: why.partition(":")[0] for name, why in self._unavailable().items()}
+        family = GaugeMetricFamily(
+            f"{PREFIX}_pipeline_unavailable",
+            "1 while a served pipeline's models cannot be loaded on this host, by pipeline and "
+            "reason (download_refused, cache_unwritable, over_budget, load_failed): its tasks "
+            "are given back and none fetched; its load is retried in the background.",
+            labels=["pipeline", "reason"],
+        )
+        for name in self._pipelines:
+            for reason in LOAD_REASONS:
+                family.add_metric([name, reason], 1.0 if lost.get(name) == reason else 0.0)
+        yield family
 
 
 class ModelsCollector:

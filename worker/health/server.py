@@ -40,10 +40,13 @@ log = structlog.get_logger(__name__)
 @dataclass(frozen=True)
 class Probes:
     """Why the process is not live (only a restart mends it: ``stalled: ...``), and why it is
-    not ready (that, or its task source's problem: ``nats: ...``); None: 200 ``ok``."""
+    not ready (that, or its task source's problem: ``nats: ...``); None: 200 ``ok``. A ready
+    process's 200 says ``ready_note`` after ``ok``, when there is one (the pipelines that
+    cannot be loaded here while others serve)."""
 
     not_live: Callable[[], str | None]
     not_ready: Callable[[], str | None]
+    ready_note: Callable[[], str | None] = lambda: None
 
     def answer(self, path: str) -> Callable[[], str | None] | None:
         """The probe ``path`` asks for (matched by its start, as /healthz always was), or
@@ -167,8 +170,9 @@ def _handler(
             elif probe is not None:
                 answered()
                 reason = probe()
+                note = probes.ready_note() if probe is probes.not_ready else None
                 if reason is None:
-                    self._send(200, b"ok\n", "text/plain")
+                    self._send(200, f"ok{f': {note}' if note else ''}\n".encode(), "text/plain")
                 else:
                     self._send(503, f"{reason}\n".encode(), "text/plain")
             else:

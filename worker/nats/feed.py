@@ -88,10 +88,13 @@ class TaskFeed:
             return False
         return True
 
-    async def fetch(self, batch: int, runnable: Runnable | None = None) -> list[Msg]:
+    async def fetch(
+        self, batch: int, runnable: Runnable | None = None, available: Runnable | None = None
+    ) -> list[Msg]:
         """Up to ``batch`` messages; [] after ``fetch_timeout_s`` or while disconnected. With
         jobs pending, an equal share of ``batch`` from each (and from the durable consumer
-        when it has tasks), the first job turning round from one fetch to the next."""
+        when it has tasks), the first job turning round from one fetch to the next; none from
+        jobs of a pipeline ``available`` says no to."""
         if self._jobs is None:
             return await self._fetch_from(self._sub, batch, self._settings.fetch_timeout_s)
         if self._late:  # received by subscriptions since unbound: admitted first
@@ -100,9 +103,9 @@ class TaskFeed:
         if self._jobs.due():
             self._late = await self._jobs.refresh()
             if self._late:
-                return await self.fetch(batch, runnable)
+                return await self.fetch(batch, runnable, available)
         main = [self._sub] if self._jobs.main_pending and batch > 1 else []
-        jobs = self._jobs.active(runnable)[: batch - len(main)]  # at least one task each
+        jobs = self._jobs.active(runnable, available)[: batch - len(main)]  # one task each
         if not jobs:
             return await self._idle_fetch(batch)
         subs = [job.sub for job in jobs] + main

@@ -281,10 +281,15 @@ class JobConsumers:
         """Why new jobs cannot be served now (the server refused their consumers), or None."""
         return self._life.stats.refusal
 
-    def active(self, runnable: Runnable | None = None) -> list[BoundJob]:
+    def active(
+        self, runnable: Runnable | None = None, available: Runnable | None = None
+    ) -> list[BoundJob]:
         """Bound jobs worth a fetch, rotated one place per call: each fetch starts with the
-        next job. Only those of ``runnable`` pipelines while any of them has one."""
+        next job. Only those of ``runnable`` pipelines while any of them has one; never those
+        of a pipeline ``available`` says no to (its models cannot be loaded here)."""
         bound = [job for job in self._jobs.values() if job.sub is not None and not job.dry]
+        if available is not None:
+            bound = [job for job in bound if available(job.pipeline)]
         if runnable is not None:
             bound = [job for job in bound if runnable(job.pipeline)] or bound
         if not bound:

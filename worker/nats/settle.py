@@ -4,10 +4,10 @@ Keep: the result is stored, then the message acked (a task is acked only after i
 stored); a result the results stream refuses becomes a small error result, and when not even
 that fits, a dead letter. Retry: a nak with the verdict's delay. Unnamed: the message is kept
 with the reason on the dead-letter subject, then terminated. Done before: acked only. Given
-back: a nak now. A store or dead letter the stream does not confirm gives the message back; on
-its last delivery the max-deliveries advisory takes over (``exhausted``: the error result of a
-task whose last delivery died with its worker). Retries are counted with the server's
-``num_delivered``, never in memory.
+back: a nak now, or after the verdict's delay. A store or dead letter the stream does not
+confirm gives the message back; on its last delivery the max-deliveries advisory takes over
+(``exhausted``: the error result of a task whose last delivery died with its worker). Retries
+are counted with the server's ``num_delivered``, never in memory.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class NatsSettler:
             await delivered.handle.msg.ack()
             bound.info("redelivered_task_already_stored")
             return Settled(Kept.DONE_BEFORE)
-        await self._give_back(delivered)
+        await self._give_back(delivered, verdict.delay_s)
         return Settled(Kept.GIVEN_BACK)
 
     async def keep_alive(self, delivered: NatsDelivered) -> None:
@@ -93,10 +93,11 @@ class NatsSettler:
         await _settle_message(delivered.handle.msg.ack, bound)
         return _said(stored)
 
-    async def _give_back(self, delivered: NatsDelivered) -> None:
-        """Nak now: the task comes back at once."""
+    async def _give_back(self, delivered: NatsDelivered, delay_s: float = 0.0) -> None:
+        """Nak: the task comes back at once, or after ``delay_s`` (its pipeline unavailable
+        here: the retry backoff's delay, so it is not bounced straight back)."""
         try:
-            await delivered.handle.msg.nak()
+            await delivered.handle.msg.nak(delay=delay_s if delay_s > 0 else None)
         except Exception as error:  # noqa: BLE001 - the ack wait brings it back anyway
             log.warning("settle_action_failed", error=f"{type(error).__name__}: {error}")
 

@@ -24,8 +24,10 @@ class NatsSource:
         self.max_deliver = max_deliver
         self.default_pipeline = default_pipeline  # a task on ``tasks`` alone names none
 
-    async def fetch(self, batch: int, runnable: Runnable | None = None) -> list[NatsDelivered]:
-        return await self._adapted(await self.feed.fetch(batch, runnable))
+    async def fetch(
+        self, batch: int, runnable: Runnable | None = None, available: Runnable | None = None
+    ) -> list[NatsDelivered]:
+        return await self._adapted(await self.feed.fetch(batch, runnable, available))
 
     async def close(self) -> list[NatsDelivered]:
         return await self._adapted(await self.feed.close())

@@ -18,6 +18,7 @@ import structlog
 from config.settings import Settings
 from datasets.loader import StreamingLoader
 from pipelines.setup import Chosen, budget_bytes
+from worker.core.availability import Availability
 from worker.core.exits import Exit
 from worker.core.link import SourceParts
 from worker.core.orchestrator import Orchestrator, Services
@@ -132,7 +133,13 @@ class Assembly:
         s, engine = self.settings, self.engine
         assert engine is not None
         link = parts.link
-        self.health.serve(liveness, parts.problem)
+        availability = Availability(s.model.load_retry_s, s.model.load_retry_max_s)
+        self.health.serve(
+            liveness,
+            parts.problem,
+            lambda: {n: f"{u.reason}: {u.error}" for n, u in availability.unavailable().items()},
+            tuple(served.names),
+        )
         self.health.collect_engine(metrics, engine, served, self.device)
         helpers: tuple[tuple[str, Any], ...] = ()
         if s.model.idle_unload_s > 0:
@@ -147,6 +154,7 @@ class Assembly:
             helpers=helpers,
             loaded=parts.loaded,
             image_bytes=max(c.plan.max_image_bytes() for c in chosen),
+            availability=availability,
         )
 
     def _unloading_idle(self, served: ServedPipelines) -> Any:

@@ -1089,3 +1089,29 @@ async def test_a_burst_run_is_not_idle_the_moment_it_settles_its_own_last_task()
             delivery.handle.posted()
         assert not await source.idle(), "idle at once: the wait counted our own held time"
         assert source.still_out() is None
+
+
+async def test_nothing_is_reserved_from_jobs_of_a_pipeline_that_cannot_be_loaded_here(
+    fake: FakeAntenna,
+) -> None:
+    # "orders"' models cannot be loaded on this host: what it reserved could only be left to
+    # redelivery (a delivery of two spent), so its job is not asked at all; "moths" serves.
+    orders = fake.add_job("orders", images(3, "o"))
+    moths = fake.add_job(SLUG, images(3, "m"))
+    client = client_of(fake)
+    source = AntennaSource(
+        client,
+        JobRotation(client, (SLUG, "orders"), 0.05, 100),
+        Reservations(fake.ttr_s, 60.0, 10, batch_size=10),
+        reservation_size=10,
+        wait_s=0.05,
+        max_deliver=2,
+    )
+    got: list[Any] = []
+    for _ in range(4):
+        got += await source.fetch(10, available=lambda pipeline: pipeline != "orders")
+    assert {task_of(d).image_id for d in got} == {"m0", "m1", "m2"}
+    asked = {path for method, path, _ in fake.requests if method == "POST"}
+    assert f"/api/v2/jobs/{moths}/tasks/" in asked
+    assert f"/api/v2/jobs/{orders}/tasks/" not in asked
+    assert fake.pending(orders) == {"o0", "o1", "o2"}

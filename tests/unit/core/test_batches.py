@@ -18,6 +18,7 @@ from config.errors import Failure
 from tests.fakes import FakeEngine, FakeSource, task_msg
 from tests.unit.core.test_orchestrator import a_worker
 from worker.core import batches as batches_module
+from worker.core.availability import Availability
 from worker.core.batches import MAX_HOLD_S, Batches
 from worker.core.ports import BatchReport
 
@@ -119,7 +120,7 @@ async def test_no_hold_is_longer_than_its_cap():
 
 
 class SourceThatCannotChoose(FakeSource):
-    async def fetch(self, batch: int, runnable: Any = None) -> Sequence[Any]:
+    async def fetch(self, batch: int, runnable: Any = None, available: Any = None) -> Sequence[Any]:
         return await super().fetch(batch)
 
 
@@ -312,3 +313,56 @@ async def test_a_settle_that_raises_is_reported_and_ends_the_run(caplog):
         (["job-a-0", "job-a-1"], "RuntimeError: the settle broke")
     ]
     assert "never retrieved" not in caplog.text
+
+
+def held(key: int, pipeline: str, job: str, deliveries_left: int) -> Any:
+    """A held task as Batches sees it, with its deliveries left."""
+    made = claim(key, pipeline, job)
+    made.delivered = SimpleNamespace(deliveries_left=deliveries_left)
+    return made
+
+
+async def test_a_batch_whose_models_cannot_be_loaded_is_given_back_and_the_rest_runs():
+    # "broken"'s file host refuses: its first batch and every waiting task of it are handed to
+    # the settle with the load's failure, the verdict's to give back (never an error result),
+    # but the one on its last delivery, which waits, held, and runs once the pipeline loads.
+    refused = Failure("model_load_failed", "403 Forbidden", reason="download_refused")
+    engine = FakeEngine(load_failures={"broken": refused})
+    availability = Availability(first_s=30.0)
+    settled: list[tuple[str, str | None]] = []
+
+    async def prepare(pipeline: str) -> Failure | None:
+        return None if engine.ready(pipeline) else engine.load(pipeline)
+
+    async def settle(batch: list[Any], report: BatchReport) -> None:
+        for h in batch:
+            failure = report.outcomes[h.key].failure
+            settled.append((h.task.id, failure.kind if failure else None))
+
+    with ThreadPoolExecutor(1) as thread:
+        batches = Batches(
+            2, engine, thread, lambda _b, _r: None, settle, prepare, availability=availability
+        )
+        batches.add([held(i, "broken", "jb", deliveries_left=1) for i in range(3)])
+        batches.add([held(3, "broken", "jb", deliveries_left=0)])
+        batches.add([held(10 + i, "fine", "jf", deliveries_left=1) for i in range(3)])
+        running = asyncio.create_task(batches.run())
+        for _ in range(500):
+            if len(settled) == 6:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(settled) == sorted(
+            [(f"jb-{i}", "model_load_failed") for i in range(3)]
+            + [(f"jf-{10 + i}", None) for i in range(3)]
+        )
+        assert not availability.available("broken")
+        assert [h.task.id for h in batches.waiting()] == []  # jb-3 waits, but cannot run
+        engine.load_failures.clear()
+        availability.restored("broken")  # a background load succeeded
+        for _ in range(500):
+            if len(settled) == 7:
+                break
+            await asyncio.sleep(0.01)
+        batches.stop()
+        await asyncio.wait_for(running, 30)
+    assert settled[-1] == ("jb-3", None)  # run, not failed: its last delivery was not spent

@@ -25,6 +25,7 @@ from tests.fakes import (
 )
 from worker.core import batches as batches_module
 from worker.core import orchestrator
+from worker.core.availability import Availability
 from worker.core.exits import ExitReason
 from worker.core.link import SourceLink
 from worker.core.orchestrator import Orchestrator, Services
@@ -34,7 +35,9 @@ from worker.health.metrics import Metrics
 BATCH = 4
 
 
-def a_worker(source, engine, *, guard=None, closed=None, max_deliver=2, store=None):
+def a_worker(
+    source, engine, *, guard=None, closed=None, max_deliver=2, store=None, availability=None
+):
     settings = load_settings(
         for_worker=False,
         nats={"fetch_timeout_s": 0.05, "store_retry_s": 0.0, "nak_backoff_base_s": 0.01},
@@ -65,6 +68,7 @@ def a_worker(source, engine, *, guard=None, closed=None, max_deliver=2, store=No
         liveness=liveness,
         metrics=metrics,
         guard=guard,
+        availability=availability or Availability(),
     )
     return Orchestrator(settings, services, until_idle=True), store, js, metrics
 
@@ -157,7 +161,9 @@ async def test_a_transport_closed_for_good_ends_the_process_with_5():
 class RaisingSource(FakeSource):
     """A source with a bug: every fetch raises, so it is never idle."""
 
-    async def fetch(self, batch: int, runnable: object = None) -> list[object]:
+    async def fetch(
+        self, batch: int, runnable: object = None, available: object = None
+    ) -> list[object]:
         self.fetches += 1
         raise RuntimeError("a bug in the source")
 
@@ -177,12 +183,12 @@ async def test_a_burst_run_whose_source_keeps_raising_ends_not_served_with_6(mon
     assert source.fetches == 5 and store.stored == []
 
 
-async def test_two_pipelines_never_share_a_batch_and_a_failed_load_fails_only_its_own_tasks():
+async def test_two_pipelines_never_share_a_batch_and_one_that_cannot_load_gives_its_tasks_back():
     msgs = [task_msg(f"c{i}", job_id="jc", subject="tasks.classify") for i in range(6)]
-    msgs += [task_msg(f"b{i}", job_id="jb", subject="tasks.broken") for i in range(3)]
-    msgs += [task_msg(f"d{i}", job_id="jd", subject="tasks.detect") for i in range(5)]
+    broken = [task_msg(f"b{i}", job_id="jb", subject="tasks.broken") for i in range(3)]
+    msgs += broken + [task_msg(f"d{i}", job_id="jd", subject="tasks.detect") for i in range(5)]
     engine = FakeEngine(
-        load_failures={"broken": Failure("model_load_failed", "weights do not fit")}
+        load_failures={"broken": Failure("model_load_failed", "403", reason="download_refused")}
     )
     worker, store, _js, _m = a_worker(FakeSource(list(msgs)), engine)
 
@@ -190,17 +196,82 @@ async def test_two_pipelines_never_share_a_batch_and_a_failed_load_fails_only_it
 
     assert exit.code == 0
     by_task = {r["task_id"]: r for r in store.stored}
-    assert len(by_task) == 14 and all(m.actions == ["ack"] for m in msgs)
-    for task_id, result in by_task.items():
-        expected = {"c": "classify", "b": "broken", "d": "detect"}[task_id[0]]
-        assert result["pipeline"] == expected
-        if expected == "broken":
-            assert result["error"]["type"] == "model_load_failed"
-        else:
-            assert result["status"] == "ok"
+    assert sorted(by_task) == sorted(f"c{i}" for i in range(6)) + sorted(f"d{i}" for i in range(5))
+    assert all(r["status"] == "ok" for r in by_task.values())  # none failed for "broken"
+    for msg in broken:  # given back, after the retry backoff, for another host or later
+        assert msg.actions == ["nak"] and msg.nak_delays[0]
+    assert not worker.availability.available("broken")
+    assert worker.availability.unavailable()["broken"].reason == "download_refused"
     assert sorted(engine.loaded) == ["classify", "detect"]  # each loaded once
     ran = {engine.pipelines[key] for batch in engine.batches for key in batch}
     assert ran == {"classify", "detect"}  # FakeEngine refuses a batch that mixes pipelines
+
+
+async def test_a_task_on_its_last_delivery_waits_held_until_its_pipeline_loads_again():
+    last = task_msg("last", job_id="jb", subject="tasks.broken", delivered=2)
+    earlier = task_msg("earlier", job_id="jb", subject="tasks.broken", delivered=1)
+    engine = FakeEngine(load_failures={"broken": Failure("model_load_failed", "403")})
+    availability = Availability(0.05, 0.1)  # the load retried after 0.05 s, then 0.1 s
+    worker, store, _js, _m = a_worker(
+        FakeSource([last, earlier]), engine, max_deliver=2, availability=availability
+    )
+    worker._until_idle = False
+    running = asyncio.create_task(run(worker))
+    for _ in range(400):  # the first load fails: "earlier" is given back, "last" kept
+        if earlier.actions and not availability.available("broken"):
+            break
+        await asyncio.sleep(0.01)
+    assert earlier.actions == ["nak"] and last.actions == [] and store.stored == []
+    engine.load_failures.clear()  # the file host serves again: a background load succeeds
+    for _ in range(400):
+        if store.stored:
+            break
+        await asyncio.sleep(0.01)
+    worker._stop.set()
+    await running
+    assert [(r["task_id"], r["status"]) for r in store.stored] == [("last", "ok")]
+    assert last.actions == ["ack"] and availability.available("broken")
+
+
+async def test_a_task_of_an_unavailable_pipeline_is_given_back_at_admission_not_loaded_for():
+    availability = Availability(first_s=60.0)
+    availability.lost("broken", Failure("model_load_failed", "403", reason="download_refused"))
+    broken, fine = task_msg("b", subject="tasks.broken"), task_msg("f", subject="tasks.fine")
+    engine = FakeEngine()
+    worker, store, _js, _m = a_worker(FakeSource([broken, fine]), engine, availability=availability)
+
+    exit = await run(worker)
+
+    assert exit.code == 0 and [r["task_id"] for r in store.stored] == ["f"]
+    assert broken.actions == ["nak"] and broken.nak_delays == [0.01]  # the backoff's first
+    assert engine.loaded == ["fine"]  # no load tried for a task: the retry is the background's
+
+
+async def test_one_served_pipeline_whose_reload_fails_after_an_idle_unload_fails_no_task():
+    first = [task_msg(f"a{i}") for i in range(2)]
+    later = [task_msg(f"b{i}") for i in range(3)]
+    engine = FakeEngine()
+    source = FakeSource(list(first))
+    worker, store, _js, _m = a_worker(source, engine, availability=Availability(60.0))
+    worker._until_idle = False
+    running = asyncio.create_task(run(worker))
+    for _ in range(400):
+        if len(store.stored) == 2:
+            break
+        await asyncio.sleep(0.01)
+    engine.loaded.clear()  # unloaded when idle; its file host now refuses this host
+    engine.load_failures["p"] = Failure("model_load_failed", "403", reason="download_refused")
+    source.msgs += later
+    for _ in range(400):
+        if all(m.actions for m in later):
+            break
+        await asyncio.sleep(0.01)
+    worker._stop.set()
+    await running
+
+    assert [r["status"] for r in store.stored] == ["ok", "ok"]  # the first two only
+    assert all(m.actions == ["nak"] for m in later)  # given back, none failed
+    assert not worker.availability.available("p")
 
 
 class GatedEngine(FakeEngine):

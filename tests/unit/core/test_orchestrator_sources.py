@@ -70,7 +70,7 @@ class RedeliveringSource(FakeSource):
         super().__init__()
         self.out: list[FakeMsg] = []
 
-    async def fetch(self, batch: int, runnable: Any = None) -> Any:
+    async def fetch(self, batch: int, runnable: Any = None, available: Any = None) -> Any:
         for msg in [m for m in self.out if m.actions[-1:] == ["nak"]]:
             self.out.remove(msg)
             if msg.delivered < self.max_deliver:

@@ -98,3 +98,31 @@ def test_a_stall_then_a_failed_device_make_the_worker_neither_live_nor_ready(hea
     restart = (503, "restart: device cuda:0 failed: AcceleratorError: CUDA error: ...")
     assert answers(health) == dict.fromkeys(PROBES, restart)
     assert ready_gauge(health) == 0.0
+
+
+def test_readiness_names_the_pipelines_that_cannot_be_loaded_and_fails_when_none_can(health):
+    lost: dict[str, str] = {}
+    health.serve(Liveness(stall_timeout_s=30.0), lambda: None, lambda: dict(lost), ("a", "b"))
+    lost["b"] = "download_refused: GET https://files/b.pt: 403"
+    # "a" still serves: ready, and /readyz says which pipeline cannot be had here and why
+    note = (
+        "ok: pipelines unavailable on this host: b (download_refused: GET https://files/b.pt: 403)"
+    )
+    assert answers(health) == {
+        "/livez": (200, "ok"),
+        "/readyz": (200, note),
+        "/healthz": (200, note),
+    }
+    _, text = get(health.port, "/metrics")
+    assert (
+        'inference_worker_pipeline_unavailable{pipeline="b",reason="download_refused"} 1.0' in text
+    )
+    assert (
+        'inference_worker_pipeline_unavailable{pipeline="a",reason="download_refused"} 0.0' in text
+    )
+    # Neither can be had: the worker can take no work
+    lost["a"] = "over_budget: takes 9 bytes loaded"
+    status, said = answers(health)["/readyz"]
+    assert status == 503 and "a (over_budget: takes 9 bytes loaded)" in said and "b (" in said
+    assert answers(health)["/livez"] == (200, "ok")  # no restart mends a file host
+    assert ready_gauge(health) == 0.0

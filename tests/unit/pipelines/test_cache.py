@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
-from config.errors import ModelLoadFailed, TransientError
+from config.errors import ConfigError, ModelLoadFailed, PermanentError, TransientError
 from pipelines.cache import ModelCache
 
 
@@ -78,21 +80,77 @@ def test_idle_pipelines_are_unloaded_after_the_idle_time_but_not_one_in_use():
     assert unloaded == ["b"] and list(cache.resident()) == ["a"]
 
 
-def test_a_failed_load_is_remembered_then_tried_again():
+def test_a_failed_load_is_tried_again_at_every_ask_and_says_why():
     clock = Clock()
     cache, _loads, _ = a_cache(
         {"a": 1}, budget=10, clock=clock, fail={"a": TransientError("S3 is down")}
     )
-    with pytest.raises(ModelLoadFailed) as first:
-        cache.acquire("a")
-    assert first.value.failure.kind == "model_load_failed" and first.value.failure.retryable
-    with pytest.raises(ModelLoadFailed):
-        cache.acquire("a")  # within the retry time: the same failure, no new load
-    assert cache.stats.load_failures == {"a": 1}
-    clock.now = 31.0
-    with pytest.raises(ModelLoadFailed):
-        cache.acquire("a")
-    assert cache.stats.load_failures == {"a": 2}
+    for tries in (1, 2):  # when to ask again is the caller's (worker.core.availability)
+        with pytest.raises(ModelLoadFailed) as failed:
+            cache.acquire("a")
+        assert cache.stats.load_failures == {"a": tries}
+    assert failed.value.failure.kind == "model_load_failed"
+    assert failed.value.failure.reason == "load_failed"
+
+
+def _refused_download() -> Exception:
+    """How a model file's 403 reaches the cache: the runner's ConfigError around the read's."""
+    try:
+        try:
+            raise PermanentError("GET https://host/m.pt: 403 Forbidden", kind="access_denied")
+        except PermanentError as error:
+            raise ConfigError(f"pipeline 'a' cannot be loaded: {error}") from None
+    except ConfigError as wrapped:
+        return wrapped
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (_refused_download(), "download_refused"),
+        (PermanentError("no such key", kind="object_missing"), "download_refused"),
+        (
+            ConfigError("WORKER_MODEL__CACHE_DIR: cannot write model files in /c: Read-only"),
+            "cache_unwritable",
+        ),
+        (
+            TransientError("WORKER_MODEL__CACHE_DIR: no space left", kind="model_load_failed"),
+            "cache_unwritable",
+        ),
+        (RuntimeError("the plugin's own bug"), "load_failed"),
+    ],
+)
+def test_a_failed_load_names_its_reason_of_the_host_or_the_file_host(error, reason):
+    cache, _loads, _ = a_cache({"a": 1}, budget=10, fail={"a": error})
+    with pytest.raises(ModelLoadFailed) as failed:
+        cache.load("a")
+    assert failed.value.failure.kind == "model_load_failed"
+    assert failed.value.failure.reason == reason
+    assert not failed.value.failure.retryable  # never a task's retry: the pipeline's state
+
+
+def test_a_loaded_pipeline_is_acquired_while_another_one_loads():
+    started, release = threading.Event(), threading.Event()
+    sizes = {"a": 1, "slow": 1}
+
+    def load(name: str) -> str:
+        if name == "slow":
+            started.set()
+            assert release.wait(10), "the test never released the slow load"
+        return f"model-{name}"
+
+    cache: ModelCache[str] = ModelCache(load, lambda m: sizes[m.removeprefix("model-")], 10)
+    cache.load("a")
+    loading = threading.Thread(target=cache.load, args=("slow",), daemon=True)
+    loading.start()
+    assert started.wait(10)
+    acquired: list[str] = []
+    batch = threading.Thread(target=lambda: acquired.append(cache.acquire("a")), daemon=True)
+    batch.start()
+    batch.join(10)  # a download can take minutes: a batch of a loaded model never waits for it
+    release.set()
+    loading.join(10)
+    assert acquired == ["model-a"] and set(cache.resident()) == {"a", "slow"}
 
 
 def test_a_model_over_the_whole_budget_is_refused_and_not_kept():
@@ -102,6 +160,7 @@ def test_a_model_over_the_whole_budget_is_refused_and_not_kept():
     with pytest.raises(ModelLoadFailed) as refused:
         cache.load("big")
     assert refused.value.failure.kind == "model_too_large"
+    assert refused.value.failure.reason == "over_budget"
     assert not refused.value.failure.retryable
     assert "big" not in cache.resident() and "big" in unloaded
 

@@ -1,0 +1,180 @@
+"""Which served pipelines are unavailable on this host, and when each one's load is tried again.
+
+A pipeline whose models cannot be loaded, for any reason of the host or of its file host (a
+download refused, a cache that cannot be written, over the memory budget, a broken file, a
+plugin's exception: nothing a task carries), is *unavailable*: its held tasks are given back
+(``verdicts.decide``), none more of it is fetched (the sources' ``available``), and its load is
+tried again in the background (``retry_loads``), never by fetching a task, after ``first_s``,
+then twice as long each time up to ``max_s``. One ``pipeline_unavailable`` line when it becomes
+so, one ``pipeline_available`` line when it loads again. ``/readyz`` and the metric
+``inference_worker_pipeline_unavailable`` read ``unavailable()``.
+
+The state has one owner, this object, on the event loop; the batches, the admission, the
+sources and the probes ask it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import structlog
+
+from config.errors import UNAVAILABLE_KINDS, Failure
+
+log = structlog.get_logger(__name__)
+RETRY_S = 30.0
+RETRY_MAX_S = 600.0
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """Why a pipeline is unavailable (``reason``: one of ``config.errors.LOAD_REASONS``), its
+    load's error, since when, and when its load is tried next."""
+
+    reason: str
+    error: str
+    since_s: float
+    retry_in_s: float  # the wait before the next load (doubled after each failed one)
+    retry_at_s: float
+
+
+def is_unavailable(failure: Failure | None) -> bool:
+    """Whether ``failure`` is a pipeline's load failing (the host's trouble), not a task's."""
+    return failure is not None and failure.kind in UNAVAILABLE_KINDS
+
+
+class Availability:
+    def __init__(
+        self,
+        first_s: float = RETRY_S,
+        max_s: float = RETRY_MAX_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._first_s = first_s
+        self._max_s = max(max_s, first_s)
+        self._clock = clock
+        self._lost: dict[str, Unavailable] = {}
+        self._watchers: list[Callable[[], None]] = []
+
+    def available(self, pipeline: str) -> bool:
+        return pipeline not in self._lost
+
+    def unavailable(self) -> dict[str, Unavailable]:
+        """Each unavailable pipeline and why, now."""
+        return dict(self._lost)
+
+    def failure(self, pipeline: str) -> Failure | None:
+        """What its load last failed with, while ``pipeline`` is unavailable."""
+        lost = self._lost.get(pipeline)
+        if lost is None:
+            return None
+        return Failure("model_load_failed", lost.error, reason=lost.reason)
+
+    def watch(self, changed: Callable[[], None]) -> None:
+        """``changed()`` after any pipeline becomes unavailable or available again."""
+        self._watchers.append(changed)
+
+    def lost(self, pipeline: str, failure: Failure) -> None:
+        """``pipeline`` could not be loaded: unavailable from now, its load tried again after
+        the first wait. Said once; a pipeline unavailable already keeps its schedule."""
+        if pipeline in self._lost:
+            return
+        now = self._clock()
+        self._lost[pipeline] = Unavailable(
+            _reason(failure), failure.message, now, self._first_s, now + self._first_s
+        )
+        log.error(
+            "pipeline_unavailable",
+            pipeline=pipeline,
+            reason=_reason(failure),
+            error=failure.message,
+            retry_in_s=self._first_s,
+            action="giving back its held tasks and fetching none of it; its load is tried "
+            "again in the background",
+        )
+        self._changed()
+
+    def failed_again(self, pipeline: str, failure: Failure) -> None:
+        """A background load failed: the next one after twice the last wait (``max_s`` at
+        most)."""
+        was = self._lost.get(pipeline)
+        if was is None:
+            return
+        wait_s = min(was.retry_in_s * 2, self._max_s)
+        now = self._clock()
+        self._lost[pipeline] = Unavailable(
+            _reason(failure), failure.message, was.since_s, wait_s, now + wait_s
+        )
+        log.warning(
+            "pipeline_still_unavailable",
+            pipeline=pipeline,
+            reason=_reason(failure),
+            error=failure.message,
+            retry_in_s=wait_s,
+        )
+
+    def restored(self, pipeline: str) -> None:
+        """``pipeline`` loaded: available again, its tasks fetched again."""
+        was = self._lost.pop(pipeline, None)
+        if was is None:
+            return
+        unavailable_s = round(self._clock() - was.since_s, 1)
+        log.info("pipeline_available", pipeline=pipeline, unavailable_s=unavailable_s)
+        self._changed()
+
+    def due(self) -> list[str]:
+        """The unavailable pipelines whose next load is due now."""
+        now = self._clock()
+        return [name for name, lost in self._lost.items() if lost.retry_at_s <= now]
+
+    def wait_s(self) -> float:
+        """Until the next load is due (inf when none is unavailable)."""
+        now = self._clock()
+        return min((lost.retry_at_s - now for lost in self._lost.values()), default=float("inf"))
+
+    def _changed(self) -> None:
+        for changed in self._watchers:
+            changed()
+
+
+def _reason(failure: Failure) -> str:
+    return failure.reason or ("over_budget" if failure.kind == "model_too_large" else "load_failed")
+
+
+async def retry_loads(
+    availability: Availability,
+    load: Callable[[str], Awaitable[Failure | None]],
+    stop: asyncio.Event,
+    tick: Callable[[], Awaitable[None]],
+    tick_s: float,
+) -> None:
+    """Until ``stop``: each unavailable pipeline's load tried again when due (``load``: on a
+    thread of its own, through the engine), and ``tick`` every ``tick_s`` while any is
+    unavailable (its held tasks kept alive)."""
+    changed = asyncio.Event()  # a pipeline lost meanwhile: its first retry is scheduled now
+    availability.watch(changed.set)
+    while not stop.is_set():
+        changed.clear()
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(changed.wait())]
+        try:
+            await asyncio.wait(
+                waits,
+                timeout=max(0.01, min(availability.wait_s(), tick_s)),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+        if stop.is_set():
+            return
+        if availability.unavailable():
+            await tick()
+        for pipeline in availability.due():
+            failure = await load(pipeline)
+            if failure is None:
+                availability.restored(pipeline)
+            else:
+                availability.failed_again(pipeline, failure)
