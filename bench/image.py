@@ -130,8 +130,9 @@ def run(image: str, images: int) -> dict[str, object]:
         assert provisioned.returncode == 0, provisioned.stderr
         started = time.monotonic()
         _podman_run(image, env, name)
+        figures: dict[str, object] = {}
         try:
-            figures = {"start_to_readyz_200_s": round(_wait_ready(port, started), 1)}
+            figures["start_to_readyz_200_s"] = round(_wait_ready(port, started), 1)
             figures |= _serve_a_job(host, name)
         finally:
             figures |= _stopped(name)

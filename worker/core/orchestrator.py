@@ -101,7 +101,7 @@ class Orchestrator:
             settings.loader.batch_size,
             services.engine,
             services.engine_thread,
-            lambda batch, report: observer.batch_done(len(batch), report),
+            lambda batch, report: observer.batch_done(len(batch), report, batch[0].task.pipeline),
             self._settle_batch,
             prepare=self._prepare,
             hold_per_load=settings.model.hold_per_load,
@@ -231,7 +231,7 @@ class Orchestrator:
         started = time.perf_counter()
         await asyncio.gather(*(self._settle_one(h, report.outcomes[h.key]) for h in batch))
         store_s = time.perf_counter() - started
-        self.services.metrics.batch_seconds.labels("store").observe(store_s)
+        self.services.metrics.observe_stage("store", batch[0].task.pipeline, store_s)
         self._batch_s.append(report.load_s + report.infer_s + store_s)
         await self.claims.keep_alive()
 
