@@ -34,6 +34,7 @@ from config.settings import Settings
 from worker.core.admission import Admission
 from worker.core.batches import CANCELLED_SETTLES_WAIT_S, GIVE_BACK_WAIT_S, Batches
 from worker.core.claims import Claim, Claims
+from worker.core.dropping import InactiveJobDrops
 from worker.core.exits import STOPPED, Exit, ExitReason
 from worker.core.link import Helper, SourceLink
 from worker.core.outcome import Outcome
@@ -107,6 +108,9 @@ class Orchestrator:
             hold_per_load=settings.model.hold_per_load,
             on_device_failed=self._device_failed,
         )
+        self._drops = InactiveJobDrops(
+            services.link.inactive_jobs, self.batches, self.claims, services.metrics
+        )
         self._until_idle = until_idle
         self._batch_s: deque[float] = deque(maxlen=5)  # the last batches' load + infer + store
         self._stop = asyncio.Event()
@@ -158,6 +162,7 @@ class Orchestrator:
         backoff_s = _FIRST_FETCH_BACKOFF_S
         failed = 0  # fetches in a row that raised
         while not self._stop.is_set():
+            await self._drops.drop()  # also while no room: a full cap is the common case
             room = self.claims.room()
             if room <= 0:
                 await self.claims.wait_for_room(timeout_s)

@@ -65,6 +65,7 @@ class Metrics:
                 self.tasks.labels(outcome, pipeline)
             for stage in STAGES:
                 self.batch_seconds.labels(stage, pipeline)
+        self.tasks_dropped = _dropped_counter(registry)
         self.loader_restarts = Counter(
             f"{PREFIX}_loader_restarts",
             "DataLoader rebuilds after a timeout or a dead loader child.",
@@ -82,6 +83,18 @@ class Metrics:
 
     def observe_stage(self, stage: str, pipeline: str, seconds: float) -> None:
         self.batch_seconds.labels(stage, self.pipeline(pipeline)).observe(seconds)
+
+
+def _dropped_counter(registry: CollectorRegistry) -> Counter:
+    dropped = Counter(
+        f"{PREFIX}_tasks_dropped",
+        "Held tasks dropped before they ran, nothing settled at the source, by reason "
+        "(job_inactive: the source no longer shows their job as active).",
+        ["reason"],
+        registry=registry,
+    )
+    dropped.labels("job_inactive")
+    return dropped
 
 
 def _process_identity(registry: CollectorRegistry) -> tuple[Info, Gauge]:
