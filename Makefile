@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo check test promtool chaos bench clean gpu-kit
+.PHONY: demo check test promtool chaos bench clean gpu-kit image
 # Our own code, compiled to bytecode before the tests: the suite starts more than 300 Python
 # processes (workers, their fork servers, CLI commands, benchmarks), and where
 # PYTHONDONTWRITEBYTECODE is set (it is on the development machine) each would compile every
@@ -82,3 +82,28 @@ GPU_KIT ?= .gpukit
 gpu-kit:
 	$(PYTHON) -m bench.gpukit gather --python-version $(PYTHON_VERSION) --out $(GPU_KIT) \
 	  $(if $(wildcard constraints.txt),--constraint constraints.txt)
+
+# make image, by hand (not in make test: BENCHMARKS.md, "The container image"): the Dockerfile
+# built with buildah from a base of Debian's packages (mmdebstrap) and the wheels this machine
+# already has (pip's local indexes, gathered once into $(IMAGE_DIR)/wheels and mounted into the
+# build, never downloaded again), niced: the machine is shared.
+IMAGE ?= localhost/inference-worker:latest
+IMAGE_BASE ?= localhost/inference-worker-base:bookworm
+IMAGE_DIR ?= .image
+BUILDAH_ISOLATION ?= chroot
+image: $(STAMP)
+	@command -v buildah >/dev/null && command -v podman >/dev/null && command -v mmdebstrap >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq buildah podman mmdebstrap; }
+	mkdir -p $(IMAGE_DIR)/wheels
+	podman image exists $(IMAGE_BASE) || { \
+	  nice -n 10 mmdebstrap --variant=apt --include=python3,python3-venv,ca-certificates,supervisor \
+	    bookworm $(IMAGE_DIR)/base.tar && podman import $(IMAGE_DIR)/base.tar $(IMAGE_BASE) && \
+	  rm $(IMAGE_DIR)/base.tar; }
+	nice -n 10 $(BIN)/python -m pip download -q -c constraints.txt --prefer-binary \
+	  -d $(IMAGE_DIR)/wheels '.[ami]' setuptools wheel
+	nice -n 10 buildah bud --isolation $(BUILDAH_ISOLATION) --format docker --layers=false \
+	  --build-arg BASE=$(IMAGE_BASE) --build-arg WHEELS=/wheels \
+	  -v $(abspath $(IMAGE_DIR))/wheels:/wheels:ro -t $(IMAGE) .
+	podman image ls $(IMAGE)

@@ -124,7 +124,9 @@ async def run(jobs: int) -> dict[str, Any]:
                 rss_before = rss_bytes(proc.pid)
                 seconds, seen = await flood(js, settings, uris, jobs)
                 say(f"{jobs} results stored in {seconds:.1f}s; waiting out the consumers' linger")
-                ok = metric(port, 'inference_worker_tasks_total{outcome="ok"}')
+                ok = metric(
+                    port, f'inference_worker_tasks_total{{outcome="ok",pipeline="{PIPELINE}"}}'
+                )
                 if ok != jobs:
                     raise BenchmarkFailed(f"{ok} ok results of {jobs}")
                 await asyncio.sleep(10)  # the last consumers' linger

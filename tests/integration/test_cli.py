@@ -77,7 +77,12 @@ async def test_run_serves_a_job_reports_metrics_and_exits_0_on_sigterm_leaving_n
     stderr = log_path.read_text()
 
     assert {r["status"] for r in results} == {"ok"}
-    assert 'inference_worker_tasks_total{outcome="ok"} 6.0' in metrics
+    served = settings.model.pipeline  # each task's outcome and each batch's stages under it
+    assert f'inference_worker_tasks_total{{outcome="ok",pipeline="{served}"}} 6.0' in metrics
+    loads = f'inference_worker_batch_duration_seconds_count{{pipeline="{served}",stage="load"}}'
+    assert any(
+        line.startswith(loads) and float(line.split()[1]) >= 1 for line in metrics.splitlines()
+    )
     assert "inference_worker_stalled 0.0" in metrics
     assert "inference_worker_inflight_tasks 0.0" in metrics
     assert device_info(metrics) == [

@@ -67,7 +67,8 @@ async def test_a_process_with_the_other_fair_jobs_is_refused_and_no_task_runs_tw
             results += await wait_results(js, settings, f"job-mixed-{j}", 10, timeout_s=120)
         await quiescent(js, settings)
         twice = app.registry.get_sample_value("inference_worker_results_already_stored_total")
-        ok = app.registry.get_sample_value("inference_worker_tasks_total", {"outcome": "ok"})
+        served = {"outcome": "ok", "pipeline": settings.model.pipeline}
+        ok = app.registry.get_sample_value("inference_worker_tasks_total", served)
     assert refused.returncode == 2, refused.stderr[-3000:]
     errors = [line for line in refused.stderr.splitlines() if line.startswith("config error")]
     assert len(errors) == 1 and n_consumer(settings) in errors[0], refused.stderr[-3000:]

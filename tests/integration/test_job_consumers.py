@@ -115,7 +115,9 @@ async def test_three_thousand_one_task_jobs_keep_the_consumers_bounded_and_serve
             started = time.monotonic()
             result = await _result(js, settings, last, timeout_s=20)
             served_s = time.monotonic() - started
-        ok = app.registry.get_sample_value("inference_worker_tasks_total", {"outcome": "ok"})
+        ok = app.registry.get_sample_value(
+            "inference_worker_tasks_total", {"outcome": "ok", "pipeline": pipeline}
+        )
         made = app.registry.get_sample_value("inference_worker_job_consumers_made_total")
     assert result["status"] == "ok", result
     assert ok == JOBS + 1  # each job answered, once

@@ -138,7 +138,8 @@ async def test_a_task_published_again_after_its_result_was_stored_is_not_run_aga
         assert app.worker is not None
         metrics = app.worker.services.metrics.registry
         doubled = metrics.get_sample_value("inference_worker_results_already_stored_total")
-        settled = metrics.get_sample_value("inference_worker_tasks_total", {"outcome": "ok"})
+        served = {"outcome": "ok", "pipeline": settings.model.pipeline}
+        settled = metrics.get_sample_value("inference_worker_tasks_total", served)
 
     # Every delivery is looked up before it runs (a job's consumer made again delivers its
     # tasks anew, as first deliveries): the copy is acked with no second run, no second store.

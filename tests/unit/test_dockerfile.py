@@ -13,10 +13,12 @@ default, none when the build is told to keep its base image's torch.
 from __future__ import annotations
 
 import ast
+import http.server
 import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import zipfile
 from pathlib import Path
 
@@ -207,3 +209,91 @@ def test_the_image_installs_the_pinned_versions_unless_told_to_keep_its_own_torc
         ".[ami]",
     ]
     assert pip_arguments(command, context, tmp_path / "bin", "") == ["install", ".[ami]"]
+
+
+def instruction_args(dockerfile: str, keyword: str) -> list[str]:
+    """The arguments of every ``keyword`` instruction, in order."""
+    found = []
+    for line in instructions(dockerfile):
+        first, _, rest = line.partition(" ")
+        if first.upper() == keyword:
+            found.append(rest.strip())
+    return found
+
+
+def image_env(dockerfile: str) -> dict[str, str]:
+    """What the image's ``ENV`` instructions set (``NAME=value`` form)."""
+    env: dict[str, str] = {}
+    for args in instruction_args(dockerfile, "ENV"):
+        env |= dict(word.split("=", 1) for word in shlex.split(args))
+    return env
+
+
+def test_the_image_serves_its_listener_outside_and_keeps_its_model_cache_on_a_volume():
+    """Run as an image, the worker's /metrics and probes are reached from outside the
+    container (a setting, not a code path), and its model cache is a volume owned by its
+    non-root user alone (mode 0700: the worker refuses one group- or other-writable)."""
+    from config.settings import Settings
+    from config.unknown import known_names
+
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    env = image_env(dockerfile)
+    settings = {name: value for name, value in env.items() if name.startswith("WORKER_")}
+    assert set(settings) <= known_names(Settings)
+    assert settings["WORKER_METRICS__HOST"] == "0.0.0.0"
+    cache = settings["WORKER_MODEL__CACHE_DIR"]
+    assert instruction_args(dockerfile, "VOLUME") == [cache]
+    (user,) = instruction_args(dockerfile, "USER")
+    assert user not in ("root", "0")
+    made = " ".join(instruction_args(dockerfile, "RUN"))
+    assert f"install -d -o {user} -g {user} -m 0700 {cache}" in made
+
+
+def healthcheck_command(dockerfile: str) -> list[str]:
+    (healthcheck,) = instruction_args(dockerfile, "HEALTHCHECK")
+    _, _, command = healthcheck.partition(" CMD ")
+    assert command, "HEALTHCHECK ... CMD [...]"
+    return list(ast.literal_eval(command.strip()))
+
+
+class _Livez(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self) -> None:
+        code = self.status if self.path == "/livez" else 404
+        self.send_response(code)
+        self.end_headers()
+        self.wfile.write(b"ok" if code == 200 else b"stalled: test")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_images_healthcheck_asks_livez_and_fails_on_a_503():
+    """The HEALTHCHECK's own command (python, no curl in the image), against a listener on
+    the port the worker's setting names: 0 while /livez answers 200, not 0 on a 503, not 0
+    when nothing listens; a proxy in the environment is not asked."""
+    command = healthcheck_command((ROOT / "Dockerfile").read_text())
+    assert command[0] == "python3"
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Livez)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "http_proxy": "http://127.0.0.1:9",
+        "WORKER_METRICS__PORT": str(port),
+    }
+
+    def health() -> int:
+        run = [sys.executable, *command[1:]]
+        return subprocess.run(run, env=env, capture_output=True, timeout=30).returncode
+
+    try:
+        assert health() == 0
+        _Livez.status = 503
+        assert health() != 0
+    finally:
+        server.shutdown()
+        server.server_close()
+        _Livez.status = 200
+    assert health() != 0

@@ -14,6 +14,7 @@ from pipelines.models import Algorithm
 from worker.antenna.catalog import Catalog
 from worker.antenna.client import AntennaClient
 from worker.antenna.identity import client_info
+from worker.antenna.inactive import inactive_jobs
 from worker.antenna.job_listing import JobRotation
 from worker.antenna.post import Poster
 from worker.antenna.registration import project_ids
@@ -135,6 +136,7 @@ class AntennaParts:
             finish_held_on_stop=True,  # a give-back costs the TTR and a delivery
             results_waiting=lambda: self.poster.waiting() > 0,
             helpers=(("tasks-waiting", self.waiting.run),),
+            inactive_jobs=inactive_jobs(self.jobs, self.source.reservations),
         )
 
     async def open(self) -> None:

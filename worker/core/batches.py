@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Collection, Coroutine, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -206,6 +206,12 @@ class Batches:
     def engine_busy(self) -> bool:
         """A batch is on the engine thread and has not returned."""
         return self._in_engine is not None and not self._in_engine.done()
+
+    def take_jobs(self, job_ids: Collection[str]) -> list[Claim]:
+        """The waiting tasks of ``job_ids``, out of the batches to come, their loads dropped."""
+        taken = self._waiting.take_jobs(job_ids)
+        self._engine.forget([h.key for h in taken])
+        return taken
 
     def forget(self, held: list[Claim]) -> None:
         self._engine.forget([h.key for h in held])

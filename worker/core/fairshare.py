@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -80,6 +80,13 @@ class FairQueue(Generic[T]):
         """Every waiting task of ``pipeline`` (its model cannot be had)."""
         taken: list[T] = []
         for key in [key for key in self._jobs if key[0] == pipeline]:
+            taken.extend(self._jobs.pop(key).tasks)
+        return taken
+
+    def take_jobs(self, job_ids: Collection[str]) -> list[T]:
+        """Every waiting task of the jobs ``job_ids`` (no longer active at their source)."""
+        taken: list[T] = []
+        for key in [key for key in self._jobs if key[1] in job_ids]:
             taken.extend(self._jobs.pop(key).tasks)
         return taken
 

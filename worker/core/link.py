@@ -12,7 +12,7 @@ models load, and its shutdown. Each source builds its own parts in its own room
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol
 
@@ -22,6 +22,10 @@ from worker.core.verdicts import NO_BACKOFF, Backoff
 # A coroutine run alongside the orchestrator's loops until the stop event; one that fails
 # ends the process.
 Helper = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
+
+
+async def no_inactive_jobs() -> frozenset[str]:
+    return frozenset()
 
 
 @dataclass
@@ -52,6 +56,10 @@ class SourceLink(Generic[H]):
     backoff: Backoff = NO_BACKOFF
     # What a result says of the pipeline's models (NATS's ``model``; Antenna keeps its own).
     model_of: Callable[[str], dict[str, Any]] = lambda _pipeline: {}
+    # Jobs whose held tasks are dropped before they run, nothing settled for them at the
+    # source: the source knows each is no longer active (Antenna: its listing, read again
+    # when due, no longer shows it, and it ignores late results). NATS: none.
+    inactive_jobs: Callable[[], Awaitable[frozenset[str]]] = no_inactive_jobs
 
 
 class SourceParts(Protocol):

@@ -35,6 +35,7 @@ from worker.core.admission import Admission
 from worker.core.availability import Availability, retry_loads
 from worker.core.batches import CANCELLED_SETTLES_WAIT_S, GIVE_BACK_WAIT_S, Batches
 from worker.core.claims import Claim, Claims, best_effort
+from worker.core.dropping import InactiveJobDrops
 from worker.core.exits import STOPPED, Exit, ExitReason
 from worker.core.link import Helper, SourceLink
 from worker.core.outcome import Outcome
@@ -112,12 +113,15 @@ class Orchestrator:
             settings.loader.batch_size,
             services.engine,
             services.engine_thread,
-            lambda batch, report: observer.batch_done(len(batch), report),
+            lambda batch, report: observer.batch_done(len(batch), report, batch[0].task.pipeline),
             self._settle_batch,
             prepare=self._prepare,
             hold_per_load=settings.model.hold_per_load,
             on_device_failed=self._device_failed,
             availability=available,
+        )
+        self._drops = InactiveJobDrops(
+            services.link.inactive_jobs, self.batches, self.claims, services.metrics
         )
         self._until_idle = until_idle
         self._batch_s: deque[float] = deque(maxlen=5)  # the last batches' load + infer + store
@@ -171,6 +175,7 @@ class Orchestrator:
         backoff_s = _FIRST_FETCH_BACKOFF_S
         failed = 0  # fetches in a row that raised
         while not self._stop.is_set():
+            await self._drops.drop()  # also while no room: a full cap is the common case
             room = self.claims.room()
             if room <= 0:
                 await self.claims.wait_for_room(timeout_s)
@@ -270,7 +275,7 @@ class Orchestrator:
         started = time.perf_counter()
         await asyncio.gather(*(self._settle_one(h, report.outcomes[h.key]) for h in batch))
         store_s = time.perf_counter() - started
-        self.services.metrics.batch_seconds.labels("store").observe(store_s)
+        self.services.metrics.observe_stage("store", batch[0].task.pipeline, store_s)
         self._batch_s.append(report.load_s + report.infer_s + store_s)
         await self.claims.keep_alive()
 

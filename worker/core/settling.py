@@ -25,7 +25,8 @@ class Settling:
     async def settle(self, delivered: Delivered[Any], verdict: Verdict) -> Settled:
         settled = await self._settler.settle(delivered, verdict)
         if settled.kept.counted:
-            self._metrics.tasks.labels(settled.kept.value).inc()
+            task = delivered.read.task
+            self._metrics.count_task(settled.kept.value, task.pipeline if task else "")
         if settled.kept in (Kept.OK, Kept.ERROR):
             _say_done(log.bind(source=self._source), delivered, verdict, settled)
         return settled

@@ -13,7 +13,7 @@ processes (healthwatch) asks ``/livez``; load balancers and alerts, ``/readyz``.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -83,10 +83,11 @@ class ProcessHealth:
         loader_pids: Callable[[], list[int]],
         source: str,
         source_health: Callable[[], SourceHealth],
+        pipelines: Sequence[str] = (),
     ) -> Metrics:
         """The metrics, in the registry /metrics serves, made before the parts that count into
         them (the task source's); the probes still answer ``starting`` until ``serve``."""
-        metrics = Metrics(self.registry, liveness, source, source_health)
+        metrics = Metrics(self.registry, liveness, source, source_health, pipelines)
         self.registry.register(ProcessTreeCollector(PREFIX, loader_pids))
         return metrics
 

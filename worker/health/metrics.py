@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -15,6 +15,11 @@ from worker.core.ports import SourceHealth
 from worker.health.liveness import Liveness
 
 PREFIX = "inference_worker"
+# The ``pipeline`` label of what a task names that this process does not serve: the label's
+# values stay the served pipelines (and this), whatever a task names.
+OTHER_PIPELINE = "other"
+OUTCOMES = ("ok", "error", "retried", "dead_lettered")
+STAGES = ("load", "infer", "store")
 
 
 class Metrics:
@@ -26,18 +31,19 @@ class Metrics:
         liveness: Liveness,
         source: str = "nats",
         source_health: Callable[[], SourceHealth] = lambda: SourceHealth(True, 0.0),
+        pipelines: Sequence[str] = (),
     ) -> None:
         self.registry = registry
+        self._pipelines = frozenset(pipelines)
         _source_gauges(registry, source, source_health)
         _state_gauges(registry, liveness)
         self.tasks = Counter(
             f"{PREFIX}_tasks",
-            "Tasks settled, by outcome (ok, error, retried, dead_lettered).",
-            ["outcome"],
+            "Tasks settled, by outcome (ok, error, retried, dead_lettered) and pipeline (a "
+            f"served one, or {OTHER_PIPELINE}).",
+            ["outcome", "pipeline"],
             registry=registry,
         )
-        for outcome in ("ok", "error", "retried", "dead_lettered"):
-            self.tasks.labels(outcome)
         self.results_already_stored = Counter(
             f"{PREFIX}_results_already_stored",
             "Results not written because the task's result was already stored: a second "
@@ -50,19 +56,46 @@ class Metrics:
         self.batches = Counter(f"{PREFIX}_batches", "Batches completed.", registry=registry)
         self.batch_seconds = Histogram(
             f"{PREFIX}_batch_duration_seconds",
-            "Time per batch, by stage (load, infer, store).",
-            ["stage"],
+            "Time per batch, by stage (load, infer, store) and pipeline.",
+            ["stage", "pipeline"],
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=registry,
         )
-        for stage in ("load", "infer", "store"):  # every series there from the start
-            self.batch_seconds.labels(stage)
+        for pipeline in pipelines:  # every series there from the start
+            for outcome in OUTCOMES:
+                self.tasks.labels(outcome, pipeline)
+            for stage in STAGES:
+                self.batch_seconds.labels(stage, pipeline)
+        self.tasks_dropped = _dropped_counter(registry)
         self.loader_restarts = Counter(
             f"{PREFIX}_loader_restarts",
             "DataLoader rebuilds after a timeout or a dead loader child.",
             registry=registry,
         )
         self.device, self.start_time = _process_identity(registry)
+
+    def pipeline(self, name: str) -> str:
+        """The ``pipeline`` label for a task naming ``name``: a served pipeline's own name,
+        else ``other`` (a task's pipeline is untrusted: it never makes a series of its own)."""
+        return name if name in self._pipelines else OTHER_PIPELINE
+
+    def count_task(self, outcome: str, pipeline: str) -> None:
+        self.tasks.labels(outcome, self.pipeline(pipeline)).inc()
+
+    def observe_stage(self, stage: str, pipeline: str, seconds: float) -> None:
+        self.batch_seconds.labels(stage, self.pipeline(pipeline)).observe(seconds)
+
+
+def _dropped_counter(registry: CollectorRegistry) -> Counter:
+    dropped = Counter(
+        f"{PREFIX}_tasks_dropped",
+        "Held tasks dropped before they ran, nothing settled at the source, by reason "
+        "(job_inactive: the source no longer shows their job as active).",
+        ["reason"],
+        registry=registry,
+    )
+    dropped.labels("job_inactive")
+    return dropped
 
 
 def _process_identity(registry: CollectorRegistry) -> tuple[Info, Gauge]:

@@ -29,14 +29,14 @@ class BatchObserver:
         self._guard = guard
         self._on_limit = on_limit
 
-    def batch_done(self, size: int, report: BatchReport) -> None:
+    def batch_done(self, size: int, report: BatchReport, pipeline: str = "") -> None:
         m = self._metrics
         ok = sum(1 for outcome in report.outcomes.values() if outcome.ok)
         self._liveness.batch_completed()
         m.batches.inc()
         m.images.inc(ok)
-        m.batch_seconds.labels("load").observe(report.load_s)
-        m.batch_seconds.labels("infer").observe(report.infer_s)
+        m.observe_stage("load", pipeline, report.load_s)
+        m.observe_stage("infer", pipeline, report.infer_s)
         if report.loader_restarts:
             m.loader_restarts.inc(report.loader_restarts)
         self._check_guards()

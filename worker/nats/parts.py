@@ -82,7 +82,7 @@ class NatsParts:
             store,
             served.default,
             served.model_info,
-            count=lambda outcome: metrics.tasks.labels(outcome).inc(),
+            count=metrics.count_task,
             completed_twice=metrics.results_already_stored.inc,
             until_connected=self.connection.until_connected,
         )

@@ -49,7 +49,7 @@ class NatsSettler:
     store_retry_s: float
     backoff: Backoff
     # The advisory's results, counted as the orchestrator counts the rest.
-    count: Callable[[str], None] = lambda _outcome: None
+    count: Callable[[str, str], None] = lambda _outcome, _pipeline: None
     # A result not written because one was already stored: a second completion of the task.
     completed_twice: Callable[[], None] = lambda: None
     # A store retried while the client reconnects waits for the new connection (within
@@ -133,7 +133,7 @@ class NatsSettler:
                 return False
             stored = False
         if stored:
-            self.count("error")
+            self.count("error", read.task.pipeline)
         log.warning(
             "task_deliveries_exhausted",
             task_id=read.task.id,
@@ -269,7 +269,7 @@ def nats_settler(
     default_pipeline: str,
     model_of: Callable[[str], dict[str, Any]] = lambda _pipeline: {},
     *,
-    count: Callable[[str], None] = lambda _outcome: None,
+    count: Callable[[str, str], None] = lambda _outcome, _pipeline: None,
     completed_twice: Callable[[], None] = lambda: None,
     until_connected: UntilConnected = at_once,
 ) -> NatsSettler:

@@ -88,7 +88,7 @@ class Assembly:
         # The metrics first: the source's parts count into them from their making. Until the
         # probes answer (``_services``), /livez and /readyz still say starting.
         metrics = self.health.metrics(
-            liveness, self.engine.loader.child_pids, s.source, self._source_health
+            liveness, self.engine.loader.child_pids, s.source, self._source_health, served.names
         )
         self.parts = parts = source_parts(s, served, chosen, metrics)  # closed by close()
         self._opening_since = time.monotonic()

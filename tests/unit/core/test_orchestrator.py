@@ -47,7 +47,7 @@ def a_worker(
     )
     store, js = store or FakeStore(), FakeJetStream()
     liveness = Liveness(settings.health.stall_timeout_s)
-    metrics = Metrics(CollectorRegistry(), liveness)
+    metrics = Metrics(CollectorRegistry(), liveness, pipelines=("p",))
     settler = nats_settler(store, js)
     source.max_deliver = max_deliver
     link = SourceLink(
@@ -88,8 +88,11 @@ async def test_every_task_is_stored_then_acked_in_batches_and_burst_mode_ends_wi
     assert sorted(r["task_id"] for r in store.stored) == sorted(f"t{i}" for i in range(10))
     assert all(m.actions == ["ack"] for m in msgs)
     assert all(len(batch) <= BATCH for batch in engine.batches)
-    assert (
-        metrics.registry.get_sample_value("inference_worker_tasks_total", {"outcome": "ok"}) == 10
+    counted = {"outcome": "ok", "pipeline": "p"}  # the pipeline of tasks.p
+    assert metrics.registry.get_sample_value("inference_worker_tasks_total", counted) == 10
+    stored = {"stage": "store", "pipeline": "p"}
+    assert metrics.registry.get_sample_value(
+        "inference_worker_batch_duration_seconds_count", stored
     )
     assert len(worker.claims) == 0
 

@@ -319,3 +319,42 @@ async def test_a_stop_finishes_the_batch_in_hand_and_loses_nothing_held(rig: Any
     kept, given_back = set(rig.kept()), rig.given_back()
     assert kept | given_back == set(names) and not kept & given_back
     assert len(kept) >= BATCH  # the batch in hand at the stop was finished
+
+
+async def test_a_job_cancelled_mid_batch_has_its_held_tasks_dropped_before_they_run() -> None:
+    """Antenna: a job cancelled while its first batch is on the engine. That batch ends (its
+    results posted: Antenna ignores them); the tasks still held of the job are dropped before
+    they run, nothing posted for them, each said in a line and counted."""
+    rig = AntennaRig()
+    try:
+        names = rig.add(2 * BATCH)
+        engine = GatedEngine()
+        worker = a_worker(rig, engine)
+        stop = asyncio.Event()
+        with structlog.testing.capture_logs() as logs:
+            running = asyncio.create_task(worker.run(stop))
+            await until(
+                lambda: len(worker.claims) == 2 * BATCH and engine.entered.is_set(),
+                "every task held, the first batch on the engine",
+            )
+            rig.fake.jobs[rig.job].status = "CANCELING"  # as Antenna's cancel does
+            await until(lambda: len(worker.claims) == BATCH, "the waiting tasks dropped")
+            engine.release.set()
+            await until(lambda: len(worker.claims) == 0, "the batch in hand settled")
+            stop.set()
+            exit = await asyncio.wait_for(running, WAIT_S)
+        counted = worker.services.metrics.registry.get_sample_value(
+            "inference_worker_tasks_dropped_total", {"reason": "job_inactive"}
+        )
+    finally:
+        rig.close()
+    assert exit.code == 0
+    assert len(engine.batches) == 1, "only the batch in hand ran"
+    dropped = {e["image_id"] for e in logs if e["event"] == "task_dropped_job_inactive"}
+    ran = {e["image_id"] for e in logs if e["event"] == "task_done"}
+    assert len(dropped) == BATCH and len(ran) == BATCH
+    assert dropped | ran == set(names) and not dropped & ran
+    # Only the batch in hand's results were posted (Antenna ignores them): none for the rest.
+    posted = sum(len(json.loads(body)["results"]) for body in rig.fake.bodies)
+    assert posted == BATCH
+    assert counted == BATCH

@@ -157,18 +157,24 @@ def test_the_docs_keda_query_counts_a_multi_pipeline_fleets_shared_backlog(tmp_p
     each pipeline and the shared consumer's under ``moths,orders``. The recipe's query for
     ``moths`` takes both (once, not once per process), and nothing of another pipeline whose
     name merely contains ``moths``."""
+    evaluates_keda_query(_docs_keda_query(), "moths", tmp_path)
+
+
+def evaluates_keda_query(query: str, pipeline: str, tmp_path: Path) -> None:
+    """promtool evaluates ``query`` (a KEDA trigger's, for ``pipeline``) over a fleet serving
+    ``pipeline`` and ``orders``, and another fleet's pipelines whose names contain it: 130."""
     tool = promtool()
     waiting = "inference_worker_tasks_waiting"
     # (process, pipeline label, tasks waiting): p2's reads lag p1's by one sweep.
     counts = [
-        ("p1", "moths", 100),
+        ("p1", pipeline, 100),
         ("p1", "orders", 7),
-        ("p1", "moths,orders", 30),
-        ("p2", "moths", 90),
+        ("p1", f"{pipeline},orders", 30),
+        ("p2", pipeline, 90),
         ("p2", "orders", 7),
-        ("p2", "moths,orders", 30),
-        ("p3", "big-moths", 999),  # another fleet's pipeline
-        ("p3", "big-moths,moths-x", 999),
+        ("p2", f"{pipeline},orders", 30),
+        ("p3", f"big-{pipeline}", 999),  # another fleet's pipeline
+        ("p3", f"big-{pipeline},{pipeline}-x", 999),
     ]
     series = [
         {
@@ -177,11 +183,7 @@ def test_the_docs_keda_query_counts_a_multi_pipeline_fleets_shared_backlog(tmp_p
         }
         for p, pl, n in counts
     ]
-    test = {
-        "expr": _docs_keda_query(),
-        "eval_time": "5m",
-        "exp_samples": [{"labels": "{}", "value": 130}],
-    }
+    test = {"expr": query, "eval_time": "5m", "exp_samples": [{"labels": "{}", "value": 130}]}
     plan = {"rule_files": [], "tests": [{"interval": "1m", "input_series": series}]}
     plan["tests"][0]["promql_expr_test"] = [test]
     (tmp_path / "keda_test.yml").write_text(json.dumps(plan))  # JSON is YAML
