@@ -599,6 +599,54 @@ def test_sigterm_finishes_what_it_reserved_when_the_drain_time_allows(
     assert "never retrieved" not in text, text[-4000:]  # no post's failure left unread
 
 
+def stopped_while_reserving(
+    fake: FakeAntenna, tmp_path: Path, answer_in_s: float, **extra: str
+) -> tuple[int, str]:
+    """A worker SIGTERMed while its first reservation is in flight: Antenna has reserved the
+    tasks and holds its answer ``answer_in_s`` (a proxy, a busy server). The job's id and
+    the worker's log once it exited 0."""
+    registered(fake)
+    job = fake.add_job(PIPELINE, add_images(fake, "r", 4))
+    fake.misbehave("tasks", "late", times=1, interval_s=answer_in_s)
+    log = tmp_path / "worker.log"
+    proc = start_run(env_for(fake, **extra), log)
+    try:
+        wait_for(lambda: held(fake, job) > 0, 120, "a reservation made", log, proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, log.read_text()[-4000:]
+    finally:
+        stop_process(proc)
+    return job, log.read_text()
+
+
+def test_a_reservation_answered_during_the_drain_is_run_and_its_results_posted(
+    antenna: FakeAntenna, tmp_path: Path
+) -> None:
+    # Its answer comes 8 s after the signal, well within the drain's 60 s: the tasks Antenna
+    # reserved are run and posted, not lost to the TTR (once cancelled after FETCH_WAIT_S + 5 s
+    # with no line, and they came back only after the TTR, as their last delivery).
+    job, text = stopped_while_reserving(antenna, tmp_path, 8.0, WORKER_HEALTH__DRAIN_TIMEOUT_S="60")
+    tasks = antenna.jobs[job].tasks.values()
+    reserved = {t.image_id for t in tasks if t.delivered}
+    assert reserved and reserved <= antenna.jobs[job].done, text[-4000:]
+    assert "task_left_to_redelivery" not in text and "antenna_reservation_unanswered" not in text
+
+
+def test_a_reservation_still_unanswered_when_the_drain_ends_is_named(
+    antenna: FakeAntenna, tmp_path: Path
+) -> None:
+    job, text = stopped_while_reserving(antenna, tmp_path, 8.0, WORKER_HEALTH__DRAIN_TIMEOUT_S="3")
+    said = [
+        e
+        for e in events(tmp_path / "worker.log")
+        if e.get("event") == "antenna_reservation_unanswered"
+    ]
+    assert len(said) == 1, text[-4000:]
+    assert said[0]["job_id"] == job and said[0]["asked"] == 4
+    assert said[0]["action"] == "left to Antenna's redelivery"
+    assert "WORKER_ANTENNA__TTR_S" in said[0]["hint"]
+
+
 def test_a_failed_register_prints_no_algorithm_lines(antenna: FakeAntenna) -> None:
     done = cli("register", env=env_for(antenna, WORKER_ANTENNA__PROJECT_IDS="1,42"), timeout=120)
     assert done.returncode == 1

@@ -110,17 +110,12 @@ class AntennaSource:
         try:
             reply = await self._client.post(f"jobs/{job.id}/tasks/", "tasks", body)
         except Unanswered as error:  # not asked again: that would reserve twice
-            log.warning(
-                "antenna_reservation_unanswered",
-                job_id=job.id,
-                asked=wanted,
-                error=str(error),
-                action="left to Antenna's redelivery",
-                hint=f"any task Antenna reserved in it comes back after "
-                f"{env_name('antenna', 'ttr_s')}",
-            )
+            _say_unanswered(job, wanted, str(error))
             await asyncio.sleep(_UNAVAILABLE_BACKOFF_S)
             return []
+        except asyncio.CancelledError:  # a stop whose drain ended before Antenna answered
+            _say_unanswered(job, wanted, "the drain ended before Antenna answered")
+            raise
         except AntennaUnreachable as error:
             log.warning("antenna_reserve_unreachable", job_id=job.id, error=str(error))
             await asyncio.sleep(_UNAVAILABLE_BACKOFF_S)
@@ -233,6 +228,19 @@ class AntennaSource:
             f"left by one that stopped, until Antenna delivers them again after "
             f"{env_name('antenna', 'ttr_s')})"
         )
+
+
+def _say_unanswered(job: Job, asked: int, why: str) -> None:
+    """A reservation sent that got no answer: Antenna may have reserved tasks for it, which
+    no worker sees until they come back."""
+    log.warning(
+        "antenna_reservation_unanswered",
+        job_id=job.id,
+        asked=asked,
+        error=why,
+        action="left to Antenna's redelivery",
+        hint=f"any task Antenna reserved in it comes back after {env_name('antenna', 'ttr_s')}",
+    )
 
 
 def _shown_id(value: object) -> str | None:

@@ -196,8 +196,14 @@ class Orchestrator:
 
     async def _let_fetch_finish(self, fetcher: asyncio.Task[None]) -> None:
         """Cancelling a fetch in flight would strand the messages the server already
-        delivered to us until their ack wait runs out."""
-        wait_s = min(self.link.fetch_wait_s + 5, self._drain_left_s())
+        delivered to us until their ack wait runs out. A source whose give-back costs
+        (``finish_held_on_stop``: an Antenna reservation is answered whenever its server
+        answers, and what it reserved is lost to the TTR) is waited for as long as the drain
+        allows, so what it delivers is run or given back with its line; what is still in
+        flight then is cancelled, and the source says what it leaves."""
+        wait_s = self._drain_left_s()
+        if not self.link.finish_held_on_stop:
+            wait_s = min(self.link.fetch_wait_s + 5, wait_s)
         try:
             await asyncio.wait_for(asyncio.shield(fetcher), wait_s)
         except Exception:  # noqa: BLE001 - a timeout, or a failure reported by run()
