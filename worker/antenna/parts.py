@@ -166,7 +166,21 @@ class AntennaParts:
             return (
                 f"Antenna at {self.client.shown()} never listed its jobs (unreachable or failing)"
             )
-        return self.source.still_out()
+        return self._unread() or self.source.still_out()
+
+    def _unread(self) -> str | None:
+        """Listed jobs left unserved because their own page (their pipeline) was never read."""
+        unread = self.jobs.unread()
+        if not unread:
+            return None
+        shown = "; ".join(f"job {job_id}: {why}" for job_id, why in list(unread.items())[:5])
+        return (
+            f"Antenna listed job(s) {', '.join(map(str, unread))} for this process's pipelines, "
+            f"and their own page, which names their pipeline, could not be read for "
+            f"{self.jobs.unread_for_s() or 0:.0f}s "
+            f"({env_name('antenna', 'unreachable_wait_s')}="
+            f"{self._settings.antenna.unreachable_wait_s:g}): not served: {shown}"
+        )
 
     def health(self) -> SourceHealth:
         since = self.client.unreachable_since

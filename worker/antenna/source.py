@@ -204,13 +204,13 @@ class AntennaSource:
     async def idle(self) -> bool:
         """Nothing held, and the last round of the active jobs gave nothing: with no active
         job listed, or with jobs listed that gave nothing for ``idle_wait_s`` (their tasks are
-        out: ``still_out`` says which). Never while listings have found Antenna unavailable
-        for less than ``unreachable_wait_s``."""
+        out: ``still_out`` says which). Never while listings have found Antenna unavailable,
+        or a listed job's own page could not be read, for less than ``unreachable_wait_s``."""
         if not self._dry or len(self.reservations):
             return False
-        failing_s = self._jobs.failing_for_s()
-        if failing_s is not None and failing_s < self._unreachable_wait_s:
-            return False  # not known idle: Antenna may be restarting
+        for failing_s in (self._jobs.failing_for_s(), self._jobs.unread_for_s()):
+            if failing_s is not None and failing_s < self._unreachable_wait_s:
+                return False  # not known idle: Antenna may be restarting
         return self._nothing_since is None or self.still_out() is not None
 
     def still_out(self) -> str | None:
