@@ -463,6 +463,35 @@ def test_until_idle_rides_out_an_antenna_restart_then_serves_its_job(tmp_path: P
     assert "idle_not_served" not in log.read_text()
 
 
+def test_until_idle_holding_results_exits_6_once_antenna_is_down_past_the_bound(
+    antenna: FakeAntenna, tmp_path: Path
+) -> None:
+    """WORKER_ANTENNA__UNREACHABLE_WAIT_S bounds an outage with results held too: the run
+    once retried their posts until the reservations ran out (300 s) and exited 0."""
+    registered(antenna)
+    job = antenna.add_job(PIPELINE, add_images(antenna, "h", 4))
+    antenna.misbehave("result", "down")  # no result post is ever answered
+    env = env_for(
+        antenna, WORKER_ANTENNA__UNREACHABLE_WAIT_S="3", WORKER_HEALTH__DRAIN_TIMEOUT_S="3"
+    )
+    log = tmp_path / "worker.log"
+    proc = start_run(env, log, "--until-idle")
+    try:
+        wait_for(lambda: held(antenna, job) > 0, 120, "tasks reserved", log, proc)
+        for endpoint in ("jobs", "tasks"):  # then Antenna is down for every call
+            antenna.misbehave(endpoint, "down")
+        assert proc.wait(timeout=120) == 6, log.read_text()[-4000:]
+    finally:
+        stop_process(proc)
+    said = events(log)
+    (ended,) = [e for e in said if e.get("event") == "idle_not_served"]
+    assert "WORKER_ANTENNA__UNREACHABLE_WAIT_S=3" in ended["reason"], ended
+    left = {e["image_id"] for e in said if e.get("event") == "task_left_to_redelivery"}
+    reserved = {t.image_id for t in antenna.jobs[job].tasks.values() if t.delivered}
+    assert reserved and left == reserved, log.read_text()[-4000:]
+    assert not antenna.jobs[job].done
+
+
 def reserved_by_an_earlier_process(fake: FakeAntenna, job: int, count: int) -> None:
     """``count`` of ``job``'s tasks reserved by a process that then vanished."""
     body = json.dumps({"batch_size": count}).encode()

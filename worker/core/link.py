@@ -42,6 +42,9 @@ class SourceLink(Generic[H]):
     # Why the source could not be asked for tasks (refused, never reached), None when it could:
     # an idle burst run ends NOT_SERVED for it.
     unserved: Callable[[], str | None] = lambda: None
+    # Burst mode: why the run must end NOT_SERVED now, though tasks are held (Antenna: every
+    # call has failed for its unreachable wait), None while it need not.
+    given_up: Callable[[], str | None] = lambda: None
     # A stop waits for the fetch in flight and runs the held tasks' batches while the drain
     # time allows, and gives back only the rest: for a source whose give-back costs (Antenna:
     # the TTR, and one of two deliveries).

@@ -341,10 +341,17 @@ class Orchestrator:
 
     async def _stop_when_idle(self) -> None:
         """Burst mode: stop once nothing is held and the consumers have nothing pending, seen
-        twice in a row (an advisory is stored a moment after its task leaves the consumer)."""
+        twice in a row (an advisory is stored a moment after its task leaves the consumer); or
+        end NOT_SERVED, held tasks or not, once the source says it has given up
+        (``SourceLink.given_up``)."""
         idle_before = False
         while not self._stop.is_set():
             await asyncio.sleep(self.link.fetch_wait_s)
+            given_up = self.link.given_up()
+            if given_up is not None:  # its held tasks are given back by the drain
+                log.error("idle_not_served", reason=given_up, exit_code=ExitReason.NOT_SERVED.code)
+                self._end(Exit(ExitReason.NOT_SERVED, given_up))
+                return
             idle = len(self.claims) == 0 and await self.link.source.idle() and len(self.claims) == 0
             if idle and idle_before:
                 self._stop_idle()
