@@ -47,6 +47,7 @@ from worker.core.admission import Admission
 from worker.core.claims import Claims
 from worker.core.outcome import Outcome
 from worker.core.results import ResultMaker
+from worker.core.settling import Settling
 from worker.core.tasks import Task
 from worker.core.verdicts import NO_BACKOFF, decide
 from worker.health.liveness import Liveness
@@ -126,10 +127,12 @@ def task_of(delivered: Any) -> Task:
 
 class CoreSettle:
     """The orchestrator's way with a finished task: the core's verdict (``verdicts.decide``),
-    carried out by the Antenna settler; what it did."""
+    carried out by the Antenna settler, counted and said (``task_done``); what it did."""
 
     def __init__(self, settler: AntennaSettler) -> None:
         self.settler = settler
+        metrics = Metrics(CollectorRegistry(), Liveness(30.0), "antenna")
+        self.settling = Settling(settler, metrics, "antenna")
 
     async def settle(self, task: Task, delivered: Any, outcome: Outcome) -> str:
         verdict = decide(
@@ -140,7 +143,7 @@ class CoreSettle:
             results=ResultMaker(),
             backoff=NO_BACKOFF,
         )
-        return (await self.settler.settle(delivered, verdict)).kept.value
+        return (await self.settling.settle(delivered, verdict)).kept.value
 
 
 async def reserve_all(source: AntennaSource, n: int) -> list[Any]:
@@ -535,6 +538,23 @@ async def test_a_result_antenna_would_drop_is_posted_as_an_error_with_its_image(
     assert (
         "category map has 3 classes" in json.loads(fake.bodies[0])["results"][0]["result"]["error"]
     )
+
+
+async def test_task_done_of_an_error_result_names_the_errors_type(fake: FakeAntenna) -> None:
+    """The ``task_done`` line of an error result posted to Antenna said ``error_type: null``."""
+    from config.errors import Failure
+
+    fake.add_job(SLUG, images(2))
+    missing, dropped = await reserve_all(source_of(fake), 2)
+    rules = rules_of(fake, 10**6)
+    gone = Outcome(failure=Failure("object_missing", "no such object", retryable=False))
+    with structlog.testing.capture_logs() as logs:
+        assert await rules.settle(task_of(missing), missing, gone) == "error"
+        assert await rules.settle(task_of(dropped), dropped, outcome(scores=(0.5, 0.5))) == "error"
+    done = {e["image_id"]: e for e in logs if e["event"] == "task_done"}
+    assert done[missing.handle.image_id]["error_type"] == "object_missing"
+    assert done[missing.handle.image_id]["error"] == "object_missing: no such object"
+    assert done[dropped.handle.image_id]["error_type"] == "invalid_model_output"
 
 
 async def test_a_transient_failure_is_left_to_redelivery_before_the_last_delivery(
