@@ -20,6 +20,7 @@ from typing import Any
 
 import structlog
 
+from config.names import env_name
 from worker.antenna.answers import usable_reply_subject
 from worker.antenna.catalog import Catalog
 from worker.antenna.post import Poster, PostFailed
@@ -86,6 +87,15 @@ class AntennaSettler:
             bound.warning("result_made_smaller", steps=steps)
             if "error_result" in steps:
                 kind, why = "result_too_large", entry["result"]["error"]
+        late_s = -reservation.seconds_left()
+        if late_s > 0:  # posted all the same: an identical repost is harmless in Antenna
+            bound.warning(
+                "result_posted_after_ttr",
+                late_by_s=round(late_s, 1),
+                hint=f"Antenna may have delivered the task again meanwhile; if this is seen "
+                f"often, {env_name('antenna', 'ttr_s')} may be longer than Antenna's "
+                "NATS_TASK_TTR, or the work slower than the TTR allows",
+            )
         try:
             posted = await self.poster.post(reservation.job, task, entry, reservation.expires_at)
         except PostFailed as failed:

@@ -47,7 +47,6 @@ from worker.core.admission import Admission
 from worker.core.claims import Claims
 from worker.core.outcome import Outcome
 from worker.core.results import ResultMaker
-from worker.core.settling import Settling
 from worker.core.tasks import Task
 from worker.core.verdicts import NO_BACKOFF, decide
 from worker.health.liveness import Liveness
@@ -127,12 +126,10 @@ def task_of(delivered: Any) -> Task:
 
 class CoreSettle:
     """The orchestrator's way with a finished task: the core's verdict (``verdicts.decide``),
-    carried out by the Antenna settler, counted and said (``task_done``); what it did."""
+    carried out by the Antenna settler; what it did."""
 
     def __init__(self, settler: AntennaSettler) -> None:
         self.settler = settler
-        metrics = Metrics(CollectorRegistry(), Liveness(30.0), "antenna")
-        self.settling = Settling(settler, metrics, "antenna")
 
     async def settle(self, task: Task, delivered: Any, outcome: Outcome) -> str:
         verdict = decide(
@@ -143,7 +140,7 @@ class CoreSettle:
             results=ResultMaker(),
             backoff=NO_BACKOFF,
         )
-        return (await self.settling.settle(delivered, verdict)).kept.value
+        return (await self.settler.settle(delivered, verdict)).kept.value
 
 
 async def reserve_all(source: AntennaSource, n: int) -> list[Any]:
@@ -541,20 +538,41 @@ async def test_a_result_antenna_would_drop_is_posted_as_an_error_with_its_image(
 
 
 async def test_task_done_of_an_error_result_names_the_errors_type(fake: FakeAntenna) -> None:
-    """The ``task_done`` line of an error result posted to Antenna said ``error_type: null``."""
+    """The ``task_done`` line (``verdicts.log_task_done``: the settler's ``Settled``) of an
+    error result posted to Antenna said ``error_type: null``."""
     from config.errors import Failure
 
     fake.add_job(SLUG, images(2))
     missing, dropped = await reserve_all(source_of(fake), 2)
-    rules = rules_of(fake, 10**6)
+    settler = rules_of(fake, 10**6).settler
     gone = Outcome(failure=Failure("object_missing", "no such object", retryable=False))
+    said = {}
+    for delivered, how in ((missing, gone), (dropped, outcome(scores=(0.5, 0.5)))):
+        verdict = decide(
+            task_of(delivered),
+            how,
+            delivered=1,
+            deliveries_left=1,
+            results=ResultMaker(),
+            backoff=NO_BACKOFF,
+        )
+        said[delivered.handle.image_id] = await settler.settle(delivered, verdict)
+    assert said[missing.handle.image_id].error_type == "object_missing"
+    assert said[missing.handle.image_id].error == "object_missing: no such object"
+    assert said[dropped.handle.image_id].error_type == "invalid_model_output"
+
+
+async def test_a_result_posted_after_its_reservation_ran_out_is_said(fake: FakeAntenna) -> None:
+    """The TTR the worker assumes (WORKER_ANTENNA__TTR_S) is Antenna's NATS_TASK_TTR; a result
+    posted after it ran out may be the second of a task delivered again: said, and posted."""
+    job = fake.add_job(SLUG, images(1))
+    (late,) = await reserve_all(source_of(fake), 1)
+    await asyncio.sleep(fake.ttr_s + 0.1)  # the reservation ran out
     with structlog.testing.capture_logs() as logs:
-        assert await rules.settle(task_of(missing), missing, gone) == "error"
-        assert await rules.settle(task_of(dropped), dropped, outcome(scores=(0.5, 0.5))) == "error"
-    done = {e["image_id"]: e for e in logs if e["event"] == "task_done"}
-    assert done[missing.handle.image_id]["error_type"] == "object_missing"
-    assert done[missing.handle.image_id]["error"] == "object_missing: no such object"
-    assert done[dropped.handle.image_id]["error_type"] == "invalid_model_output"
+        assert await rules_of(fake, 10**6).settle(task_of(late), late, outcome()) == "ok"
+    (said,) = [e for e in logs if e["event"] == "result_posted_after_ttr"]
+    assert said["late_by_s"] >= 0 and "WORKER_ANTENNA__TTR_S" in said["hint"], said
+    assert fake.jobs[job].done == {"i0"}
 
 
 async def test_a_transient_failure_is_left_to_redelivery_before_the_last_delivery(
