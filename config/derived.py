@@ -81,3 +81,23 @@ def run_dir_setting(s: Settings) -> str:
     if s.run_dir:
         return f"{env_name('run_dir')}={s.run_dir}"
     return f"{env_name('run_dir')} (unset: its default {run_dir_base(s)} is under TMPDIR)"
+
+
+def unconfigured_source(s: Settings, env_file: Path) -> str | None:
+    """Why the task source was not configured, when it was not: ``WORKER_SOURCE`` and
+    ``WORKER_NATS__URL`` both at their defaults, from neither the environment nor ``.env`` (a
+    process started away from its ``.env`` becomes a NATS worker on localhost); None when
+    either was set."""
+    if "source" in s.model_fields_set or "url" in s.nats.model_fields_set:
+        return None
+    where = (
+        f"the .env at {env_file.resolve()} sets neither"
+        if env_file.is_file()
+        else f"no .env in {env_file.resolve().parent}"
+    )
+    return (
+        f"{env_name('source')} and {env_name('nats', 'url')} are at their defaults ({where}): "
+        f"set {env_name('source')}=antenna with {env_name('antenna', 'base_url')}, or "
+        f"{env_name('nats', 'url')}, or start it in the directory of its .env (IW_ENV_FILE "
+        "under supervisord)"
+    )

@@ -629,7 +629,9 @@ class AntennaSettings(BaseModel):
         description="`run --until-idle`: how long every listing of the jobs may find Antenna "
         "unavailable (no answer, or 5xx: a restart) before the run takes it as idle and ends "
         "NOT_SERVED (6); meanwhile the listing is tried again after POLL_INTERVAL_S, then twice "
-        "as late each time, up to 4 intervals; 0 = at the first failed listing",
+        "as late each time, up to 4 intervals; 0 = at the first failed listing. With tasks "
+        "held, once every call has failed as long (they are left to redelivery); and for a "
+        "listed job whose own page cannot be read",
         ge=0,
     )
 

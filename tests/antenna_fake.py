@@ -63,12 +63,14 @@ is asked for by endpoint with ``misbehave`` (``jobs``, ``job``, ``tasks``, ``res
 maintenance page), ``json`` (``body``, with 200 or ``status``), ``deep`` (200,000 nested
 ``[``), ``cut`` (the call is served, then its answer is cut mid-body), ``badstatus`` (a line
 that is not HTTP), ``slow`` (the call is served and its whole answer dripped one byte every
-``interval_s``), ``down`` (the connection closed unanswered: the server behind a proxy
-stopped), ``drop`` (the call is served, then the connection closed unanswered: Antenna acted,
-and its answer was lost on the way back, as when a proxy or a link drops mid-call). Everything
-else stays as the real server does it. ``spoil`` changes the fields of one image's task in the
-reservations that hold it (a proxy or a broken deployment garbling one task of several: the
-others are reserved as Antenna does). ``connections`` counts the TCP connections accepted.
+``interval_s``), ``late`` (the call is served and its whole answer sent ``interval_s``
+later: a proxy or a busy Antenna holding the answer), ``down`` (the connection closed
+unanswered: the server behind a proxy stopped), ``drop`` (the call is served, then the
+connection closed unanswered: Antenna acted, and its answer was lost on the way back, as when
+a proxy or a link drops mid-call). Everything else stays as the real server does it.
+``spoil`` changes the fields of one image's task in the reservations that hold it (a proxy or
+a broken deployment garbling one task of several: the others are reserved as Antenna does).
+``connections`` counts the TCP connections accepted.
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ class _User:
 
 @dataclass
 class Misbehaviour:
-    kind: str  # redirect, html, json, deep, cut, badstatus, slow, down, drop
+    kind: str  # redirect, html, json, deep, cut, badstatus, slow, late, down, drop
     times: int | None = None
     body: bytes = b""
     status: int = 200  # json: the status it is answered with
@@ -827,13 +829,17 @@ class _Handler(BaseHTTPRequestHandler):
             self._raw(self._head(status, kind, len(data)) + data[: len(data) // 2])
         elif mode is not None and mode.kind == "slow":
             self._drip(self._head(status, kind, len(data)) + data, mode)
+        elif mode is not None and mode.kind == "late":
+            time.sleep(mode.interval_s)
+            with contextlib.suppress(OSError):  # the client gave up meanwhile
+                self._send(status, data, kind)
         else:
             self._send(status, data, kind)
 
     def _misbehave(self, mode: Misbehaviour, method: str, path: str) -> bool:
         """Answer as ``mode`` says, before the call is served; False for the kinds that serve
-        it first (cut, slow, drop)."""
-        if mode.kind in ("cut", "slow", "drop"):
+        it first (cut, slow, late, drop)."""
+        if mode.kind in ("cut", "slow", "late", "drop"):
             return False
         self.antenna.requests.append((method, path, -1))
         if mode.kind == "redirect":

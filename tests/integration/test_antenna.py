@@ -463,6 +463,35 @@ def test_until_idle_rides_out_an_antenna_restart_then_serves_its_job(tmp_path: P
     assert "idle_not_served" not in log.read_text()
 
 
+def test_until_idle_holding_results_exits_6_once_antenna_is_down_past_the_bound(
+    antenna: FakeAntenna, tmp_path: Path
+) -> None:
+    """WORKER_ANTENNA__UNREACHABLE_WAIT_S bounds an outage with results held too: the run
+    once retried their posts until the reservations ran out (300 s) and exited 0."""
+    registered(antenna)
+    job = antenna.add_job(PIPELINE, add_images(antenna, "h", 4))
+    antenna.misbehave("result", "down")  # no result post is ever answered
+    env = env_for(
+        antenna, WORKER_ANTENNA__UNREACHABLE_WAIT_S="3", WORKER_HEALTH__DRAIN_TIMEOUT_S="3"
+    )
+    log = tmp_path / "worker.log"
+    proc = start_run(env, log, "--until-idle")
+    try:
+        wait_for(lambda: held(antenna, job) > 0, 120, "tasks reserved", log, proc)
+        for endpoint in ("jobs", "tasks"):  # then Antenna is down for every call
+            antenna.misbehave(endpoint, "down")
+        assert proc.wait(timeout=120) == 6, log.read_text()[-4000:]
+    finally:
+        stop_process(proc)
+    said = events(log)
+    (ended,) = [e for e in said if e.get("event") == "idle_not_served"]
+    assert "WORKER_ANTENNA__UNREACHABLE_WAIT_S=3" in ended["reason"], ended
+    left = {e["image_id"] for e in said if e.get("event") == "task_left_to_redelivery"}
+    reserved = {t.image_id for t in antenna.jobs[job].tasks.values() if t.delivered}
+    assert reserved and left == reserved, log.read_text()[-4000:]
+    assert not antenna.jobs[job].done
+
+
 def reserved_by_an_earlier_process(fake: FakeAntenna, job: int, count: int) -> None:
     """``count`` of ``job``'s tasks reserved by a process that then vanished."""
     body = json.dumps({"batch_size": count}).encode()
@@ -597,6 +626,54 @@ def test_sigterm_finishes_what_it_reserved_when_the_drain_time_allows(
     assert reserved <= antenna.jobs[job].done and "task_left_to_redelivery" not in text
     assert all(t.delivered <= 1 for t in tasks)
     assert "never retrieved" not in text, text[-4000:]  # no post's failure left unread
+
+
+def stopped_while_reserving(
+    fake: FakeAntenna, tmp_path: Path, answer_in_s: float, **extra: str
+) -> tuple[int, str]:
+    """A worker SIGTERMed while its first reservation is in flight: Antenna has reserved the
+    tasks and holds its answer ``answer_in_s`` (a proxy, a busy server). The job's id and
+    the worker's log once it exited 0."""
+    registered(fake)
+    job = fake.add_job(PIPELINE, add_images(fake, "r", 4))
+    fake.misbehave("tasks", "late", times=1, interval_s=answer_in_s)
+    log = tmp_path / "worker.log"
+    proc = start_run(env_for(fake, **extra), log)
+    try:
+        wait_for(lambda: held(fake, job) > 0, 120, "a reservation made", log, proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, log.read_text()[-4000:]
+    finally:
+        stop_process(proc)
+    return job, log.read_text()
+
+
+def test_a_reservation_answered_during_the_drain_is_run_and_its_results_posted(
+    antenna: FakeAntenna, tmp_path: Path
+) -> None:
+    # Its answer comes 8 s after the signal, well within the drain's 60 s: the tasks Antenna
+    # reserved are run and posted, not lost to the TTR (once cancelled after FETCH_WAIT_S + 5 s
+    # with no line, and they came back only after the TTR, as their last delivery).
+    job, text = stopped_while_reserving(antenna, tmp_path, 8.0, WORKER_HEALTH__DRAIN_TIMEOUT_S="60")
+    tasks = antenna.jobs[job].tasks.values()
+    reserved = {t.image_id for t in tasks if t.delivered}
+    assert reserved and reserved <= antenna.jobs[job].done, text[-4000:]
+    assert "task_left_to_redelivery" not in text and "antenna_reservation_unanswered" not in text
+
+
+def test_a_reservation_still_unanswered_when_the_drain_ends_is_named(
+    antenna: FakeAntenna, tmp_path: Path
+) -> None:
+    job, text = stopped_while_reserving(antenna, tmp_path, 8.0, WORKER_HEALTH__DRAIN_TIMEOUT_S="3")
+    said = [
+        e
+        for e in events(tmp_path / "worker.log")
+        if e.get("event") == "antenna_reservation_unanswered"
+    ]
+    assert len(said) == 1, text[-4000:]
+    assert said[0]["job_id"] == job and said[0]["asked"] == 4
+    assert said[0]["action"] == "left to Antenna's redelivery"
+    assert "WORKER_ANTENNA__TTR_S" in said[0]["hint"]
 
 
 def test_a_failed_register_prints_no_algorithm_lines(antenna: FakeAntenna) -> None:

@@ -191,11 +191,17 @@ class AntennaClient:
         timeout_s: float | None = None,
     ) -> Reply:
         """One call, ended at its deadline; AntennaUnreachable when no usable answer came."""
+        # A deadline of its own is a result post's (the poster's); the client's, every other call's.
+        setting = env_name("antenna", "post_timeout_s" if timeout_s else "request_timeout_s")
         timeout_s = timeout_s or self._timeout_s
         where = f"{method} {redact_url(self.root + path)}"
         started = time.monotonic()
         exchange = Exchange(started + timeout_s)
-        running = in_daemon_thread(self._call_blocking, exchange, method, path, body, endpoint)
+        # The request went out in full and its answer did not come in time: Antenna is slow.
+        slow = f"Antenna too slow ({where}): no complete answer within {timeout_s:g}s ({setting})"
+        running = in_daemon_thread(
+            self._call_blocking, exchange, (method, path, body, endpoint), slow
+        )
         running.add_done_callback(_retrieved)
         try:
             reply = await asyncio.wait_for(asyncio.shield(running), timeout_s)
@@ -205,7 +211,7 @@ class AntennaClient:
             if sent is None:  # being written: the cut socket ends the write at once
                 await asyncio.wait({running}, timeout=_SETTLE_S)
                 sent = exchange.sent
-            message = f"Antenna unreachable ({where}): no complete answer within {timeout_s:g}s"
+            message = slow if sent else slow.replace("too slow", "unreachable", 1)
             self._unavailable(endpoint, message, started)
             if sent and not _replayable(method, endpoint):
                 raise Unanswered(f"{message} {_NOT_SENT_AGAIN}") from None
@@ -235,8 +241,9 @@ class AntennaClient:
             self.unreachable_since = since
 
     def _call_blocking(
-        self, exchange: Exchange, method: str, path: str, body: bytes | None, endpoint: str
+        self, exchange: Exchange, call: tuple[str, str, bytes | None, str], slow: str
     ) -> Reply:
+        method, path, body, endpoint = call
         where = f"{method} {redact_url(self.root + path)}"
         try:
             answer = fetch(exchange, self._request(method, path, body, endpoint), self._origin)
@@ -249,6 +256,8 @@ class AntennaClient:
         except Exception as error:  # noqa: BLE001 - OSError, HTTPException, TLS: no answer
             if exchange.was_cut:
                 raise AntennaUnreachable(f"Antenna unreachable ({where}): given up") from None
+            if isinstance(error, TimeoutError) and exchange.sent:  # the deadline, as the socket's
+                raise AntennaUnreachable(slow) from None
             reason = getattr(error, "reason", None) or error
             raise AntennaUnreachable(
                 f"Antenna unreachable ({where}): {type(error).__name__} "

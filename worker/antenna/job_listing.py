@@ -7,7 +7,8 @@ superuser's. Its ``incomplete_only`` still lists jobs that serve no tasks (CREAT
 CANCELING), so the active ones are listed by ``status`` (STARTED, then RETRY), ordered by
 ``created_at`` so the pages do not shift under us, every page read (at most ``_MAX_PAGES``),
 each job kept once. A job's own page is read only when the list does not name its pipeline
-and this process serves several (once per job), so an idle process asks Antenna for about
+and this process serves several (once per job; one that could not be read is asked again
+after a backoff, and is not served meanwhile: ``unread``), so an idle process asks Antenna for about
 ``2 * pages / poll_interval_s`` listings a second, whatever the number of jobs.
 
 With projects given (``WORKER_ANTENNA__PROJECT_IDS``) only their jobs are listed, one listing
@@ -88,6 +89,17 @@ class Job:
     pipeline: str
 
 
+@dataclass(frozen=True)
+class _Unread:
+    """A listed job whose own page could not be read: why, since when (``time.monotonic``),
+    when it is asked again, and how long after that when it fails again."""
+
+    why: str
+    since: float
+    next_at: float
+    wait_s: float
+
+
 class JobRotation:
     def __init__(
         self,
@@ -114,6 +126,9 @@ class JobRotation:
         self._failing_since: float | None = None  # listings found Antenna unavailable since
         self._failures = 0  # such listings in a row
         self.last_failure = ""
+        # Listed jobs whose own page could not be read (to learn their pipeline), asked again
+        # after a backoff: why, since when, when next, the wait after that.
+        self._unread: dict[int, _Unread] = {}
 
     @property
     def last_refusal(self) -> str | None:
@@ -168,6 +183,8 @@ class JobRotation:
             return self._jobs
         self._answered()
         self.ever_listed = True
+        listed_ids = {job.id for job in listed}
+        self._unread = {i: u for i, u in self._unread.items() if i in listed_ids}
         if [j.id for j in active] != [j.id for j in self._jobs]:
             log.info("antenna_active_jobs", jobs=[j.id for j in active], listed=len(listed))
         self._jobs = active
@@ -268,11 +285,46 @@ class JobRotation:
             return None
         return Job(item["id"], slug)
 
-    async def _detail_slug(self, job_id: int) -> str:
-        """The pipeline's slug on the job's own page ("" when it names none)."""
-        reply = await self._client.get(f"jobs/{job_id}/", "job")
-        if not (reply.ok and isinstance(reply.body, dict)):
+    def unread(self) -> dict[int, str]:
+        """The listed jobs whose own page could not be read yet, and why (so none is served)."""
+        return {job_id: unread.why for job_id, unread in self._unread.items()}
+
+    def unread_for_s(self) -> float | None:
+        """How long the longest-unread listed job's page has failed; None when none has."""
+        if not self._unread:
+            return None
+        return time.monotonic() - min(u.since for u in self._unread.values())
+
+    def _not_read(self, job_id: int, why: str) -> None:
+        """The job's page could not be read: asked again after a poll interval, then twice as
+        late each time, up to ``_FAILING_MAX_POLLS`` intervals (as a failing listing is)."""
+        now, before = time.monotonic(), self._unread.get(job_id)
+        wait_s = self._poll_interval_s if before is None else before.wait_s
+        since = now if before is None else before.since
+        longest_s = _FAILING_MAX_POLLS * self._poll_interval_s
+        self._unread[job_id] = _Unread(why, since, now + wait_s, min(2 * wait_s, longest_s))
+        log.warning(
+            "antenna_job_unread",
+            job_id=job_id,
+            reason=why,
+            retry_in_s=round(wait_s, 2),
+            action="not served until its page names its pipeline",
+        )
+
+    async def _detail_slug(self, job_id: int) -> str | None:
+        """The pipeline's slug on the job's own page ("" when it names none, or Antenna has no
+        such job); None when the page could not be read (an error answer, or none)."""
+        try:
+            reply = await self._client.get(f"jobs/{job_id}/", "job")
+        except AntennaUnreachable as error:
+            self._not_read(job_id, str(error))
+            return None
+        if reply.status == 404:
             return ""
+        if not (reply.ok and isinstance(reply.body, dict)):
+            self._not_read(job_id, f"reading job {job_id}: {reply.why()}")
+            return None
+        self._unread.pop(job_id, None)
         pipeline = reply.body.get("pipeline")
         slug = reply.body.get("pipeline_slug") or (
             pipeline.get("slug") if isinstance(pipeline, dict) else None
@@ -283,13 +335,20 @@ class JobRotation:
         """``job`` with its pipeline, when it is one we serve. An Antenna whose jobs list
         leaves ``pipeline_slug`` out (its ids-only serializer gave ``id`` alone) names it in
         the job itself; a worker of one pipeline takes the job as its own (Antenna listed it
-        for that slug) without asking, one of several asks once and, told nothing, leaves it."""
+        for that slug) without asking, one of several asks once and, told nothing, leaves it.
+        A page that could not be read is asked again after a backoff (``_not_read``)."""
         slug = job.pipeline
         if not slug and len(self._pipelines) == 1:
             slug = self._pipelines[0]
+        if not slug and job.id not in self._slugs:
+            unread = self._unread.get(job.id)
+            if unread is not None and time.monotonic() < unread.next_at:
+                return None  # asked again once its wait is over
+            found = await self._detail_slug(job.id)
+            if found is None:
+                return None
+            self._slugs[job.id] = found
         if not slug:
-            if job.id not in self._slugs:
-                self._slugs[job.id] = await self._detail_slug(job.id)
             slug = self._slugs[job.id]
         if slug in self._pipelines:
             return Job(job.id, slug)

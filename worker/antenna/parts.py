@@ -133,6 +133,7 @@ class AntennaParts:
             fetch_wait_s=s.antenna.fetch_wait_s,
             keepalive_tick_s=s.antenna.ttr_s / 4,
             unserved=self.unserved,
+            given_up=self.given_up,
             finish_held_on_stop=True,  # a give-back costs the TTR and a delivery
             results_waiting=lambda: self.poster.waiting() > 0,
             helpers=(("tasks-waiting", self.waiting.run),),
@@ -168,7 +169,38 @@ class AntennaParts:
             return (
                 f"Antenna at {self.client.shown()} never listed its jobs (unreachable or failing)"
             )
-        return self.source.still_out()
+        return self._unread() or self.source.still_out()
+
+    def given_up(self) -> str | None:
+        """``run --until-idle`` with tasks held: why it ends now, every call to Antenna
+        (listings, reservations, result posts) having failed for
+        ``WORKER_ANTENNA__UNREACHABLE_WAIT_S``; the drain leaves the held tasks to Antenna's
+        redelivery, each with its line. None while it need not (with none held, ``unserved``
+        says why an idle run ends)."""
+        since, held = self.client.unreachable_since, len(self.source.reservations)
+        wait_s = self._settings.antenna.unreachable_wait_s
+        if since is None or not held or time.monotonic() - since < wait_s:
+            return None
+        return (
+            f"Antenna at {self.client.shown()} unavailable to every call for "
+            f"{time.monotonic() - since:.0f}s ({env_name('antenna', 'unreachable_wait_s')}="
+            f"{wait_s:g}) with {held} task(s) held, left to Antenna's redelivery: "
+            f"{self.client.last_problem}"
+        )
+
+    def _unread(self) -> str | None:
+        """Listed jobs left unserved because their own page (their pipeline) was never read."""
+        unread = self.jobs.unread()
+        if not unread:
+            return None
+        shown = "; ".join(f"job {job_id}: {why}" for job_id, why in list(unread.items())[:5])
+        return (
+            f"Antenna listed job(s) {', '.join(map(str, unread))} for this process's pipelines, "
+            f"and their own page, which names their pipeline, could not be read for "
+            f"{self.jobs.unread_for_s() or 0:.0f}s "
+            f"({env_name('antenna', 'unreachable_wait_s')}="
+            f"{self._settings.antenna.unreachable_wait_s:g}): not served: {shown}"
+        )
 
     def health(self) -> SourceHealth:
         since = self.client.unreachable_since

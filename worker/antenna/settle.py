@@ -20,6 +20,7 @@ from typing import Any
 
 import structlog
 
+from config.names import env_name
 from worker.antenna.answers import usable_reply_subject
 from worker.antenna.catalog import Catalog
 from worker.antenna.post import Poster, PostFailed
@@ -46,8 +47,8 @@ class AntennaSettler:
             if verdict.result is None:
                 raise ValueError("a keep verdict carries its result")
             result = verdict.result
-            entry, status, why = self._entry(result)
-            return await self._post(reservation, result.task, result.attempt, entry, status, why)
+            entry, kind, why = self._entry(result)
+            return await self._post(reservation, result.task, result.attempt, entry, kind, why)
         if decision is Decision.RETRY:
             reservation.left_to_redelivery()
             log.info(
@@ -75,7 +76,7 @@ class AntennaSettler:
         task: Task,
         attempt: int,
         entry: dict[str, Any],
-        status: str,
+        kind: str,  # "ok", or the error result's kind (``config.errors.ErrorKind``)
         why: str,
     ) -> Settled:
         bound = log.bind(
@@ -85,7 +86,16 @@ class AntennaSettler:
         if steps:
             bound.warning("result_made_smaller", steps=steps)
             if "error_result" in steps:
-                status, why = "error", entry["result"]["error"]
+                kind, why = "result_too_large", entry["result"]["error"]
+        late_s = -reservation.seconds_left()
+        if late_s > 0:  # posted all the same: an identical repost is harmless in Antenna
+            bound.warning(
+                "result_posted_after_ttr",
+                late_by_s=round(late_s, 1),
+                hint=f"Antenna may have delivered the task again meanwhile; if this is seen "
+                f"often, {env_name('antenna', 'ttr_s')} may be longer than Antenna's "
+                "NATS_TASK_TTR, or the work slower than the TTR allows",
+            )
         try:
             posted = await self.poster.post(reservation.job, task, entry, reservation.expires_at)
         except PostFailed as failed:
@@ -94,32 +104,32 @@ class AntennaSettler:
             return Settled(Kept.RETRIED)
         reservation.posted()
         if posted is not entry:  # replaced by an error result after Antenna refused it
-            status, why = "error", str(posted["result"].get("error"))
-        if status == "ok":
+            kind, why = "http_error", str(posted["result"].get("error"))
+        if kind == "ok":
             found = len(posted["result"].get("detections") or [])
             return Settled(Kept.OK, detections=found, task=task)
-        return Settled(Kept.ERROR, error=why or None, task=task)
+        return Settled(Kept.ERROR, error_type=kind, error=why or None, task=task)
 
     def _entry(self, result: Result) -> tuple[dict[str, Any], str, str]:
-        """The item to post for ``result``, its status, and why when it is an error."""
+        """The item to post for ``result``: "ok", or its error's kind, and why."""
         task = result.task
         if result.failure is not None:
             failure = result.failure  # Antenna's error field names the kind, then the message
             message = f"{failure.kind}: {failure.message}"
             if result.ran_out:
                 message = ran_out(result.attempt, message)
-            return item(task, error_result(task, message)), "error", message
+            return item(task, error_result(task, message)), failure.kind, message
         slug = task.pipeline
         served = self.catalog.get(slug)
         response = result.response()
         if served is None or response is None:  # not made by loaded models: cannot be
             message = f"pipeline {slug!r} has no loaded models to name in the result"
-            return item(task, error_result(task, message)), "error", message
+            return item(task, error_result(task, message)), "internal_error", message
         shaped = ok_result(task, response, served, slug)
         found = problems(shaped, task, served, slug)
         if found:
             message = "Antenna would not save this result: " + "; ".join(found)
-            return item(task, error_result(task, message)), "error", message
+            return item(task, error_result(task, message)), "invalid_model_output", message
         return item(task, shaped), "ok", ""
 
     async def _unnamed(self, delivered: AntennaDelivered, reason: str) -> Settled:
@@ -138,7 +148,8 @@ class AntennaSettler:
             )
             message = f"invalid_task: {reason}"
             entry = item(task, error_result(task, message))
-            return await self._post(reservation, task, delivered.delivered, entry, "error", message)
+            kind = "invalid_task"
+            return await self._post(reservation, task, delivered.delivered, entry, kind, message)
         log.error(
             "antenna_task_unusable",
             reason=reason,

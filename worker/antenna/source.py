@@ -116,17 +116,12 @@ class AntennaSource:
         try:
             reply = await self._client.post(f"jobs/{job.id}/tasks/", "tasks", body)
         except Unanswered as error:  # not asked again: that would reserve twice
-            log.warning(
-                "antenna_reservation_unanswered",
-                job_id=job.id,
-                asked=wanted,
-                error=str(error),
-                action="left to Antenna's redelivery",
-                hint=f"any task Antenna reserved in it comes back after "
-                f"{env_name('antenna', 'ttr_s')}",
-            )
+            _say_unanswered(job, wanted, str(error))
             await asyncio.sleep(_UNAVAILABLE_BACKOFF_S)
             return []
+        except asyncio.CancelledError:  # a stop whose drain ended before Antenna answered
+            _say_unanswered(job, wanted, "the drain ended before Antenna answered")
+            raise
         except AntennaUnreachable as error:
             log.warning("antenna_reserve_unreachable", job_id=job.id, error=str(error))
             await asyncio.sleep(_UNAVAILABLE_BACKOFF_S)
@@ -215,13 +210,13 @@ class AntennaSource:
     async def idle(self) -> bool:
         """Nothing held, and the last round of the active jobs gave nothing: with no active
         job listed, or with jobs listed that gave nothing for ``idle_wait_s`` (their tasks are
-        out: ``still_out`` says which). Never while listings have found Antenna unavailable
-        for less than ``unreachable_wait_s``."""
+        out: ``still_out`` says which). Never while listings have found Antenna unavailable,
+        or a listed job's own page could not be read, for less than ``unreachable_wait_s``."""
         if not self._dry or len(self.reservations):
             return False
-        failing_s = self._jobs.failing_for_s()
-        if failing_s is not None and failing_s < self._unreachable_wait_s:
-            return False  # not known idle: Antenna may be restarting
+        for failing_s in (self._jobs.failing_for_s(), self._jobs.unread_for_s()):
+            if failing_s is not None and failing_s < self._unreachable_wait_s:
+                return False  # not known idle: Antenna may be restarting
         return self._nothing_since is None or self.still_out() is not None
 
     def still_out(self) -> str | None:
@@ -239,6 +234,19 @@ class AntennaSource:
             f"left by one that stopped, until Antenna delivers them again after "
             f"{env_name('antenna', 'ttr_s')})"
         )
+
+
+def _say_unanswered(job: Job, asked: int, why: str) -> None:
+    """A reservation sent that got no answer: Antenna may have reserved tasks for it, which
+    no worker sees until they come back."""
+    log.warning(
+        "antenna_reservation_unanswered",
+        job_id=job.id,
+        asked=asked,
+        error=why,
+        action="left to Antenna's redelivery",
+        hint=f"any task Antenna reserved in it comes back after {env_name('antenna', 'ttr_s')}",
+    )
 
 
 def _shown_id(value: object) -> str | None:

@@ -117,9 +117,8 @@ async def _antenna_problems(settings: Settings) -> list[str]:
         projects = project_ids(a.project_ids)
     except ValueError as error:
         return [str(error)]
-    client = AntennaClient(
-        a.base_url, a.token, min(a.request_timeout_s, _CHECK_TIMEOUT_S), scheme=a.auth_scheme
-    )
+    # The deadline ``run`` gives each call: a slow Antenna that ``run`` works with is no problem.
+    client = AntennaClient(a.base_url, a.token, a.request_timeout_s, scheme=a.auth_scheme)
     token_set = bool(a.token.get_secret_value())
     slugs = [name_of(entry) for entry in settings.model.pipeline_entries()]
     return await antenna_problems(client, slugs, projects, token_set)

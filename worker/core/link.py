@@ -46,8 +46,12 @@ class SourceLink(Generic[H]):
     # Why the source could not be asked for tasks (refused, never reached), None when it could:
     # an idle burst run ends NOT_SERVED for it.
     unserved: Callable[[], str | None] = lambda: None
-    # A stop runs the held tasks' batches while the drain time allows, and gives back only the
-    # rest: for a source whose give-back costs (Antenna: the TTR, and one of two deliveries).
+    # Burst mode: why the run must end NOT_SERVED now, though tasks are held (Antenna: every
+    # call has failed for its unreachable wait), None while it need not.
+    given_up: Callable[[], str | None] = lambda: None
+    # A stop waits for the fetch in flight and runs the held tasks' batches while the drain
+    # time allows, and gives back only the rest: for a source whose give-back costs (Antenna:
+    # the TTR, and one of two deliveries).
     finish_held_on_stop: bool = False
     # Finished results are waiting for the source's server to take them (Antenna's posts).
     results_waiting: Callable[[], bool] | None = None

@@ -216,8 +216,14 @@ class Orchestrator:
 
     async def _let_fetch_finish(self, fetcher: asyncio.Task[None]) -> None:
         """Cancelling a fetch in flight would strand the messages the server already
-        delivered to us until their ack wait runs out."""
-        wait_s = min(self.link.fetch_wait_s + 5, self._drain_left_s())
+        delivered to us until their ack wait runs out. A source whose give-back costs
+        (``finish_held_on_stop``: an Antenna reservation is answered whenever its server
+        answers, and what it reserved is lost to the TTR) is waited for as long as the drain
+        allows, so what it delivers is run or given back with its line; what is still in
+        flight then is cancelled, and the source says what it leaves."""
+        wait_s = self._drain_left_s()
+        if not self.link.finish_held_on_stop:
+            wait_s = min(self.link.fetch_wait_s + 5, wait_s)
         try:
             await asyncio.wait_for(asyncio.shield(fetcher), wait_s)
         except Exception:  # noqa: BLE001 - a timeout, or a failure reported by run()
@@ -379,10 +385,17 @@ class Orchestrator:
 
     async def _stop_when_idle(self) -> None:
         """Burst mode: stop once nothing is held and the consumers have nothing pending, seen
-        twice in a row (an advisory is stored a moment after its task leaves the consumer)."""
+        twice in a row (an advisory is stored a moment after its task leaves the consumer); or
+        end NOT_SERVED, held tasks or not, once the source says it has given up
+        (``SourceLink.given_up``)."""
         idle_before = False
         while not self._stop.is_set():
             await asyncio.sleep(self.link.fetch_wait_s)
+            given_up = self.link.given_up()
+            if given_up is not None:  # its held tasks are given back by the drain
+                log.error("idle_not_served", reason=given_up, exit_code=ExitReason.NOT_SERVED.code)
+                self._end(Exit(ExitReason.NOT_SERVED, given_up))
+                return
             idle = len(self.claims) == 0 and await self.link.source.idle() and len(self.claims) == 0
             if idle and idle_before:
                 self._stop_idle()

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -43,6 +44,8 @@ def _say_done(bound: Any, delivered: Delivered[Any], verdict: Verdict, settled: 
     task = result.task if result is not None else settled.task
     attempt = result.attempt if result is not None else delivered.delivered
     timings_s = result.timings_s if result is not None else {}
+    if settled.error_type is None and result is not None and result.failure is not None:
+        settled = replace(settled, error_type=result.failure.kind)  # a settler that said none
     if task is not None:
         bound = bound.bind(task_id=task.id, job_id=task.job_id, image_id=task.image_id)
     else:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import structlog
 from nats.aio.client import Client as NATS
 
+from config.derived import unconfigured_source
+from config.redact import redact_url
 from config.settings import Settings
 from worker.core.link import SourceLink
 from worker.core.ports import SourceHealth
@@ -67,6 +70,9 @@ class NatsParts:
         """Connect, provision, and build the parts over the connection, each counting into
         the metrics (the job consumers' and the tasks waiting are registered with them)."""
         s, served, metrics = self._settings, self._served, self._metrics
+        unconfigured = unconfigured_source(s, Path(".env"))
+        if unconfigured is not None:
+            log.warning("task_source_defaulted", nats_url=redact_url(s.nats.url), why=unconfigured)
         self.nc = nc = await connect(s.nats, state=self.connection)
         js = nc.jetstream()
         await refuse_other_fair_jobs(js, s.nats)
@@ -102,11 +108,20 @@ class NatsParts:
             keepalive_tick_s=s.nats.ack_wait_s / 4,
             gone=self.connection.lost,
             gone_reason="the NATS connection closed for good",
+            unserved=self.unserved,
             helpers=(
                 ("max-deliveries", ExhaustedTasks(js, s.nats, settler).run),
                 ("tasks-waiting", waiting.run),
             ),
         )
+
+    def unserved(self) -> str | None:
+        """An idle burst run that served no task from a source nobody configured ends
+        NOT_SERVED, naming the settings: it is on some NATS on localhost, not its own."""
+        why = unconfigured_source(self._settings, Path(".env"))
+        if why is None or self._source is None or self._source.delivered:
+            return None
+        return f"{why}; this run served no task from NATS at {redact_url(self._settings.nats.url)}"
 
     def problem(self) -> str | None:
         down_timeout_s = self._settings.health.disconnected_timeout_s

@@ -23,6 +23,7 @@ class NatsSource:
         self.feed = feed
         self.max_deliver = max_deliver
         self.default_pipeline = default_pipeline  # a task on ``tasks`` alone names none
+        self.delivered = 0  # messages the feed has handed over since the start
 
     async def fetch(
         self, batch: int, runnable: Runnable | None = None, available: Runnable | None = None
@@ -39,6 +40,7 @@ class NatsSource:
         """Each message read once; one whose JetStream metadata cannot be read (no JetStream
         reply subject) is logged and given back alone, never the whole fetch."""
         adapted = []
+        self.delivered += len(msgs)  # read or not, they came: the source answers
         for msg in msgs:
             try:
                 adapted.append(delivered(msg, self.max_deliver, self.default_pipeline))

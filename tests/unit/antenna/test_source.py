@@ -537,6 +537,44 @@ async def test_a_result_antenna_would_drop_is_posted_as_an_error_with_its_image(
     )
 
 
+async def test_task_done_of_an_error_result_names_the_errors_type(fake: FakeAntenna) -> None:
+    """The ``task_done`` line (``verdicts.log_task_done``: the settler's ``Settled``) of an
+    error result posted to Antenna said ``error_type: null``."""
+    from config.errors import Failure
+
+    fake.add_job(SLUG, images(2))
+    missing, dropped = await reserve_all(source_of(fake), 2)
+    settler = rules_of(fake, 10**6).settler
+    gone = Outcome(failure=Failure("object_missing", "no such object", retryable=False))
+    said = {}
+    for delivered, how in ((missing, gone), (dropped, outcome(scores=(0.5, 0.5)))):
+        verdict = decide(
+            task_of(delivered),
+            how,
+            delivered=1,
+            deliveries_left=1,
+            results=ResultMaker(),
+            backoff=NO_BACKOFF,
+        )
+        said[delivered.handle.image_id] = await settler.settle(delivered, verdict)
+    assert said[missing.handle.image_id].error_type == "object_missing"
+    assert said[missing.handle.image_id].error == "object_missing: no such object"
+    assert said[dropped.handle.image_id].error_type == "invalid_model_output"
+
+
+async def test_a_result_posted_after_its_reservation_ran_out_is_said(fake: FakeAntenna) -> None:
+    """The TTR the worker assumes (WORKER_ANTENNA__TTR_S) is Antenna's NATS_TASK_TTR; a result
+    posted after it ran out may be the second of a task delivered again: said, and posted."""
+    job = fake.add_job(SLUG, images(1))
+    (late,) = await reserve_all(source_of(fake), 1)
+    await asyncio.sleep(fake.ttr_s + 0.1)  # the reservation ran out
+    with structlog.testing.capture_logs() as logs:
+        assert await rules_of(fake, 10**6).settle(task_of(late), late, outcome()) == "ok"
+    (said,) = [e for e in logs if e["event"] == "result_posted_after_ttr"]
+    assert said["late_by_s"] >= 0 and "WORKER_ANTENNA__TTR_S" in said["hint"], said
+    assert fake.jobs[job].done == {"i0"}
+
+
 async def test_a_transient_failure_is_left_to_redelivery_before_the_last_delivery(
     fake: FakeAntenna,
 ) -> None:
@@ -781,9 +819,12 @@ async def test_project_ids_scope_which_jobs_are_reserved_from(fake: FakeAntenna)
     assert {d.handle.image_id for d in both} == {"b0", "b1", "b2"}
 
 
-def parts_of(configured: Any, registry: CollectorRegistry | None = None) -> AntennaParts:
-    """The Antenna source's parts for ``configured``, counting into metrics of their own."""
-    served = SimpleNamespace(names=[SLUG], loaded=lambda _p: None)
+def parts_of(
+    configured: Any, registry: CollectorRegistry | None = None, names: tuple[str, ...] = (SLUG,)
+) -> AntennaParts:
+    """The Antenna source's parts for ``configured`` serving ``names``, counting into metrics
+    of their own."""
+    served = SimpleNamespace(names=list(names), loaded=lambda _p: None)
     metrics = Metrics(registry or CollectorRegistry(), Liveness(30.0), "antenna")
     return AntennaParts(configured, served, {}, metrics)  # type: ignore[arg-type]
 
@@ -841,6 +882,69 @@ async def test_a_refused_project_is_named_and_the_other_projects_are_served(
         fake.projects[99] = {}  # the project exists now: listed, and the refusal is gone
         await parts.jobs.refresh()
         assert parts.jobs.refused_projects == {} and parts.problem() is None
+    finally:
+        parts.client.close()
+
+
+def ids_only_listing(fake: FakeAntenna) -> None:
+    """The fake's jobs list gives each job's ``id`` alone (an Antenna whose ids-only
+    serializer left ``pipeline_slug`` out): a worker of several pipelines reads each job's page."""
+    listed = fake._list
+
+    def ids_alone(query: dict[str, str], user: Any = None) -> tuple[int, Any]:
+        status, body = listed(query, user)
+        return status, {**body, "results": [{"id": j["id"]} for j in body["results"]]}
+
+    fake._list = ids_alone  # type: ignore[method-assign]
+
+
+BAD_GATEWAY = {"status": 502, "body": b'{"detail": "Bad Gateway"}'}
+
+
+async def test_a_job_whose_page_failed_once_is_asked_again_and_served(fake: FakeAntenna) -> None:
+    """One 502 on a job's own page once made it 'not ours' for good: a burst run then stopped
+    idle with the whole job unserved."""
+    moths = fake.add_job(SLUG, images(2, "m"))
+    ids_only_listing(fake)
+    fake.misbehave("job", "json", times=1, **BAD_GATEWAY)
+    rotation = JobRotation(client_of(fake), (SLUG, "orders"), 0.05, 100)
+    with structlog.testing.capture_logs() as logs:
+        assert await rotation.refresh() == []
+    (said,) = [e for e in logs if e["event"] == "antenna_job_unread"]
+    assert said["job_id"] == moths and "HTTP 502" in said["reason"], said
+    assert "antenna_job_not_ours" not in [e["event"] for e in logs]
+    await asyncio.sleep(0.06)  # its backoff: one poll interval
+    assert [(j.id, j.pipeline) for j in await rotation.refresh()] == [(moths, SLUG)]
+    assert rotation.unread() == {}
+
+
+async def test_a_burst_run_would_end_idle_names_the_job_whose_page_was_never_read(
+    fake: FakeAntenna,
+) -> None:
+    moths = fake.add_job(SLUG, images(2, "m"))
+    ids_only_listing(fake)
+    fake.misbehave("job", "json", **BAD_GATEWAY)
+    antenna = {
+        "base_url": fake.url,
+        "token": TOKEN,
+        "project_ids": "1",
+        "poll_interval_s": 0.05,
+        "fetch_wait_s": 0.05,
+        "unreachable_wait_s": 0.5,
+    }
+    parts = parts_of(load_settings(for_worker=False, antenna=antenna), names=(SLUG, "orders"))
+    try:
+        assert await parts.source.fetch(4) == []
+        assert not await parts.source.idle()  # asked again before the bound
+        deadline = time.monotonic() + 30
+        while not await parts.source.idle():
+            assert await parts.source.fetch(4) == []
+            assert time.monotonic() < deadline, "never idle"
+        why = parts.unserved()
+        assert why is not None and f"job(s) {moths} " in why and "HTTP 502" in why, why
+        assert "WORKER_ANTENNA__UNREACHABLE_WAIT_S" in why
+        asked = [r for r in fake.requests if r[1].endswith(f"/jobs/{moths}/")]
+        assert len(asked) >= 2  # asked again, with backoff
     finally:
         parts.client.close()
 
