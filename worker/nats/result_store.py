@@ -83,6 +83,10 @@ class ResultStore:
                 f"the result is {len(payload)} bytes, over the {limit} a message can hold",
                 kind="result_too_large",
             )
+        return await self._written(subject, payload)
+
+    async def _written(self, subject: str, payload: bytes) -> bool:
+        """Publish one result, its subject as its dedupe id; False when one was stored."""
         try:
             ack = await self._js.publish(
                 subject,

@@ -7,9 +7,13 @@ from __future__ import annotations
 import asyncio
 
 import nats
+import pytest
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
+from config.errors import ResultsUnavailable
+from config.settings import NatsSettings
 from worker.nats.answers import JetStreamAnswers, unanswered
+from worker.nats.result_store import ResultStore
 
 
 class Clock:
@@ -81,3 +85,27 @@ async def test_the_probe_asks_only_while_failing_and_clears_on_an_answer():
     assert asked == ["consumer info", "consumer info"]
     assert answers.failing_since is None
     assert answers.last_failure == "consumer info: ServiceUnavailableError"
+
+
+class QuorumLostJetStream:
+    """A results stream with no leader (every publish times out) until ``back``."""
+
+    def __init__(self) -> None:
+        self.back = False
+
+    async def publish(self, *_args: object, **_kwargs: object) -> object:
+        if not self.back:
+            raise nats.errors.TimeoutError
+        return type("PubAck", (), {"duplicate": False})()
+
+
+async def test_a_store_the_stream_cannot_confirm_starts_the_clock_and_one_it_does_clears_it():
+    js, answers = QuorumLostJetStream(), JetStreamAnswers()
+    store = ResultStore(js, NatsSettings(), answers=answers)  # type: ignore[arg-type]
+    result = {"job_id": "job", "task_id": "task", "response": None}
+    with pytest.raises(ResultsUnavailable):  # no PubAck: not taken as stored
+        await store.store(result)
+    assert answers.failing_since is not None and answers.last_failure.startswith("store")
+    js.back = True
+    assert await store.store(result) is True
+    assert answers.failing_since is None
