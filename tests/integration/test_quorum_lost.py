@@ -19,7 +19,7 @@ from worker.commands.localservers import free_port
 
 pytestmark = pytest.mark.integration
 DISCONNECTED_TIMEOUT_S = 5.0
-SAID_MARGIN_S = 30.0  # the failures start at once; room for a busy runner
+SAID_MARGIN_S = 45.0  # the node left may answer some requests until its leaders step down
 BACK_WITHIN_S = 60.0  # the nodes restart, elect leaders, and one request succeeds
 TASKS = 16
 
@@ -60,6 +60,17 @@ async def _cluster_serving(settings, within_s: float = 30.0) -> None:
                 await asyncio.sleep(0.5)
 
 
+async def _all_results(settings, tasks: list, within_s: float = 90.0) -> list:
+    """The job's results once all are stored, asked again while the streams elect leaders."""
+    deadline = time.monotonic() + within_s
+    async with client(settings) as js:
+        while True:
+            try:
+                return await wait_results(js, settings, "job-quorum", len(tasks), timeout_s=5)
+            except (AssertionError, nats.errors.Error):
+                assert time.monotonic() < deadline, "the job's results were never all stored"
+
+
 async def test_a_jetstream_that_lost_its_quorum_is_not_ready_then_ready_again(
     s3_server, bucket, settings_for
 ):
@@ -92,8 +103,7 @@ async def test_a_jetstream_that_lost_its_quorum_is_not_ready_then_ready_again(
             cluster.start_node(1)
             cluster.start_node(2)
             await _readyz_until(port, 200, BACK_WITHIN_S)
-            async with client(settings) as js:
-                results = await wait_results(js, settings, "job-quorum", TASKS, timeout_s=90)
+            results = await _all_results(settings, tasks)
             assert sorted(r["task_id"] for r in results) == sorted(t.id for t in tasks)
     finally:
         cluster.stop()
