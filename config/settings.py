@@ -501,7 +501,8 @@ class HealthSettings(BaseModel):
     )
     disconnected_timeout_s: float = Field(
         60.0,
-        description="NATS connection lost for this long: /readyz and /healthz answer 503, "
+        description="NATS connection lost, or JetStream answering none of its requests over it "
+        "(a cluster that lost its quorum), for this long: /readyz and /healthz answer 503, "
         "/livez stays 200 (a connection closed for good ends the process with code 5 at once)",
     )
     watchdog_timeout_s: float = Field(

@@ -209,8 +209,9 @@ class AntennaParts:
 
     def problem(self) -> str | None:
         """Why /readyz should answer 503: Antenna refusing our token or a project's listing
-        (the other projects served meanwhile), or unreachable for longer than
-        ``WORKER_HEALTH__DISCONNECTED_TIMEOUT_S``."""
+        (the other projects served meanwhile), or for longer than
+        ``WORKER_HEALTH__DISCONNECTED_TIMEOUT_S`` unreachable, or answering every listing of
+        its jobs with an error (a 500 too: its connection works, and no job is found)."""
         refusal = self.source.refusal()
         if refusal:
             return f"Antenna refused: {refusal}"
@@ -220,6 +221,12 @@ class AntennaParts:
             return (
                 f"Antenna unreachable for {time.monotonic() - since:.0f}s at "
                 f"{self.client.shown()}: {self.client.last_problem}"
+            )
+        failing_s = self.jobs.failing_for_s()
+        if failing_s is not None and failing_s > unreachable_for_s:
+            return (
+                f"Antenna at {self.client.shown()} failed every listing of its jobs for "
+                f"{failing_s:.0f}s: {self.jobs.last_failure}"
             )
         return None
 

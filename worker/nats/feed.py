@@ -13,6 +13,7 @@ from nats.aio.msg import Msg
 
 from config.settings import NatsSettings
 from worker.core.ports import Runnable
+from worker.nats.answers import JetStreamAnswers
 from worker.nats.consumer_stats import ConsumerStats
 from worker.nats.hints import NewJobHints
 from worker.nats.job_consumers import JobConsumers
@@ -36,8 +37,15 @@ class TaskFeed:
     """Bounded fetches (the orchestrator's TaskSource): from the durable pull consumer, and
     with ``fair_jobs`` from every job with pending tasks, an equal share each per fetch."""
 
-    def __init__(self, nc: NATS, settings: NatsSettings, pipelines: list[str] | None = None):
+    def __init__(
+        self,
+        nc: NATS,
+        settings: NatsSettings,
+        pipelines: list[str] | None = None,
+        answers: JetStreamAnswers | None = None,
+    ):
         self._nc = nc
+        self._answers = answers or JetStreamAnswers()  # each fetch's outcome, for /readyz
         self._js = nc.jetstream()
         self._settings = settings
         self._sub: Any = None
@@ -143,21 +151,25 @@ class TaskFeed:
     async def _fetch_from(self, sub: Any, batch: int, timeout_s: float) -> list[Msg]:
         try:
             msgs: list[Msg] = await sub.fetch(batch, timeout=timeout_s)
-            return msgs
         except (TimeoutError, nats.errors.TimeoutError):
-            return []
+            return []  # nothing there, or nothing answered: neither clears nor starts a clock
         except (
             nats.errors.ConnectionClosedError,
             nats.errors.ConnectionReconnectingError,
             nats.errors.NoRespondersError,
             nats.js.errors.ServiceUnavailableError,
         ) as error:
+            self._answers.failed("fetch", error)
             log.warning("fetch_failed_will_retry", error=type(error).__name__)
             await asyncio.sleep(self._settings.fetch_timeout_s)
             return []
         except nats.errors.Error as error:  # a job consumer deleted meanwhile: [] until unbound
+            self._answers.failed("fetch", error)
             log.info("fetch_refused", error=f"{type(error).__name__}: {error}")
             return []
+        if msgs:
+            self._answers.answered()
+        return msgs
 
     async def close(self) -> list[Msg]:
         """Stop fetching for good; return messages delivered after the last fetch gave up.

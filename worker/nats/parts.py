@@ -23,6 +23,7 @@ from worker.health.metrics import Metrics
 from worker.health.tasks_waiting import TasksWaiting
 from worker.nats.advisories import ExhaustedTasks
 from worker.nats.algorithms import publish_algorithms
+from worker.nats.answers import JetStreamAnswers
 from worker.nats.connection import ConnectionState, abort_socket, connect
 from worker.nats.delivery import NatsHandle
 from worker.nats.feed import TaskFeed
@@ -37,13 +38,15 @@ log = structlog.get_logger(__name__)
 _CLOSE_WAIT_S = 10.0
 
 
-def _result_store(s: Settings, js: Any, max_payload: Callable[[], int]) -> ResultStore:
+def _result_store(
+    s: Settings, js: Any, max_payload: Callable[[], int], answers: JetStreamAnswers
+) -> ResultStore:
     """The results stream, or one made slower when a chaos test asks (``faults.slow_store_s``)."""
     if not s.faults.slow_store_s:
-        return ResultStore(js, s.nats, max_payload)
+        return ResultStore(js, s.nats, max_payload, answers)
     from worker.nats.faults import SlowResultStore
 
-    return SlowResultStore(js, s.nats, max_payload, seconds=s.faults.slow_store_s)
+    return SlowResultStore(js, s.nats, max_payload, answers, seconds=s.faults.slow_store_s)
 
 
 class NatsParts:
@@ -54,6 +57,7 @@ class NatsParts:
         self._served = served
         self._metrics = metrics
         self.connection = ConnectionState()
+        self.answers = JetStreamAnswers()  # whether JetStream answers, the connection up
         self.nc: NATS | None = None
         self.feed: TaskFeed | None = None
         self.settler: NatsSettler | None = None
@@ -77,10 +81,10 @@ class NatsParts:
         js = nc.jetstream()
         await refuse_other_fair_jobs(js, s.nats)
         await provision(js, s.nats, served.names)
-        self.feed = TaskFeed(nc, s.nats, served.names)
+        self.feed = TaskFeed(nc, s.nats, served.names, self.answers)
         await self.feed.open()
         metrics.registry.register(JobConsumersCollector(self.feed.job_stats))
-        store = _result_store(s, js, lambda: int(nc.max_payload))
+        store = _result_store(s, js, lambda: int(nc.max_payload), self.answers)
         max_deliver = await self.feed.max_deliver()
         self.settler = settler = nats_settler(
             js,
@@ -112,6 +116,7 @@ class NatsParts:
             helpers=(
                 ("max-deliveries", ExhaustedTasks(js, s.nats, settler).run),
                 ("tasks-waiting", waiting.run),
+                ("jetstream-probe", self._probe(js)),
             ),
         )
 
@@ -123,10 +128,18 @@ class NatsParts:
             return None
         return f"{why}; this run served no task from NATS at {redact_url(self._settings.nats.url)}"
 
+    def _probe(self, js: Any) -> Callable[[asyncio.Event], Any]:
+        """While JetStream's requests fail, ask the tasks consumer's info (``answers``)."""
+        stream, consumer = self._settings.nats.tasks_stream, self._settings.nats.consumer
+        return lambda stop: self.answers.probe(lambda: js.consumer_info(stream, consumer), stop)
+
     def problem(self) -> str | None:
+        """The connection down, JetStream not answering over it, or the feed's problem, each
+        said after ``WORKER_HEALTH__DISCONNECTED_TIMEOUT_S`` (the connection's stale sooner)."""
         down_timeout_s = self._settings.health.disconnected_timeout_s
         feed = self.feed.problem() if self.feed is not None else None
-        return self.connection.problem(down_timeout_s) or feed
+        said = self.connection.problem(down_timeout_s)
+        return said or self.answers.problem(down_timeout_s) or feed
 
     def health(self) -> SourceHealth:
         return SourceHealth(self.connection.connected(), self.connection.down_for_s())

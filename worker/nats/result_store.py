@@ -21,6 +21,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from config.errors import ResultRefused, ResultsUnavailable
 from config.settings import NatsSettings
+from worker.nats.answers import JetStreamAnswers
 from worker.nats.subjects import result_subject
 
 # The server's answer when a per-task subject already holds its result.
@@ -53,10 +54,12 @@ class ResultStore:
         js: JetStreamContext,
         settings: NatsSettings,
         max_payload_bytes: Callable[[], int] = lambda: 1024 * 1024,
+        answers: JetStreamAnswers | None = None,
     ) -> None:
         self._js = js
         self._settings = settings
         self._max_payload_bytes = max_payload_bytes
+        self._answers = answers or JetStreamAnswers()  # each write's outcome, for /readyz
 
     async def store(self, result: dict[str, Any]) -> bool:
         """Store ``result``; True when written now, False when one was already stored.
@@ -80,6 +83,10 @@ class ResultStore:
                 f"the result is {len(payload)} bytes, over the {limit} a message can hold",
                 kind="result_too_large",
             )
+        return await self._written(subject, payload)
+
+    async def _written(self, subject: str, payload: bytes) -> bool:
+        """Publish one result, its subject as its dedupe id; False when one was stored."""
         try:
             ack = await self._js.publish(
                 subject,
@@ -90,6 +97,7 @@ class ResultStore:
                 headers={"Nats-Msg-Id": subject},
             )
         except APIError as error:
+            self._answers.failed("store", error)  # a refusal is an answer; a 5xx is not
             if error.err_code in _ALREADY_STORED_CODES or any(
                 text in (error.description or "") for text in _ALREADY_STORED
             ):
@@ -104,7 +112,9 @@ class ResultStore:
                 "the result is over the server's max_payload", kind="result_too_large"
             ) from None
         except (TimeoutError, nats.errors.Error) as error:
+            self._answers.failed("store", error)
             raise unavailable("results stream unavailable", error) from None
+        self._answers.answered()
         return not ack.duplicate
 
     async def _response_aside(self, subject: str, result: dict[str, Any]) -> dict[str, Any]:
@@ -144,9 +154,12 @@ class ResultStore:
             except TimeoutError:
                 await self._js.get_last_msg(stream, subject)
         except NotFoundError:
+            self._answers.answered()
             return False
         except (TimeoutError, nats.errors.Error) as error:
+            self._answers.failed("results read", error)
             raise unavailable("cannot read the results stream", error) from None
+        self._answers.answered()
         return True
 
 

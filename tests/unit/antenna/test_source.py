@@ -949,6 +949,33 @@ async def test_a_burst_run_would_end_idle_names_the_job_whose_page_was_never_rea
         parts.client.close()
 
 
+async def test_antenna_answering_errors_to_every_listing_is_not_ready_until_one_answers(
+    fake: FakeAntenna,
+) -> None:
+    # Antenna behind a working connection answering 500 to every job listing (its database
+    # gone, say) finds no job: /readyz says so past the disconnect timeout, as it says a
+    # timeout or a 503, and clears at the first listing that answers. /livez is not asked:
+    # a restart of the worker mends nothing of Antenna's.
+    antenna = {"base_url": fake.url, "token": TOKEN, "project_ids": "1"}
+    configured = load_settings(
+        for_worker=False, antenna=antenna, health={"disconnected_timeout_s": 0.2}
+    )
+    parts = parts_of(configured)
+    fake.misbehave("jobs", "json", status=500, body=b'{"detail": "server error"}')
+    try:
+        await parts.jobs.refresh()
+        assert parts.problem() is None, "one failed listing is not yet a problem"
+        await asyncio.sleep(0.3)
+        await parts.jobs.refresh()
+        said = parts.problem()
+        assert said is not None and "Antenna" in said and "500" in said, said
+        fake.behave("jobs")
+        await parts.jobs.refresh()
+        assert parts.problem() is None
+    finally:
+        parts.client.close()
+
+
 # -- register, check, settings --------------------------------------------------------------
 async def test_register_says_what_each_refusal_means(fake: FakeAntenna) -> None:
     fake.projects[3] = {}
