@@ -410,6 +410,10 @@ class FakeAntenna:
         if isinstance(user, str):
             return 401, {"detail": "Invalid token."}
         with self.lock:
+            if method == "GET" and parts == ["users", "me"]:  # djoser's current user
+                if user is None:
+                    return 401, {"detail": "Authentication credentials were not provided."}
+                return 200, {"id": 1, "email": "worker@example.org", "name": "worker"}
             if method == "GET" and parts == ["jobs"]:
                 return self._list(query, user)
             if method == "GET" and len(parts) == 2 and parts[0] == "jobs":

@@ -160,6 +160,9 @@ class Reply:
     # when 2xx), or None
     text: str  # the start of the answer, scrubbed, the token masked: for messages
     said: str = ""  # its ``detail`` or ``error``, scrubbed, the token masked: for messages
+    # A key was sent with this ``Authorization`` scheme and Antenna answered as to nobody
+    # (``anonymous``): no authenticator of Antenna's takes that scheme.
+    unknown_scheme: str = ""
 
     @property
     def ok(self) -> bool:
@@ -167,7 +170,29 @@ class Reply:
 
     def why(self) -> str:
         """One line for a log or an error: the status and what Antenna said."""
-        return f"HTTP {self.status}: {shorten(self.said or self.text, SHOWN_BODY_CHARS)}"
+        said = f"HTTP {self.status}: {shorten(self.said or self.text, SHOWN_BODY_CHARS)}"
+        if self.unknown_scheme:
+            return f"{said} ({scheme_not_taken(self.unknown_scheme)})"
+        return said
+
+
+# What Django REST framework answers a call no authenticator took (Antenna's main has
+# ``TokenAuthentication`` alone, so a key under any other scheme is nobody's).
+NOT_PROVIDED = "Authentication credentials were not provided."
+
+
+def anonymous(reply: Reply) -> bool:
+    """``reply`` is Antenna's answer to a caller it took for nobody."""
+    return reply.status == 401 and reply.said.startswith(NOT_PROVIDED[:-1])
+
+
+def scheme_not_taken(scheme: str) -> str:
+    """What an answer to nobody means when a key was sent: the scheme, not the key."""
+    return (
+        f"the key was sent as `Authorization: {scheme} ...` and Antenna took the call as "
+        f"anonymous: it does not take the {scheme!r} scheme; set "
+        f"{env_name('antenna', 'auth_scheme')} to the one it takes (`Token` on Antenna's main)"
+    )
 
 
 _STRUCTURE = re.compile(rb'["\[\]{}]')

@@ -40,6 +40,7 @@ any other answer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import http.client
 import ssl
 import time
@@ -53,7 +54,14 @@ from config.errors import TransientError
 from config.names import env_name
 from config.redact import redact_url, scrub, shorten
 from datasets.http_transport import Exchange, Pool, Request, SentUnanswered, TooLarge, fetch
-from worker.antenna.answers import SHOWN_BODY_CHARS, NotAntennas, Received, Reply, checked_reply
+from worker.antenna.answers import (
+    SHOWN_BODY_CHARS,
+    NotAntennas,
+    Received,
+    Reply,
+    anonymous,
+    checked_reply,
+)
 from worker.core.threads import in_daemon_thread
 
 _MAX_BODY_BYTES = 64 * 1024 * 1024  # a register answer echoes every category map
@@ -265,9 +273,12 @@ class AntennaClient:
             ) from None
         received = Received(answer.status, answer.location, answer.content_type, answer.body)
         try:
-            return checked_reply(where, endpoint, received, self.root, self._masked)
+            reply = checked_reply(where, endpoint, received, self.root, self._masked)
         except NotAntennas as error:  # a page echoing our headers: the token never shown
             raise BadAnswer(self._masked(str(error))) from None
+        if anonymous(reply) and self._token.get_secret_value():
+            return dataclasses.replace(reply, unknown_scheme=self._scheme)
+        return reply
 
     def _request(self, method: str, path: str, body: bytes | None, endpoint: str) -> Request:
         return Request(

@@ -36,6 +36,8 @@ def project_ids(text: str) -> list[int]:
 def meaning(reply: Reply) -> str:
     """One line: the status, what Antenna said when it answered JSON (an HTML page, from a
     proxy or Django's debug view, is not shown), and what that means here."""
+    if reply.unknown_scheme:  # why() says the scheme is wrong: not the token
+        return reply.why()
     said = reply.why() if reply.body is not None else f"HTTP {reply.status} (an HTML page)"
     return f"{said}: {_MEANING.get(reply.status, 'unexpected answer')}"
 
@@ -83,6 +85,17 @@ def _not_superuser(listed: object) -> list[str]:
     return [f"listing jobs: no superuser permissions: {_MAY_NOT_RESERVE}"]
 
 
+async def _anonymous(client: AntennaClient) -> str | None:
+    """Why a listing showed no superuser's permissions when the key was sent under a scheme
+    Antenna does not take: it listed for nobody. Asked of the current user's page (djoser's
+    ``users/me/``, which answers nobody 401); None when that is not the reason."""
+    try:
+        reply = await client.get("users/me/", "me")
+    except AntennaUnreachable:  # a bad answer too
+        return None
+    return f"listing jobs: {reply.why()}" if reply.unknown_scheme else None
+
+
 async def _a_listed_job(
     client: AntennaClient, params: dict[str, object], projects: list[int], listed: object
 ) -> int | None:
@@ -109,8 +122,9 @@ async def _may_post_results(client: AntennaClient, job: int | None, listed: obje
     """Whether the token may post results, asked of a listed job with an empty post (Antenna
     answers 403 before it reads the body; an empty list queues nothing), or, with no job
     listed, read from the listing's permissions."""
-    if job is None:
-        return _not_superuser(listed)  # no incomplete job to ask about
+    if job is None:  # no incomplete job to ask about
+        refused = _not_superuser(listed)
+        return [await _anonymous(client) or refused[0]] if refused else []
     reply = await client.post(f"jobs/{job}/result/", "result", b'{"results": []}')
     if reply.status == 403:
         return [f"job {job}: {reply.why()}: {_MAY_NOT_RESERVE}"]

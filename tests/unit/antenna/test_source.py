@@ -30,7 +30,7 @@ from worker.antenna.identity import client_info
 from worker.antenna.job_listing import JobRotation
 from worker.antenna.parts import AntennaParts, NoResultsLookup
 from worker.antenna.post import Poster
-from worker.antenna.registration import antenna_problems, register
+from worker.antenna.registration import antenna_problems, meaning, register
 from worker.antenna.render import (
     AntennaPipeline,
     _compacted,
@@ -1022,6 +1022,30 @@ async def test_check_says_a_token_that_may_not_reserve_is_not_ready_with_no_job_
     assert await antenna_problems(client_of(fake), [SLUG], [1], True) == []  # a superuser
     (denied,) = await antenna_problems(client_of(fake, "member"), [SLUG], [1], True)
     assert "no superuser" in denied and "may not take tasks or post results" in denied
+
+
+async def test_a_scheme_antenna_does_not_take_is_named_not_the_token_or_superuser(
+    fake: FakeAntenna,
+) -> None:
+    """``Api-Key`` against Antenna's main (``Token`` alone): it lists for nobody and answers
+    posts "credentials were not provided"; every message once blamed the token, and check said
+    "no superuser permissions"."""
+    api_key = AntennaClient(fake.url, SecretStr(TOKEN), 5.0, scheme="Api-Key")
+    for said in (
+        await antenna_problems(api_key, [SLUG], [1], True),  # no job listed: the listing
+        [meaning(await api_key.post("projects/1/pipelines/", "register", b"{}"))],
+    ):
+        (line,) = said
+        assert "WORKER_ANTENNA__AUTH_SCHEME" in line and "'Api-Key'" in line, line
+        assert "superuser" not in line and "refuses the token" not in line, line
+        assert TOKEN not in line
+    job = fake.add_job(SLUG, images(1))
+    (posting,) = await antenna_problems(api_key, [SLUG], [1], True)  # a job: its result post
+    assert "WORKER_ANTENNA__AUTH_SCHEME" in posting and "refuses the token" not in posting
+    reserved = await api_key.post(f"jobs/{job}/tasks/", "tasks", b'{"batch_size": 1}')
+    assert reserved.status == 401 and "WORKER_ANTENNA__AUTH_SCHEME" in reserved.why()
+    (wrong_key,) = await antenna_problems(client_of(fake, "nope"), [SLUG], [1], True)
+    assert "AUTH_SCHEME" not in wrong_key  # a key Antenna does not know is the key's fault
 
 
 async def test_check_asks_about_posting_results_only_of_its_own_projects_jobs(
