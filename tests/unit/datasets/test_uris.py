@@ -207,3 +207,20 @@ def test_an_invalid_request_target_is_reported_without_its_query():
             read_bytes(url, SourceConfig(allowed_hosts=LOCAL))
     assert "AIzaSECRET" not in str(error.value)
     assert listener.requests == []
+
+
+# -- interim answers ---------------------------------------------------------------------------
+def test_an_image_answered_early_hints_first_is_read_from_the_final_answer():
+    with Listener(b"IMAGE", keep_alive=True) as listener:
+        config = SourceConfig(allowed_hosts=LOCAL)
+        assert read_bytes(listener.url("/hints"), config) == b"IMAGE"
+        assert read_bytes(listener.url("/hints"), config) == b"IMAGE"  # on the kept connection
+
+
+def test_a_server_that_sends_interim_answers_for_ever_is_cut_as_transient():
+    with Listener(drip_interval_s=0.01) as listener:
+        config = SourceConfig(allowed_hosts=LOCAL, object_deadline_s=2.0, max_attempts=1)
+        with pytest.raises(TransientError) as error:
+            read_bytes(listener.url("/hints-forever"), config)
+    assert error.value.kind == "http_unavailable"  # a broken answer, not a permanent HTTP 103
+
