@@ -125,13 +125,29 @@ def watchdog_between_stall_and_redelivery(s: Settings) -> list[str]:
     ]
 
 
+# The longest of a drain's bounded waits past its timeout, each begun with a fresh watchdog
+# window (worker/core/orchestrator.py ``_drain``): the cancelled run's end (the settles'
+# give-backs, ``CANCELLED_SETTLES_WAIT_S`` 6 s, and a second more); a give-back is 5 s
+# (``GIVE_BACK_WAIT_S``). tests/unit/config/test_settings.py holds it to the code.
+DRAIN_LONGEST_WAIT_S = 7.0
+
+
 def drain_before_watchdog(s: Settings) -> list[str]:
-    """A drain ends before the watchdog's window, which starts over at the stop: a drain
-    that is working is never ended by the watchdog's thread dump and exit 1."""
-    if not s.health.watchdog_timeout_s:
+    """A drain ends before the watchdog's window, which starts over at the stop and again as
+    each bounded wait past the drain's timeout begins: a drain that is working, or waiting out
+    a hung give-back, is never ended by the watchdog's thread dump and exit 1."""
+    watchdog_s = s.health.watchdog_timeout_s
+    if not watchdog_s:
         return []
     why = ", so a drain ends before the watchdog would end the process"
-    return _shorter(s, ("health", "drain_timeout_s"), ("health", "watchdog_timeout_s"), why)
+    problems = _shorter(s, ("health", "drain_timeout_s"), ("health", "watchdog_timeout_s"), why)
+    if watchdog_s <= DRAIN_LONGEST_WAIT_S:
+        problems.append(
+            f"{n('health', 'watchdog_timeout_s')} ({watchdog_s}) must be longer than a drain's "
+            f"longest bounded wait past its timeout ({DRAIN_LONGEST_WAIT_S:g}s: the cancelled "
+            "run's give-backs, CANCELLED_SETTLES_WAIT_S, and a second), or 0 to turn it off"
+        )
+    return problems
 
 
 def store_retry_within_ack_wait(s: Settings) -> list[str]:

@@ -16,6 +16,9 @@ caller's.
   as the first).
 - Size caps: a body declared or read past ``Request.max_bytes`` is ``TooLarge``, found while
   reading, whatever Content-Length says.
+- Interim answers (``1xx``: ``103 Early Hints`` from a CDN or proxy, a ``100 Continue`` not
+  asked for) are read past to the final answer, by the same deadline; more than
+  ``MAX_INTERIM_ANSWERS`` of them is a broken answer (``http.client.HTTPException``).
 
 A kept connection that drops unanswered is tried once more on a fresh one, unless the request
 left in full and may not be sent twice (``Request.may_resend``): then ``SentUnanswered``.
@@ -43,6 +46,7 @@ from typing import NamedTuple, Protocol
 _MAX_ORIGINS = 8
 _MAX_IDLE_S = 30.0
 _DROPPED = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+MAX_INTERIM_ANSWERS = 8  # 1xx answers read past before the final one; more: a broken answer
 
 
 class Origin(NamedTuple):
@@ -251,6 +255,20 @@ class Exchange:
         return not self.was_cut
 
 
+class FinalResponse(http.client.HTTPResponse):
+    """An answer read past its interim ``1xx`` answers (``http.client`` skips ``100`` only,
+    and takes ``103 Early Hints`` for the answer). ``101`` is final: it is never asked for,
+    and the caller refuses it as any other unexpected status."""
+
+    def begin(self) -> None:
+        for _ in range(MAX_INTERIM_ANSWERS + 1):
+            super().begin()
+            if not 100 <= self.status < 200 or self.status == 101:
+                return
+            self.headers = self.msg = None  # type: ignore[assignment]  # read the next one
+        raise http.client.HTTPException(f"more than {MAX_INTERIM_ANSWERS} interim answers")
+
+
 class TooLarge(Exception):
     """A body over the cap: ``declared`` by Content-Length, or None when found while
     reading."""
@@ -348,6 +366,7 @@ def _ask(
         kept = route.take() if attempt == 0 else None
         conn = kept if kept is not None else route.dial(exchange)
         exchange.hold(conn)
+        conn.response_class = FinalResponse
         try:
             if conn.sock is not None:
                 conn.sock.settimeout(exchange.timeout_s(request.read_timeout_s))

@@ -14,7 +14,8 @@ a read that produced no byte for its stall time (``read_timeout_s`` for S3, ``ht
 for http(s); first byte or body) is abandoned and made again on a new connection at once,
 since a tail of slow requests must not set the pace; throttling (429, 503 SlowDown) and
 server errors back off with full jitter first. botocore's own retries are off, so an attempt
-is an attempt.
+is an attempt. The object's deadline bounds an S3 GET whole, its answer's headers included
+(``datasets.s3_sockets``), as it bounds an http(s) exchange.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from config.redact import redact_url
 from datasets.budget import Admit, Reading
 from datasets.deadline import Cutoff
 from datasets.httpget import HttpPolicy, allowed_entry, read_http
+from datasets.s3_sockets import watch_requests, watching
 
 _MISSING_CODES = {"NoSuchKey", "NoSuchBucket", "404", "NotFound"}
 _DENIED_CODES = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"}
@@ -116,6 +118,7 @@ def s3_client(config: SourceConfig) -> Any:
                     max_pool_connections=max(10, config.reads_in_flight + 2),
                 ),
             )
+            watch_requests(client)  # one deadline from the request on (``_s3_attempt``)
             _clients[key] = client
     return client
 
@@ -227,8 +230,9 @@ def _s3_attempt(
     from botocore import exceptions as boto
 
     try:
-        response = s3_client(config).get_object(Bucket=bucket, Key=key)
-        return _s3_body(response, shown, max_bytes, reading, cutoff)
+        with watching(cutoff):  # the answer's headers too, not only its body
+            response = s3_client(config).get_object(Bucket=bucket, Key=key)
+            return _s3_body(response, shown, max_bytes, reading, cutoff)
     except boto.ParamValidationError as error:
         raise PermanentError(f"invalid S3 location {shown}: {error}", kind="invalid_uri") from None
     except boto.ClientError as error:
@@ -254,6 +258,8 @@ def _s3_attempt(
             reason="unavailable",
         ) from None
     except boto.BotoCoreError as error:  # credentials, configuration: another attempt will not help
+        if cutoff.expired():  # a cut socket may read as any error of the answer
+            raise _past_deadline(shown) from None
         raise TransientError(
             f"S3 client error for {shown}: {type(error).__name__}", kind="s3_unavailable"
         ) from None

@@ -67,7 +67,10 @@ that is not HTTP), ``slow`` (the call is served and its whole answer dripped one
 later: a proxy or a busy Antenna holding the answer), ``down`` (the connection closed
 unanswered: the server behind a proxy stopped), ``drop`` (the call is served, then the
 connection closed unanswered: Antenna acted, and its answer was lost on the way back, as when
-a proxy or a link drops mid-call). Everything else stays as the real server does it.
+a proxy or a link drops mid-call), ``hints``
+(the call is served, its answer preceded by ``100 Continue`` unasked and ``interim`` answers
+``103 Early Hints``, as a CDN or proxy in front sends them). Everything else stays as the real
+server does it.
 ``spoil`` changes the fields of one image's task in the reservations that hold it (a proxy or
 a broken deployment garbling one task of several: the others are reserved as Antenna does).
 ``connections`` counts the TCP connections accepted.
@@ -163,13 +166,14 @@ class _User:
 
 @dataclass
 class Misbehaviour:
-    kind: str  # redirect, html, json, deep, cut, badstatus, slow, late, down, drop
+    kind: str  # redirect, html, json, deep, cut, badstatus, slow, late, down, drop, hints
     times: int | None = None
     body: bytes = b""
     status: int = 200  # json: the status it is answered with
     location: str = ""
     interval_s: float = 3.0
     drip_bytes: int = 600  # slow: how much of the answer is sent before the connection closes
+    interim: int = 1  # hints: how many 103 Early Hints come before the answer
     used: int = 0
 
 
@@ -837,13 +841,17 @@ class _Handler(BaseHTTPRequestHandler):
             time.sleep(mode.interval_s)
             with contextlib.suppress(OSError):  # the client gave up meanwhile
                 self._send(status, data, kind)
+        elif mode is not None and mode.kind == "hints":
+            hint = b"HTTP/1.1 103 Early Hints\r\nLink: </static/app.css>; rel=preload\r\n\r\n"
+            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n" + hint * mode.interim)
+            self._send(status, data, kind)
         else:
             self._send(status, data, kind)
 
     def _misbehave(self, mode: Misbehaviour, method: str, path: str) -> bool:
         """Answer as ``mode`` says, before the call is served; False for the kinds that serve
-        it first (cut, slow, late, drop)."""
-        if mode.kind in ("cut", "slow", "late", "drop"):
+        it first (cut, slow, late, drop, hints)."""
+        if mode.kind in ("cut", "slow", "late", "drop", "hints"):
             return False
         self.antenna.requests.append((method, path, -1))
         if mode.kind == "redirect":

@@ -2,7 +2,11 @@
 
 Bound to 127.0.0.1 on a free port; routes by path: ``/image`` serves ``body``,
 ``/redirect?to=URL`` redirects, ``/drip`` sends a byte every ``drip_interval_s``, ``/endless``
-streams bytes with no Content-Length. Every loop is bounded in count and time. With
+streams bytes with no Content-Length, ``/hints`` answers ``100 Continue`` (unasked) and
+``103 Early Hints`` before serving ``body`` as ``/image`` does, ``/hints-forever`` answers
+``103`` every ``drip_interval_s``. With ``head_interval_s`` every answer's status line and
+headers are sent one byte every ``head_interval_s`` (a server, or a proxy, that holds a read
+before its body: any path, an S3 GET included). Every loop is bounded in count and time. With
 ``keep_alive`` it answers HTTP/1.1 and keeps connections open (``/endless`` excepted);
 ``connections`` counts the connections it accepted.
 """
@@ -16,14 +20,20 @@ from urllib.parse import parse_qs, urlsplit
 
 _MAX_DRIP_BYTES = 600
 _ENDLESS_CHUNKS = 4096
+_EARLY_HINTS = b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n"
 
 
 class Listener:
     def __init__(
-        self, body: bytes = b"", drip_interval_s: float = 0.1, keep_alive: bool = False
+        self,
+        body: bytes = b"",
+        drip_interval_s: float = 0.1,
+        keep_alive: bool = False,
+        head_interval_s: float | None = None,
     ) -> None:
         self.body = body
         self.drip_interval_s = drip_interval_s
+        self.head_interval_s = head_interval_s
         self.requests: list[str] = []
         self.connections = 0
         self._stop = threading.Event()
@@ -39,7 +49,14 @@ class Listener:
             def do_GET(self) -> None:
                 listener.requests.append(self.path)
                 path = urlsplit(self.path).path
-                if path == "/redirect":
+                if listener.head_interval_s is not None:
+                    self._trickle_head(listener.head_interval_s)
+                elif path == "/hints":
+                    self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n" + _EARLY_HINTS)
+                    self._serve_body()
+                elif path == "/hints-forever":
+                    self._drip_raw(_EARLY_HINTS * _MAX_DRIP_BYTES, len(_EARLY_HINTS))
+                elif path == "/redirect":
                     target = parse_qs(urlsplit(self.path).query)["to"][0]
                     self.send_response(302)
                     self.send_header("Location", target)
@@ -50,10 +67,34 @@ class Listener:
                 elif path == "/endless":
                     self._endless()
                 else:
-                    self.send_response(200)
-                    self.send_header("Content-Length", str(len(listener.body)))
-                    self.end_headers()
-                    self.wfile.write(listener.body)
+                    self._serve_body()
+
+            def _serve_body(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(listener.body)))
+                self.end_headers()
+                self.wfile.write(listener.body)
+
+            def _trickle_head(self, interval_s: float) -> None:
+                head = (
+                    f"{self.protocol_version} 200 OK\r\nContent-Type: image/jpeg\r\n"
+                    f"Content-Length: {len(listener.body)}\r\n\r\n"
+                ).encode()
+                self._drip_raw(head + listener.body, 1, interval_s)
+
+            def _drip_raw(self, data: bytes, step: int, interval_s: float | None = None) -> None:
+                """``data`` ``step`` bytes at a time, one step every ``interval_s`` (the drip
+                interval when None), then the connection closed; ended early at stop."""
+                self.close_connection = True
+                wait_s = listener.drip_interval_s if interval_s is None else interval_s
+                for start in range(0, len(data), step):
+                    try:
+                        self.wfile.write(data[start : start + step])
+                        self.wfile.flush()
+                    except OSError:
+                        return
+                    if listener._stop.wait(wait_s):
+                        return
 
             def _drip(self) -> None:
                 self.send_response(200)

@@ -442,7 +442,11 @@ class Orchestrator:
         deadline = self._drain_by  # the drain timeout counts from the stop
         if self.link.finish_held_on_stop:
             await self._finish_held(processor, deadline)
+        # Each bounded wait from here may begin past the drain's timeout: each gets a fresh
+        # watchdog window (the start-up rule: the watchdog outlasts the longest of them).
+        self.services.liveness.still_working()
         await self._give_back_within(self.batches.stop(), "shutting down")
+        self.services.liveness.still_working()
         await self._give_back_leftovers(leftovers)
         self.services.liveness.still_working()
         if not (await asyncio.wait({processor}, timeout=max(self._drain_left_s(), 0.1)))[0]:
@@ -454,6 +458,7 @@ class Orchestrator:
             # The batches' run passes the cancel on to the settles in flight; each gives back
             # at once what it has not acked: a nak, a local note, but one that can hang on a
             # hung connection, so each give-back and the wait for the run are bounded.
+            self.services.liveness.still_working()  # the drain's timeout is reached
             processor.cancel()
             if not (await asyncio.wait({processor}, timeout=_PROCESSOR_END_S))[0]:
                 log.error(
@@ -462,7 +467,7 @@ class Orchestrator:
                     held=len(self.claims),
                     action="giving back what is held and exiting without waiting for it",
                 )
-            self.services.liveness.still_working()  # the bounded waits are over
+        self.services.liveness.still_working()  # the cancelled run's wait is over
         rest = self.claims.all()
         self.batches.forget(rest)
         await self._give_back_within(rest, "not finished before exit")

@@ -158,6 +158,25 @@ async def test_a_reservation_whose_connection_drops_after_antenna_acted_is_not_s
     assert [r[1] for r in fake.requests].count("/api/v2/jobs/") == 3
 
 
+async def test_a_reservation_answered_early_hints_first_is_read_as_antennas_200(
+    fake: FakeAntenna,
+) -> None:
+    """Given a proxy in front that sends ``103 Early Hints`` (after an unasked ``100
+    Continue``) before Antenna's answer, the reservation is read as Antenna's 200 with its
+    tasks, on a connection kept for the next call; interim answers without end are a broken
+    answer, not Antenna's."""
+    job = fake.add_job("p", [("t1", "http://x/1.jpg"), ("t2", "http://x/2.jpg")])
+    client = client_of(fake)
+    fake.misbehave("tasks", "hints", times=1, interim=2)
+    reply = await client.post(f"jobs/{job}/tasks/", "tasks", b'{"batch_size": 1}')
+    assert reply.status == 200 and [t["image_id"] for t in reply.body["tasks"]] == ["t1"]
+    assert (await client.get("jobs/", "jobs", {"limit": 10})).ok
+    assert fake.connections == 1
+    fake.misbehave("jobs", "hints", times=1, interim=1000)
+    with pytest.raises(AntennaUnreachable, match="interim answers"):
+        await client.get("jobs/", "jobs", {"limit": 10})
+
+
 async def test_the_token_in_the_data_arrives_intact_and_is_masked_in_what_is_shown(
     fake: FakeAntenna,
 ) -> None:

@@ -108,6 +108,28 @@ def test_each_start_up_rule_holds_just_inside_its_bound_and_the_watchdog_can_be_
     )
 
 
+def test_a_watchdog_shorter_than_a_drains_longest_bounded_wait_is_refused_naming_it(weights):
+    """Past the drain's timeout each bounded wait begins a fresh watchdog window; a watchdog
+    within the longest of them (the cancelled run's give-backs) would fire mid-drain."""
+    quick = {  # the chaos suite's timeouts, whose 7.5 s watchdog still holds
+        "model": {"weights": weights},
+        "s3": {"connect_timeout_s": 0.5, "read_timeout_s": 1, "max_attempts": 2},
+        "loader": {"timeout_s": 4},
+    }
+    short = {"stall_timeout_s": 5, "drain_timeout_s": 3, "watchdog_timeout_s": 6.5}
+    with pytest.raises(ConfigError, match=r"WORKER_HEALTH__WATCHDOG_TIMEOUT_S.*7s"):
+        load_settings(**quick, health=short)
+    load_settings(**quick, health={**short, "watchdog_timeout_s": 7.5})
+
+
+def test_the_drains_longest_bounded_wait_is_the_one_the_drain_makes():
+    from config.cross_checks import DRAIN_LONGEST_WAIT_S
+    from worker.core import batches, orchestrator
+
+    assert DRAIN_LONGEST_WAIT_S == orchestrator._PROCESSOR_END_S
+    assert DRAIN_LONGEST_WAIT_S >= batches.GIVE_BACK_WAIT_S
+
+
 def test_missing_weights_are_refused_for_a_worker_but_not_for_a_client():
     with pytest.raises(ConfigError, match=r"WORKER_MODEL__WEIGHTS.*no such file"):
         load_settings(model={"weights": "/nonexistent/model.pt"})

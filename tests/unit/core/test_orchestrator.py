@@ -36,7 +36,15 @@ BATCH = 4
 
 
 def a_worker(
-    source, engine, *, guard=None, closed=None, max_deliver=2, store=None, availability=None
+    source,
+    engine,
+    *,
+    guard=None,
+    closed=None,
+    max_deliver=2,
+    store=None,
+    availability=None,
+    watchdog=None,
 ):
     settings = load_settings(
         for_worker=False,
@@ -46,7 +54,7 @@ def a_worker(
         model={"pipeline": "mobilenet-v3-small-classifier"},
     )
     store, js = store or FakeStore(), FakeJetStream()
-    liveness = Liveness(settings.health.stall_timeout_s)
+    liveness = Liveness(settings.health.stall_timeout_s, watchdog=watchdog)
     metrics = Metrics(CollectorRegistry(), liveness, pipelines=("p",))
     settler = nats_settler(store, js)
     source.max_deliver = max_deliver
@@ -403,3 +411,53 @@ async def test_a_drain_whose_give_backs_hang_still_ends_and_names_the_tasks_left
     stuck = [line for line in logs if line["event"] == "drain_give_back_stuck"]
     assert sorted(i for line in stuck for i in line["task_ids"]) == [f"t{i}" for i in range(BATCH)]
     assert all(m.actions == [] for m in msgs), "none acked"
+
+
+class NotedWatchdog:
+    """A watchdog that notes each fresh window among the log lines captured."""
+
+    def __init__(self, logs: list[dict[str, Any]]) -> None:
+        self.logs = logs
+
+    def arm(self) -> None:
+        self.logs.append({"event": "watchdog_armed"})
+
+    def disarm(self) -> None:
+        self.logs.append({"event": "watchdog_disarmed"})
+
+
+async def test_past_the_drain_timeout_each_bounded_wait_starts_a_fresh_watchdog_window(
+    monkeypatch,
+):
+    """The drain's time runs out and its give-backs hang: every bounded wait past the timeout
+    (the cancelled run's end, each give-back) starts with a fresh watchdog window, so a
+    watchdog longer than the drain timeout and than each wait never fires mid-drain."""
+    monkeypatch.setattr(orchestrator, "GIVE_BACK_WAIT_S", 0.2)
+    monkeypatch.setattr(orchestrator, "_PROCESSOR_END_S", 0.5)
+    monkeypatch.setattr(batches_module, "CANCELLED_SETTLES_WAIT_S", 0.4)
+    msgs = [HungNakMsg(**vars(task_msg(f"t{i}"))) for i in range(BATCH)]
+    with structlog.testing.capture_logs() as logs:
+        worker, _store, _js, _metrics = a_worker(
+            FakeSource(list(msgs)), FakeEngine(), store=HungStore(), watchdog=NotedWatchdog(logs)
+        )
+        worker.settings.health.drain_timeout_s = 0.2
+        stop = asyncio.Event()
+        running = asyncio.create_task(worker.run(stop))
+        for _ in range(500):  # every task's result being stored
+            if len(worker.claims) == BATCH and not worker.batches.engine_busy():
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        stop.set()
+        done, _ = await asyncio.wait({running}, timeout=10)
+    assert done
+    events = [line["event"] for line in logs]
+    waits = ("drain_settles_stuck", "drain_processor_stuck", "drain_give_back_stuck")
+    past = events[events.index("drain_timeout") :]
+    assert any(event in waits for event in past)
+    since = "drain_timeout"
+    for event in past[1:]:
+        if event in waits:
+            assert since == "watchdog_armed", f"{event} ended a wait begun with no fresh window"
+        if event in (*waits, "watchdog_armed"):
+            since = event

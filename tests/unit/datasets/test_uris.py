@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -207,3 +209,51 @@ def test_an_invalid_request_target_is_reported_without_its_query():
             read_bytes(url, SourceConfig(allowed_hosts=LOCAL))
     assert "AIzaSECRET" not in str(error.value)
     assert listener.requests == []
+
+
+# -- interim answers ---------------------------------------------------------------------------
+def test_an_image_answered_early_hints_first_is_read_from_the_final_answer():
+    with Listener(b"IMAGE", keep_alive=True) as listener:
+        config = SourceConfig(allowed_hosts=LOCAL)
+        assert read_bytes(listener.url("/hints"), config) == b"IMAGE"
+        assert read_bytes(listener.url("/hints"), config) == b"IMAGE"  # on the kept connection
+
+
+def test_a_server_that_sends_interim_answers_for_ever_is_cut_as_transient():
+    with Listener(drip_interval_s=0.01) as listener:
+        config = SourceConfig(allowed_hosts=LOCAL, object_deadline_s=2.0, max_attempts=1)
+        with pytest.raises(TransientError) as error:
+            read_bytes(listener.url("/hints-forever"), config)
+    assert error.value.kind == "http_unavailable"  # a broken answer, not a permanent HTTP 103
+
+
+# -- S3: one deadline from the request to the last byte ----------------------------------------
+def read_in_time(read: Callable[[], bytes], deadline_s: float) -> BaseException | None:
+    """What ``read`` raised, waited for its deadline and a margin for a busy machine (its
+    thread is left to the server's stop when it has not ended by then)."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            read()
+        except BaseException as error:  # noqa: BLE001 - handed to the test
+            raised.append(error)
+
+    reader = threading.Thread(target=run, daemon=True)
+    reader.start()
+    reader.join(timeout=deadline_s + 10.0)
+    assert not reader.is_alive(), f"still reading {deadline_s + 10.0:g}s in"
+    return raised[0] if raised else None
+
+
+def test_an_s3_endpoint_that_trickles_its_headers_is_cut_at_the_object_deadline(monkeypatch):
+    # A header byte every 2 s: inside botocore's read timeout (5 s) each time.
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    with Listener(b"IMAGE", head_interval_s=2.0) as endpoint:
+        config = SourceConfig(
+            s3_endpoint_url=endpoint.url(""), object_deadline_s=5.0, read_timeout_s=5.0
+        )
+        error = read_in_time(lambda: read_bytes("s3://bucket/a.jpg", config), 5.0)
+    assert isinstance(error, TransientError)
+    assert error.kind == "deadline_exceeded"

@@ -22,6 +22,7 @@ import pytest
 from config.errors import ConfigError, PermanentError, TransientError
 from datasets.uris import SourceConfig
 from pipelines.files.fetch import ModelFiles
+from tests.listeners import Listener
 from tests.served_files import Served
 
 ROOT = Path(__file__).parents[4]
@@ -144,6 +145,34 @@ def test_a_server_that_stalls_is_given_up_at_the_deadline(tmp_path):
         listener.close()
     assert not thread.is_alive()
     assert len(raised) == 1 and isinstance(raised[0], TransientError)
+    assert _kept(tmp_path / "cache") == []
+
+
+def test_an_s3_model_file_whose_endpoint_trickles_its_headers_ends_at_the_deadline(
+    tmp_path, monkeypatch
+):
+    """A header byte every 2 s, inside botocore's read timeout each time: the download (in the
+    main process, where no loader timeout reaches) fails as transient by its deadline, with a
+    margin for a busy machine, and nothing is kept."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    with Listener(b"weights", head_interval_s=2.0) as endpoint:
+        sources = SourceConfig(s3_endpoint_url=endpoint.url(""), read_timeout_s=5.0)
+        files = ModelFiles(sources, tmp_path / "cache", deadline_s=5.0)
+        raised: list[BaseException] = []
+
+        def fetch() -> None:
+            try:
+                files.fetch("s3://models/detector.pt")
+            except BaseException as error:  # noqa: BLE001 - what the test looks at
+                raised.append(error)
+
+        thread = threading.Thread(target=fetch, daemon=True)
+        thread.start()
+        thread.join(5.0 + 10.0)
+        assert not thread.is_alive(), "still downloading 10 s past its deadline"
+    assert len(raised) == 1 and isinstance(raised[0], TransientError)
+    assert raised[0].kind == "deadline_exceeded"
     assert _kept(tmp_path / "cache") == []
 
 
