@@ -13,9 +13,9 @@ from nats.aio.msg import Msg
 
 from config.settings import NatsSettings
 from worker.core.ports import Runnable
-from worker.nats.answers import JetStreamAnswers
 from worker.nats.consumer_stats import ConsumerStats
 from worker.nats.hints import NewJobHints
+from worker.nats.jetstream_health import JetStreamAnswers
 from worker.nats.job_consumers import JobConsumers
 from worker.nats.late import unsubscribe
 from worker.nats.subjects import advisory_consumer

@@ -23,10 +23,10 @@ from worker.health.metrics import Metrics
 from worker.health.tasks_waiting import TasksWaiting
 from worker.nats.advisories import ExhaustedTasks
 from worker.nats.algorithms import publish_algorithms
-from worker.nats.answers import JetStreamAnswers
 from worker.nats.connection import ConnectionState, abort_socket, connect
 from worker.nats.delivery import NatsHandle
 from worker.nats.feed import TaskFeed
+from worker.nats.jetstream_health import JetStreamAnswers
 from worker.nats.provision import provision, refuse_other_fair_jobs
 from worker.nats.result_store import ResultStore
 from worker.nats.settle import NatsSettler, nats_settler

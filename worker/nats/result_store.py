@@ -21,7 +21,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from config.errors import ResultRefused, ResultsUnavailable
 from config.settings import NatsSettings
-from worker.nats.answers import JetStreamAnswers
+from worker.nats.jetstream_health import JetStreamAnswers
 from worker.nats.subjects import result_subject
 
 # The server's answer when a per-task subject already holds its result.

@@ -12,7 +12,7 @@ from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableEr
 
 from config.errors import ResultsUnavailable
 from config.settings import NatsSettings
-from worker.nats.answers import JetStreamAnswers, unanswered
+from worker.nats.jetstream_health import JetStreamAnswers, unanswered
 from worker.nats.result_store import ResultStore
 
 
