@@ -35,7 +35,7 @@ COPY pipelines ./pipelines
 COPY deploy ./deploy
 RUN pip install ${WHEELS:+--no-index --find-links "$WHEELS"} ${CONSTRAINTS:+-c "$CONSTRAINTS"} ".[ami]"
 # A user of its own, owning the cache alone: the worker refuses a cache directory that is
-# another user's or group/other writable (docs/model-files.md, "The cache directory").
+# another user's or writable by another account (docs/model-files.md, "The cache directory").
 RUN useradd --uid 10001 --create-home worker \
     && install -d -m 0755 /var/cache/inference-worker \
     && install -d -o worker -g worker -m 0700 /var/cache/inference-worker/models

@@ -6,7 +6,10 @@ room, or after ``idle_unload_s`` without a batch; a pipeline in use is never unl
 pipeline larger than the whole budget is refused at start (``estimated_bytes``), or, when only
 its load shows it, its load fails (``model_too_large``). Loads are serialised by a lock of their
 own, and the cache's state by another, held only for moments: a batch acquiring a loaded model
-never waits for another pipeline's load (a download can take minutes). The caller decides on
+never waits for another pipeline's load (a download can take minutes). A pipeline's files are
+fetched (``prefetch``) before its load takes the load lock, so a slow or failing download of one
+pipeline holds up no other's load; a pipeline whose last load failed makes room only once its
+model is built, so a retry that fails again unloads nothing. The caller decides on
 which thread loads run (the worker: a thread of their own, never the event loop). A failed load
 raises ``ModelLoadFailed`` each time it is tried, its ``Failure.reason`` saying why
 (``config.errors.LOAD_REASONS``); when to try again is the caller's (``worker.core.availability``).
@@ -75,8 +78,11 @@ class ModelCache(Generic[M]):
         unloaded: Callable[[str], None] = lambda _name: None,
         clock: Callable[[], float] = time.monotonic,
         together: Callable[[list[M]], int] | None = None,
+        prefetch: Callable[[str], None] = lambda _name: None,
     ) -> None:
         self._load = load
+        self._prefetch = prefetch  # the pipeline's files into the host's cache, no model built
+        self._failing: set[str] = set()  # whose last load failed: no room made before the next
         self._size_of = size_of
         self._together = together
         self.budget_bytes = budget_bytes
@@ -126,23 +132,40 @@ class ModelCache(Generic[M]):
                 entry.used_at = self._clock()
 
     def load(self, name: str) -> None:
-        """Make ``name`` resident (a no-op when it is); ModelLoadFailed when it cannot be."""
+        """Make ``name`` resident (a no-op when it is); ModelLoadFailed when it cannot be.
+        Its files are fetched first, outside the load lock (a slow or refused download holds
+        up no other pipeline's load); room is made before the build only for a pipeline whose
+        last load did not fail (a retry that fails again evicts nothing), and in any case
+        once its model is built (``_admit``)."""
+        if self.ready(name):
+            return
+        started = time.perf_counter()
+        try:
+            self._prefetch(name)
+        except Exception as error:  # noqa: BLE001 - the file host, the cache directory
+            raise self._failed(name, error) from None
         with self._loading:
             with self._lock:
                 if name in self._resident:
                     self._resident.move_to_end(name)
                     return
-                self._make_room(name, self._estimated.get(name, 0))
-            started = time.perf_counter()
+                if name not in self._failing:
+                    self._make_room(name, self._estimated.get(name, 0))
             try:
                 model = self._load(name)
             except Exception as error:  # noqa: BLE001 - the pipeline's code and weights, the host
-                failure = _load_failure(name, error)
-                self.stats.load_failures[name] = self.stats.load_failures.get(name, 0) + 1
-                log.error("model_load_failed", pipeline=name, error=failure.message)
-                raise ModelLoadFailed(failure, error) from None
+                raise self._failed(name, error) from None
             with self._lock:
+                self._failing.discard(name)
                 self._admit(name, model, time.perf_counter() - started)
+
+    def _failed(self, name: str, error: Exception) -> ModelLoadFailed:
+        failure = _load_failure(name, error)
+        with self._lock:
+            self._failing.add(name)
+            self.stats.load_failures[name] = self.stats.load_failures.get(name, 0) + 1
+        log.error("model_load_failed", pipeline=name, error=failure.message)
+        return ModelLoadFailed(failure, error)
 
     def unload_idle(self, idle_s: float) -> list[str]:
         """Unload every pipeline not used for ``idle_s`` (none in use); their names."""

@@ -20,7 +20,7 @@ from config.names import env_name
 from config.redact import redact_url
 from datasets.uris import SourceConfig
 from pipelines import architectures
-from pipelines.declare import Classifier, Detector, Registered
+from pipelines.declare import Classifier, Detector, Pipeline, Registered
 from pipelines.device import autocast
 from pipelines.files.fetch import ModelFiles
 
@@ -383,3 +383,16 @@ def _save(
     torch.save(build(architecture, num_classes).state_dict(), path)
     (out / LABELS_FILE).write_text("\n".join(labels) + "\n")
     return str(path)
+
+
+def stage_files(pipelines: list[Pipeline]) -> list[tuple[str, str | None]]:
+    """(URI, declared digest) of every weights and labels file the pipelines read, each once."""
+    found: dict[str, str | None] = {}
+    for pipeline in pipelines:
+        for stage in pipeline.stages():
+            if stage.weights is not None:
+                found.setdefault(as_uri(stage.weights), stage.weights_digest)
+            if not isinstance(stage.labels, tuple):
+                uri = stage.labels or labels_uri(stage.weights or "")
+                found.setdefault(as_uri(uri), stage.labels_digest)
+    return list(found.items())

@@ -35,6 +35,7 @@ from typing import cast
 from urllib.parse import urlsplit
 
 from config.errors import ConfigError, TransientError
+from config.model_cache import own_problem
 from config.names import env_name
 from config.redact import redact_url
 from pipelines.files.digest import Pinned
@@ -208,12 +209,16 @@ def _identity(uri: str) -> tuple[str, str]:
 
 def make_dirs(root: Path) -> None:
     """``root`` and the directories above it that are missing, each writable by its owner
-    alone (whatever the umask lets group or others write)."""
+    alone (whatever the umask lets group or others write); then ``root`` is checked again
+    (``own_problem``): one another account made first, say in /tmp, is refused."""
     missing = [d for d in (root, *root.parents) if not d.exists()]
     for directory in reversed(missing):
         with contextlib.suppress(FileExistsError):
             directory.mkdir(mode=_DIR_MODE)
             os.chmod(directory, stat.S_IMODE(directory.stat().st_mode) & ~_OTHERS_WRITE)
+    problem = own_problem(root, os.geteuid())
+    if problem:
+        raise ConfigError(problem)
 
 
 def _flock(fd: int, uri: str, wait_s: float, give_up: float) -> None:

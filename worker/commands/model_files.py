@@ -9,23 +9,8 @@ import sys
 from config.errors import ConfigError, WorkerError
 from config.redact import redact_url
 from config.settings import Settings
-from pipelines.declare import Pipeline
+from pipelines.models import stage_files
 from worker.core.exits import CommandExit
-
-
-def stage_files(pipelines: list[Pipeline]) -> list[tuple[str, str | None]]:
-    """(URI, declared digest) of every weights and labels file the pipelines read, each once."""
-    from pipelines.models import as_uri, labels_uri
-
-    found: dict[str, str | None] = {}
-    for pipeline in pipelines:
-        for stage in pipeline.stages():
-            if stage.weights is not None:
-                found.setdefault(as_uri(stage.weights), stage.weights_digest)
-            if not isinstance(stage.labels, tuple):
-                uri = stage.labels or labels_uri(stage.weights or "")
-                found.setdefault(as_uri(uri), stage.labels_digest)
-    return list(found.items())
 
 
 def _served_files(settings: Settings) -> list[tuple[str, str | None]]:

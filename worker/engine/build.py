@@ -16,7 +16,8 @@ from config.settings import Settings
 from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.uris import SourceConfig
 from pipelines.device import release_cached_memory, sticky_cause
-from pipelines.files.fetch import ModelFiles, Pins
+from pipelines.files.fetch import ModelFiles, Pins, is_remote
+from pipelines.models import stage_files
 from pipelines.runner import load_runner
 from pipelines.setup import Chosen
 from worker.core.ports import BatchEngine
@@ -74,11 +75,17 @@ def served_pipelines(
             c.pipeline, sources, device, c.limits, c.response_format, s.model.precision, files
         )
 
+    def prefetch(c: Chosen) -> None:  # remote files into the host's cache, outside the load lock
+        for uri, digest in stage_files([c.pipeline]):
+            if is_remote(uri) and not files.status(uri, digest)[1]:
+                files.fetch(uri, digest)
+
     return ServedPipelines(
         chosen,
         _with_slow_load(s, load),
         budget_bytes,
         unloaded=lambda _name: release_cached_memory(),
+        prefetch=prefetch,
     )
 
 

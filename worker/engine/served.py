@@ -24,6 +24,7 @@ class ServedPipelines:
         load: Callable[[Chosen], Runner],
         budget_bytes: int,
         unloaded: Callable[[str], None] = lambda _name: None,
+        prefetch: Callable[[Chosen], None] = lambda _chosen: None,
     ) -> None:
         self.chosen = {c.pipeline.name: c for c in chosen}
         self.names = list(self.chosen)
@@ -35,6 +36,7 @@ class ServedPipelines:
             estimated_bytes={c.pipeline.name: estimated_bytes(c.pipeline) for c in chosen},
             unloaded=unloaded,
             together=Runner.weights_bytes_together,
+            prefetch=lambda name: prefetch(self.chosen[name]),
         )
         self._infos: dict[str, dict[str, Any]] = {}
 

@@ -3,6 +3,8 @@
 The probes, as Kubernetes' and Triton's (``/v2/health/live``, ``/ready``): ``/livez`` answers
 503 only for what a restart mends, ``/readyz`` for that and for what keeps the process from
 taking work (its task source's problem), ``/healthz`` as ``/readyz`` (what it always answered).
+Their bodies are scrubbed (``config.redact.scrub``): an unavailable pipeline's load error may
+name a presigned or tokened URL.
 
 Two listeners: /metrics and the probes on the configured address (for Prometheus), and the
 probes alone on loopback, with connection slots of their own, for healthwatch: no number of
@@ -26,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from config.names import env_name
+from config.redact import scrub
 from worker.health.metrics import PREFIX
 
 MAX_CONNECTIONS = 16  # /metrics and the probes served at once; more are refused
@@ -149,6 +152,11 @@ def _listen(
         raise OSError(error.errno, why) from None
 
 
+def _scrubbed(text: str | None) -> str | None:
+    """A probe's body as logs and results are written: no credential, no URL query."""
+    return None if text is None else scrub(text)
+
+
 def _handler(
     registry: CollectorRegistry,
     probes: Probes,
@@ -169,8 +177,8 @@ def _handler(
                 self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
             elif probe is not None:
                 answered()
-                reason = probe()
-                note = probes.ready_note() if probe is probes.not_ready else None
+                reason = _scrubbed(probe())  # a load error may name a presigned URL
+                note = _scrubbed(probes.ready_note() if probe is probes.not_ready else None)
                 if reason is None:
                     self._send(200, f"ok{f': {note}' if note else ''}\n".encode(), "text/plain")
                 else:

@@ -28,7 +28,7 @@ def test_a_directory_others_may_write_is_refused_naming_it_and_the_fix(tmp_path)
 
     cache = tmp_path / "cache"
     cache.mkdir()
-    for mode in (0o777, 0o775, 0o1777):
+    for mode in (0o777, 0o1777, 0o2777):  # group-write alone: see the setgid test
         cache.chmod(mode)
         problem = own_problem(cache, ME)
         assert problem is not None, oct(mode)
@@ -43,9 +43,40 @@ def test_a_parent_others_may_write_is_refused_unless_sticky(tmp_path):
     (shared / "cache").mkdir(parents=True, mode=0o700)
     shared.chmod(0o777)  # another account could swap the cache directory for its own
     assert f"{shared} is writable by group or others" in (own_problem(shared / "cache", ME) or "")
+    assert "chmod" not in (own_problem(shared / "cache", ME) or "")  # never on a shared one
     shared.chmod(0o1777)  # as /tmp is: nobody but its owner removes or renames what is in it
     assert own_problem(shared / "cache", ME) is None
+    shared.chmod(0o777)
     assert own_problem(shared / "missing", ME) is not None  # would be made in a shared place
+
+
+def test_a_cache_not_yet_made_under_a_sticky_shared_directory_is_taken(tmp_path):
+    """As /tmp/cache: the worker makes it itself (mode 700), and checks it again once made;
+    it never advises chmod on /tmp."""
+    from config.model_cache import own_problem
+
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    assert own_problem(shared / "cache", ME) is None
+    assert own_problem(shared / "a" / "cache", ME) is None
+
+
+def test_a_setgid_group_writable_cache_of_the_workers_own_group_is_taken(tmp_path):
+    """Kubernetes' fsGroup and OpenShift's g=u give the volume mode 2775 and a group of the
+    process; the same mode with another group is refused."""
+    from config.model_cache import own_problem
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cache.chmod(0o2775)
+    gid = cache.stat().st_gid
+    assert own_problem(cache, ME, groups={gid}) is None
+    assert os.getegid() != gid or own_problem(cache, ME) is None  # the default: our groups
+    problem = own_problem(cache, ME, groups={gid + 1})
+    assert problem is not None and "writable by group or others" in problem
+    cache.chmod(0o2777)  # others may write: refused whatever the group
+    assert own_problem(cache, ME, groups={gid}) is not None
 
 
 def test_a_directory_another_uid_owns_is_refused(tmp_path):

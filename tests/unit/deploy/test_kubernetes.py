@@ -116,7 +116,7 @@ def test_the_model_cache_is_on_the_volume_the_worker_is_told_of(monkeypatch):
     mounts = {m["mountPath"]: m["name"] for m in worker_container()["volumeMounts"]}
     volume = mounts[settings.model.cache_dir]
     assert claims[volume] == one("PersistentVolumeClaim")["metadata"]["name"]
-    # No fsGroup: the worker refuses a cache directory that is group-writable.
+    # No fsGroup: the init container gives the volume to the worker (fsGroup would do too).
     security = pod["securityContext"]
     assert security["runAsNonRoot"] is True and "fsGroup" not in security
 

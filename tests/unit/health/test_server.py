@@ -107,3 +107,29 @@ def test_idle_local_connections_to_the_healthwatch_listener_cannot_shut_its_prob
             for sock in clients:
                 sock.close()
     server.close()
+
+
+def test_readyz_never_shows_a_secret_of_a_load_error():
+    """An unavailable pipeline's load error can name a presigned or tokened URL; the probe's
+    body, ready (the note) or not, shows it redacted, as logs and results do."""
+    secret = "X-Amz-Signature=abc123secret"
+    url = f"https://h.example/w.pt?{secret}&token=t0psecret"
+    error = f"moth_binary: model_load_failed: GET {url}"
+    reason: list[str | None] = [None]
+    probes = Probes(lambda: None, lambda: reason[0], ready_note=lambda: error)
+    server = HealthServer("127.0.0.1", 0, CollectorRegistry(), probes)
+    server.start()
+    try:
+        url = f"http://127.0.0.1:{server.port}/readyz"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            body = response.read().decode()
+        assert body.startswith("ok: moth_binary: model_load_failed: GET https://h.example/w.pt")
+        reason[0] = error
+        try:
+            urllib.request.urlopen(url, timeout=5)
+        except urllib.error.HTTPError as refused:
+            body += refused.read().decode()
+        assert "h.example/w.pt" in body and "abc123secret" not in body
+        assert "t0psecret" not in body
+    finally:
+        server.close()

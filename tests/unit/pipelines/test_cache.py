@@ -188,3 +188,66 @@ def test_what_pipelines_share_counts_once_against_the_budget():
     assert unloaded == [] and list(cache.resident()) == ["a", "b"]  # 6 + 2 + 2 bytes
     cache.acquire("c")
     assert unloaded == ["a", "b"] and list(cache.resident()) == ["c"]
+
+
+def test_a_retry_of_a_pipeline_that_failed_unloads_nothing_when_it_fails_again():
+    """A pipeline's files refused (a 403) are tried again every 30..600 s: each retry that
+    fails again leaves the idle pipelines it would have made room for loaded."""
+    sizes = {"a": 6, "x": 6}
+    refused = TransientError("403 from the file host", kind="access_denied")
+
+    def load(name: str) -> str:
+        if name == "x":
+            raise refused
+        return f"model-{name}"
+
+    unloaded: list[str] = []
+    cache: ModelCache[str] = ModelCache(
+        load,
+        lambda m: sizes[m.removeprefix("model-")],
+        10,
+        estimated_bytes={"x": 6},
+        unloaded=unloaded.append,
+    )
+    with pytest.raises(ModelLoadFailed):
+        cache.load("x")  # the first try makes room as for any load
+    cache.load("a")
+    unloaded.clear()
+    for _retry in range(3):
+        with pytest.raises(ModelLoadFailed):
+            cache.load("x")
+    assert unloaded == [] and list(cache.resident()) == ["a"]
+
+
+def test_a_load_is_not_held_up_by_another_pipelines_slow_failing_download():
+    """Pipeline x's files take minutes and are then refused: y loads meanwhile."""
+    downloading, give_up = threading.Event(), threading.Event()
+
+    def prefetch(name: str) -> None:
+        if name == "x":
+            downloading.set()
+            assert give_up.wait(10), "the test never ended x's download"
+            raise TransientError("403 from the file host", kind="access_denied")
+
+    cache: ModelCache[str] = ModelCache(
+        lambda name: f"model-{name}", lambda _m: 1, 10, prefetch=prefetch
+    )
+    failed: list[BaseException] = []
+
+    def load_x() -> None:
+        try:
+            cache.load("x")
+        except ModelLoadFailed as error:
+            failed.append(error)
+
+    x = threading.Thread(target=load_x, daemon=True)
+    x.start()
+    assert downloading.wait(10)
+    y = threading.Thread(target=cache.load, args=("y",), daemon=True)
+    y.start()
+    y.join(10)  # bounded: behind x's download it would wait until give_up is set
+    loaded_meanwhile = cache.ready("y")
+    give_up.set()
+    x.join(10)
+    assert loaded_meanwhile and list(cache.resident()) == ["y"]
+    assert len(failed) == 1 and failed[0].failure.reason == "download_refused"
