@@ -252,7 +252,8 @@ def test_an_outage_while_full_is_blocked_not_wedged_and_results_are_posted_after
                 lambda: fake.jobs[job].status == "SUCCESS", 120, "the job done after", log, proc
             )
             assert proc.poll() is None  # never restarted
-            assert healthz(port)[0] == 200
+            # Ready again at the first job listing that answers (its backoff after the outage)
+            wait_for(lambda: healthz(port)[0] == 200, 60, "ready again", log, proc)
         finally:
             stop_process(proc)
         assert saved_once(fake, job)
