@@ -153,7 +153,7 @@ async def retry_loads(
 ) -> None:
     """Until ``stop``: each unavailable pipeline's load tried again when due (``load``: on a
     thread of its own, through the engine), and ``tick`` every ``tick_s`` while any is
-    unavailable (its held tasks kept alive)."""
+    unavailable, a load in progress included (its held tasks kept alive)."""
     changed = asyncio.Event()  # a pipeline lost meanwhile: its first retry is scheduled now
     availability.watch(changed.set)
     while not stop.is_set():
@@ -173,8 +173,23 @@ async def retry_loads(
         if availability.unavailable():
             await tick()
         for pipeline in availability.due():
-            failure = await load(pipeline)
+            failure = await _ticking(load(pipeline), tick, tick_s)
             if failure is None:
                 availability.restored(pipeline)
             else:
                 availability.failed_again(pipeline, failure)
+
+
+async def _ticking(
+    loading: Awaitable[Failure | None], tick: Callable[[], Awaitable[None]], tick_s: float
+) -> Failure | None:
+    """``loading`` awaited, ``tick`` every ``tick_s`` while it is pending: a slow retry (a
+    download up to its deadline) keeps the held tasks alive and the watchdog fed."""
+    pending = asyncio.ensure_future(loading)
+    try:
+        while not (await asyncio.wait({pending}, timeout=tick_s))[0]:
+            await tick()
+    finally:
+        if not pending.done():
+            pending.cancel()
+    return pending.result()
