@@ -134,6 +134,7 @@ class AntennaParts:
             keepalive_tick_s=s.antenna.ttr_s / 4,
             unserved=self.unserved,
             finish_held_on_stop=True,  # a give-back costs the TTR and a delivery
+            extends_leases=False,  # no call extends a reservation
             results_waiting=lambda: self.poster.waiting() > 0,
             helpers=(("tasks-waiting", self.waiting.run),),
             inactive_jobs=inactive_jobs(self.jobs, self.source.reservations),

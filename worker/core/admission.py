@@ -3,8 +3,8 @@ the core decides what becomes of it (``verdicts.Verdict``), and the source's set
 that names no job and task is kept aside (dead-lettered); one that names them but cannot be
 run gets an ``error`` result; one whose result is already kept is settled without another;
 one of a pipeline unavailable on this host (``availability``) is given back after the retry
-backoff's delay, unless on its last delivery; the rest are entered in the claims (held tasks),
-to be loaded.
+backoff's delay, unless on its last delivery and its source extends leases; the rest are
+entered in the claims (held tasks), to be loaded.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 
 from config.errors import ResultsUnavailable
+from worker.core.availability import may_give_back
 from worker.core.claims import Claim, Claims
 from worker.core.outcome import Outcome
 from worker.core.ports import Delivered, Results, Settler
@@ -34,6 +35,7 @@ class Admission:
         maker: ResultMaker,
         available: Callable[[str], bool] = lambda _pipeline: True,
         backoff: Backoff = NO_BACKOFF,
+        holds_last: bool = True,
     ) -> None:
         self._settler = settler
         self._results = results
@@ -41,6 +43,7 @@ class Admission:
         self._maker = maker
         self._available = available  # whether a pipeline's models can be had on this host
         self._backoff = backoff  # how long a task given back for that waits
+        self._holds_last = holds_last  # its last delivery held (the source extends leases)
 
     async def admit(self, delivered: Delivered[Any]) -> Claim | None:
         """The per-delivery boundary: whatever a delivery holds, a failure to admit it is
@@ -69,7 +72,9 @@ class Admission:
         # must not run twice.
         if await self._done_before(delivered, read.task):
             return None
-        if not self._available(read.task.pipeline) and delivered.deliveries_left > 0:
+        if not self._available(read.task.pipeline) and may_give_back(
+            delivered.deliveries_left, self._holds_last
+        ):
             why = f"pipeline {read.task.pipeline!r} is unavailable on this host"
             delay_s = self._backoff.delay_s(delivered.delivered)
             await self._settler.settle(

@@ -41,6 +41,13 @@ class Unavailable:
     retry_at_s: float
 
 
+def may_give_back(deliveries_left: int, holds_last: bool) -> bool:
+    """Whether a task of an unavailable pipeline is given back: always where the source
+    cannot extend a lease (``holds_last`` false: holding it would not stop its redelivery),
+    else unless on its last delivery (a give-back would end it as a final error)."""
+    return deliveries_left > 0 or not holds_last
+
+
 def is_unavailable(failure: Failure | None) -> bool:
     """Whether ``failure`` is a pipeline's load failing (the host's trouble), not a task's."""
     return failure is not None and failure.kind in UNAVAILABLE_KINDS

@@ -102,6 +102,7 @@ class Orchestrator:
             self.results,
             available.available,
             services.link.backoff,
+            services.link.extends_leases,
         )
         observer = BatchObserver(
             services.metrics,
@@ -119,6 +120,7 @@ class Orchestrator:
             hold_per_load=settings.model.hold_per_load,
             on_device_failed=self._device_failed,
             availability=available,
+            holds_last=services.link.extends_leases,
         )
         self._drops = InactiveJobDrops(
             services.link.inactive_jobs, self.batches, self.claims, services.metrics

@@ -36,7 +36,15 @@ BATCH = 4
 
 
 def a_worker(
-    source, engine, *, guard=None, closed=None, max_deliver=2, store=None, availability=None
+    source,
+    engine,
+    *,
+    guard=None,
+    closed=None,
+    max_deliver=2,
+    store=None,
+    availability=None,
+    extends_leases=True,
 ):
     settings = load_settings(
         for_worker=False,
@@ -60,6 +68,7 @@ def a_worker(
         fetch_wait_s=settings.nats.fetch_timeout_s,
         keepalive_tick_s=5.0,
         gone=closed,
+        extends_leases=extends_leases,
     )
     services = Services(
         link=link,
@@ -248,6 +257,23 @@ async def test_a_task_of_an_unavailable_pipeline_is_given_back_at_admission_not_
     assert exit.code == 0 and [r["task_id"] for r in store.stored] == ["f"]
     assert broken.actions == ["nak"] and broken.nak_delays == [0.01]  # the backoff's first
     assert engine.loaded == ["fine"]  # no load tried for a task: the retry is the background's
+
+
+async def test_a_source_that_cannot_extend_leases_gets_a_last_delivery_back_at_admission():
+    # Antenna's way: holding a reservation does not extend it, so a task on its last delivery
+    # of an unavailable pipeline is given back (left to redelivery), not held.
+    availability = Availability(first_s=60.0)
+    availability.lost("broken", Failure("model_load_failed", "403", reason="download_refused"))
+    last = task_msg("last", subject="tasks.broken", delivered=2)
+    engine = FakeEngine()
+    worker, store, _js, _m = a_worker(
+        FakeSource([last]), engine, availability=availability, extends_leases=False
+    )
+
+    exit = await run(worker)
+
+    assert exit.code == 0 and store.stored == [] and last.actions == ["nak"]
+    assert len(worker.claims) == 0 and engine.loaded == []
 
 
 async def test_one_served_pipeline_whose_reload_fails_after_an_idle_unload_fails_no_task():
