@@ -36,6 +36,7 @@ class Admission:
         available: Callable[[str], bool] = lambda _pipeline: True,
         backoff: Backoff = NO_BACKOFF,
         holds_last: bool = True,
+        retry_in_s: Callable[[str], float] = lambda _pipeline: 0.0,
     ) -> None:
         self._settler = settler
         self._results = results
@@ -44,6 +45,7 @@ class Admission:
         self._available = available  # whether a pipeline's models can be had on this host
         self._backoff = backoff  # how long a task given back for that waits
         self._holds_last = holds_last  # its last delivery held (the source extends leases)
+        self._retry_in_s = retry_in_s  # until an unavailable pipeline's next load
 
     async def admit(self, delivered: Delivered[Any]) -> Claim | None:
         """The per-delivery boundary: whatever a delivery holds, a failure to admit it is
@@ -72,11 +74,17 @@ class Admission:
         # must not run twice.
         if await self._done_before(delivered, read.task):
             return None
-        if not self._available(read.task.pipeline) and may_give_back(
-            delivered.deliveries_left, self._holds_last
-        ):
+        if not self._available(read.task.pipeline) and self._gives_back(delivered):
             why = f"pipeline {read.task.pipeline!r} is unavailable on this host"
-            delay_s = self._backoff.delay_s(delivered.delivered)
+            if delivered.deliveries_left <= 0 and self._holds_last:
+                why += (
+                    f"; {self._claims.parked_max} tasks of unavailable pipelines are held "
+                    "already: its last delivery, the max-deliveries handler settles it"
+                )
+            delay_s = max(
+                self._backoff.delay_s(delivered.delivered),
+                self._retry_in_s(read.task.pipeline),
+            )
             await self._settler.settle(
                 delivered, Verdict(Decision.GIVE_BACK, delay_s=delay_s, reason=why)
             )
@@ -89,6 +97,12 @@ class Admission:
             )
             return None
         return self._claims.add(delivered, read.task)
+
+    def _gives_back(self, delivered: Delivered[Any]) -> bool:
+        """A task of an unavailable pipeline is given back (``may_give_back``), or, on its
+        last delivery, when the held tasks of unavailable pipelines are at their cap."""
+        left = delivered.deliveries_left
+        return may_give_back(left, self._holds_last) or self._claims.parked_full()
 
     async def _done_before(self, delivered: Delivered[Any], task: Task) -> bool:
         """A task whose result is kept (its ack was lost, or its job's consumer was made

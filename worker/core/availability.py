@@ -132,6 +132,12 @@ class Availability:
         log.info("pipeline_available", pipeline=pipeline, unavailable_s=unavailable_s)
         self._changed()
 
+    def retry_in_s(self, pipeline: str) -> float:
+        """Until ``pipeline``'s next load (0 when it is available): a task of it given back
+        waits at least this long, or it would come back before anything could change."""
+        lost = self._lost.get(pipeline)
+        return 0.0 if lost is None else max(0.0, lost.retry_at_s - self._clock())
+
     def due(self) -> list[str]:
         """The unavailable pipelines whose next load is due now."""
         now = self._clock()

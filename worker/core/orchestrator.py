@@ -91,6 +91,8 @@ class Orchestrator:
             max_held_tasks(settings, services.image_bytes),
             services.liveness,
             self.settling,
+            lambda pipeline: not services.availability.available(pipeline),
+            settings.loader.batch_size,  # held for unavailable pipelines outside the room
         )
         self.link = services.link
         self.results = ResultMaker(services.link.model_of)
@@ -103,6 +105,7 @@ class Orchestrator:
             available.available,
             services.link.backoff,
             services.link.extends_leases,
+            available.retry_in_s,
         )
         observer = BatchObserver(
             services.metrics,
@@ -294,6 +297,7 @@ class Orchestrator:
                 deliveries_left=delivered.deliveries_left,
                 results=self.results,
                 backoff=self.link.backoff,
+                not_before_s=self.availability.retry_in_s(held.task.pipeline),
             )
             await self.settling.settle(delivered, verdict)
         except asyncio.CancelledError:  # the drain's time ran out: given back, never stranded
