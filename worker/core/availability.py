@@ -153,6 +153,21 @@ class Availability:
             changed()
 
 
+async def tell_loaded(loaded: Callable[[str], Awaitable[None]], pipeline: str) -> None:
+    """``loaded(pipeline)`` after a background load: a failure to tell the source (NATS's
+    algorithms publish timing out) is said, never the end of the retries; the pipeline is
+    loaded and served, and its next load tells the source again."""
+    try:
+        await loaded(pipeline)
+    except Exception as error:  # noqa: BLE001 - the source's boundary
+        log.warning(
+            "pipeline_loaded_not_told",
+            pipeline=pipeline,
+            error=f"{type(error).__name__}: {error}",
+            action="serving it; the source is told again at its next load",
+        )
+
+
 def _reason(failure: Failure) -> str:
     return failure.reason or ("over_budget" if failure.kind == "model_too_large" else "load_failed")
 

@@ -32,7 +32,7 @@ from config.derived import chosen_device, max_held_tasks
 from config.errors import DeviceFailed, Failure, LoaderGaveUp
 from config.settings import Settings
 from worker.core.admission import Admission
-from worker.core.availability import Availability, retry_loads
+from worker.core.availability import Availability, retry_loads, tell_loaded
 from worker.core.batches import CANCELLED_SETTLES_WAIT_S, GIVE_BACK_WAIT_S, Batches
 from worker.core.claims import Claim, Claims, best_effort
 from worker.core.dropping import InactiveJobDrops
@@ -260,7 +260,7 @@ class Orchestrator:
         async def load(pipeline: str) -> Failure | None:
             failure = await in_daemon_thread(self.services.engine.load, pipeline)
             if failure is None and self.services.loaded is not None:
-                await self.services.loaded(pipeline)
+                await tell_loaded(self.services.loaded, pipeline)
             return failure
 
         async def tick() -> None:

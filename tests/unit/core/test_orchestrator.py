@@ -278,6 +278,32 @@ async def test_a_source_that_cannot_extend_leases_gets_a_last_delivery_back_at_a
     assert len(worker.claims) == 0 and engine.loaded == []
 
 
+async def test_a_source_that_cannot_be_told_of_a_retried_load_does_not_end_the_worker():
+    # The background load succeeds, but telling the source (NATS: publishing the algorithms)
+    # fails: said, and the pipeline is available; the worker goes on.
+    availability = Availability(first_s=0.01)
+    availability.lost("p", Failure("model_load_failed", "403", reason="download_refused"))
+    worker, _store, _js, _m = a_worker(FakeSource([]), FakeEngine(), availability=availability)
+    told: list[str] = []
+
+    async def loaded(pipeline: str) -> None:
+        told.append(pipeline)
+        raise TimeoutError("publish_algorithms timed out")
+
+    worker.services.loaded = loaded
+    worker._until_idle = False
+    running = asyncio.create_task(run(worker))
+    for _ in range(400):
+        if told or running.done():
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    worker._stop.set()
+    exit = await running
+    assert told == ["p"] and availability.available("p")
+    assert exit.code == 0
+
+
 async def test_one_served_pipeline_whose_reload_fails_after_an_idle_unload_fails_no_task():
     first = [task_msg(f"a{i}") for i in range(2)]
     later = [task_msg(f"b{i}") for i in range(3)]
