@@ -135,6 +135,7 @@ class AntennaParts:
             unserved=self.unserved,
             given_up=self.given_up,
             finish_held_on_stop=True,  # a give-back costs the TTR and a delivery
+            extends_leases=False,  # no call extends a reservation
             results_waiting=lambda: self.poster.waiting() > 0,
             helpers=(("tasks-waiting", self.waiting.run),),
             inactive_jobs=inactive_jobs(self.jobs, self.source.reservations),

@@ -41,6 +41,13 @@ class Unavailable:
     retry_at_s: float
 
 
+def may_give_back(deliveries_left: int, holds_last: bool) -> bool:
+    """Whether a task of an unavailable pipeline is given back: always where the source
+    cannot extend a lease (``holds_last`` false: holding it would not stop its redelivery),
+    else unless on its last delivery (a give-back would end it as a final error)."""
+    return deliveries_left > 0 or not holds_last
+
+
 def is_unavailable(failure: Failure | None) -> bool:
     """Whether ``failure`` is a pipeline's load failing (the host's trouble), not a task's."""
     return failure is not None and failure.kind in UNAVAILABLE_KINDS
@@ -125,6 +132,12 @@ class Availability:
         log.info("pipeline_available", pipeline=pipeline, unavailable_s=unavailable_s)
         self._changed()
 
+    def retry_in_s(self, pipeline: str) -> float:
+        """Until ``pipeline``'s next load (0 when it is available): a task of it given back
+        waits at least this long, or it would come back before anything could change."""
+        lost = self._lost.get(pipeline)
+        return 0.0 if lost is None else max(0.0, lost.retry_at_s - self._clock())
+
     def due(self) -> list[str]:
         """The unavailable pipelines whose next load is due now."""
         now = self._clock()
@@ -140,6 +153,21 @@ class Availability:
             changed()
 
 
+async def tell_loaded(loaded: Callable[[str], Awaitable[None]], pipeline: str) -> None:
+    """``loaded(pipeline)`` after a background load: a failure to tell the source (NATS's
+    algorithms publish timing out) is said, never the end of the retries; the pipeline is
+    loaded and served, and its next load tells the source again."""
+    try:
+        await loaded(pipeline)
+    except Exception as error:  # noqa: BLE001 - the source's boundary
+        log.warning(
+            "pipeline_loaded_not_told",
+            pipeline=pipeline,
+            error=f"{type(error).__name__}: {error}",
+            action="serving it; the source is told again at its next load",
+        )
+
+
 def _reason(failure: Failure) -> str:
     return failure.reason or ("over_budget" if failure.kind == "model_too_large" else "load_failed")
 
@@ -153,7 +181,7 @@ async def retry_loads(
 ) -> None:
     """Until ``stop``: each unavailable pipeline's load tried again when due (``load``: on a
     thread of its own, through the engine), and ``tick`` every ``tick_s`` while any is
-    unavailable (its held tasks kept alive)."""
+    unavailable, a load in progress included (its held tasks kept alive)."""
     changed = asyncio.Event()  # a pipeline lost meanwhile: its first retry is scheduled now
     availability.watch(changed.set)
     while not stop.is_set():
@@ -173,8 +201,23 @@ async def retry_loads(
         if availability.unavailable():
             await tick()
         for pipeline in availability.due():
-            failure = await load(pipeline)
+            failure = await _ticking(load(pipeline), tick, tick_s)
             if failure is None:
                 availability.restored(pipeline)
             else:
                 availability.failed_again(pipeline, failure)
+
+
+async def _ticking(
+    loading: Awaitable[Failure | None], tick: Callable[[], Awaitable[None]], tick_s: float
+) -> Failure | None:
+    """``loading`` awaited, ``tick`` every ``tick_s`` while it is pending: a slow retry (a
+    download up to its deadline) keeps the held tasks alive and the watchdog fed."""
+    pending = asyncio.ensure_future(loading)
+    try:
+        while not (await asyncio.wait({pending}, timeout=tick_s))[0]:
+            await tick()
+    finally:
+        if not pending.done():
+            pending.cancel()
+    return pending.result()

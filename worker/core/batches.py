@@ -34,7 +34,7 @@ from typing import Any
 import structlog
 
 from config.errors import DeviceFailed, Failure
-from worker.core.availability import Availability, is_unavailable
+from worker.core.availability import Availability, is_unavailable, may_give_back
 from worker.core.claims import Claim
 from worker.core.fairshare import FairQueue, JobKey
 from worker.core.outcome import Outcome
@@ -148,6 +148,7 @@ class Batches:
         clock: Callable[[], float] = time.monotonic,
         on_device_failed: Callable[[DeviceFailed], None] = lambda _failed: None,
         availability: Availability | None = None,
+        holds_last: bool = True,
     ) -> None:
         self._batch_size = batch_size
         self._engine = engine
@@ -164,6 +165,7 @@ class Batches:
         self._hold: _Hold | None = None
         self._in_engine: asyncio.Future[BatchReport] | None = None
         self._availability = availability or Availability()
+        self._holds_last = holds_last  # last deliveries held (the source extends leases)
         self._strays: list[Claim] = []  # to give back: their pipeline was lost as they came
         self._availability.watch(self._arrived.set)  # a pipeline back: its tasks may run
 
@@ -187,9 +189,12 @@ class Batches:
         self._arrived.set()
 
     def _stray(self, held: Claim) -> bool:
-        """A task of an unavailable pipeline that may be given back (not its last delivery)."""
+        """A task of an unavailable pipeline that may be given back (``may_give_back``)."""
         available = self._availability.available(held.task.pipeline)
-        return not available and held.delivered.deliveries_left > 0
+        return not available and self._gives_back(held)
+
+    def _gives_back(self, held: Claim) -> bool:
+        return may_give_back(held.delivered.deliveries_left, self._holds_last)
 
     def waiting(self) -> list[Claim]:
         """The waiting tasks a batch may take (not those of an unavailable pipeline)."""
@@ -282,14 +287,15 @@ class Batches:
         self, pipeline: str, batch: list[Claim], failure: Failure | None, settle: SettleBatch
     ) -> None:
         """``pipeline`` cannot be loaded: unavailable from now; ``batch`` and its waiting tasks
-        given back (the verdict's), but those on their last delivery (a give-back would end
-        them as a final error), which wait, held, until it loads again or the drain."""
+        given back (the verdict's), but those on their last delivery where the source extends
+        leases (a give-back would end them as a final error), which wait, held, until it loads
+        again or the drain."""
         assert failure is not None
         self._availability.lost(pipeline, failure)
         batch += self._waiting.take_pipeline(pipeline)
         self._engine.forget([h.key for h in batch])
-        last = [h for h in batch if h.delivered.deliveries_left <= 0]
-        back = [h for h in batch if h.delivered.deliveries_left > 0]
+        last = [h for h in batch if not self._gives_back(h)]
+        back = [h for h in batch if self._gives_back(h)]
         self.add(last)  # their images loaded again, for when it is back
         if not back:
             return

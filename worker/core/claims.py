@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,8 +48,15 @@ class Claims:
         max_held: int,
         liveness: Liveness,
         settler: Settler[Any],
+        parked: Callable[[str], bool] = lambda _pipeline: False,
+        parked_max: int = 0,
     ) -> None:
         self.max_held = max_held
+        # Held tasks of unavailable pipelines (``parked``: on their last delivery, waiting for
+        # it to load) take no room up to ``parked_max`` (one batch): else they would fill the
+        # room and this host would serve no pipeline. Bounded, as their images are loaded.
+        self._parked = parked
+        self.parked_max = parked_max
         self._liveness = liveness
         self._settler = settler  # the source's: gives back, keeps alive
         self._held: dict[int, Claim] = {}
@@ -62,7 +69,20 @@ class Claims:
 
     def room(self) -> int:
         """Tasks that may be fetched now: the cap less the held tasks still to load or run."""
-        return self.max_held - (len(self._held) - len(self._inferred))
+        held = len(self._held) - len(self._inferred)
+        return self.max_held - held + min(self.parked_max, self.parked())
+
+    def parked(self) -> int:
+        """Held tasks, their batch not run, of pipelines unavailable now."""
+        return sum(
+            1
+            for key, held in self._held.items()
+            if key not in self._inferred and self._parked(held.task.pipeline)
+        )
+
+    def parked_full(self) -> bool:
+        """No more task of an unavailable pipeline may be held outside the room."""
+        return self.parked() >= self.parked_max
 
     def inferred(self, done: list[Claim]) -> None:
         """``done``'s batch has run: they wait for their settling only, and take no room."""

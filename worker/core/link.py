@@ -64,6 +64,11 @@ class SourceLink(Generic[H]):
     # source: the source knows each is no longer active (Antenna: its listing, read again
     # when due, no longer shows it, and it ignores late results). NATS: none.
     inactive_jobs: Callable[[], Awaitable[frozenset[str]]] = no_inactive_jobs
+    # Whether keeping a held task alive extends its lease (NATS: in progress). A source that
+    # cannot (Antenna: no call extends a reservation) gets every task of an unavailable
+    # pipeline given back, its last delivery included: holding one would not stop its
+    # redelivery elsewhere, and Antenna's reservations would stall every pipeline.
+    extends_leases: bool = True
 
 
 class SourceParts(Protocol):

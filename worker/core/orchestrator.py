@@ -32,7 +32,7 @@ from config.derived import chosen_device, max_held_tasks
 from config.errors import DeviceFailed, Failure, LoaderGaveUp
 from config.settings import Settings
 from worker.core.admission import Admission
-from worker.core.availability import Availability, retry_loads
+from worker.core.availability import Availability, retry_loads, tell_loaded
 from worker.core.batches import CANCELLED_SETTLES_WAIT_S, GIVE_BACK_WAIT_S, Batches
 from worker.core.claims import Claim, Claims, best_effort
 from worker.core.dropping import InactiveJobDrops
@@ -91,6 +91,8 @@ class Orchestrator:
             max_held_tasks(settings, services.image_bytes),
             services.liveness,
             self.settling,
+            lambda pipeline: not services.availability.available(pipeline),
+            settings.loader.batch_size,  # held for unavailable pipelines outside the room
         )
         self.link = services.link
         self.results = ResultMaker(services.link.model_of)
@@ -102,6 +104,8 @@ class Orchestrator:
             self.results,
             available.available,
             services.link.backoff,
+            services.link.extends_leases,
+            available.retry_in_s,
         )
         observer = BatchObserver(
             services.metrics,
@@ -119,6 +123,7 @@ class Orchestrator:
             hold_per_load=settings.model.hold_per_load,
             on_device_failed=self._device_failed,
             availability=available,
+            holds_last=services.link.extends_leases,
         )
         self._drops = InactiveJobDrops(
             services.link.inactive_jobs, self.batches, self.claims, services.metrics
@@ -261,7 +266,7 @@ class Orchestrator:
         async def load(pipeline: str) -> Failure | None:
             failure = await in_daemon_thread(self.services.engine.load, pipeline)
             if failure is None and self.services.loaded is not None:
-                await self.services.loaded(pipeline)
+                await tell_loaded(self.services.loaded, pipeline)
             return failure
 
         async def tick() -> None:
@@ -298,6 +303,7 @@ class Orchestrator:
                 deliveries_left=delivered.deliveries_left,
                 results=self.results,
                 backoff=self.link.backoff,
+                not_before_s=self.availability.retry_in_s(held.task.pipeline),
             )
             await self.settling.settle(delivered, verdict)
         except asyncio.CancelledError:  # the drain's time ran out: given back, never stranded

@@ -64,13 +64,15 @@ def decide(
     deliveries_left: int,
     results: ResultMaker,
     backoff: Backoff,
+    not_before_s: float = 0.0,
 ) -> Verdict:
     """A transient failure is left for another delivery while the source will make one; any
     other outcome is kept, a transient failure on the last delivery saying it ran out. A task
-    whose pipeline could not be loaded is given back, after the backoff's delay."""
+    whose pipeline could not be loaded is given back, after the backoff's delay or
+    ``not_before_s`` (until its next load), the longer."""
     failure = outcome.failure
     if failure is not None and failure.kind in UNAVAILABLE_KINDS:
-        delay_s = backoff.delay_s(delivered)
+        delay_s = max(backoff.delay_s(delivered), not_before_s)
         return Verdict(Decision.GIVE_BACK, delay_s=delay_s, reason=failure.message)
     if outcome.retryable and deliveries_left > 0:
         why = outcome.failure.message if outcome.failure is not None else ""

@@ -82,3 +82,36 @@ async def test_the_load_is_tried_again_in_the_background_until_the_host_serves()
     await asyncio.wait_for(retrying, 5)
     assert availability.available("moths") and tries == ["moths"] * 4
     assert ticks  # the held tasks' keep-alive ran meanwhile
+
+
+async def test_a_slow_retry_keeps_ticking_while_it_loads():
+    availability = Availability(first_s=0.01, max_s=0.02)
+    ticks_during_load: list[int] = []
+    loading = False
+    release = asyncio.Event()
+
+    async def load(pipeline: str) -> Failure | None:
+        nonlocal loading
+        loading = True
+        await release.wait()  # a slow download
+        loading = False
+        return None
+
+    async def tick() -> None:
+        if loading:
+            ticks_during_load.append(1)
+            if len(ticks_during_load) >= 3:
+                release.set()
+
+    stop = asyncio.Event()
+    retrying = asyncio.create_task(retry_loads(availability, load, stop, tick, tick_s=0.01))
+    availability.lost("moths", REFUSED)
+    for _ in range(500):
+        if availability.available("moths"):
+            break
+        await asyncio.sleep(0.01)
+    stop.set()
+    release.set()
+    await asyncio.wait_for(retrying, 5)
+    assert len(ticks_during_load) >= 3  # the held tasks kept alive, the watchdog fed
+    assert availability.available("moths")

@@ -366,3 +366,35 @@ async def test_a_batch_whose_models_cannot_be_loaded_is_given_back_and_the_rest_
         batches.stop()
         await asyncio.wait_for(running, 30)
     assert settled[-1] == ("jb-3", None)  # run, not failed: its last delivery was not spent
+
+
+async def test_a_source_that_cannot_extend_leases_gets_its_last_deliveries_back_too():
+    # Antenna: holding a task does not extend its reservation, so one on its last delivery
+    # would be redelivered elsewhere anyway, and would stall the host's reservations: every
+    # task of the unavailable pipeline is given back.
+    refused = Failure("model_load_failed", "403 Forbidden", reason="download_refused")
+    engine = FakeEngine(load_failures={"broken": refused})
+    availability = Availability(first_s=30.0)
+    settled: list[str] = []
+
+    async def prepare(pipeline: str) -> Failure | None:
+        return engine.load(pipeline)
+
+    async def settle(batch: list[Any], report: BatchReport) -> None:
+        settled.extend(h.task.id for h in batch)
+
+    with ThreadPoolExecutor(1) as thread:
+        batches = Batches(
+            2, engine, thread, lambda _b, _r: None, settle, prepare,
+            availability=availability, holds_last=False,
+        )  # fmt: skip
+        batches.add([held(0, "broken", "jb", deliveries_left=1)])
+        batches.add([held(1, "broken", "jb", deliveries_left=0)])
+        running = asyncio.create_task(batches.run())
+        for _ in range(500):
+            if len(settled) == 2:
+                break
+            await asyncio.sleep(0.01)
+        left = batches.stop()
+        await asyncio.wait_for(running, 30)
+    assert sorted(settled) == ["jb-0", "jb-1"] and left == []

@@ -45,6 +45,7 @@ def a_worker(
     store=None,
     availability=None,
     watchdog=None,
+    extends_leases=True,
 ):
     settings = load_settings(
         for_worker=False,
@@ -68,6 +69,7 @@ def a_worker(
         fetch_wait_s=settings.nats.fetch_timeout_s,
         keepalive_tick_s=5.0,
         gone=closed,
+        extends_leases=extends_leases,
     )
     services = Services(
         link=link,
@@ -254,8 +256,53 @@ async def test_a_task_of_an_unavailable_pipeline_is_given_back_at_admission_not_
     exit = await run(worker)
 
     assert exit.code == 0 and [r["task_id"] for r in store.stored] == ["f"]
-    assert broken.actions == ["nak"] and broken.nak_delays == [0.01]  # the backoff's first
+    # Given back until its pipeline's next load (about 60 s), not the backoff's first 0.01 s:
+    # sooner, it would come back to every host and spend its deliveries for nothing.
+    assert broken.actions == ["nak"] and broken.nak_delays[0] > 30
     assert engine.loaded == ["fine"]  # no load tried for a task: the retry is the background's
+
+
+async def test_a_source_that_cannot_extend_leases_gets_a_last_delivery_back_at_admission():
+    # Antenna's way: holding a reservation does not extend it, so a task on its last delivery
+    # of an unavailable pipeline is given back (left to redelivery), not held.
+    availability = Availability(first_s=60.0)
+    availability.lost("broken", Failure("model_load_failed", "403", reason="download_refused"))
+    last = task_msg("last", subject="tasks.broken", delivered=2)
+    engine = FakeEngine()
+    worker, store, _js, _m = a_worker(
+        FakeSource([last]), engine, availability=availability, extends_leases=False
+    )
+
+    exit = await run(worker)
+
+    assert exit.code == 0 and store.stored == [] and last.actions == ["nak"]
+    assert len(worker.claims) == 0 and engine.loaded == []
+
+
+async def test_a_source_that_cannot_be_told_of_a_retried_load_does_not_end_the_worker():
+    # The background load succeeds, but telling the source (NATS: publishing the algorithms)
+    # fails: said, and the pipeline is available; the worker goes on.
+    availability = Availability(first_s=0.01)
+    availability.lost("p", Failure("model_load_failed", "403", reason="download_refused"))
+    worker, _store, _js, _m = a_worker(FakeSource([]), FakeEngine(), availability=availability)
+    told: list[str] = []
+
+    async def loaded(pipeline: str) -> None:
+        told.append(pipeline)
+        raise TimeoutError("publish_algorithms timed out")
+
+    worker.services.loaded = loaded
+    worker._until_idle = False
+    running = asyncio.create_task(run(worker))
+    for _ in range(400):
+        if told or running.done():
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    worker._stop.set()
+    exit = await running
+    assert told == ["p"] and availability.available("p")
+    assert exit.code == 0
 
 
 async def test_one_served_pipeline_whose_reload_fails_after_an_idle_unload_fails_no_task():
