@@ -39,6 +39,7 @@ class Unavailable:
     since_s: float
     retry_in_s: float  # the wait before the next load (doubled after each failed one)
     retry_at_s: float
+    loads_failed: int = 1  # loads that failed since it became unavailable
 
 
 def may_give_back(deliveries_left: int, holds_last: bool) -> bool:
@@ -113,7 +114,12 @@ class Availability:
         wait_s = min(was.retry_in_s * 2, self._max_s)
         now = self._clock()
         self._lost[pipeline] = Unavailable(
-            _reason(failure), failure.message, was.since_s, wait_s, now + wait_s
+            _reason(failure),
+            failure.message,
+            was.since_s,
+            wait_s,
+            now + wait_s,
+            was.loads_failed + 1,
         )
         log.warning(
             "pipeline_still_unavailable",
@@ -131,6 +137,21 @@ class Availability:
         unavailable_s = round(self._clock() - was.since_s, 1)
         log.info("pipeline_available", pipeline=pipeline, unavailable_s=unavailable_s)
         self._changed()
+
+    def given_up(self, loads: int) -> str | None:
+        """Burst mode's reason to end: the pipelines whose last ``loads`` loads all failed,
+        each with its error; None while there is none."""
+        named = [
+            f"{name} ({lost.reason}: {lost.error})"
+            for name, lost in self._lost.items()
+            if lost.loads_failed >= loads
+        ]
+        if not named:
+            return None
+        return (
+            f"pipelines that could not be loaded on this host after {loads} tries, their "
+            f"tasks given back for another host: {'; '.join(named)}"
+        )
 
     def retry_in_s(self, pipeline: str) -> float:
         """Until ``pipeline``'s next load (0 when it is available): a task of it given back

@@ -52,6 +52,9 @@ log = structlog.get_logger(__name__)
 _FIRST_FETCH_BACKOFF_S = 1.0  # a fetch that raised: tried again after this, doubling
 _MAX_FETCH_BACKOFF_S = 30.0
 _BURST_FAILED_FETCHES = 5  # in a row, with --until-idle: the run ends NOT_SERVED (exit 6)
+# Loads of one pipeline that failed, with --until-idle: the run ends NOT_SERVED (exit 6) rather
+# than wait on its file host for ever (its tasks are given back for another host).
+_BURST_LOAD_TRIES = 3
 _BLOCKED_TICK_S = 1.0
 _LOAD_TICK_S = 5.0  # while a model loads: progress noted, held tasks kept alive
 _DRAIN_TICK_S = 0.05  # how often a drain that finishes the held tasks looks again
@@ -393,11 +396,11 @@ class Orchestrator:
         """Burst mode: stop once nothing is held and the consumers have nothing pending, seen
         twice in a row (an advisory is stored a moment after its task leaves the consumer); or
         end NOT_SERVED, held tasks or not, once the source says it has given up
-        (``SourceLink.given_up``)."""
+        (``SourceLink.given_up``) or a pipeline failed ``_BURST_LOAD_TRIES`` loads."""
         idle_before = False
         while not self._stop.is_set():
             await asyncio.sleep(self.link.fetch_wait_s)
-            given_up = self.link.given_up()
+            given_up = self.link.given_up() or self.availability.given_up(_BURST_LOAD_TRIES)
             if given_up is not None:  # its held tasks are given back by the drain
                 log.error("idle_not_served", reason=given_up, exit_code=ExitReason.NOT_SERVED.code)
                 self._end(Exit(ExitReason.NOT_SERVED, given_up))

@@ -279,6 +279,24 @@ async def test_a_source_that_cannot_extend_leases_gets_a_last_delivery_back_at_a
     assert len(worker.claims) == 0 and engine.loaded == []
 
 
+async def test_a_burst_run_whose_pipeline_keeps_failing_to_load_ends_6_naming_it():
+    # A task on its last delivery is held while its pipeline cannot be loaded; a burst run
+    # once waited on the file host for ever. After three failed loads it ends NOT_SERVED,
+    # naming the pipeline and why, and the drain gives the held task back.
+    last = task_msg("last", job_id="jb", subject="tasks.broken", delivered=2)
+    refused = Failure("model_load_failed", "HTTP 403", reason="download_refused")
+    engine = FakeEngine(load_failures={"broken": refused})
+    availability = Availability(0.01, 0.02)
+    worker, store, _js, _m = a_worker(
+        FakeSource([last]), engine, max_deliver=2, availability=availability
+    )
+
+    exit = await asyncio.wait_for(run(worker), 30)
+
+    assert exit.code == 6 and "broken (download_refused: HTTP 403)" in exit.detail, exit
+    assert store.stored == [] and last.actions == ["nak"]  # given back, never failed here
+
+
 async def test_a_source_that_cannot_be_told_of_a_retried_load_does_not_end_the_worker():
     # The background load succeeds, but telling the source (NATS: publishing the algorithms)
     # fails: said, and the pipeline is available; the worker goes on.
