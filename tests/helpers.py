@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -234,6 +235,16 @@ def cli(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.Comp
         timeout=timeout,
         check=False,
     )
+
+
+def http_answer(url: str, timeout_s: float = 5.0) -> tuple[int, str]:
+    """A GET's status and body, an HTTP error's too (a probe's 503 is its answer); OSError
+    when nothing answered."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
 
 
 def wait_http(url: str, proc, log_path, timeout_s: float = 180) -> tuple[int, str]:

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.error
-import urllib.request
 
 import nats
 import pytest
 
 from tests.chaos.servers import NatsCluster
-from tests.helpers import client, running_worker, submit, upload_images, wait_results
+from tests.helpers import client, http_answer, running_worker, submit, upload_images, wait_results
 from worker.commands.localservers import free_port
 
 pytestmark = pytest.mark.integration
@@ -26,11 +24,8 @@ TASKS = 16
 
 def _get(url: str) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
-    except OSError as error:
+        return http_answer(url)
+    except OSError as error:  # nothing answered: not a status
         return 0, str(error)
 
 

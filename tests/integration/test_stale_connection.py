@@ -9,12 +9,10 @@ import contextlib
 import os
 import signal
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
-from tests.helpers import client, running_worker, submit, upload_images, wait_results
+from tests.helpers import client, http_answer, running_worker, submit, upload_images, wait_results
 from tests.tcp_proxy import StallingProxy
 from worker.commands.localservers import free_port
 from worker.nats.connection import ConnectionState, connect
@@ -25,12 +23,7 @@ SILENT_SAID_S = 45.0  # 3 s of pings at 1 s, then 2 s for the old socket (room f
 GAUGE = 'inference_worker_source_connected{source="nats"}'
 
 
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
+_get = http_answer
 
 
 def _gauge(port: int) -> float | None:
