@@ -28,9 +28,7 @@ from typing import Any
 
 import structlog
 
-from config.derived import chosen_device, max_held_tasks
 from config.errors import DeviceFailed, Failure, LoaderGaveUp
-from config.settings import Settings
 from worker.core.admission import Admission
 from worker.core.availability import Availability, retry_loads, tell_loaded
 from worker.core.batches import CANCELLED_SETTLES_WAIT_S, GIVE_BACK_WAIT_S, Batches
@@ -39,7 +37,7 @@ from worker.core.dropping import InactiveJobDrops
 from worker.core.exits import STOPPED, Exit, ExitReason
 from worker.core.link import Helper, SourceLink
 from worker.core.outcome import Outcome
-from worker.core.ports import BatchEngine, BatchReport, Delivered
+from worker.core.ports import BatchEngine, BatchReport, CoreSettings, Delivered
 from worker.core.results import ResultMaker
 from worker.core.settling import Settling
 from worker.core.threads import in_daemon_thread
@@ -80,22 +78,21 @@ class Services:
     helpers: tuple[tuple[str, Helper], ...] = ()  # run alongside; one that fails ends us
     # A pipeline's models were loaded (the source publishes or records their algorithms).
     loaded: Callable[[str], Coroutine[Any, Any, None]] | None = None
-    image_bytes: int = 3 * 224 * 224  # the most host bytes one loaded image can take
     # Which pipelines cannot be loaded on this host now, and when each is tried again.
     availability: Availability = field(default_factory=Availability)
 
 
 class Orchestrator:
-    def __init__(self, settings: Settings, services: Services, *, until_idle: bool = False):
+    def __init__(self, settings: CoreSettings, services: Services, *, until_idle: bool = False):
         self.settings = settings
         self.services = services
         self.settling = Settling(services.link.settler, services.metrics, services.link.kind)
         self.claims = Claims(
-            max_held_tasks(settings, services.image_bytes),
+            settings.max_held,
             services.liveness,
             self.settling,
             lambda pipeline: not services.availability.available(pipeline),
-            settings.loader.batch_size,  # held for unavailable pipelines outside the room
+            settings.batch_size,  # held for unavailable pipelines outside the room
         )
         self.link = services.link
         self.results = ResultMaker(services.link.model_of)
@@ -117,13 +114,13 @@ class Orchestrator:
             lambda reason: self._end(Exit(ExitReason.RESOURCE_LIMIT, reason), log_as="limit"),
         )
         self.batches = Batches(
-            settings.loader.batch_size,
+            settings.batch_size,
             services.engine,
             services.engine_thread,
             lambda batch, report: observer.batch_done(len(batch), report, batch[0].task.pipeline),
             self._settle_batch,
             prepare=self._prepare,
-            hold_per_load=settings.model.hold_per_load,
+            hold_per_load=settings.hold_per_load,
             on_device_failed=self._device_failed,
             availability=available,
             holds_last=services.link.extends_leases,
@@ -163,7 +160,7 @@ class Orchestrator:
             )
         finally:
             self._stop.set()  # the caller's event stays theirs (a second signal means "now")
-            self._drain_by = time.monotonic() + self.settings.health.drain_timeout_s
+            self._drain_by = time.monotonic() + self.settings.drain_timeout_s
             # The watchdog's window starts over: the drain timeout is shorter than it (a
             # settings rule), and a drain that makes progress feeds it (``_drain``).
             self.services.liveness.still_working()
@@ -190,7 +187,7 @@ class Orchestrator:
                 continue
             try:
                 deliveries = await self.link.source.fetch(
-                    min(self.settings.loader.batch_size, room),
+                    min(self.settings.batch_size, room),
                     self.batches.runnable,
                     self.availability.available,
                 )
@@ -358,7 +355,7 @@ class Orchestrator:
         drain, a crossed limit): a new process gets a new CUDA context."""
         if self.exit.reason is ExitReason.DEVICE_FAILED:
             return
-        device = chosen_device(self.settings)
+        device = self.settings.device
         self.services.liveness.must_restart(f"device {device} failed: {error}")
         log.error(
             "device_failed",

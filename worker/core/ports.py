@@ -24,6 +24,18 @@ H = TypeVar("H")  # a source's own handle on a delivered message: opaque to the 
 
 
 @dataclass(frozen=True)
+class CoreSettings:
+    """What the core reads of the settings, taken once by the assembly
+    (``worker/process/slices.py``)."""
+
+    batch_size: int  # WORKER_LOADER__BATCH_SIZE: most tasks per fetch and per batch
+    max_held: int  # tasks held at once (``config.derived.max_held_tasks``)
+    hold_per_load: float  # WORKER_MODEL__HOLD_PER_LOAD: the engine's hold after a load
+    drain_timeout_s: float  # WORKER_HEALTH__DRAIN_TIMEOUT_S: from the stop to the give-back
+    device: str  # this process's device (``config.derived.chosen_device``), named if it fails
+
+
+@dataclass(frozen=True)
 class Delivered(Generic[H]):
     """A task as its source delivered it, read once (``tasks.read_task``): the task (or the
     failure that stops it, or nothing that names one), how many times the source delivered it

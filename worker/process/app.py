@@ -17,7 +17,7 @@ import structlog
 
 from config.settings import Settings
 from datasets.loader import StreamingLoader
-from pipelines.setup import Chosen, budget_bytes
+from pipelines.setup import budget_bytes
 from worker.core.availability import Availability
 from worker.core.exits import Exit
 from worker.core.link import SourceParts
@@ -34,6 +34,7 @@ from worker.health.watchdog import Watchdog
 from worker.process import pipeline_choice
 from worker.process.device_claim import claim_device
 from worker.process.pick_source import refusals, source_parts
+from worker.process.slices import core_settings
 
 log = structlog.get_logger(__name__)
 _CLOSE_WAIT_S = 10.0
@@ -96,8 +97,11 @@ class Assembly:
         self._open = True  # its health is read from now: the connection is made
         for name in served.names:  # those loaded at start
             await parts.loaded(name)
+        image_bytes = max(c.plan.max_image_bytes() for c in chosen)
         self.worker = Orchestrator(
-            s, self._services(parts, liveness, metrics, chosen, served), until_idle=self.until_idle
+            core_settings(s, image_bytes),
+            self._services(parts, liveness, metrics, served),
+            until_idle=self.until_idle,
         )
         log.info(
             "worker_started",
@@ -124,7 +128,6 @@ class Assembly:
         parts: SourceParts,
         liveness: Liveness,
         metrics: Metrics,
-        chosen: list[Chosen],
         served: ServedPipelines,
     ) -> Services:
         """What the orchestrator talks to: the source's link, and what every source shares
@@ -153,7 +156,6 @@ class Assembly:
             guard=ResourceGuard(s.guards, engine.loader.child_pids).check,
             helpers=helpers,
             loaded=parts.loaded,
-            image_bytes=max(c.plan.max_image_bytes() for c in chosen),
             availability=availability,
         )
 

@@ -191,3 +191,14 @@ def test_each_room_imports_only_inward(room: str, never: tuple[str, ...]) -> Non
         for name, targets in direct_imports(room).items()
     }
     assert {name: bad for name, bad in found.items() if bad} == {}
+
+
+def test_the_core_room_reads_its_slice_of_the_settings_not_the_settings() -> None:
+    """``worker/core/`` takes what it uses (``ports.CoreSettings``, built once by the
+    assembly, and explicit arguments): neither the settings model nor the functions over it."""
+    whole = ("config.settings", "config.derived", "config.cross_checks")
+    found = {
+        name: sorted(t for t in targets if is_forbidden(t, whole))
+        for name, targets in direct_imports("worker.core").items()
+    }
+    assert {name: bad for name, bad in found.items() if bad} == {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
@@ -31,6 +31,7 @@ from worker.core.link import SourceLink
 from worker.core.orchestrator import Orchestrator, Services
 from worker.health.liveness import Liveness
 from worker.health.metrics import Metrics
+from worker.process.slices import core_settings
 
 BATCH = 4
 
@@ -80,7 +81,8 @@ def a_worker(
         guard=guard,
         availability=availability or Availability(),
     )
-    return Orchestrator(settings, services, until_idle=True), store, js, metrics
+    worker = Orchestrator(core_settings(settings, 3 * 224 * 224), services, until_idle=True)
+    return worker, store, js, metrics
 
 
 async def run(worker) -> object:
@@ -461,7 +463,7 @@ async def test_a_drain_whose_give_backs_hang_still_ends_and_names_the_tasks_left
     worker, _store, _js, _metrics = a_worker(
         FakeSource(list(msgs)), FakeEngine(), store=HungStore()
     )
-    worker.settings.health.drain_timeout_s = 0.2
+    worker.settings = replace(worker.settings, drain_timeout_s=0.2)
     stop = asyncio.Event()
     with structlog.testing.capture_logs() as logs:
         running = asyncio.create_task(worker.run(stop))
@@ -505,7 +507,7 @@ async def test_past_the_drain_timeout_each_bounded_wait_starts_a_fresh_watchdog_
         worker, _store, _js, _metrics = a_worker(
             FakeSource(list(msgs)), FakeEngine(), store=HungStore(), watchdog=NotedWatchdog(logs)
         )
-        worker.settings.health.drain_timeout_s = 0.2
+        worker.settings = replace(worker.settings, drain_timeout_s=0.2)
         stop = asyncio.Event()
         running = asyncio.create_task(worker.run(stop))
         for _ in range(500):  # every task's result being stored

@@ -39,6 +39,7 @@ from worker.engine.predictors import OneModel
 from worker.health.compose import ProcessHealth
 from worker.health.liveness import Liveness
 from worker.health.metrics import Metrics
+from worker.process.slices import core_settings
 
 BATCHES = 3  # of BATCH (2) tasks each
 
@@ -93,7 +94,7 @@ def a_worker(rig: Any, models: Any) -> Orchestrator:
         liveness=liveness,
         metrics=metrics,
     )
-    return Orchestrator(s, services)
+    return Orchestrator(core_settings(s, 3 * 224 * 224), services)
 
 
 def served_elsewhere(rig: Any) -> None:

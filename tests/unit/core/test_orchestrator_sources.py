@@ -38,6 +38,7 @@ from worker.core.link import SourceLink
 from worker.core.orchestrator import Orchestrator, Services
 from worker.health.liveness import Liveness
 from worker.health.metrics import Metrics
+from worker.process.slices import core_settings
 
 BATCH = 2
 TOKEN = "orchestrator-token-9f2c"
@@ -207,7 +208,7 @@ def a_worker(rig: Any, engine: FakeEngine) -> Orchestrator:
         liveness=liveness,
         metrics=metrics,
     )
-    return Orchestrator(s, services)
+    return Orchestrator(core_settings(s, 3 * 224 * 224), services)
 
 
 async def until(done: Callable[[], bool], what: str) -> None:
