@@ -22,6 +22,14 @@ from config.names import PREFIX, env_name
 NOT_SETTINGS = frozenset({env_name("log_level")})
 
 
+def hook_names() -> frozenset[str]:
+    """The test hooks' names (``config/faults.py``): read by ``run`` alone, outside the
+    settings model, and still checked here, so a misspelt hook is refused too."""
+    from config.faults import FaultEnv
+
+    return known_names(FaultEnv)
+
+
 def known_names(model: type[BaseModel]) -> frozenset[str]:
     """Every environment name that sets a field of ``model``: each group as a whole (JSON)
     and each of its fields."""
@@ -59,4 +67,5 @@ def unknown_settings(
     model: type[BaseModel], environ: Mapping[str, str], env_file: Path
 ) -> list[str]:
     """Names in ``environ`` and ``env_file`` that look like settings of ``model`` and are not."""
-    return unknown_names([*environ, *env_file_names(env_file)], known_names(model))
+    known = known_names(model) | hook_names()
+    return unknown_names([*environ, *env_file_names(env_file)], known)

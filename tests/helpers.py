@@ -37,9 +37,10 @@ def upload_images(s3: Any, bucket: str, count: int, prefix: str = "img") -> list
 
 
 @asynccontextmanager
-async def running_worker(settings: Any) -> AsyncIterator[Assembly]:
-    """A started worker, working in the background; drained and closed on exit."""
-    app = Assembly(settings)
+async def running_worker(settings: Any, faults: Any = None) -> AsyncIterator[Assembly]:
+    """A started worker, working in the background; drained and closed on exit. ``faults``:
+    the test hooks it takes (``config.faults.FaultSettings``), or none."""
+    app = Assembly(settings, faults=faults)
     stop = asyncio.Event()
     task: asyncio.Task[Any] | None = None
     try:

@@ -9,6 +9,7 @@ import signal
 import psutil
 import pytest
 
+from config.faults import FaultSettings
 from tests.helpers import client, consumer_idle, running_worker, submit, upload_images, wait_results
 
 pytestmark = pytest.mark.integration
@@ -61,10 +62,10 @@ async def test_a_batch_dropped_by_the_feeder_thread_is_detected_by_the_timeout_a
         nats={"max_deliver": 2, "nak_backoff_base_s": 0.1},
         loader={"timeout_s": 5, "batch_size": 4},
         s3={"connect_timeout_s": 1, "read_timeout_s": 1, "max_attempts": 1},
-        faults={"drop_once_file": str(tmp_path / "drop-once")},
     )
+    faults = FaultSettings(drop_once_file=str(tmp_path / "drop-once"))
     uris = upload_images(s3_server.client(), bucket, 8)
-    async with running_worker(settings) as app, client(settings) as js:
+    async with running_worker(settings, faults) as app, client(settings) as js:
         before = app.engine.loader.child_pids()
         await submit(js, settings, "job-dropped", uris)
         results = await wait_results(js, settings, "job-dropped", 8, timeout_s=90)

@@ -17,7 +17,7 @@ SAME_PART = {
     "render.py": SOURCES,
     "waiting.py": SOURCES,
     "source_metrics.py": SOURCES,
-    "faults.py": {"worker/nats", "worker/engine", "datasets"},
+    "faults.py": {"worker/nats", "worker/engine", "datasets", "config"},
     "__init__.py": None,  # a package's
     "__main__.py": None,  # a runnable package's
 }

@@ -14,13 +14,13 @@ LINKED = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "BENCHMARKS.md"]
 LINKED += sorted((ROOT / "docs").glob("*.md"))
 
 
-def _setting_rows() -> set[str]:
-    """The variables of docs/configuration.md's settings table: each row's first cell."""
-    return set(re.findall(r"^\| `(WORKER_[A-Z0-9_]+)` \|", CONFIGURATION.read_text(), re.M))
+def _setting_rows() -> list[str]:
+    """The variables of docs/configuration.md's settings tables: each row's first cell."""
+    return re.findall(r"^\| `(WORKER_[A-Z0-9_]+)` \|", CONFIGURATION.read_text(), re.M)
 
 
 def test_every_setting_has_a_row_in_the_configuration_table():
-    rows = _setting_rows()
+    rows = set(_setting_rows())
     for group, field in Settings.model_fields.items():
         nested = getattr(field.default_factory, "model_fields", None)
         if nested is None:
@@ -29,6 +29,19 @@ def test_every_setting_has_a_row_in_the_configuration_table():
         for name in nested:
             variable = f"WORKER_{group.upper()}__{name.upper()}"
             assert variable in rows, f"{variable} has no row in docs/configuration.md"
+
+
+def test_each_setting_has_one_row_and_no_test_hook_has_one():
+    """The operators' tables: the settings an operator sets first, the rest by room, none twice;
+    the tests' fault hooks (``config/faults.py``) are no setting of theirs."""
+    rows = _setting_rows()
+    assert len(rows) == len(set(rows)), "a setting has two rows"
+    assert not [row for row in rows if row.startswith("WORKER_FAULTS")]
+    text = CONFIGURATION.read_text()
+    lead = text.index("### The settings an operator sets")
+    rest = text.index("### Every other setting, by room")
+    assert lead < rest
+    assert 10 <= len(re.findall(r"^\| `WORKER_", text[lead:rest], re.M)) <= 15
 
 
 def _slug(heading: str) -> str:

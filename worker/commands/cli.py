@@ -192,9 +192,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _run(settings: Settings, args: argparse.Namespace) -> int:
+    from config.faults import load_faults
     from worker.process.serve import serve
 
-    return await serve(settings, until_idle=args.until_idle)
+    # The tests' fault hooks (WORKER_FAULTS__*), outside the settings: read by run alone.
+    return await serve(settings, until_idle=args.until_idle, faults=load_faults())
 
 
 async def _connect_once(settings: Settings, command: str) -> Any:

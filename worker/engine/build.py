@@ -11,6 +11,7 @@ from typing import Any
 
 from config.derived import max_held_tasks, object_deadline_s, torch_threads
 from config.errors import ConfigError, ModelLoadFailed
+from config.faults import FaultSettings
 from config.model_cache import cache_root
 from config.settings import Settings
 from datasets.loader import LoaderConfig, StreamingLoader
@@ -64,7 +65,7 @@ def model_files(s: Settings) -> ModelFiles:
 
 
 def served_pipelines(
-    s: Settings, chosen: list[Chosen], device: str, budget_bytes: int
+    s: Settings, chosen: list[Chosen], device: str, budget_bytes: int, faults: FaultSettings
 ) -> ServedPipelines:
     """The served pipelines' models, none loaded yet, under ``budget_bytes``."""
     sources = source_config(s)
@@ -82,14 +83,14 @@ def served_pipelines(
 
     return ServedPipelines(
         chosen,
-        _with_slow_load(s, load),
+        _with_slow_load(faults, load),
         budget_bytes,
         unloaded=lambda _name: release_cached_memory(),
         prefetch=prefetch,
     )
 
 
-def loader(s: Settings, chosen: list[Chosen]) -> StreamingLoader:
+def loader(s: Settings, chosen: list[Chosen], faults: FaultSettings) -> StreamingLoader:
     """The loader (not started), sized to the tasks held: as many as the largest image any
     served pipeline can load allows. Each task's own decode plan travels with it."""
     held = max_held_tasks(s, max(c.plan.max_image_bytes() for c in chosen))
@@ -101,10 +102,10 @@ def loader(s: Settings, chosen: list[Chosen]) -> StreamingLoader:
         mp_context=s.loader.mp_context,
         prefetch_per_worker=-(-held // s.loader.num_workers) + 1,
     )
-    if s.faults.drop_once_file:
+    if faults.drop_once_file:
         from datasets.faults import dropping_once
 
-        return StreamingLoader(config, dropping_once(s.faults.drop_once_file))
+        return StreamingLoader(config, dropping_once(faults.drop_once_file))
     return StreamingLoader(config)
 
 
@@ -156,19 +157,20 @@ def _preload(served: ServedPipelines, names: list[str]) -> None:
             raise failed.cause or ConfigError(failed.failure.message) from None
 
 
-def _with_slow_load(s: Settings, load: Callable[[Chosen], Any]) -> Callable[[Chosen], Any]:
+def _with_slow_load(
+    faults: FaultSettings, load: Callable[[Chosen], Any]
+) -> Callable[[Chosen], Any]:
     """The model load, or one made slower when a test asks (WORKER_FAULTS__SLOW_LOAD_S)."""
-    if not s.faults.slow_load_s:
+    if not faults.slow_load_s:
         return load
     from worker.engine.faults import slow_loading
 
-    return slow_loading(load, s.faults.slow_load_s)
+    return slow_loading(load, faults.slow_load_s)
 
 
-def with_faults(s: Settings, engine: Engine) -> BatchEngine:
+def with_faults(faults: FaultSettings, engine: Engine) -> BatchEngine:
     """The engine, or the engine behind a fault a chaos test asked for (its models, for a
     device error: raised inside the forward pass, where a real one is)."""
-    faults = s.faults
     if faults.device_error_once_file:
         from worker.engine.faults import DeviceFaultModels
 

@@ -39,21 +39,34 @@ _CLOSE_WAIT_S = 10.0
 
 
 def _result_store(
-    s: Settings, js: Any, max_payload: Callable[[], int], answers: JetStreamAnswers
+    s: Settings,
+    js: Any,
+    max_payload: Callable[[], int],
+    answers: JetStreamAnswers,
+    slow_store_s: float,
 ) -> ResultStore:
-    """The results stream, or one made slower when a chaos test asks (``faults.slow_store_s``)."""
-    if not s.faults.slow_store_s:
+    """The results stream, or one made slower when a chaos test asks
+    (WORKER_FAULTS__SLOW_STORE_S, ``slow_store_s``)."""
+    if not slow_store_s:
         return ResultStore(js, s.nats, max_payload, answers)
     from worker.nats.faults import SlowResultStore
 
-    return SlowResultStore(js, s.nats, max_payload, answers, seconds=s.faults.slow_store_s)
+    return SlowResultStore(js, s.nats, max_payload, answers, seconds=slow_store_s)
 
 
 class NatsParts:
     """``open`` connects and provisions; ``close`` takes it down, whatever ``open`` reached."""
 
-    def __init__(self, settings: Settings, served: ServedPipelines, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        served: ServedPipelines,
+        metrics: Metrics,
+        *,
+        slow_store_s: float = 0.0,  # a test hook (``config/faults.py``): 0 = off
+    ) -> None:
         self._settings = settings
+        self._slow_store_s = slow_store_s
         self._served = served
         self._metrics = metrics
         self.connection = ConnectionState()
@@ -84,7 +97,7 @@ class NatsParts:
         self.feed = TaskFeed(nc, s.nats, served.names, self.answers)
         await self.feed.open()
         metrics.registry.register(JobConsumersCollector(self.feed.job_stats))
-        store = _result_store(s, js, lambda: int(nc.max_payload), self.answers)
+        store = _result_store(s, js, lambda: int(nc.max_payload), self.answers, self._slow_store_s)
         max_deliver = await self.feed.max_deliver()
         self.settler = settler = nats_settler(
             js,

@@ -15,6 +15,7 @@ from typing import Any
 
 import structlog
 
+from config.faults import FaultSettings
 from config.settings import Settings
 from datasets.loader import StreamingLoader
 from pipelines.setup import budget_bytes
@@ -49,9 +50,16 @@ class Assembly:
     the task source's parts (counting into them), the probes over them, and the orchestrator.
     """
 
-    def __init__(self, settings: Settings, *, until_idle: bool = False) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        until_idle: bool = False,
+        faults: FaultSettings | None = None,  # test hooks (``config/faults.py``); None: off
+    ) -> None:
         self.settings = settings
         self.until_idle = until_idle
+        self.faults = faults if faults is not None else FaultSettings()
         self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.health = ProcessHealth(settings)
         self.registry = self.health.registry
@@ -77,8 +85,10 @@ class Assembly:
         chosen = pipeline_choice.choose(s, self.device, lambda p: refusals(s, p))
         budget = budget_bytes(s, self.device, chosen)
         checked()
-        served = engine_build.served_pipelines(s, chosen, self.device, budget)
-        self._loader = engine_build.loader(s, chosen)  # closed by close() if the start stops
+        served = engine_build.served_pipelines(s, chosen, self.device, budget, self.faults)
+        self._loader = engine_build.loader(
+            s, chosen, self.faults
+        )  # closed by close() if the start stops
         try:
             self.engine = await engine_build.start_engine(
                 s, served, self._loader, self.engine_thread, liveness
@@ -91,7 +101,9 @@ class Assembly:
         metrics = self.health.metrics(
             liveness, self.engine.loader.child_pids, s.source, self._source_health, served.names
         )
-        self.parts = parts = source_parts(s, served, chosen, metrics)  # closed by close()
+        self.parts = parts = source_parts(
+            s, served, chosen, metrics, self.faults
+        )  # closed by close()
         self._opening_since = time.monotonic()
         await parts.open()
         self._open = True  # its health is read from now: the connection is made
@@ -149,7 +161,7 @@ class Assembly:
             helpers = (("idle-unload", self._unloading_idle(served)),)
         return Services(
             link=link,
-            engine=engine_build.with_faults(s, engine),
+            engine=engine_build.with_faults(self.faults, engine),
             engine_thread=self.engine_thread,
             liveness=liveness,
             metrics=metrics,

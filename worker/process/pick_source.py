@@ -3,6 +3,7 @@ refuses. The only module outside the sources' rooms that imports them."""
 
 from __future__ import annotations
 
+from config.faults import FaultSettings
 from config.settings import Settings
 from pipelines.declare import Pipeline
 from pipelines.setup import Chosen
@@ -21,14 +22,18 @@ def refusals(s: Settings, pipelines: list[Pipeline]) -> list[str]:
 
 
 def source_parts(
-    s: Settings, served: ServedPipelines, chosen: list[Chosen], metrics: Metrics
+    s: Settings,
+    served: ServedPipelines,
+    chosen: list[Chosen],
+    metrics: Metrics,
+    faults: FaultSettings,
 ) -> SourceParts:
     """The source's parts, not yet open, counting into ``metrics`` (its own metrics registered
-    in ``metrics.registry``)."""
+    in ``metrics.registry``), with the test hooks in ``faults`` that are theirs."""
     if s.source == "antenna":
         from worker.antenna.parts import AntennaParts
 
         return AntennaParts(s, served, {c.pipeline.name: c.pipeline for c in chosen}, metrics)
     from worker.nats.parts import NatsParts
 
-    return NatsParts(s, served, metrics)
+    return NatsParts(s, served, metrics, slow_store_s=faults.slow_store_s)

@@ -33,6 +33,7 @@ import structlog
 
 from config.derived import chosen_device, run_dir_base, run_dir_setting
 from config.errors import DeviceFailed
+from config.faults import FaultSettings
 from config.settings import Settings
 from datasets import rundir
 from worker.core.exits import FORCED_BY, STOPPED, Exit, ExitReason, forced_exit_code
@@ -42,9 +43,12 @@ log = structlog.get_logger(__name__)
 
 
 class Lifetime:
-    def __init__(self, settings: Settings, *, until_idle: bool = False) -> None:
+    def __init__(
+        self, settings: Settings, *, until_idle: bool = False, faults: FaultSettings | None = None
+    ) -> None:
         self.settings = settings
         self.until_idle = until_idle
+        self.faults = faults
         self.should_exit = asyncio.Event()
         self.exit_now: Callable[[int], None] = exit_at_once
 
@@ -52,7 +56,7 @@ class Lifetime:
         self.install_signal_handlers()
         s = self.settings
         run = rundir.claim(run_dir_base(s), s.process_index, run_dir_setting(s))  # locked only
-        app = Assembly(self.settings, until_idle=self.until_idle)
+        app = Assembly(self.settings, until_idle=self.until_idle, faults=self.faults)
         try:
             try:
                 started = await self.startup(app, checked=lambda: take_over(run))
@@ -164,6 +168,9 @@ def exit_at_once(code: int) -> None:
     os._exit(code)
 
 
-async def serve(settings: Settings, *, until_idle: bool = False) -> int:
-    """Run one worker process from start to exit; returns its exit code."""
-    return await Lifetime(settings, until_idle=until_idle).serve()
+async def serve(
+    settings: Settings, *, until_idle: bool = False, faults: FaultSettings | None = None
+) -> int:
+    """Run one worker process from start to exit; returns its exit code. ``faults``: the
+    test hooks a test set (``config/faults.py``); None: off."""
+    return await Lifetime(settings, until_idle=until_idle, faults=faults).serve()
