@@ -178,6 +178,12 @@ def with_faults(s: Settings, engine: Engine) -> BatchEngine:
             faults.device_error_at_batch,
             faults.device_error_type,
         )
+    if faults.slow_forward_s or faults.freeze_forward_at:
+        from worker.engine.faults import SlowForwardModels
+
+        engine.models = SlowForwardModels(
+            engine.models, faults.slow_forward_s, faults.freeze_forward_at
+        )
     if not faults.wedge_once_file:
         return engine
     from worker.engine.faults import WedgingEngine
