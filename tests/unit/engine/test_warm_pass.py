@@ -32,7 +32,8 @@ def test_times_that_fit_every_budget_are_accepted():
 
 
 def test_a_detector_pass_too_long_for_the_stall_timeout_names_the_settings_and_what_fits():
-    (line,) = warm_pass.problems([_detector(10.0)], _settings())  # 40 s a pass, 160 s at 4x
+    settings = _settings(loader={"batch_size": 4})  # the batch fits the ack wait
+    (line,) = warm_pass.problems([_detector(10.0)], settings)  # 40 s a pass, 160 s at 4x
     assert "WORKER_MODEL__DETECTOR_BATCH_SIZE=4" in line
     assert "WORKER_HEALTH__STALL_TIMEOUT_S (120s)" in line
     assert "WORKER_HEALTH__WATCHDOG_TIMEOUT_S (180s)" in line
@@ -46,7 +47,8 @@ def test_a_crop_pass_too_long_names_the_crop_batch_size():
 
 
 def test_one_image_too_slow_for_any_pass_asks_for_a_faster_device():
-    (line,) = warm_pass.problems([_detector(40.0, chunk=1)], _settings())
+    settings = _settings(loader={"batch_size": 1})
+    (line,) = warm_pass.problems([_detector(40.0, chunk=1)], settings)
     assert "use a faster device" in line
 
 
@@ -60,11 +62,11 @@ def test_a_batch_longer_than_the_redelivery_names_the_batch_size_and_the_ack_wai
 def test_with_antenna_a_batch_must_fit_its_reservation():
     settings = _settings(
         source="antenna",
-        antenna={"base_url": "http://antenna.test/api/v2", "ttr_s": 100},
+        antenna={"base_url": "http://antenna.test/api/v2", "ttr_s": 200},
         loader={"batch_size": 16},
     )
-    (line,) = warm_pass.problems([_detector(2.0, chunk=1)], settings)
-    assert "WORKER_ANTENNA__TTR_S (100s)" in line
+    (line,) = warm_pass.problems([_detector(4.0, chunk=1)], settings)
+    assert "WORKER_ANTENNA__TTR_S (200s)" in line
 
 
 class _Classifier:
@@ -89,9 +91,17 @@ def _runner(classifier: _Classifier, crop_batch: int = 64) -> SimpleNamespace:
     return SimpleNamespace(limits=limits, detector=None, filter=None, classifier=classifier)
 
 
+def _stall_timeout(seconds: float):
+    """Settings with a stall timeout too short for the rules between settings (which are not
+    what is tested here), set after they were checked."""
+    settings = _settings()
+    settings.health.stall_timeout_s = seconds
+    return settings
+
+
 def test_the_pass_is_timed_warm_and_a_slow_one_refuses_the_start():
     classifier = _Classifier(0.2)
-    settings = _settings(health={"stall_timeout_s": 2, "watchdog_timeout_s": 0})
+    settings = _stall_timeout(2)
     with pytest.raises(ConfigError, match="WORKER_MODEL__CROP_BATCH_SIZE=8") as refused:
         asyncio.run(warm_pass.check(settings, {"whole": _runner(classifier, crop_batch=8)}))
     assert classifier.calls == 2, "a warm-up, then the pass timed"
@@ -105,7 +115,7 @@ def test_a_fast_pass_is_accepted_and_its_times_returned():
 
 def test_a_warm_pass_that_never_ends_refuses_the_start_within_the_stall_timeout():
     never = threading.Event()
-    settings = _settings(health={"stall_timeout_s": 0.5, "watchdog_timeout_s": 0})
+    settings = _stall_timeout(0.5)
     try:
         with pytest.raises(ConfigError, match="did not end within WORKER_HEALTH__STALL_TIMEOUT_S"):
             asyncio.run(warm_pass.check(settings, {"whole": _runner(_Classifier(0.0, never))}))
