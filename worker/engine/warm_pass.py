@@ -20,6 +20,7 @@ budget").
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -75,7 +76,7 @@ def measure(pipeline: str, runner: Any) -> list[StageTime]:
             continue
         size = model.stage.preprocess.size
         crop = _noise((1, 3, size, size), generator)
-        seconds = _timed(lambda model=model, crop=crop: model.logits(crop))
+        seconds = _timed(functools.partial(model.logits, crop))
         first = runner.detector is None and stage == "classifier"
         times.append(StageTime(pipeline, stage, seconds, limits.crop_batch, first))
     return times
