@@ -49,6 +49,19 @@ class FaultSettings(BaseModel):
         description="testing only: every result written to the NATS results stream takes this "
         "many seconds longer first (a slow results stream): settles as slow as it makes them",
     )
+    slow_forward_s: float = Field(
+        0.0,
+        ge=0,
+        description="testing only: in every batch, each model stage's forward pass takes this "
+        "many seconds longer per image or crop it is given (a slow host whose passes advance "
+        "chunk by chunk; the start's warm pass is not slowed)",
+    )
+    freeze_forward_at: int = Field(
+        0,
+        ge=0,
+        description="testing only: the forward pass given this input of the process's batches "
+        "(1 = the first image or crop) never returns, as a wedged device's; 0 = never",
+    )
     device_error_once_file: str = Field(
         "",
         description="testing only: the first process to create this file, at its batch "

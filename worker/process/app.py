@@ -85,10 +85,11 @@ class Assembly:
         chosen = pipeline_choice.choose(s, self.device, lambda p: refusals(s, p))
         budget = budget_bytes(s, self.device, chosen)
         checked()
-        served = engine_build.served_pipelines(s, chosen, self.device, budget, self.faults)
-        self._loader = engine_build.loader(
-            s, chosen, self.faults
-        )  # closed by close() if the start stops
+        served = engine_build.served_pipelines(
+            s, chosen, self.device, budget, self.faults, progress=liveness.advanced
+        )
+        # Closed by close() if the start stops.
+        self._loader = engine_build.loader(s, chosen, self.faults)
         try:
             self.engine = await engine_build.start_engine(
                 s, served, self._loader, self.engine_thread, liveness
