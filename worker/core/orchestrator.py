@@ -11,7 +11,7 @@ back up into this one:
 - ``Claims`` (``claims.py``): what is held, the room left, the keep-alive, the bounded
   give-back;
 - ``Batches`` (``batches.py``): batch formation and dispatch to the engine thread; its models
-  made ready by ``Loading`` (``loading.py``), its run settled by ``BatchSettling``
+  made ready by ``Preparing`` (``preparing.py``), its run settled by ``BatchSettling``
   (``settling.py``: the verdict on each task, ``verdicts.decide``, carried out by the source's
   settler); ``BatchObserver`` (``health/observer.py``): liveness, metrics and guards;
 - ``Endings`` (``endings.py``): every way the run ends, as a value (``Exit``);
@@ -40,8 +40,8 @@ from worker.core.endings import Endings, end_when_gone, end_when_idle
 from worker.core.exits import Exit
 from worker.core.fetching import Fetching
 from worker.core.link import Helper, SourceLink
-from worker.core.loading import Loading
 from worker.core.ports import BatchEngine
+from worker.core.preparing import Preparing
 from worker.core.results import ResultMaker
 from worker.core.settling import BatchSettling, Settling
 from worker.health.liveness import Liveness
@@ -100,7 +100,7 @@ class Orchestrator:
         )
         guard = services.guard or (lambda: None)
         observer = BatchObserver(metrics, liveness, guard, self.endings.limit)
-        self.loading = Loading(
+        self.preparing = Preparing(
             services.engine,
             available,
             self.claims,
@@ -125,7 +125,7 @@ class Orchestrator:
             services.engine_thread,
             lambda batch, report: observer.batch_done(len(batch), report, batch[0].task.pipeline),
             self.settled.settle,
-            prepare=self.loading.prepare,
+            prepare=self.preparing.prepare,
             hold_per_load=settings.model.hold_per_load,
             on_device_failed=functools.partial(self.endings.failed, _PROCESSOR),
             availability=available,
@@ -178,7 +178,7 @@ class Orchestrator:
         processor = asyncio.create_task(batches.run(), name=_PROCESSOR)
         helpers: list[tuple[str, Coroutine[Any, Any, None]]] = [
             ("source-watch", end_when_gone(link, endings)),
-            ("load-retry", self.loading.retry(endings.stop, batches.engine_busy)),
+            ("load-retry", self.preparing.retry(endings.stop, batches.engine_busy)),
         ]
         if link.results_waiting is not None:
             helpers.append(("blocked-watch", self._note_blocked(link.results_waiting)))

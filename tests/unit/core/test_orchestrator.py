@@ -310,7 +310,7 @@ async def test_a_source_that_cannot_be_told_of_a_retried_load_does_not_end_the_w
         told.append(pipeline)
         raise TimeoutError("publish_algorithms timed out")
 
-    worker.loading.loaded = loaded
+    worker.preparing.loaded = loaded
     worker._until_idle = False
     running = asyncio.create_task(run(worker))
     for _ in range(400):

@@ -25,7 +25,7 @@ Loaded = Callable[[str], Coroutine[Any, Any, None]]
 _LOAD_TICK_S = 5.0  # while a model loads: progress noted, held tasks kept alive
 
 
-class Loading:
+class Preparing:
     def __init__(
         self,
         engine: BatchEngine,
