@@ -8,7 +8,7 @@ own while it has work, filtered to that subject and shared by every worker proce
 is made from the subject: ``<WORKER_NATS__CONSUMER>-job-<sha256 of the subject, 16 hex>``, its
 description is the subject). Consumers are made as jobs come and deleted as they finish,
 within a bound (``worker.nats.lifecycle``, which composes ``job_discovery``,
-``consumer_maker``, ``drift_repair`` and ``consumer_deleter``). Every
+``consumer_maker``, ``drift_repair`` and ``consumer_deleter`` around ``job_state``). Every
 ``WORKER_NATS__JOB_DISCOVERY_S``, and at once when a task of a job not served yet is heard of
 (``worker.nats.hints``), one consumer listing gives the job consumers' pending counts. Each
 fetch takes from the jobs with tasks pending (or awaiting an ack: redeliveries come from
