@@ -126,9 +126,7 @@ class TaskFeed:
             )
         )
         for job, got, asked in zip(jobs, fetched, shares, strict=False):
-            # Short: it has no more now (a fetch returns what is there at once). Not asked
-            # again until the next listing, or until a task of it is heard of.
-            job.dry = len(got) < asked
+            self._jobs.share_fetched(job, short=len(got) < asked)
         await self._jobs.delivered([msg for got in fetched[: len(jobs)] for msg in got])
         return [msg for got in fetched for msg in got]
 

@@ -8,7 +8,7 @@ own while it has work, filtered to that subject and shared by every worker proce
 is made from the subject: ``<WORKER_NATS__CONSUMER>-job-<sha256 of the subject, 16 hex>``, its
 description is the subject). Consumers are made as jobs come and deleted as they finish,
 within a bound (``worker.nats.lifecycle``, which composes ``job_discovery``,
-``consumer_maker``, ``drift_repair`` and ``consumer_deleter``). Every
+``consumer_maker``, ``drift_repair`` and ``consumer_deleter`` around ``job_state``). Every
 ``WORKER_NATS__JOB_DISCOVERY_S``, and at once when a task of a job not served yet is heard of
 (``worker.nats.hints``), one consumer listing gives the job consumers' pending counts. Each
 fetch takes from the jobs with tasks pending (or awaiting an ack: redeliveries come from
@@ -39,7 +39,6 @@ from config.names import env_name
 from config.settings import NatsSettings
 from worker.core.ports import Runnable
 from worker.nats.consumer_stats import ConsumerStats
-from worker.nats.drift_repair import Caller
 from worker.nats.job_discovery import list_consumers
 from worker.nats.job_names import is_job_consumer, job_consumer, job_consumer_config
 from worker.nats.late import unsubscribe
@@ -134,13 +133,12 @@ class JobConsumers:
         if self._conflict_logged or not self._hinted_new:
             return
         subjects, self._hinted_new = list(self._hinted_new), {}
-        made = self._life.stats.made
         try:
-            ours = await self._life.make_hinted(subjects, self._life.stats.existing)
+            ours = await self._life.make_hinted(subjects)
         except (nats.errors.Error, TimeoutError) as error:
             log.warning("job_discovery_failed", error=f"{type(error).__name__}: {error}")
             return
-        self._life.stats.existing += self._life.stats.made - made
+        self._life.round_done()
         for info in ours.values():
             self._from_hints[info.name] = info
             self._note(info, hinted=True)
@@ -164,7 +162,7 @@ class JobConsumers:
                 return [] if self._conflict_logged else await self._new_jobs_only()
             self._refreshed_at = time.monotonic()
             self._hinted_new, self._from_hints, self._bind_first = {}, {}, False  # listed now
-            scouted = await self._life.scout(self._life.stats.existing)
+            scouted = await self._life.scout()
             listed = await self._listed()  # after the scout read: a job listed has its consumer
             main = listed.get(self._settings.consumer)
             self.main_pending = bool(main is not None and main.num_pending)
@@ -175,9 +173,9 @@ class JobConsumers:
                     job.pending = job.ack_pending = 0
                 return await self._bind_or_unbind()
             self._life.listed(ours)
-            await self._life.repair_drift(ours, Caller.DISCOVERY)
-            await self._life.make_missing(scouted, ours)
-            return await self._settle_listing(ours, scouted)
+            await self._life.repair_drift()
+            await self._life.make_missing(scouted)
+            return await self._settle_listing(scouted)
         except (nats.errors.Error, TimeoutError) as error:
             log.warning("job_discovery_failed", error=f"{type(error).__name__}: {error}")
             await self._life.give_back(scouted)  # for the next discovery, not after 30 s
@@ -192,26 +190,22 @@ class JobConsumers:
         if self._bind_first:
             self._bind_first, self._hinted = False, True  # the new-jobs read at the next fetch
             return await self._bind_or_unbind()
-        scouted = await self._life.scout(self._life.stats.existing)
-        ours, self._from_hints = self._from_hints, {}
+        scouted = await self._life.scout()
+        known, self._from_hints = self._from_hints, {}
         if not scouted:
             return []
-        made = self._life.stats.made
-        await self._life.make_missing(
-            scouted, ours, counted=max(0, self._life.stats.existing - len(ours)), listed=False
-        )
-        self._life.stats.existing += self._life.stats.made - made
-        for name, info in ours.items():
+        await self._life.make_missing(scouted, known)
+        self._life.round_done()
+        for name, info in self._life.consumers.items():
             if name not in hinted:  # (those heard of are noted already, fetched or being)
                 self._note(info)
         if self._life.more:
             self._hinted = True
         return await self._bind_or_unbind()
 
-    async def _settle_listing(
-        self, ours: dict[str, api.ConsumerInfo], scouted: list[Msg]
-    ) -> list[Msg]:
+    async def _settle_listing(self, scouted: list[Msg]) -> list[Msg]:
         """After a listing: jobs noted, bound or unbound, finished ones' consumers deleted."""
+        ours = self._life.consumers
         for job in self._jobs.values():
             if job.name not in ours:  # deleted by another worker: nothing left to do
                 job.pending = job.ack_pending = 0
@@ -220,8 +214,8 @@ class JobConsumers:
         late = await self._bind_or_unbind()
         if not scouted:  # new jobs first: their first fetch does not wait on deletes
             bound = {job.name for job in self._jobs.values() if job.sub is not None}
-            await self._life.delete_finished(ours, bound)
-        self._life.stats.existing = len(ours)
+            await self._life.delete_finished(bound)
+        self._life.round_done()
         if self._life.more:
             self._refreshed_at = float("-inf")
         return late
@@ -264,8 +258,8 @@ class JobConsumers:
         process's delivery settings (ConfigError when one cannot be), then a discovery."""
         await self._life.open()
         listed = await self._listed()
-        await self._life.repair_drift(
-            {n: i for n, i in listed.items() if is_job_consumer(self._settings, n)}, Caller.OPEN
+        await self._life.repair_at_open(
+            {n: i for n, i in listed.items() if is_job_consumer(self._settings, n)}
         )
         return await self.refresh()
 
@@ -279,7 +273,7 @@ class JobConsumers:
 
     def problem(self) -> str | None:
         """Why new jobs cannot be served now (the server refused their consumers), or None."""
-        return self._life.stats.refusal
+        return self._life.refusal
 
     def active(
         self, runnable: Runnable | None = None, available: Runnable | None = None
@@ -296,6 +290,12 @@ class JobConsumers:
             return []
         self._turn = (self._turn + 1) % len(bound)
         return bound[self._turn :] + bound[: self._turn]
+
+    def share_fetched(self, job: BoundJob, short: bool) -> None:
+        """``job``'s share of a fetch came back ``short``: it has no more now (a fetch returns
+        what is there at once), so it is not asked again until the next listing, or until a
+        task of it is heard of."""
+        job.dry = short
 
     async def busy_now(self) -> bool:
         """Any job consumer of ours with tasks pending or awaiting an ack (listed now)."""
