@@ -80,5 +80,5 @@ async def test_an_idle_process_lists_less_often_and_still_serves_a_new_job_at_on
     # 50 ms discovery interval: every one of them listed before)
     assert idle_listings <= IDLE_FETCHES // 4, f"{idle_listings} listings in {IDLE_FETCHES}"
     # And the new job's task was fetched, heard of and served with no listing
-    assert [json.loads(m.data)["task_id"] for m in got] == [task.id]
+    assert [json.loads(m.data)["id"] for m in got] == [task.id]
     assert served_with == 0
