@@ -191,13 +191,26 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         cpu0, v0, n0, t0 = snapshot(server, listed)
         await asyncio.sleep(args.window_s)
         cpu1, v1, n1, t1 = snapshot(server, listed)
-        seconds = t1 - t0
         latencies = await first_tasks(js, settings, fleet, args.jobs)
         await nc.close()
     finally:
         if fleet is not None:
             fleet.stop()
         server.stop()
+    window = {"seconds": t1 - t0, "listings": n1 - n0, "cpu_s": cpu1 - cpu0}
+    return summary(args, settings, window, (v0, v1), one_listing, latencies)
+
+
+def summary(
+    args: argparse.Namespace,
+    settings: NatsSettings,
+    window: dict[str, float],
+    varzs: tuple[dict[str, Any], dict[str, Any]],
+    one_listing: int,
+    latencies: list[float],
+) -> dict[str, Any]:
+    """The figures of one run, as saved."""
+    seconds, (v0, v1) = window["seconds"], varzs
     ordered = sorted(latencies)
     return {
         "feeds": args.feeds,
@@ -205,10 +218,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "job_discovery_s": settings.job_discovery_s,
         "job_discovery_idle_s": getattr(settings, "job_discovery_idle_s", "absent (today's code)"),
         "window_s": round(seconds, 1),
-        "listings_per_s": round((n1 - n0) / seconds, 2),
+        "listings_per_s": round(window["listings"] / seconds, 2),
         "server_out_bytes_per_s": round((v1["out_bytes"] - v0["out_bytes"]) / seconds),
         "server_in_msgs_per_s": round((v1["in_msgs"] - v0["in_msgs"]) / seconds, 1),
-        "server_cpu_cores": round((cpu1 - cpu0) / seconds, 3),
+        "server_cpu_cores": round(window["cpu_s"] / seconds, 3),
         "one_listing_bytes": one_listing,
         "first_task_s": {
             "median": round(statistics.median(ordered), 4),
