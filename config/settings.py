@@ -113,6 +113,15 @@ class NatsSettings(BaseModel):
         "share across jobs)",
         gt=0,
     )
+    job_discovery_idle_s: float = Field(
+        10.0,
+        description="the longest interval between an idle process's job discoveries: each "
+        "discovery after which it is idle (no task fetched since the last, no new-jobs message in "
+        "hand, its new-job hints subscribed) doubles the interval from JOB_DISCOVERY_S up to this; "
+        "a task fetched brings it back at once; a new job is still served when its first task is "
+        "heard of (docs/nats.md, Fair share across jobs)",
+        gt=0,
+    )
     job_consumer_inactive_s: float = Field(
         0.0,
         description="a backstop: the server deletes a job's consumer after no worker pulled "

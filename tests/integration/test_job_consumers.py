@@ -20,6 +20,7 @@ import pytest
 from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 
+from bench.common.sampling import sampled
 from tests.helpers import client, running_worker
 from worker.commands.demo_images import image_bytes
 from worker.commands.job_client import make_tasks, publish_tasks
@@ -48,21 +49,14 @@ async def results_stored(js: Any, settings: Any) -> int:
 
 @contextlib.asynccontextmanager
 async def consumer_counts(js: Any, stream: str) -> AsyncIterator[list[int]]:
-    """The stream's consumer count, sampled every 50 ms while inside."""
-    seen: list[int] = []
+    """The stream's consumer count, sampled every 50 ms while inside (stopped by an event,
+    not cancelled: ``bench.common.sampling`` says why)."""
 
-    async def sample() -> None:
-        while True:
-            seen.append(int((await js.stream_info(stream)).state.consumer_count))
-            await asyncio.sleep(0.05)
+    async def count() -> int:
+        return int((await js.stream_info(stream)).state.consumer_count)
 
-    sampler = asyncio.create_task(sample())
-    try:
+    async with sampled(count, every_s=0.05) as seen:
         yield seen
-    finally:
-        sampler.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sampler
 
 
 async def wait_until(what: str, check: Any, timeout_s: float, seen: list[int]) -> None:

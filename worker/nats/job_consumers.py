@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,7 @@ from worker.nats.job_discovery import list_consumers
 from worker.nats.job_names import is_job_consumer, job_consumer, job_consumer_config
 from worker.nats.late import unsubscribe
 from worker.nats.lifecycle import JobLifecycle
+from worker.nats.listing_cadence import ListingCadence
 from worker.nats.provision import SCOUT_BATCH, new_jobs_consumer, serves_job_subjects
 from worker.nats.subjects import tasks_subject
 
@@ -80,12 +82,14 @@ class JobConsumers:
         self._hinted_new: dict[str, None] = {}  # those jobs' subjects (SCOUT_BATCH at most)
         self._from_hints: dict[str, api.ConsumerInfo] = {}  # made for them, not yet scouted
         self._bind_first = False  # some made for them: bound before the new-jobs read
+        self.cadence = ListingCadence(settings.job_discovery_s, settings.job_discovery_idle_s)
+        self.hints_whole: Callable[[], bool] = lambda: False  # the feed's NewJobHints.whole
 
     def due(self) -> bool:
         return self._hinted or self.due_by_time()
 
     def due_by_time(self) -> bool:
-        return time.monotonic() - self._refreshed_at >= self._settings.job_discovery_s
+        return time.monotonic() - self._refreshed_at >= self.cadence.interval_s
 
     def hinted(self, subject: str) -> None:
         """A task was published on ``subject`` (``worker.nats.hints``): a job subject not
@@ -148,7 +152,7 @@ class JobConsumers:
     def until_due(self) -> float:
         """Seconds until the next discovery is due (0 when it is)."""
         waited = time.monotonic() - self._refreshed_at
-        return 0.0 if self._hinted else max(0.0, self._settings.job_discovery_s - waited)
+        return 0.0 if self._hinted else max(0.0, self.cadence.interval_s - waited)
 
     async def refresh(self) -> list[Msg]:
         """Make the consumers new jobs lack, delete those of finished jobs, bind the jobs with
@@ -162,6 +166,7 @@ class JobConsumers:
                 return [] if self._conflict_logged else await self._new_jobs_only()
             self._refreshed_at = time.monotonic()
             self._hinted_new, self._from_hints, self._bind_first = {}, {}, False  # listed now
+            self.cadence.listed(quiet=self._quiet())
             scouted = await self._life.scout()
             listed = await self._listed()  # after the scout read: a job listed has its consumer
             main = listed.get(self._settings.consumer)
@@ -180,6 +185,10 @@ class JobConsumers:
             log.warning("job_discovery_failed", error=f"{type(error).__name__}: {error}")
             await self._life.give_back(scouted)  # for the next discovery, not after 30 s
             return []
+
+    def _quiet(self) -> bool:
+        """Nothing in hand and the hints whole: an idle process may list less often."""
+        return self._life.empty_handed() and self.hints_whole()
 
     async def _new_jobs_only(self) -> list[Msg]:
         """The new-jobs messages waiting, their consumers made (or found: made elsewhere) and

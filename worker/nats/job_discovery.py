@@ -86,6 +86,10 @@ class JobDiscovery:
     def in_hand(self, subject: str) -> bool:
         return subject in self._waiting or subject in self._held
 
+    def empty_handed(self) -> bool:
+        """No new-jobs message in hand: none waiting for its consumer, none held."""
+        return not self._waiting and not self._held
+
     def waiting(self) -> list[str]:
         """The subjects of the jobs in hand with no consumer yet, in the order they came."""
         return list(self._waiting)

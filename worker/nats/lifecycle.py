@@ -66,6 +66,10 @@ class JobLifecycle:
         """This round's job consumers of ours, by name (read-only)."""
         return self._state.consumers
 
+    def empty_handed(self) -> bool:
+        """No new-jobs message in hand (``JobDiscovery.empty_handed``)."""
+        return self._discovery.empty_handed()
+
     async def open(self) -> None:
         await self._maker.open()
         await self._discovery.open()
