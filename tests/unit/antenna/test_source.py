@@ -22,6 +22,7 @@ from pydantic import SecretStr
 from config.aliases import alias_overrides
 from config.redact import scrub
 from config.settings import ConfigError, load_settings
+from pipelines.found import Box, Classification, Detection, Ref
 from pipelines.models import Algorithm
 from tests.antenna_fake import FakeAntenna, reserved_port
 from worker.antenna.catalog import Catalog
@@ -33,11 +34,10 @@ from worker.antenna.post import Poster
 from worker.antenna.registration import antenna_problems, meaning, register
 from worker.antenna.render import (
     AntennaPipeline,
-    _compacted,
+    _compact,
     antenna_key,
-    encoded,
     fit,
-    item,
+    ok_entry,
 )
 from worker.antenna.reservations import Reservations, delivered_of
 from worker.antenna.settle import AntennaSettler
@@ -46,7 +46,7 @@ from worker.antenna.waiting import antenna_waiting_read
 from worker.core.admission import Admission
 from worker.core.claims import Claims
 from worker.core.outcome import Outcome
-from worker.core.results import ResultMaker
+from worker.core.results import Result, ResultMaker
 from worker.core.tasks import Task
 from worker.core.verdicts import NO_BACKOFF, decide
 from worker.health.liveness import Liveness
@@ -115,6 +115,19 @@ def detection(
             }
         ],
     }
+
+
+def found_box(
+    key: str,
+    scores: list[float],
+    x1: float = 1.0,
+    by: str = DETECTOR_KEY,
+    logits: list[float] | None = None,
+) -> Detection:
+    """What the runner gives for a box found by the detector ``by``, classified by ``key``."""
+    at = "2026-12-01T00:00:00+00:00"
+    classified = Classification("a", None, scores, logits, 0.01, Ref("Classifier", key), True, at)
+    return Detection(Box(x1, 1.0, 5.0, 5.0), 0.01, Ref("Detector", by), at, [classified])
 
 
 def task_of(delivered: Any) -> Task:
@@ -493,11 +506,7 @@ def rules_of(fake: FakeAntenna, max_post_bytes: int) -> CoreSettle:
 
 
 def outcome(scores: tuple[float, ...] = (0.7, 0.2, 0.1), detections: int = 1) -> Outcome:
-    found = []
-    for i in range(detections):
-        entry = detection("ignored", "clf", list(scores), x1=float(i), by="det")
-        entry.pop("source_image_id", None)
-        found.append(entry)
+    found = [found_box("clf", list(scores), x1=float(i), by="det") for i in range(detections)]
     return Outcome(detections=found, timings_s={"load_s": 0.01, "infer_s": 0.01})
 
 
@@ -613,28 +622,22 @@ def test_an_oversized_result_keeps_every_logit_and_what_antenna_reads_of_its_sco
     task = Task("1", "1", "1", "http://x/1.jpg", reply_subject="$JS.ACK.a.b.1.1.1.1.0")
     rounded = [round(v, 6) for v in logits]
 
-    def result_of(count: int) -> dict[str, Any]:
-        detections = []
-        for i in range(count):
-            entry = detection("1", antenna_key(big), scores, x1=float(i))
-            entry["classifications"][0]["logits"] = list(rounded)
-            detections.append(entry)
-        return {
-            "pipeline": SLUG,
-            "total_time": 1.0,
-            "source_images": [{"id": "1", "url": "u"}],
-            "detections": detections,
-            "errors": None,
-        }
+    def result_of(count: int) -> Any:
+        found = [
+            found_box("species", scores, x1=float(i), logits=list(rounded)) for i in range(count)
+        ]
+        timings_s = {"total_s": 1.0}
+        made = Result(task, found, None, {}, timings_s, {}, 1)
+        return ok_entry(task, made, served, SLUG)
 
-    entry = item(task, result_of(115))
-    before = len(encoded(entry))
+    entry = result_of(115)
+    before = entry.size()
     fitted, steps = fit(task, entry, 32 * 1024 * 1024)
-    after = len(encoded(fitted))
+    after = len(fitted.body)
     print(f"29176 classes x 115 detections: {before} bytes -> {after} bytes ({steps})")
     assert before > 32 * 1024 * 1024 >= after
     assert steps == ["scores_compacted", "logits_rounded"]
-    for found in fitted["result"]["detections"]:
+    for found in json.loads(fitted.body)["result"]["detections"]:
         (kept,) = found["classifications"]
         # Antenna's class masking reads the logits alone, whole: every one is there
         assert len(kept["logits"]) == classes
@@ -645,8 +648,8 @@ def test_an_oversized_result_keeps_every_logit_and_what_antenna_reads_of_its_sco
         assert kept["scores"].index(max(kept["scores"])) == 7
     assert served.classes()[antenna_key(big)] == classes
     # Past every step: logits are never dropped, the result becomes an error result instead.
-    small, small_steps = fit(task, item(task, result_of(5)), 1024 * 1024)
-    assert small_steps[-1] == "error_result" and small["result"]["image_id"] == "1"
+    small, small_steps = fit(task, result_of(5), 1024 * 1024)
+    assert small_steps[-1] == "error_result" and json.loads(small.body)["result"]["image_id"] == "1"
 
 
 def _near_ties() -> st.SearchStrategy[list[float]]:
@@ -669,8 +672,7 @@ def _near_ties() -> st.SearchStrategy[list[float]]:
 @settings(max_examples=300, deadline=None)
 @given(_near_ties())
 def test_compacted_scores_keep_the_top_index_antenna_reads(scores: list[float]) -> None:
-    (found,) = _compacted({"detections": [{"classifications": [{"scores": scores}]}]})["detections"]
-    out = found["classifications"][0]["scores"]
+    out = _compact(scores)
     top = scores.index(max(scores))
     assert max(out) == max(scores) and out.index(max(out)) == top  # as Antenna's save reads
     for i, (was, cut) in enumerate(zip(scores, out, strict=True)):
@@ -687,9 +689,7 @@ async def test_a_result_over_the_cap_reaches_antenna_with_every_logit() -> None:
     logits = [math.sin(i) * 3 + 0.1234567 for i in range(classes)]
     total = sum(math.exp(v) for v in logits)
     scores = [math.exp(v) / total for v in logits]
-    found = detection("ignored", "clf", scores, by="det")
-    found.pop("source_image_id")
-    found["classifications"][0]["logits"] = logits
+    found = found_box("clf", scores, by="det", logits=logits)
     fake = FakeAntenna(token=TOKEN, ttr_s=30.0)
     fake.register_direct(1, served.config())
     with fake.running():
@@ -702,7 +702,7 @@ async def test_a_result_over_the_cap_reaches_antenna_with_every_logit() -> None:
         done = Outcome(detections=[found], timings_s={"load_s": 0.01, "infer_s": 0.01})
         assert await rules.settle(task_of(got), got, done) == "ok"
     (body,) = fake.bodies
-    assert len(json.dumps({"results": [{"result": {"detections": [found]}}]})) > 30_000
+    assert len(json.dumps([scores, logits])) > 30_000
     assert len(body) <= 30_000
     assert fake.jobs[job].done == {"i0"}
     (saved,) = fake.jobs[job].saved["i0"][0]["classifications"]
