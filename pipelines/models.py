@@ -23,6 +23,7 @@ from pipelines import architectures
 from pipelines.declare import Classifier, Detector, Pipeline, Registered
 from pipelines.device import autocast
 from pipelines.files.fetch import ModelFiles
+from pipelines.found import Ref
 
 LABELS_FILE = "labels.txt"
 NO_WEIGHTS = "none"
@@ -40,8 +41,8 @@ class Algorithm:
     labels: tuple[str, ...]
     registered: Registered | None = None  # the publisher's identity in Antenna, when fixed
 
-    def reference(self) -> dict[str, str]:
-        return {"name": self.name, "key": self.key}
+    def reference(self) -> Ref:
+        return Ref(self.name, self.key)
 
     def config(self) -> dict[str, Any]:
         """Antenna's ``AlgorithmConfigResponse``, category map included (published once)."""

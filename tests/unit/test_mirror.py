@@ -197,10 +197,6 @@ NO_FILE_OF_ITS_OWN: dict[str, tuple[str, str]] = {
         "how long a request to JetStream waits",
     ),
     "worker/nats/render.py": ("unit/nats/test_settle.py", "the stored result document"),
-    "worker/nats/result_store.py": (
-        "integration/test_workload.py",
-        "results stored on the results stream",
-    ),
     "worker/nats/source.py": ("unit/core/test_orchestrator_sources.py", "the NATS source's tasks"),
     "worker/nats/source_metrics.py": (
         "unit/test_metrics_documented.py",
