@@ -166,15 +166,18 @@ def profile(mirror: Path, jpegs: list[bytes], threads: int) -> dict[str, Any]:
                 outcomes.bad("not_classified", f"image {n - 1}: {len(detections)} detections")
             boxes += len(detections)
     outcomes.check(len(jpegs))
-    images = len(jpegs)
+    return {"threads": threads, "boxes": boxes, "outcomes": outcomes.summary()} | _rates(
+        clock, len(jpegs)
+    )
+
+
+def _rates(clock: Clock, images: int) -> dict[str, Any]:
+    """Each stage's seconds per image, the whole's, and the detector-only floor."""
     wall = sum(clock.wall_s.values())
     cpu = sum(clock.cpu_s.values())
     floor_s = sum(clock.wall_s[name] for name in STAGES[1:5]) / images
     return {
-        "threads": threads,
         "images": images,
-        "boxes": boxes,
-        "outcomes": outcomes.summary(),
         "stages": {
             name: {
                 "wall_s_per_image": round(clock.wall_s[name] / images, 3),
@@ -196,10 +199,12 @@ def _jpegs(images: int, k4_every: int) -> list[bytes]:
 
 
 def _default_threads() -> int:
+    """The threads the worker gives this pipeline here at its defaults."""
     from config.derived import torch_threads
     from config.settings import load_settings
+    from worker.engine.cores import available_cores
 
-    return torch_threads(load_settings(), os.cpu_count())
+    return torch_threads(load_settings(), available_cores(), detecting=True)[0]
 
 
 @refusing
