@@ -440,8 +440,10 @@ class ModelSettings(BaseModel):
     crop_batch_size: int = Field(64, description="crops per classifier forward pass", ge=1)
     torch_threads: int = Field(
         0,
-        description="intra-op threads for the forward pass; 0 = the cores left over by the "
-        "loader children (at least 1), so inference does not fight decoding for the CPU",
+        description="intra-op threads for the forward pass; 0 = chosen at start from the cores "
+        "this process may use (its CPU affinity, and its cgroup's CPU quota): every core when a "
+        "served pipeline has a detector (decoding is a few per cent of its forward pass), else "
+        "the cores the loader children leave (at least 1); logged (torch_threads)",
     )
 
     @field_validator("files_hosts", mode="before")

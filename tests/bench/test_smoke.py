@@ -164,3 +164,12 @@ def test_ami_saves_every_image_of_an_ami_job_once_with_its_boxes_classified(tmp_
     result = saved(run_smoke("ami", tmp_path))
     assert result["images"] == 2 and result["outcomes"] == {"ok": 2, "failed": {}}
     assert result["pipeline"] == "quebec_vermont_moths_2023"
+
+
+def test_ami_stages_times_every_stage_of_every_image(tmp_path):
+    """bench.ami_stages: one image through quebec_vermont_moths_2023's stages, each timed; it
+    exits 1 unless the image's boxes were each classified."""
+    result = saved(run_smoke("ami_stages", tmp_path))
+    (run,) = result["runs"]
+    assert run["outcomes"] == {"ok": 1, "failed": {}}
+    assert {"decode", "backbone", "rpn", "roi heads", "crops", "filter"} <= set(run["stages"])
