@@ -39,6 +39,7 @@ from datasets.images import Decoded, DecodePlan, decode
 from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.uris import SourceConfig
 from pipelines.declare import Classifier, Detector, Pipeline, Preprocess
+from pipelines.found import Detection
 from pipelines.models import save_classifier, save_detector
 from pipelines.response import ResponseFormat
 from pipelines.runner import DeviceLimits, Runner, load_runner
@@ -206,12 +207,12 @@ def same_copied_ahead(runner: Runner, images: list[Decoded]) -> dict[str, Any]:
     runner.run(images, lambda: copied.append(runner.copy_ahead(images)))
     again = runner.run(copied[0])
 
-    def flat(results: list[list[dict[str, Any]]]) -> tuple[list[Any], list[float]]:
+    def flat(results: list[list[Detection]]) -> tuple[list[Any], list[float]]:
         """Every box and label, in order; every score."""
         found = [d for per_image in results for d in per_image]
-        classified = [c for d in found for c in d["classifications"]]
-        same = [d["bbox"] for d in found] + [c["labels"] for c in classified]
-        return same, [x for c in classified for x in c["scores"]]
+        classified = [c for d in found for c in d.classifications]
+        same = [d.bbox for d in found] + [c.labels for c in classified]
+        return same, [x for c in classified for x in c.scores]
 
     (same_a, scores_a), (same_b, scores_b) = flat(plain), flat(again)
     differences = [abs(x - y) for x, y in zip(scores_a, scores_b, strict=False)]

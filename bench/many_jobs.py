@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import signal
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 from bench.common.job_runs import client, wait_stored
 from bench.common.records import save, stamp
+from bench.common.sampling import sampled
 from bench.common.world import PIPELINE, nats_settings, start_worker, stop_worker, upload, world
 from bench.outcomes import BenchmarkFailed, refusing
 from config.settings import NatsSettings
@@ -68,19 +68,14 @@ async def flood(
     """``jobs`` one-task jobs in waves of ``WAVE``, at most two waves ahead of the stored
     results: seconds until every result was stored, and the tasks stream's consumer counts
     sampled every 0.1 s meanwhile."""
-    seen: list[int] = []
 
-    async def sample() -> None:
-        while True:
-            info = await js.stream_info(settings.tasks_stream)
-            seen.append(int(info.state.consumer_count))
-            await asyncio.sleep(0.1)
+    async def consumers() -> int:
+        return int((await js.stream_info(settings.tasks_stream)).state.consumer_count)
 
-    sampler = asyncio.create_task(sample())
-    started = time.monotonic()
-    # 10,000 jobs take about 4 minutes here: ten times the rate's time, two minutes at least.
-    deadline = started + max(120.0, jobs * 0.25)
-    try:
+    async with sampled(consumers, every_s=0.1) as seen:  # stopped, not cancelled: see there
+        started = time.monotonic()
+        # 10,000 jobs take about 4 minutes here: ten times the rate's time, two minutes at least.
+        deadline = started + max(120.0, jobs * 0.25)
         for wave in range(0, jobs, WAVE):
             tasks = [
                 t
@@ -90,10 +85,6 @@ async def flood(
             await publish_tasks(js, settings, PIPELINE, tasks)
             await wait_stored(js, settings.results_stream, wave - WAVE, deadline, poll_s=0.1)
         await wait_stored(js, settings.results_stream, jobs, deadline, poll_s=0.1)
-    finally:
-        sampler.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sampler
     return time.monotonic() - started, seen
 
 

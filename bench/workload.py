@@ -148,7 +148,7 @@ def models_alone(runner: Any, images: list[Decoded], batch: int, boxes: int) -> 
     started = time.perf_counter()
     for first in range(0, len(images), batch):
         for found in runner.run(images[first : first + batch]):
-            classified = [d for d in found if len(d.get("classifications", [])) == 2]
+            classified = [d for d in found if len(d.classifications) == 2]
             if found and len(classified) == len(found) and len(found) <= boxes:
                 outcomes.good()
             else:

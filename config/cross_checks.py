@@ -126,7 +126,7 @@ def watchdog_between_stall_and_redelivery(s: Settings) -> list[str]:
 
 
 # The longest of a drain's bounded waits past its timeout, each begun with a fresh watchdog
-# window (worker/core/orchestrator.py ``_drain``): the cancelled run's end (the settles'
+# window (worker/core/drain.py ``Drain.run``): the cancelled run's end (the settles'
 # give-backs, ``CANCELLED_SETTLES_WAIT_S`` 6 s, and a second more); a give-back is 5 s
 # (``GIVE_BACK_WAIT_S``). tests/unit/config/test_settings.py holds it to the code.
 DRAIN_LONGEST_WAIT_S = 7.0

@@ -113,6 +113,15 @@ class NatsSettings(BaseModel):
         "share across jobs)",
         gt=0,
     )
+    job_discovery_idle_s: float = Field(
+        10.0,
+        description="the longest interval between an idle process's job discoveries: each "
+        "discovery after which it is idle (no task fetched since the last, no new-jobs message in "
+        "hand, its new-job hints subscribed) doubles the interval from JOB_DISCOVERY_S up to this; "
+        "a task fetched brings it back at once; a new job is still served when its first task is "
+        "heard of (docs/nats.md, Fair share across jobs)",
+        gt=0,
+    )
     job_consumer_inactive_s: float = Field(
         0.0,
         description="a backstop: the server deletes a job's consumer after no worker pulled "
@@ -431,8 +440,10 @@ class ModelSettings(BaseModel):
     crop_batch_size: int = Field(64, description="crops per classifier forward pass", ge=1)
     torch_threads: int = Field(
         0,
-        description="intra-op threads for the forward pass; 0 = the cores left over by the "
-        "loader children (at least 1), so inference does not fight decoding for the CPU",
+        description="intra-op threads for the forward pass; 0 = chosen at start from the cores "
+        "this process may use (its CPU affinity, and its cgroup's CPU quota): every core when a "
+        "served pipeline has a detector (decoding is a few per cent of its forward pass), else "
+        "the cores the loader children leave (at least 1); logged (torch_threads)",
     )
 
     @field_validator("files_hosts", mode="before")

@@ -1,4 +1,5 @@
 """Inference: pipelines of stages (detector, crop filter, classifier) declared as data.
 
-Takes decoded images, returns Antenna-shaped detections; knows nothing of NATS or asyncio.
+Takes decoded images, returns typed detections (``pipelines.found``); knows nothing of NATS
+or asyncio.
 """

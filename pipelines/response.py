@@ -1,7 +1,6 @@
-"""The wire shape of what a pipeline found: Antenna's ``DetectionResponse`` and
-``ClassificationResponse`` dicts (``source_image_id`` is added by the result), written from
-model outputs. The one module that knows those field names; a task source that posts them
-elsewhere (Antenna's HTTP API) reuses it. Knows nothing of devices or batching.
+"""What a pipeline found, written from model outputs: the typed ``pipelines.found``
+detections and classifications, rounded as results carry them, in the ``ResponseFormat`` the
+settings ask. Knows nothing of devices, batching or any source's result.
 """
 
 from __future__ import annotations
@@ -9,13 +8,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
 
+from pipelines.found import Box, Classification, Detection, Ref
+
 Scores = Literal["all", "top_k"]
-Box = tuple[float, float, float, float]
 
 
 @dataclass(frozen=True)
@@ -37,42 +37,32 @@ def rounded(values: torch.Tensor) -> list[float]:
 
 
 def detection(
-    bbox: Box | None, inference_s: float, algorithm: dict[str, Any], scale: tuple[float, float]
-) -> dict[str, Any]:
+    bbox: tuple[float, float, float, float] | None,
+    inference_s: float,
+    algorithm: Ref,
+    scale: tuple[float, float],
+) -> Detection:
     """One detection: ``bbox`` in the pixels the model saw, written in source pixels
     (``scale`` = source / seen, per axis); None for a classifier run on the whole image."""
     sx, sy = scale
-    return {
-        "bbox": None
-        if bbox is None
-        else {
-            "x1": round(bbox[0] * sx, 2),
-            "y1": round(bbox[1] * sy, 2),
-            "x2": round(bbox[2] * sx, 2),
-            "y2": round(bbox[3] * sy, 2),
-        },
-        "inference_time": round(inference_s, 6),
-        "algorithm": algorithm,
-        "timestamp": now(),
-        "crop_image_url": None,
-        "classifications": [],
-    }
+    box = None
+    if bbox is not None:
+        box = Box(
+            round(bbox[0] * sx, 2),
+            round(bbox[1] * sy, 2),
+            round(bbox[2] * sx, 2),
+            round(bbox[3] * sy, 2),
+        )
+    return Detection(box, round(inference_s, 6), algorithm, now())
 
 
 def detector_classification(
-    label: str, score: float, inference_s: float, algorithm: dict[str, Any]
-) -> dict[str, Any]:
+    label: str, score: float, inference_s: float, algorithm: Ref
+) -> Classification:
     """A detector alone: its class and score for the box, as the box's one classification."""
-    return {
-        "classification": label,
-        "labels": [label],
-        "scores": [round(score, 6)],
-        "logits": None,
-        "inference_time": round(inference_s, 6),
-        "algorithm": algorithm,
-        "terminal": True,
-        "timestamp": now(),
-    }
+    return Classification(
+        label, [label], [round(score, 6)], None, round(inference_s, 6), algorithm, True, now()
+    )
 
 
 def classification(
@@ -80,27 +70,21 @@ def classification(
     labels: Sequence[str],
     logits: torch.Tensor,
     inference_s: float,
-    algorithm: dict[str, Any],
+    algorithm: Ref,
     terminal: bool,
-) -> dict[str, Any]:
+) -> Classification:
     """A classifier's answer for one input, from its logits, in ``fmt``."""
     probs = torch.softmax(logits, dim=0)
-    entry: dict[str, Any] = {"classification": labels[int(probs.argmax())]}
+    top = labels[int(probs.argmax())]
+    written: list[str] | None
     if fmt.scores == "top_k":
         k = min(fmt.top_k, len(labels))
         scores, indices = probs.topk(k)
-        entry["labels"] = [labels[i] for i in indices.tolist()]
-        entry["scores"] = rounded(scores)
-        entry["logits"] = rounded(logits[indices])
+        written = [labels[i] for i in indices.tolist()]
+        values, raw = rounded(scores), rounded(logits[indices])
     else:
-        if len(labels) <= fmt.labels_inline_max:
-            entry["labels"] = list(labels)
-        entry["scores"] = rounded(probs)
-        entry["logits"] = rounded(logits)
-    entry.update(
-        inference_time=round(inference_s, 6),
-        algorithm=algorithm,
-        terminal=terminal,
-        timestamp=now(),
+        written = list(labels) if len(labels) <= fmt.labels_inline_max else None
+        values, raw = rounded(probs), rounded(logits)
+    return Classification(
+        top, written, values, raw, round(inference_s, 6), algorithm, terminal, now()
     )
-    return entry

@@ -1,6 +1,5 @@
-"""One forward pass of a pipeline over a batch of decoded images, into Antenna-shaped
-detections (``DetectionResponse`` without ``source_image_id``, which the result adds; the
-shape itself is ``pipelines/response.py``'s).
+"""One forward pass of a pipeline over a batch of decoded images, into typed detections
+(``pipelines.Detection``; each source's renderer writes them in its own result).
 
 Memory: the detector sees ``detector_batch`` images at a time; crops are cut from the decoded
 image and classified ``crop_batch`` at a time, never all at once (docs/data-loading.md, "Memory").
@@ -29,6 +28,7 @@ from pipelines.device import (
 )
 from pipelines.device import copy_ahead as device_copy_ahead
 from pipelines.files.fetch import ModelFiles
+from pipelines.found import Classification, Detection
 from pipelines.models import Algorithm, ClassifierModel, DetectorModel
 
 
@@ -62,7 +62,7 @@ class _Hook:
 class _Crop:
     image: int  # index in the batch
     box: tuple[float, float, float, float]  # decoded pixels
-    classifications: list[dict[str, Any]]  # its detection's, where the stages write
+    classifications: list[Classification]  # its detection's, where the stages write
 
 
 class Runner:
@@ -156,7 +156,7 @@ class Runner:
 
     def run(
         self, images: Sequence[Decoded], while_running: Callable[[], None] = lambda: None
-    ) -> list[list[dict[str, Any]]]:
+    ) -> list[list[Detection]]:
         """Per image, its detections (a classifier alone gives one with ``bbox: None``).
 
         ``while_running`` is called once, after the last stage's work is given to the device
@@ -180,22 +180,19 @@ class Runner:
 
     def _classify_whole(
         self, images: Sequence[Decoded], classifier: ClassifierModel, hook: _Hook
-    ) -> list[list[dict[str, Any]]]:
+    ) -> list[list[Detection]]:
         step = self.limits.crop_batch
         chunks = (
             [self._input(image) for image in images[start : start + step]]
             for start in range(0, len(images), step)
         )
         logits, each_s = self._logits(classifier, chunks, len(images), hook)
-        return [
-            [
-                {
-                    **response.detection(None, each_s, classifier.algorithm.reference(), (1, 1)),
-                    "classifications": [self._classification(classifier, row, each_s, True)],
-                }
-            ]
-            for row in logits
-        ]
+        found = []
+        for row in logits:
+            whole = response.detection(None, each_s, classifier.algorithm.reference(), (1, 1))
+            whole.classifications.append(self._classification(classifier, row, each_s, True))
+            found.append([whole])
+        return found
 
     def _logits(
         self,
@@ -221,8 +218,8 @@ class Runner:
 
     def _detect_and_classify(
         self, images: Sequence[Decoded], detector: DetectorModel, hook: _Hook
-    ) -> list[list[dict[str, Any]]]:
-        results: list[list[dict[str, Any]]] = [[] for _ in images]
+    ) -> list[list[Detection]]:
+        results: list[list[Detection]] = [[] for _ in images]
         crops: list[_Crop] = []
         seen: list[torch.Tensor] = []  # what the detector saw: crops are cut from it
         alone = self.filter is None and self.classifier is None
@@ -253,11 +250,11 @@ class Runner:
                         (x1, y1, x2, y2), each_s, detector.algorithm.reference(), (sx, sy)
                     )
                     if alone:
-                        detection["classifications"].append(
+                        detection.classifications.append(
                             self._detected(detector, int(label), float(score), each_s)
                         )
                     results[index].append(detection)
-                    crops.append(_Crop(index, (x1, y1, x2, y2), detection["classifications"]))
+                    crops.append(_Crop(index, (x1, y1, x2, y2), detection.classifications))
         if not alone:
             self._classify_crops(seen, crops, hook)
         return results
@@ -310,7 +307,7 @@ class Runner:
     @staticmethod
     def _detected(
         detector: DetectorModel, label: int, score: float, inference_s: float
-    ) -> dict[str, Any]:
+    ) -> Classification:
         reference = detector.algorithm.reference()
         return response.detector_classification(
             detector.label(label), score, inference_s, reference
@@ -318,7 +315,7 @@ class Runner:
 
     def _classification(
         self, model: ClassifierModel, logits: torch.Tensor, inference_s: float, terminal: bool
-    ) -> dict[str, Any]:
+    ) -> Classification:
         labels, reference = model.algorithm.labels, model.algorithm.reference()
         return response.classification(
             self.response_format, labels, logits, inference_s, reference, terminal

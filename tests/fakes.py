@@ -14,6 +14,7 @@ import nats
 
 from config.errors import Failure, ResultRefused, ResultsUnavailable
 from config.settings import NatsSettings
+from pipelines.found import Detection, Ref
 from worker.core.outcome import Outcome
 from worker.core.ports import BatchReport
 from worker.core.results import Result, ResultMaker
@@ -120,7 +121,7 @@ def delivery(msg: FakeMsg, max_deliver: int = 2, default_pipeline: str = "p") ->
 
 
 def result_document(
-    task: Task, detections: list[dict[str, Any]], timings_s: dict[str, float], pipeline: str = "p"
+    task: Task, detections: list[Detection], timings_s: dict[str, float], pipeline: str = "p"
 ) -> dict[str, Any]:
     """An ok result for ``task`` as the NATS source stores it."""
     made = Result(replace(task, pipeline=pipeline), detections, None, {}, timings_s, {}, 1)
@@ -195,8 +196,8 @@ class FakeEngine:
     loaded: list[str] = field(default_factory=list)
     fail_once: dict[str, Failure] = field(default_factory=dict)  # by URL: the first run only
     # What each task's image is found to hold.
-    found: list[dict[str, Any]] = field(
-        default_factory=lambda: [{"bbox": None, "classifications": []}]
+    found: list[Detection] = field(
+        default_factory=lambda: [Detection(None, 0.0, Ref("Fake", "fake"), "2026-12-01T00:00:00")]
     )
 
     def submit(self, requests: Sequence[tuple[int, str]], pipeline: str = "") -> None:

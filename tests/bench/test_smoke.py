@@ -137,6 +137,26 @@ def test_antenna_wan_serves_every_task_through_antenna_and_nats_shaped_and_direc
         assert shaped["image_connections_per_task"] < 1
 
 
+def test_many_jobs_answers_every_one_task_job_and_deletes_their_consumers(tmp_path):
+    """bench.many_jobs: every job's task ``ok`` (it exits 1 otherwise), job consumers made and
+    none refused, and none left once the jobs are done (the shared and the new-jobs consumer
+    stay). It once stalled here, its consumer sampler's cancel swallowed by Python 3.11's
+    ``asyncio.wait_for`` inside a nats-py request (``bench/common/sampling.py``)."""
+    result = saved(run_smoke("many_jobs", tmp_path))
+    assert result["jobs"] == 20
+    assert result["consumers_made"] > 0 and result["consumers_refused"] == 0
+    assert result["consumers_after"] <= 2
+
+
+def test_listing_counts_the_idle_fleets_listings_and_serves_each_new_job(tmp_path):
+    """bench.listing: the listings, the server's bytes and CPU were measured, and each new
+    job's first task was fetched (it exits 1 otherwise)."""
+    result = saved(run_smoke("listing", tmp_path))
+    assert result["listings_per_s"] > 0 and result["server_out_bytes_per_s"] > 0
+    assert result["one_listing_bytes"] > 0
+    assert len(result["first_task_s"]["each"]) == 2
+
+
 def test_ami_saves_every_image_of_an_ami_job_once_with_its_boxes_classified(tmp_path):
     """bench.ami: quebec_vermont_moths_2023 from random weights in ADC's layouts, a 4K and a
     1080p image through the fake Antenna; it exits 1 unless each was saved once with boxes,
@@ -144,3 +164,12 @@ def test_ami_saves_every_image_of_an_ami_job_once_with_its_boxes_classified(tmp_
     result = saved(run_smoke("ami", tmp_path))
     assert result["images"] == 2 and result["outcomes"] == {"ok": 2, "failed": {}}
     assert result["pipeline"] == "quebec_vermont_moths_2023"
+
+
+def test_ami_stages_times_every_stage_of_every_image(tmp_path):
+    """bench.ami_stages: one image through quebec_vermont_moths_2023's stages, each timed; it
+    exits 1 unless the image's boxes were each classified."""
+    result = saved(run_smoke("ami_stages", tmp_path))
+    (run,) = result["runs"]
+    assert run["outcomes"] == {"ok": 1, "failed": {}}
+    assert {"decode", "backbone", "rpn", "roi heads", "crops", "filter"} <= set(run["stages"])

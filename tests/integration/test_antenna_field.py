@@ -52,6 +52,7 @@ QUICK_HEALTH = {
     "WORKER_SOURCES__OBJECT_DEADLINE_S": "4",
     "WORKER_LOADER__TIMEOUT_S": "5",
     "WORKER_HEALTH__STALL_TIMEOUT_S": "8",
+    "WORKER_HEALTH__WARM_PASS": "false",  # tight budgets: no warm pass
     "WORKER_HEALTH__WATCHDOG_TIMEOUT_S": "12",
     "WORKER_HEALTH__DRAIN_TIMEOUT_S": "10",  # shorter than the watchdog (a settings rule)
 }

@@ -20,6 +20,7 @@ import pytest
 from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 
+from bench.common.sampling import sampled
 from tests.helpers import client, running_worker
 from worker.commands.demo_images import image_bytes
 from worker.commands.job_client import make_tasks, publish_tasks
@@ -48,21 +49,14 @@ async def results_stored(js: Any, settings: Any) -> int:
 
 @contextlib.asynccontextmanager
 async def consumer_counts(js: Any, stream: str) -> AsyncIterator[list[int]]:
-    """The stream's consumer count, sampled every 50 ms while inside."""
-    seen: list[int] = []
+    """The stream's consumer count, sampled every 50 ms while inside (stopped by an event,
+    not cancelled: ``bench.common.sampling`` says why)."""
 
-    async def sample() -> None:
-        while True:
-            seen.append(int((await js.stream_info(stream)).state.consumer_count))
-            await asyncio.sleep(0.05)
+    async def count() -> int:
+        return int((await js.stream_info(stream)).state.consumer_count)
 
-    sampler = asyncio.create_task(sample())
-    try:
+    async with sampled(count, every_s=0.05) as seen:
         yield seen
-    finally:
-        sampler.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sampler
 
 
 async def wait_until(what: str, check: Any, timeout_s: float, seen: list[int]) -> None:
@@ -287,17 +281,17 @@ async def test_a_task_published_as_its_consumer_is_deleted_is_served_after_both_
         await other.open()
 
         async def other_discovers() -> None:  # reads the task's new-jobs message, lists
-            scouted = await other.scout(0)
-            ours = await _job_consumers(js, n)
-            other.listed(ours)
-            await other.make_missing(scouted, ours)
+            scouted = await other.scout()
+            other.listed(await _job_consumers(js, n))
+            await other.make_missing(scouted)
 
         # When the quiet one is deleted by a process, a task of its job published meanwhile
         # and heard of by another process, its remake refused (the bound)
         deleter = JobLifecycle(_PublishesBeforeTheDelete(js, quiet, other_discovers), n, [pipeline])
         await deleter.open()
         for _ in range(2):  # quiet at one discovery, deleted at the next (the bound: no linger)
-            await deleter.delete_finished(await _job_consumers(js, n), set())
+            deleter.listed(await _job_consumers(js, n))
+            await deleter.delete_finished(set())
         assert job_consumer(n, quiet) not in await _job_consumers(js, n)
         # And both processes stop (the deleter before its next discovery)
         await other.close()
@@ -309,10 +303,9 @@ async def test_a_task_published_as_its_consumer_is_deleted_is_served_after_both_
         following = JobLifecycle(js, n.model_copy(update={"max_job_consumers": 4}), [pipeline])
         await following.open()
         for _ in range(10):
-            scouted = await following.scout(0)
-            ours = await _job_consumers(js, n)
-            following.listed(ours)
-            await following.make_missing(scouted, ours)
+            scouted = await following.scout()
+            following.listed(await _job_consumers(js, n))
+            await following.make_missing(scouted)
             if job_consumer(n, quiet) in await _job_consumers(js, n):
                 break
         await following.close()
@@ -358,7 +351,8 @@ async def test_an_advisory_waiting_holds_back_only_the_delete_of_the_consumer_it
         life = JobLifecycle(js, n, [settings.model.pipeline])
         await life.open()
         for _ in range(2):
-            await life.delete_finished(await _job_consumers(js, n), set())
+            life.listed(await _job_consumers(js, n))
+            await life.delete_finished(set())
         left = await _job_consumers(js, n)
     # Then the other finished job's consumer is deleted, the named one kept for its advisory
     assert other not in left
@@ -378,14 +372,16 @@ async def test_a_consumer_that_delivered_since_its_listing_is_not_deleted(
         await life.open()
         # Given a listing of a quiet job consumer
         listed = await _job_consumers(js, n)
-        await life.delete_finished(dict(listed), set())
+        life.listed(listed)
+        await life.delete_finished(set())
         # When a task of it is published and fetched by a process with it bound
         subject = listed[busy].config.filter_subject
         await js.publish(subject, b"{}", stream=n.tasks_stream)
         sub = await js.pull_subscribe_bind(durable=busy, stream=n.tasks_stream)
         (task,) = await sub.fetch(1, timeout=5)
         # And the lifecycle acts on the earlier listing
-        await life.delete_finished(dict(listed), set())
+        life.listed(listed)
+        await life.delete_finished(set())
         left = await _job_consumers(js, n)
         # Then the consumer is kept, and the task's ack reaches it
         await task.ack_sync()

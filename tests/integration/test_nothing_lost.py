@@ -44,7 +44,11 @@ def short_ack_settings(settings_for, url, **groups):
         },
         loader={"timeout_s": 1.5},
         s3={"connect_timeout_s": 0.3, "read_timeout_s": 0.4, "max_attempts": 1},
-        health={"stall_timeout_s": 2, "drain_timeout_s": 1},
+        health={
+            "stall_timeout_s": 2,
+            "drain_timeout_s": 1,
+            "warm_pass": False,
+        },  # tight budgets: no warm pass
         **groups,
     )
 
@@ -248,6 +252,7 @@ async def test_the_watchdog_does_not_end_a_drain_that_is_within_its_time(
             WORKER_S3__READ_TIMEOUT_S="0.4",
             WORKER_S3__MAX_ATTEMPTS="1",
             WORKER_HEALTH__STALL_TIMEOUT_S="2",
+            WORKER_HEALTH__WARM_PASS="false",
             WORKER_HEALTH__WATCHDOG_TIMEOUT_S="20",
             WORKER_HEALTH__DRAIN_TIMEOUT_S="13",
             WORKER_FAULTS__SLOW_STORE_S="60",

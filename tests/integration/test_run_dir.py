@@ -51,7 +51,12 @@ SHORT = {
     "nats": {"ack_wait_s": 4, "max_deliver": 10, "fetch_timeout_s": 0.3, "store_retry_s": 1},
     "loader": {"timeout_s": 1.5, "reads_per_worker": 1},
     "s3": {"connect_timeout_s": 0.3, "read_timeout_s": 0.4, "max_attempts": 1},
-    "health": {"stall_timeout_s": 2, "drain_timeout_s": 1, "watchdog_timeout_s": 0},
+    "health": {
+        "stall_timeout_s": 2,
+        "drain_timeout_s": 1,
+        "watchdog_timeout_s": 0,
+        "warm_pass": False,  # tight budgets: no warm pass
+    },
     "metrics": {"port": 0},
 }
 

@@ -41,6 +41,7 @@ def supervised_env(settings, **extra: str) -> dict[str, str]:
         "WORKER_S3__MAX_ATTEMPTS": "1",
         "WORKER_LOADER__TIMEOUT_S": "3",
         "WORKER_HEALTH__STALL_TIMEOUT_S": "6",
+        "WORKER_HEALTH__WARM_PASS": "false",  # tight budgets: no warm pass
         "WORKER_HEALTH__WATCHDOG_TIMEOUT_S": "12",
         "WORKER_HEALTH__DRAIN_TIMEOUT_S": "3",
     }

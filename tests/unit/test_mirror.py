@@ -117,9 +117,17 @@ NO_FILE_OF_ITS_OWN: dict[str, tuple[str, str]] = {
         "unit/core/test_claims_parked.py",
         "held tasks, their room and parking",
     ),
+    "worker/core/drain.py": (
+        "unit/core/test_orchestrator.py",
+        "the drain: the batch in hand finished, the rest given back, each wait bounded",
+    ),
     "worker/core/dropping.py": (
         "integration/test_antenna.py",
         "held tasks of a cancelled job dropped",
+    ),
+    "worker/core/fetching.py": (
+        "unit/core/test_orchestrator.py",
+        "the fetch loop, its backoff and burst mode's end on a failing source",
     ),
     "worker/core/link.py": (
         "unit/core/test_orchestrator_sources.py",
@@ -127,6 +135,10 @@ NO_FILE_OF_ITS_OWN: dict[str, tuple[str, str]] = {
     ),
     "worker/core/outcome.py": ("", DECLARATIONS),
     "worker/core/ports.py": ("", DECLARATIONS + " (the core's protocols)"),
+    "worker/core/preparing.py": (
+        "unit/core/test_orchestrator.py",
+        "models made ready for a batch, and retried in the background",
+    ),
     "worker/core/results.py": ("unit/nats/test_settle.py", "the result a verdict keeps, stored"),
     "worker/core/settling.py": ("unit/core/test_orchestrator.py", "a batch's tasks settled"),
     "worker/core/threads.py": ("unit/core/test_orchestrator.py", "calls off the event loop"),
@@ -185,10 +197,6 @@ NO_FILE_OF_ITS_OWN: dict[str, tuple[str, str]] = {
         "how long a request to JetStream waits",
     ),
     "worker/nats/render.py": ("unit/nats/test_settle.py", "the stored result document"),
-    "worker/nats/result_store.py": (
-        "integration/test_workload.py",
-        "results stored on the results stream",
-    ),
     "worker/nats/source.py": ("unit/core/test_orchestrator_sources.py", "the NATS source's tasks"),
     "worker/nats/source_metrics.py": (
         "unit/test_metrics_documented.py",

@@ -3,9 +3,10 @@ retried with the identical body.
 
 The results of one batch arrive together (the orchestrator settles a batch's tasks at once):
 they are gathered per job for ``_GATHER_S`` and posted in as few bodies as the cap allows.
-A body is encoded once and retried as it is (never re-inferred) on connection errors, 429 and
-5xx (503 included), with backoff, until the earliest reservation in it runs out; each body is
-tried once at least. Antenna's answers that no retry can change:
+A body is joined from its entries as the renderer encoded them (``render.Entry``), never
+encoded again, and retried as it is (never re-inferred) on connection errors, 429 and 5xx (503
+included), with backoff, until the earliest reservation in it runs out; each body is tried once
+at least. Antenna's answers that no retry can change:
 
 - 413 (the proxy's body limit): the body is halved and each half posted; a single result is
   replaced by an error result for its image;
@@ -20,14 +21,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from worker.antenna.answers import Reply
 from worker.antenna.client import AntennaClient, AntennaUnreachable
-from worker.antenna.render import ENVELOPE_BYTES, encoded, error_result, item
+from worker.antenna.render import ENVELOPE_BYTES, Entry, encoded, error_entry
 from worker.core.tasks import Task
 
 log = structlog.get_logger(__name__)
@@ -44,13 +45,13 @@ class PostFailed(Exception):
 @dataclass(eq=False)
 class _Pending:
     task: Task
-    entry: dict[str, Any]
+    entry: Entry
     deadline: float  # time.monotonic() by which the post must be done
-    done: asyncio.Future[dict[str, Any]]
-    body: bytes = field(init=False)
+    done: asyncio.Future[Entry]
 
-    def __post_init__(self) -> None:
-        self.body = encoded(self.entry)
+    @property
+    def body(self) -> bytes:
+        return self.entry.body
 
 
 class Poster:
@@ -78,9 +79,7 @@ class Poster:
         self._waiting = 0
         self._closed = False
 
-    async def post(
-        self, job_id: int, task: Task, entry: dict[str, Any], deadline: float
-    ) -> dict[str, Any]:
+    async def post(self, job_id: int, task: Task, entry: Entry, deadline: float) -> Entry:
         """Post ``entry`` for ``task`` with the others gathered; what was posted for it (an
         error result in its place after a 400 or 413); PostFailed if nothing was."""
         if self._closed:
@@ -93,7 +92,7 @@ class Poster:
             self._flushes[job_id] = asyncio.create_task(self._flush(job_id), name=f"post-{job_id}")
         return await asyncio.shield(pending.done)
 
-    def _resolved(self, done: asyncio.Future[dict[str, Any]]) -> None:
+    def _resolved(self, done: asyncio.Future[Entry]) -> None:
         self._waiting -= 1
         # Its settle may be gone (cancelled by a drain, past the shield): the failure is then
         # nobody's to read, and asyncio would log it as "never retrieved" at exit.
@@ -189,7 +188,7 @@ class Poster:
                 await self._send(job_id, part)
             return
         (pending,) = group
-        if "error" in pending.entry["result"]:
+        if pending.entry.error is not None:
             log.error("error_result_refused", job_id=job_id, reason=reply.why())
             _fail(group, reply.why())
             return
@@ -202,7 +201,7 @@ class Poster:
         )
         replacement = _Pending(
             pending.task,
-            item(pending.task, error_result(pending.task, message)),
+            error_entry(pending.task, message),
             pending.deadline,
             pending.done,
         )

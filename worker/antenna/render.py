@@ -6,14 +6,16 @@ keys registered are the keys results name.
   register, and answer under, a new key. A stage whose publisher fixed its identity
   (``Registered``: AMI's catalogue) registers and answers under that key, name, description
   and URIs verbatim, as AMI's own worker does.
-- ``ok_result``: the response shaping's ``PipelineResultsResponse`` (``pipelines/response.py``
-  via ``Result.response``), with ``pipeline`` the job's slug, ``source_images`` the task's image,
-  and algorithm references under their Antenna keys. A detector alone writes its label as a
-  one-score classification; Antenna registers a detector without a category map, so that
-  classification is left out (the box is kept).
+- ``ok_entry``: a ``Result``'s typed detections as Antenna's ``PipelineResultsResponse``
+  (fields as ``pipelines.found`` writes them), with ``pipeline`` the job's slug,
+  ``source_images`` the task's image, and algorithm references under their Antenna keys,
+  encoded once, here (the poster sends those bytes as they are). A detector alone writes its
+  label as a one-score classification; Antenna registers a detector without a category map, so
+  that classification is left out (the box is kept).
 - ``problems``: everything that would make Antenna accept a result and then not save it, checked
   against what this worker registers; such a result is replaced by ``error_result``.
-- ``fit``: a result over the post size cap has its scores compacted (cut to 3 decimals, below
+- ``fit``: a result over the post size cap (measured on its encoded parts; each step writes
+  again only the vectors it changes) has its scores compacted (cut to 3 decimals, below
   0.001 written as 0, the top score kept exact), then its logits rounded to 3 decimals; the
   logits are never dropped nor shortened. If it is still over, it becomes an error result. Why
   (RolnickLab/antenna ``main``): Antenna's class masking reads only a classification's
@@ -29,16 +31,15 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
-
-import pydantic
 
 from config.names import env_name
 from config.redact import redact_url, scrub, shorten
 from pipelines.declare import Registered
+from pipelines.found import Classification, detection_head, head_fields, tail_fields
 from pipelines.models import Algorithm
-from worker.antenna.schemas import PipelineResults
+from worker.core.results import Result
 from worker.core.tasks import Task
 
 _ERROR_CHARS = 1000
@@ -140,120 +141,160 @@ def error_result(task: Task, message: str) -> dict[str, Any]:
     return {"error": shorten(scrub(message), _ERROR_CHARS), "image_id": task.image_id}
 
 
-def ok_result(
-    task: Task, response: dict[str, Any], served: AntennaPipeline, slug: str
-) -> dict[str, Any]:
-    keys = served.keys()
-    classes = served.classes()
-    detections = []
-    for found in response.get("detections") or []:
-        algorithm = found["algorithm"]
-        renamed = {**algorithm, "key": keys.get(algorithm["key"], algorithm["key"])}
-        kept = []
-        for entry in found.get("classifications") or []:
-            key = keys.get(entry["algorithm"]["key"], entry["algorithm"]["key"])
-            if classes.get(key, 0) is None:
-                continue  # a detector's own label: no category map in Antenna
-            kept.append({**entry, "algorithm": {**entry["algorithm"], "key": key}})
-        detections.append(
-            {
-                **found,
-                "source_image_id": task.image_id,
-                "algorithm": renamed,
-                "classifications": kept,
-            }
-        )
-    return {
-        "pipeline": slug,
-        "total_time": response.get("total_time", 0.0),
-        "source_images": [{"id": task.image_id, "url": redact_url(task.image_url)}],
-        "detections": detections,
-        "errors": None,
-    }
-
-
-def problems(result: dict[str, Any], task: Task, served: AntennaPipeline, slug: str) -> list[str]:
-    """Why Antenna would accept ``result`` and then not save it; empty when it would save it."""
-    try:
-        parsed = PipelineResults.model_validate(result)
-    except pydantic.ValidationError as error:
-        return [f"not a PipelineResultsResponse: {shorten(str(error), 300)}"]
-    found: list[str] = []
-    if parsed.pipeline != slug:
-        found.append(f"pipeline {parsed.pipeline!r} is not the job's {slug!r}")
-    if [s.id for s in parsed.source_images] != [task.image_id]:
-        found.append(
-            f"source_images {[s.id for s in parsed.source_images]} is not the task's image"
-        )
-    classes = served.classes()
-    for detection in parsed.detections:
-        if detection.source_image_id != task.image_id:
-            found.append(f"a detection names image {detection.source_image_id!r}")
-        if detection.algorithm.key not in classes:
-            found.append(f"algorithm key {detection.algorithm.key!r} is not registered")
-        for entry in detection.classifications:
-            size = classes.get(entry.algorithm.key, -1)
-            if size is None or size < 0:
-                found.append(f"classifier key {entry.algorithm.key!r} has no category map")
-            elif len(entry.scores) != size:
-                found.append(
-                    f"{len(entry.scores)} scores for {entry.algorithm.key!r}, whose category map "
-                    f"has {size} classes"
-                )
-    return sorted(set(found))
-
-
 def item(task: Task, result: dict[str, Any]) -> dict[str, Any]:
     """One entry of a result post."""
     return {"reply_subject": task.reply_subject or "", "result": result}
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
 def encoded(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode()
+    return _ENCODER.encode(value).encode()
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry of a result post, encoded once: what the poster sends (``body``), how many
+    detections it keeps, and an error result's message (None for an ok result)."""
+
+    body: bytes
+    detections: int = 0
+    error: str | None = None
+
+
+def error_entry(task: Task, message: str) -> Entry:
+    result = error_result(task, message)
+    return Entry(encoded(item(task, result)), error=result["error"])
+
+
+@dataclass
+class OkEntry:
+    """An ok result's entry, its text in parts: each kept classification's ``scores`` and
+    ``logits`` a part of their own, so that making it smaller (``fit``) writes those again
+    and nothing else. ``"".join(parts)`` is the entry's compact JSON; ASCII (JSON's escapes),
+    so its length is its size in bytes."""
+
+    parts: list[str]
+    vectors: list[tuple[int, Classification]]  # the part of each classification's scores
+    detections: int
+
+    def size(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+    def entry(self) -> Entry:
+        return Entry("".join(self.parts).encode(), self.detections)
+
+
+def _members(value: dict[str, Any]) -> str:
+    """A JSON object's members, without its braces."""
+    return _ENCODER.encode(value)[1:-1]
+
+
+def ok_entry(task: Task, result: Result, served: AntennaPipeline, slug: str) -> OkEntry:
+    """``result`` as Antenna's ``PipelineResultsResponse`` in an entry of the post: ``pipeline``
+    the job's slug, ``source_images`` the task's image, every algorithm under its Antenna key,
+    a detector's own label left out (Antenna has no category map for it)."""
+    keys, classes = served.keys(), served.classes()
+    image_id = task.image_id
+    envelope = {
+        "pipeline": slug,
+        "total_time": result.total_s(),
+        "source_images": [{"id": image_id, "url": redact_url(task.image_url)}],
+    }
+    reply = _ENCODER.encode(task.reply_subject or "")
+    parts = [f'{{"reply_subject":{reply},"result":{{{_members(envelope)},"detections":[']
+    vectors: list[tuple[int, Classification]] = []
+    found = result.detections or []
+    for index, detection in enumerate(found):
+        key = keys.get(detection.algorithm.key, detection.algorithm.key)
+        head = _members(detection_head(detection, image_id, key))
+        parts.append(f'{"," if index else ""}{{{head},"classifications":[')
+        kept = 0
+        for c in detection.classifications:
+            key = keys.get(c.algorithm.key, c.algorithm.key)
+            if classes.get(key, 0) is None:
+                continue  # a detector's own label: no category map in Antenna
+            parts.append(f'{"," if kept else ""}{{{_members(head_fields(c))},"scores":')
+            vectors.append((len(parts), c))
+            parts += [_ENCODER.encode(c.scores), ',"logits":', _ENCODER.encode(c.logits)]
+            parts.append(f",{_members(tail_fields(c, key))}}}")
+            kept += 1
+        parts.append("]}")
+    parts.append('],"errors":null}}')
+    return OkEntry(parts, vectors, len(found))
+
+
+def problems(result: Result, served: AntennaPipeline) -> list[str]:
+    """Why Antenna would accept ``result`` and then not save it; empty when it would save it.
+    (Its pipeline, image and types are the entry's own: ``ok_entry`` writes them.)"""
+    keys, classes = served.keys(), served.classes()
+    found: list[str] = []
+    for detection in result.detections or []:
+        key = keys.get(detection.algorithm.key, detection.algorithm.key)
+        if key not in classes:
+            found.append(f"algorithm key {key!r} is not registered")
+        for entry in detection.classifications:
+            key = keys.get(entry.algorithm.key, entry.algorithm.key)
+            size = classes.get(key, -1)
+            if size is None:
+                continue  # a detector's own label: left out of the entry
+            if size < 0:
+                found.append(f"classifier key {key!r} has no category map")
+            elif len(entry.scores) != size:
+                found.append(
+                    f"{len(entry.scores)} scores for {key!r}, whose category map has {size} classes"
+                )
+    return sorted(set(found))
 
 
 def fit(
-    task: Task, entry: dict[str, Any], max_bytes: int, envelope_bytes: int = ENVELOPE_BYTES
-) -> tuple[dict[str, Any], list[str]]:
+    task: Task, entry: Entry | OkEntry, max_bytes: int, envelope_bytes: int = ENVELOPE_BYTES
+) -> tuple[Entry, list[str]]:
     """``entry`` as it can be posted alone in a body of at most ``max_bytes`` (of which the
-    envelope around it takes ``envelope_bytes``), and the steps taken."""
+    envelope around it takes ``envelope_bytes``), and the steps taken. Each step writes again
+    only the vectors it changes."""
+    if isinstance(entry, Entry):
+        return entry, []  # an error result: as it is
     steps: list[str] = []
     limit = max_bytes - envelope_bytes
-    size = len(encoded(entry))
-    if size <= limit or "detections" not in entry["result"]:
-        return entry, steps
+    size = entry.size()
+    if size <= limit:
+        return entry.entry(), steps
+    entry = replace(entry, parts=list(entry.parts))  # the steps write parts: not the caller's
     for name, step in (("scores_compacted", _compacted), ("logits_rounded", _logits_rounded)):
-        entry = {**entry, "result": step(entry["result"])}
+        size += step(entry)
         steps.append(name)
-        size = len(encoded(entry))
         if size <= limit:
-            return entry, steps
+            return entry.entry(), steps
     message = (
         f"the result is {size} bytes with scores compacted and logits rounded, over "
         f"{env_name('antenna', 'max_post_bytes')} ({max_bytes})"
     )
     steps.append("error_result")
-    return item(task, error_result(task, message)), steps
+    return error_entry(task, message), steps
 
 
-def _each_classification(result: dict[str, Any], change: Any) -> dict[str, Any]:
-    detections = [
-        {**d, "classifications": [change(c) for c in d.get("classifications") or []]}
-        for d in result["detections"]
-    ]
-    return {**result, "detections": detections}
+def _compacted(entry: OkEntry) -> int:
+    """Every classification's scores compacted (``_compact``); the bytes it took off (< 0)."""
+    change = 0
+    for at, c in entry.vectors:
+        written = _ENCODER.encode(_compact(c.scores))
+        change += len(written) - len(entry.parts[at])
+        entry.parts[at] = written
+    return change
 
 
-def _logits_rounded(result: dict[str, Any]) -> dict[str, Any]:
+def _logits_rounded(entry: OkEntry) -> int:
     """Every logit kept, to 3 decimals: a softmax of them moves by 0.1% at most."""
-
-    def rounded(c: dict[str, Any]) -> dict[str, Any]:
-        logits = c.get("logits")
-        if not logits:
-            return c
-        return {**c, "logits": [round(v, _LOGIT_DECIMALS) for v in logits]}
-
-    return _each_classification(result, rounded)
+    change = 0
+    for at, c in entry.vectors:
+        if not c.logits:
+            continue
+        written = _ENCODER.encode([round(v, _LOGIT_DECIMALS) for v in c.logits])
+        change += len(written) - len(entry.parts[at + 2])
+        entry.parts[at + 2] = written
+    return change
 
 
 def _cut(score: float, top: float) -> float | int:
@@ -278,7 +319,3 @@ def _compact(scores: Sequence[float]) -> list[float | int]:
     out = [_cut(s, scores[top]) for s in scores]
     out[top] = scores[top]
     return out
-
-
-def _compacted(result: dict[str, Any]) -> dict[str, Any]:
-    return _each_classification(result, lambda c: {**c, "scores": _compact(c.get("scores") or [])})

@@ -24,7 +24,7 @@ from config.names import env_name
 from worker.antenna.answers import usable_reply_subject
 from worker.antenna.catalog import Catalog
 from worker.antenna.post import Poster, PostFailed
-from worker.antenna.render import error_result, fit, item, ok_result, problems
+from worker.antenna.render import Entry, OkEntry, error_entry, fit, ok_entry, problems
 from worker.antenna.reservations import AntennaDelivered, Reservation
 from worker.core.results import Kept, Result, Settled, ran_out
 from worker.core.tasks import Task
@@ -75,18 +75,18 @@ class AntennaSettler:
         reservation: Reservation,
         task: Task,
         attempt: int,
-        entry: dict[str, Any],
+        unfit: Entry | OkEntry,
         kind: str,  # "ok", or the error result's kind (``config.errors.ErrorKind``)
         why: str,
     ) -> Settled:
         bound = log.bind(
             task_id=task.id, job_id=task.job_id, image_id=task.image_id, attempt=attempt
         )
-        entry, steps = fit(task, entry, self.max_post_bytes, self.poster.envelope_bytes)
+        entry, steps = fit(task, unfit, self.max_post_bytes, self.poster.envelope_bytes)
         if steps:
             bound.warning("result_made_smaller", steps=steps)
             if "error_result" in steps:
-                kind, why = "result_too_large", entry["result"]["error"]
+                kind, why = "result_too_large", entry.error or ""
         late_s = -reservation.seconds_left()
         if late_s > 0:  # posted all the same: an identical repost is harmless in Antenna
             bound.warning(
@@ -104,13 +104,12 @@ class AntennaSettler:
             return Settled(Kept.RETRIED)
         reservation.posted()
         if posted is not entry:  # replaced by an error result after Antenna refused it
-            kind, why = "http_error", str(posted["result"].get("error"))
+            kind, why = "http_error", str(posted.error)
         if kind == "ok":
-            found = len(posted["result"].get("detections") or [])
-            return Settled(Kept.OK, detections=found, task=task)
+            return Settled(Kept.OK, detections=posted.detections, task=task)
         return Settled(Kept.ERROR, error_type=kind, error=why or None, task=task)
 
-    def _entry(self, result: Result) -> tuple[dict[str, Any], str, str]:
+    def _entry(self, result: Result) -> tuple[Entry | OkEntry, str, str]:
         """The item to post for ``result``: "ok", or its error's kind, and why."""
         task = result.task
         if result.failure is not None:
@@ -118,19 +117,17 @@ class AntennaSettler:
             message = f"{failure.kind}: {failure.message}"
             if result.ran_out:
                 message = ran_out(result.attempt, message)
-            return item(task, error_result(task, message)), failure.kind, message
+            return error_entry(task, message), failure.kind, message
         slug = task.pipeline
         served = self.catalog.get(slug)
-        response = result.response()
-        if served is None or response is None:  # not made by loaded models: cannot be
+        if served is None:  # not made by loaded models: cannot be
             message = f"pipeline {slug!r} has no loaded models to name in the result"
-            return item(task, error_result(task, message)), "internal_error", message
-        shaped = ok_result(task, response, served, slug)
-        found = problems(shaped, task, served, slug)
+            return error_entry(task, message), "internal_error", message
+        found = problems(result, served)
         if found:
             message = "Antenna would not save this result: " + "; ".join(found)
-            return item(task, error_result(task, message)), "invalid_model_output", message
-        return item(task, shaped), "ok", ""
+            return error_entry(task, message), "invalid_model_output", message
+        return ok_entry(task, result, served, slug), "ok", ""
 
     async def _unnamed(self, delivered: AntennaDelivered, reason: str) -> Settled:
         """A task too broken to name itself (no usable ``id``). With a usable reply subject it
@@ -147,7 +144,7 @@ class AntennaSettler:
                 pipeline=reservation.pipeline or self.catalog.default,
             )
             message = f"invalid_task: {reason}"
-            entry = item(task, error_result(task, message))
+            entry = error_entry(task, message)
             kind = "invalid_task"
             return await self._post(reservation, task, delivered.delivered, entry, kind, message)
         log.error(

@@ -93,10 +93,13 @@ def wait_port(port: int, proc: subprocess.Popen[bytes] | None, what: str) -> Non
 class NatsServer:
     """A JetStream nats-server with its own store dir; can be stopped and started again."""
 
-    def __init__(self, store_dir: str | None = None, port: int | None = None) -> None:
+    def __init__(
+        self, store_dir: str | None = None, port: int | None = None, http_port: int = 0
+    ) -> None:
         self._own_dir = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="iw-nats-")
         self.port = port or free_port()
+        self.http_port = http_port  # its monitoring endpoint (/varz, /jsz), when not 0
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -118,6 +121,7 @@ class NatsServer:
                 self.store_dir,
                 "-l",
                 str(log_path),
+                *(["-m", str(self.http_port)] if self.http_port else []),
             ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

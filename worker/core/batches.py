@@ -35,7 +35,7 @@ import structlog
 
 from config.errors import DeviceFailed, Failure
 from worker.core.availability import Availability, is_unavailable, may_give_back
-from worker.core.claims import Claim
+from worker.core.claims import GIVE_BACK_WAIT_S, LEFT_FOR_ACK_WAIT, Claim
 from worker.core.fairshare import FairQueue, JobKey
 from worker.core.outcome import Outcome
 from worker.core.ports import BatchEngine, BatchReport
@@ -47,12 +47,8 @@ Prepare = Callable[[str], Coroutine[Any, Any, Failure | None]]
 MAX_HOLD_S = 30.0  # the longest a load keeps other unloaded pipelines waiting
 SWITCH_WAIT_S = 0.25  # under a hold, how long the engine waits for runnable tasks to arrive
 SETTLES_IN_FLIGHT = 2  # batches being settled at once; the next one then waits for the oldest
-# A cancelled settle's give-back is no network round trip (a nak per task, a local note), but
-# nats-py's publish waits for a forced flush once its pending buffer is full, which a hung
-# connection (a frozen server) never drains: each give-back of a drain is bounded by this, and
-# what it could not give back comes back after its ack wait (or its reservation's TTR).
-GIVE_BACK_WAIT_S = 5.0
-# How long a cancelled run waits for its settles to give back: their bound and a second more.
+# How long a cancelled run waits for its settles to give back (each bounded by
+# ``claims.GIVE_BACK_WAIT_S``): their bound and a second more.
 CANCELLED_SETTLES_WAIT_S = GIVE_BACK_WAIT_S + 1.0
 
 log = structlog.get_logger(__name__)
@@ -98,8 +94,7 @@ async def _given_back(settling: dict[asyncio.Task[None], list[Claim]]) -> None:
             count=len(ids),
             task_ids=ids,
             waited_s=CANCELLED_SETTLES_WAIT_S,
-            action="exiting without them: they come back after their ack wait (NATS) or "
-            "their reservation's TTR (Antenna)",
+            action=LEFT_FOR_ACK_WAIT,
         )
 
 

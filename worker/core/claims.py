@@ -30,6 +30,15 @@ from worker.core.verdicts import Decision, Verdict
 from worker.health.liveness import Liveness
 
 log = structlog.get_logger(__name__)
+# A give-back is no network round trip (a nak per task, a local note), but nats-py's publish
+# waits for a forced flush once its pending buffer is full, which a hung connection (a frozen
+# server) never drains: each give-back of a drain is bounded by this, and what it could not give
+# back comes back after its ack wait (or its reservation's TTR).
+GIVE_BACK_WAIT_S = 5.0
+LEFT_FOR_ACK_WAIT = (
+    "exiting without them: they come back after their ack wait (NATS) or their "
+    "reservation's TTR (Antenna)"
+)
 
 
 @dataclass
@@ -130,6 +139,25 @@ class Claims:
         self.release(held)
         ids = [h.task.id for h in held]
         log.info("tasks_given_back", count=len(held), reason=reason, task_ids=ids)
+
+    async def give_back_within(self, held: list[Claim], reason: str) -> None:
+        """``held`` given back (``give_back``), in ``GIVE_BACK_WAIT_S`` at most: a nak can hang
+        on a hung connection, and a drain must end. When it did not end, its tasks are named
+        (the first ones may have been given back) and released; the others come back after
+        their ack wait (or their reservation's TTR)."""
+        try:
+            await asyncio.wait_for(self.give_back(held, reason), GIVE_BACK_WAIT_S)
+        except TimeoutError:
+            ids = [h.task.id for h in held]
+            log.error(
+                "drain_give_back_stuck",
+                count=len(held),
+                task_ids=ids,
+                reason=reason,
+                waited_s=GIVE_BACK_WAIT_S,
+                action=LEFT_FOR_ACK_WAIT,
+            )
+            self.release(held)
 
 
 async def best_effort(action: Awaitable[None]) -> None:

@@ -1,23 +1,23 @@
 """What became of a task's work in the engine: its detections, or the failure that stopped it.
 
-Imports nothing of ours but the errors. Not a wire schema: the core makes a ``results.Result``
-of it, which each source renders in its own format.
+Imports nothing of ours but the errors and the typed detections (``pipelines.found``). Not a
+wire schema: the core makes a ``results.Result`` of it, which each source renders in its own
+format.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from config.errors import Failure
+from pipelines.found import Detection
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """What became of a task's work: its detections (Antenna's shape, ``source_image_id`` still
-    to add), or the failure that stopped it."""
+    """What became of a task's work: its detections, or the failure that stopped it."""
 
-    detections: list[dict[str, Any]] | None = None
+    detections: list[Detection] | None = None
     failure: Failure | None = None
     timings_s: dict[str, float] = field(default_factory=dict)
 

@@ -1,7 +1,8 @@
 """What a task ends with, typed: the ``Result`` the core hands a source to keep, and what the
 source says it did (``Settled``). Each source renders a ``Result`` into its own wire format
 (``worker.nats.render``: the stored result document; ``worker.antenna.render``: Antenna's
-result post); nothing here knows either format but the detections' own shape.
+result post); nothing here knows either format: the detections are typed
+(``pipelines.found``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from enum import Enum
 from typing import Any
 
 from config.errors import Failure
-from config.redact import redact_url
+from pipelines.found import Detection
 from worker.core.outcome import Outcome
 from worker.core.tasks import Task
 
@@ -26,7 +27,7 @@ class Result:
     the source's count) that made it."""
 
     task: Task
-    detections: list[dict[str, Any]] | None
+    detections: list[Detection] | None
     failure: Failure | None
     model: dict[str, Any]
     timings_s: dict[str, float]
@@ -47,23 +48,11 @@ class Result:
             return failure
         return replace(failure, message=ran_out(self.attempt, failure.message or failure.kind))
 
-    def response(self) -> dict[str, Any] | None:
-        """An ok result's detections as Antenna's ``PipelineResultsResponse`` for its image
-        (source URL without credentials or query); None for an error."""
-        if self.failure is not None:
-            return None
-        # total_s covers the task from fetch to result; without it, the stages' sum.
+    def total_s(self) -> float:
+        """Seconds the task took, to 6 decimals: from fetch to result (``total_s``), else the
+        stages' sum."""
         stages_s = self.timings_s.get("load_s", 0.0) + self.timings_s.get("infer_s", 0.0)
-        image_id = self.task.image_id
-        return {
-            "pipeline": self.task.pipeline,
-            "total_time": round(self.timings_s.get("total_s", stages_s), 6),
-            "source_images": [{"id": image_id, "url": redact_url(self.task.image_url)}],
-            "detections": [
-                {"source_image_id": image_id, **found} for found in self.detections or []
-            ],
-            "errors": None,
-        }
+        return round(self.timings_s.get("total_s", stages_s), 6)
 
 
 def ran_out(delivered: int, last_error: str) -> str:

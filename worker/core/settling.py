@@ -1,17 +1,30 @@
-"""A verdict carried out: handed to the source's settler, then counted
+"""A verdict carried out, and a batch run settled.
+
+``Settling``: a verdict handed to the source's settler, then counted
 (``inference_worker_tasks_total{outcome}``) and, for a kept result, said in the one
-``task_done`` line. The only way the core settles a task, so every path counts alike."""
+``task_done`` line. The only way the core settles a task, so every path counts alike.
+
+``BatchSettling``: what ``Batches`` hands each batch run to: every task's verdict decided
+(``verdicts.decide``) and carried out at once, its store timed, the held tasks kept alive.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import structlog
 
-from worker.core.ports import Delivered, Settler
-from worker.core.results import Kept, Settled
-from worker.core.verdicts import Verdict, log_task_done
+from worker.core.claims import Claim, Claims
+from worker.core.outcome import Outcome
+from worker.core.ports import BatchReport, Delivered, Settler
+from worker.core.results import Kept, ResultMaker, Settled
+from worker.core.verdicts import Backoff, Verdict, decide, log_task_done
+from worker.health.liveness import Liveness
 from worker.health.metrics import Metrics
 
 log = structlog.get_logger(__name__)
@@ -53,3 +66,68 @@ def _say_done(bound: Any, delivered: Delivered[Any], verdict: Verdict, settled: 
     log_task_done(
         bound.bind(attempt=attempt), settled, {name: round(s, 6) for name, s in timings_s.items()}
     )
+
+
+class BatchSettling:
+    def __init__(
+        self,
+        settling: Settling,
+        claims: Claims,
+        results: ResultMaker,
+        backoff: Backoff,
+        retry_in_s: Callable[[str], float],
+        metrics: Metrics,
+        liveness: Liveness,
+        stop: asyncio.Event,
+    ) -> None:
+        self._settling = settling
+        self._claims = claims
+        self._results = results
+        self._backoff = backoff
+        self._retry_in_s = retry_in_s  # a pipeline's wait for its next load, while unavailable
+        self._metrics = metrics
+        self._liveness = liveness
+        self._stop = stop  # set once the run stops: a settle then counts as the drain working
+        self._batch_s: deque[float] = deque(maxlen=5)  # the last batches' load + infer + store
+
+    def longest_recent_s(self, default_s: float) -> float:
+        """The longest of the last five batches (load + infer + store), or ``default_s``."""
+        return max(self._batch_s, default=default_s)
+
+    async def settle(self, batch: list[Claim], report: BatchReport) -> None:
+        """``Batches``'s ``SettleBatch``: each task acked with its result stored, or given
+        back; cancelled (the drain's time ran out), what is not acked is given back at once."""
+        self._claims.inferred(batch)  # their images are gone: the next batch may be fetched
+        started = time.perf_counter()
+        await asyncio.gather(*(self._settle_one(h, report.outcomes[h.key]) for h in batch))
+        store_s = time.perf_counter() - started
+        self._metrics.observe_stage("store", batch[0].task.pipeline, store_s)
+        self._batch_s.append(report.load_s + report.infer_s + store_s)
+        await self._claims.keep_alive()
+
+    async def _settle_one(self, held: Claim, outcome: Outcome) -> None:
+        total_s = time.monotonic() - held.fetched_at
+        timings_s = {**outcome.timings_s, "total_s": total_s}
+        timed = Outcome(outcome.detections, outcome.failure, timings_s)
+        delivered = held.delivered
+        try:
+            verdict = decide(
+                held.task,
+                timed,
+                delivered=delivered.delivered,
+                deliveries_left=delivered.deliveries_left,
+                results=self._results,
+                backoff=self._backoff,
+                not_before_s=self._retry_in_s(held.task.pipeline),
+            )
+            await self._settling.settle(delivered, verdict)
+        except asyncio.CancelledError:  # the drain's time ran out: given back, never stranded
+            why = "the drain ended before its result was stored"
+            await self._claims.give_back_within([held], why)
+            raise
+        except Exception:  # the per-task boundary: logged; its ack wait brings it back
+            log.exception("settle_failed", task_id=held.task.id, job_id=held.task.job_id)
+        finally:
+            self._claims.release([held])
+            if self._stop.is_set():
+                self._liveness.still_working()  # a drain that settles is working

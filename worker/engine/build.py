@@ -9,6 +9,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
+import structlog
+
 from config.derived import max_held_tasks, object_deadline_s, torch_threads
 from config.errors import ConfigError, ModelLoadFailed
 from config.faults import FaultSettings
@@ -24,9 +26,12 @@ from pipelines.setup import Chosen
 from worker.core.ports import BatchEngine
 from worker.core.threads import in_daemon_thread
 from worker.engine import Engine
+from worker.engine.cores import available_cores
 from worker.engine.served import ServedPipelines
 from worker.engine.split import device_failed
 from worker.health.liveness import Liveness
+
+log = structlog.get_logger(__name__)
 
 
 def source_config(s: Settings) -> SourceConfig:
@@ -129,7 +134,10 @@ async def start_engine(
     answers /healthz sooner. A failure of either closes the loader and is the start's."""
     import torch
 
-    torch.set_num_threads(torch_threads(s, os.cpu_count()))
+    cores = available_cores()
+    threads, why = torch_threads(s, cores, served.detecting())
+    torch.set_num_threads(threads)
+    log.info("torch_threads", threads=threads, cores=cores, why=why)
     at_start = s.model.load_at_start
     if at_start is None:
         at_start = len(served.names) == 1  # one pipeline: loaded and checked at start, as ever

@@ -13,6 +13,7 @@ import structlog
 
 from datasets.faults import claim_once
 from datasets.images import Decoded
+from pipelines.found import Detection
 from worker.core.ports import BatchReport
 from worker.engine import Engine
 from worker.engine.predictors import Models, Predictor
@@ -181,5 +182,5 @@ class _FailingPredictor:
 
     def run(
         self, images: Sequence[Decoded], while_running: Callable[[], None]
-    ) -> list[list[dict[str, Any]]]:
+    ) -> list[list[Detection]]:
         raise sticky_cuda_error(self._error_type)

@@ -4,9 +4,10 @@ demand (``Models``), or one predictor for every batch (``OneModel``)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from datasets.images import Decoded
+from pipelines.found import Detection
 
 
 class Predictor(Protocol):
@@ -23,7 +24,7 @@ class Predictor(Protocol):
 
     def run(
         self, images: Sequence[Decoded], while_running: Callable[[], None]
-    ) -> list[list[dict[str, Any]]]:
+    ) -> list[list[Detection]]:
         """Calls ``while_running`` once, while the device computes the batch."""
         ...
 

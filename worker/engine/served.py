@@ -43,6 +43,10 @@ class ServedPipelines:
     def name(self, pipeline: str) -> str:
         return pipeline or self.default
 
+    def detecting(self) -> bool:
+        """Whether any served pipeline has a detector (its forward pass outweighs decoding)."""
+        return any(c.pipeline.detector is not None for c in self.chosen.values())
+
     def plans(self) -> dict[str, DecodePlan]:
         return {"": self.chosen[self.default].plan} | {n: c.plan for n, c in self.chosen.items()}
 

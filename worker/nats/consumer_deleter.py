@@ -21,39 +21,40 @@ from nats.js.errors import NotFoundError
 
 from config.settings import NatsSettings
 from worker.nats.consumer_maker import ConsumerMaker
-from worker.nats.consumer_stats import ConsumerStats, delivered_seq
+from worker.nats.consumer_stats import delivered_seq
+from worker.nats.job_state import JobConsumerState
 from worker.nats.subjects import advisory_consumer, consumer_advisory_subject
 
 log = structlog.get_logger(__name__)
-DONE_KEPT = 10_000  # deleted consumers remembered, so a late new-jobs message makes none again
 
 
 class ConsumerDeleter:
-    """Deletes the consumers quiet for the linger, and remembers what each had delivered."""
+    """Deletes the consumers quiet for the linger; the state remembers what each delivered."""
 
     def __init__(
         self,
         js: JetStreamContext,
         settings: NatsSettings,
-        stats: ConsumerStats,
+        state: JobConsumerState,
         maker: ConsumerMaker,
     ):
         self._js = js
         self._settings = settings
-        self._stats = stats
+        self._state = state
         self._maker = maker
         self._quiet_since: dict[str, float] = {}  # consumer -> when first listed with no work
-        self.done: dict[str, int] = {}  # subject -> what its consumer deleted here delivered
 
-    async def delete_finished(self, ours: dict[str, api.ConsumerInfo], bound: set[str]) -> None:
-        """Delete the consumers quiet for the linger (nothing pending, nothing awaiting an
-        ack, not bound here); one whose job had a task published meanwhile is made again."""
+    async def delete_finished(self, bound: set[str]) -> None:
+        """Delete the consumers of the state's map quiet for the linger (nothing pending,
+        nothing awaiting an ack, not bound here); one whose job had a task published
+        meanwhile is made again."""
         now = time.monotonic()
+        ours = self._state.consumers
         quiet = self._quiet_since
         for name in [n for n in quiet if n not in ours]:
             del quiet[name]
         # At the bound, with jobs waiting, one discovery's quiet is linger enough.
-        linger_s = 0.0 if len(ours) >= self._stats.bound else self._settings.job_consumer_linger_s
+        linger_s = 0.0 if len(ours) >= self._state.bound else self._settings.job_consumer_linger_s
         due = []
         for name, info in ours.items():
             if info.num_pending or info.num_ack_pending or name in bound:
@@ -67,7 +68,7 @@ class ConsumerDeleter:
         named = await self._named_by_advisories(due)
         for info in due:
             if info.name not in named:
-                await self._delete(info, ours)
+                await self._delete(info)
 
     async def _named_by_advisories(self, due: list[api.ConsumerInfo]) -> set[str]:
         """The consumers of ``due`` that a max-deliveries advisory not yet settled names (its
@@ -96,7 +97,7 @@ class ConsumerDeleter:
                 named.add(name)
         return named
 
-    async def _delete(self, listed: api.ConsumerInfo, ours: dict[str, api.ConsumerInfo]) -> None:
+    async def _delete(self, listed: api.ConsumerInfo) -> None:
         """Delete a consumer found quiet, unless its own consumer_info says it has delivered,
         or has work, since the listing (a process with it bound took a task meanwhile)."""
         name, subject = listed.name, listed.config.filter_subject or ""
@@ -116,29 +117,18 @@ class ConsumerDeleter:
                 await self._js.delete_consumer(self._settings.tasks_stream, name)
             except NotFoundError:
                 pass  # another worker deleted it
-        ours.pop(name, None)
-        self._maker.forget(name)
+        self._state.deleted(name, subject, delivered_seq(info))
         self._quiet_since.pop(name, None)
-        self._stats.deleted += 1
         log.info("job_consumer_deleted", consumer=name, subject=subject)
-        await self._remake_if_published(subject, delivered_seq(info), ours)
+        await self._remake_if_published(subject, delivered_seq(info))
 
-    async def _remake_if_published(
-        self, subject: str, delivered: int, ours: dict[str, api.ConsumerInfo]
-    ) -> None:
-        """Remember what the deleted consumer of ``subject`` delivered; a task published
-        since gets a consumer again from there (or is owed one, with no room now)."""
-        self.done[subject] = delivered
-        if len(self.done) > DONE_KEPT:
-            del self.done[next(iter(self.done))]
+    async def _remake_if_published(self, subject: str, delivered: int) -> None:
+        """A task published on ``subject`` since its consumer delivered ``delivered`` gets a
+        consumer again from there (or is owed one, with no room now)."""
         try:
             last = (await self._js.get_last_msg(self._settings.tasks_stream, subject)).seq or 0
         except NotFoundError:
             return
         # Published since the listing: served still (made at the next discovery with room).
-        if (
-            subject
-            and last > delivered
-            and not await self._maker.make(subject, ours, delivered + 1)
-        ):
-            self._maker.owed[subject] = delivered + 1
+        if subject and last > delivered and not await self._maker.make(subject, delivered + 1):
+            self._state.owe(subject, delivered + 1)

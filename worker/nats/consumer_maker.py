@@ -17,28 +17,26 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, NotFoundError
 
 from config.settings import NatsSettings
-from worker.nats.consumer_stats import ConsumerStats
 from worker.nats.job_names import job_consumer_config
+from worker.nats.job_state import JobConsumerState
 
 log = structlog.get_logger(__name__)
 ASSUMED_SERVER_LIMIT = 1000  # nats-server 2.15's per-stream default, where nothing says more
 
 
 class ConsumerMaker:
-    """Makes job consumers (or finds them made elsewhere) while there is room."""
+    """Makes job consumers (or finds them made elsewhere) while the state says there is
+    room, and tells it what the server answered."""
 
-    def __init__(self, js: JetStreamContext, settings: NatsSettings, stats: ConsumerStats):
+    def __init__(self, js: JetStreamContext, settings: NatsSettings, state: JobConsumerState):
         self._js = js
         self._settings = settings
-        self.stats = stats
-        self.counted = 0  # job consumers that exist besides those in hand
-        self.owed: dict[str, int] = {}  # subject -> start sequence of a remake not done yet
-        self._known: set[str] = set()  # job consumers as last listed, and made since
+        self._state = state
 
     async def open(self) -> None:
         limit = await self._server_limit()
-        self.stats.bound = max(1, min(self._settings.max_job_consumers, limit // 2))
-        log.info("job_consumers_bounded", most_at_once=self.stats.bound)
+        self._state.bounded(max(1, min(self._settings.max_job_consumers, limit // 2)))
+        log.info("job_consumers_bounded", most_at_once=self._state.bound)
 
     async def _server_limit(self) -> int:
         """The stream's max_consumers, else the account's, else the assumed default."""
@@ -52,24 +50,16 @@ class ConsumerMaker:
         limit = account.limits.max_consumers
         return int(limit) if limit and limit > 0 else ASSUMED_SERVER_LIMIT
 
-    def listed(self, ours: dict[str, api.ConsumerInfo]) -> None:
-        self._known = set(ours)
-        self.stats.existing = len(ours)
-
-    def forget(self, name: str) -> None:
-        """``name`` was deleted: made again, it counts as made."""
-        self._known.discard(name)
-
-    async def make_owed(self, ours: dict[str, api.ConsumerInfo]) -> None:
+    async def make_owed(self) -> None:
         """The remakes owed, each done while there is room."""
-        for subject, start in list(self.owed.items()):
-            if await self.make(subject, ours, start=start):
-                del self.owed[subject]
+        for subject, start in self._state.owed():
+            if await self.make(subject, start=start):
+                self._state.paid(subject)
 
-    async def make(self, subject: str, ours: dict[str, api.ConsumerInfo], start: int = 0) -> bool:
+    async def make(self, subject: str, start: int = 0) -> bool:
         """Make ``subject``'s consumer (from stream sequence ``start`` when given); False when
         there is no room for more now (the bound, or the server's refusal)."""
-        if self.counted + len(ours) >= self.stats.bound:
+        if not self._state.room():
             return False
         config = job_consumer_config(self._settings, subject)
         if start:
@@ -79,27 +69,21 @@ class ConsumerMaker:
             info = await self._js.add_consumer(self._settings.tasks_stream, config)
         except APIError as error:
             try:  # made meanwhile by another worker (with another start): that one serves
-                ours[config.name or ""] = await self._js.consumer_info(
-                    self._settings.tasks_stream, config.name or ""
+                self._state.found(
+                    await self._js.consumer_info(self._settings.tasks_stream, config.name or "")
                 )
                 return True
             except NotFoundError:
                 self._refused(subject, error)
                 return False
-        ours[info.name] = info
-        self.stats.refusal = None
-        if info.name not in self._known:  # else add_consumer found it made: nothing new
-            self._known.add(info.name)
-            self.stats.made += 1
+        if self._state.made(info):  # else add_consumer found it made: nothing new
             log.info("job_consumer_made", consumer=info.name, subject=subject, start_seq=start or 1)
         return True
 
     def _refused(self, subject: str, error: APIError) -> None:
         """Counted each time; logged once while the refusals last (they are retried at every
         discovery)."""
-        self.stats.refused += 1
-        first = self.stats.refusal is None
-        self.stats.refusal = (
+        first = self._state.refused(
             f"NATS refused a job consumer on stream {self._settings.tasks_stream}: "
             f"{error.description or error} (code {error.err_code}); new jobs wait for room"
         )

@@ -1,5 +1,6 @@
-"""What the job consumers' lifecycle did (``worker.nats.lifecycle``), for the metrics and
-/healthz, and the one reading of a consumer its parts share: how far it has delivered."""
+"""What the job consumers' lifecycle did (counted by ``worker.nats.job_state``, read as a copy),
+for the metrics and /healthz, and the one reading of a consumer its parts share: how far it
+has delivered."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ both callers; what each does on each outcome is the table ``POLICY``:
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import replace
 
 import structlog
@@ -22,8 +23,8 @@ from nats.js.errors import APIError
 
 from config.names import env_name
 from config.settings import ConfigError, NatsSettings
-from worker.nats.consumer_stats import ConsumerStats
 from worker.nats.job_names import job_consumer_config
+from worker.nats.job_state import JobConsumerState
 
 log = structlog.get_logger(__name__)
 DIFFERED_KEPT = 10_000  # consumers remembered as logged with other settings
@@ -47,7 +48,7 @@ class Action(enum.Enum):
     NOTHING = "nothing"
     WARN_ONCE = "warn once per consumer"  # job_consumer_settings_differ
     LOG_UPDATED = "log the update"  # job_consumer_updated
-    COUNT = "count it"  # stats.updated, a metric
+    COUNT = "count it"  # the state's updated count, a metric
     EXIT = "raise ConfigError"  # exit 2, naming the consumer
     WARN_AND_KEEP = "warn and leave it"  # job_consumer_not_updated
 
@@ -73,27 +74,32 @@ def alike(info: api.ConsumerInfo, wanted: api.ConsumerConfig) -> bool:
 class DriftRepair:
     """Gives job consumers this process's delivery settings, by ``POLICY``."""
 
-    def __init__(self, js: JetStreamContext, settings: NatsSettings, stats: ConsumerStats):
+    def __init__(self, js: JetStreamContext, settings: NatsSettings, state: JobConsumerState):
         self._js = js
         self._settings = settings
-        self._stats = stats
+        self._state = state
         self._differed: set[str] = set()  # consumers logged with other delivery settings
 
-    async def repair(self, ours: dict[str, api.ConsumerInfo], caller: Caller) -> None:
-        """Each consumer of ``ours`` whose settings drifted is given ours (``ours`` then holds
-        what the server answered); each outcome handled as ``POLICY`` says for ``caller``."""
+    async def repair(
+        self, ours: Mapping[str, api.ConsumerInfo], caller: Caller
+    ) -> dict[str, api.ConsumerInfo]:
+        """Each consumer of ``ours`` whose settings drifted is given ours; returns what the
+        server answered for those it updated. Each outcome handled as ``POLICY`` says for
+        ``caller``."""
         wanted = job_consumer_config(self._settings, "tasks.x.x")
+        updated: dict[str, api.ConsumerInfo] = {}
         for name, info in list(ours.items()):
             if alike(info, wanted):
                 continue
             self._act(POLICY[Drift.FOUND][caller], name, info, wanted)
             config = replace(info.config, **{f: getattr(wanted, f) for f in DELIVERY_FIELDS})
             try:
-                ours[name] = await self._js.add_consumer(self._settings.tasks_stream, config)
+                updated[name] = await self._js.add_consumer(self._settings.tasks_stream, config)
             except APIError as error:
                 self._act(POLICY[Drift.REFUSED][caller], name, info, wanted, error)
                 continue
             self._act(POLICY[Drift.UPDATED][caller], name, info, wanted)
+        return updated
 
     def _act(
         self,
@@ -113,7 +119,7 @@ class DriftRepair:
                 max_deliver=wanted.max_deliver,
             )
         elif action is Action.COUNT:
-            self._stats.updated += 1
+            self._state.count_updated()
         elif action is Action.EXIT:
             reason = (error.description or error) if error is not None else "no answer"
             raise ConfigError(

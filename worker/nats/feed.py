@@ -56,6 +56,8 @@ class TaskFeed:
             else None
         )
         self._hints = NewJobHints(nc, pipelines or [], self._jobs.hinted) if self._jobs else None
+        if self._jobs is not None and self._hints is not None:
+            self._jobs.hints_whole = self._hints.whole  # idle: fewer listings while heard
 
     async def open(self) -> None:
         self._sub = await self._js.pull_subscribe_bind(
@@ -99,6 +101,16 @@ class TaskFeed:
     async def fetch(
         self, batch: int, runnable: Runnable | None = None, available: Runnable | None = None
     ) -> list[Msg]:
+        """``_fetch``'s messages; any fetched puts the job discovery back at its base interval
+        (``worker.nats.listing_cadence``)."""
+        msgs = await self._fetch(batch, runnable, available)
+        if msgs and self._jobs is not None:
+            self._jobs.cadence.worked()
+        return msgs
+
+    async def _fetch(
+        self, batch: int, runnable: Runnable | None = None, available: Runnable | None = None
+    ) -> list[Msg]:
         """Up to ``batch`` messages; [] after ``fetch_timeout_s`` or while disconnected. With
         jobs pending, an equal share of ``batch`` from each (and from the durable consumer
         when it has tasks), the first job turning round from one fetch to the next; none from
@@ -111,7 +123,7 @@ class TaskFeed:
         if self._jobs.due():
             self._late = await self._jobs.refresh()
             if self._late:
-                return await self.fetch(batch, runnable, available)
+                return await self._fetch(batch, runnable, available)
         main = [self._sub] if self._jobs.main_pending and batch > 1 else []
         jobs = self._jobs.active(runnable, available)[: batch - len(main)]  # one task each
         if not jobs:
@@ -126,9 +138,7 @@ class TaskFeed:
             )
         )
         for job, got, asked in zip(jobs, fetched, shares, strict=False):
-            # Short: it has no more now (a fetch returns what is there at once). Not asked
-            # again until the next listing, or until a task of it is heard of.
-            job.dry = len(got) < asked
+            self._jobs.share_fetched(job, short=len(got) < asked)
         await self._jobs.delivered([msg for got in fetched[: len(jobs)] for msg in got])
         return [msg for got in fetched for msg in got]
 

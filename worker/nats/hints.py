@@ -61,6 +61,11 @@ class NewJobHints:
                 effect="new jobs are found by the periodic discovery only",
             )
 
+    def whole(self) -> bool:
+        """Every subject subscribed: a new job is heard of, so an idle process may list the
+        job consumers less often (``worker.nats.listing_cadence``)."""
+        return bool(self._subs) and len(self._subs) == len(self._subjects)
+
     async def close(self) -> None:
         for sub in self._subs:
             with contextlib.suppress(nats.errors.Error):

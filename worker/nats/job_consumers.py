@@ -8,7 +8,7 @@ own while it has work, filtered to that subject and shared by every worker proce
 is made from the subject: ``<WORKER_NATS__CONSUMER>-job-<sha256 of the subject, 16 hex>``, its
 description is the subject). Consumers are made as jobs come and deleted as they finish,
 within a bound (``worker.nats.lifecycle``, which composes ``job_discovery``,
-``consumer_maker``, ``drift_repair`` and ``consumer_deleter``). Every
+``consumer_maker``, ``drift_repair`` and ``consumer_deleter`` around ``job_state``). Every
 ``WORKER_NATS__JOB_DISCOVERY_S``, and at once when a task of a job not served yet is heard of
 (``worker.nats.hints``), one consumer listing gives the job consumers' pending counts. Each
 fetch takes from the jobs with tasks pending (or awaiting an ack: redeliveries come from
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,11 +40,11 @@ from config.names import env_name
 from config.settings import NatsSettings
 from worker.core.ports import Runnable
 from worker.nats.consumer_stats import ConsumerStats
-from worker.nats.drift_repair import Caller
 from worker.nats.job_discovery import list_consumers
 from worker.nats.job_names import is_job_consumer, job_consumer, job_consumer_config
 from worker.nats.late import unsubscribe
 from worker.nats.lifecycle import JobLifecycle
+from worker.nats.listing_cadence import ListingCadence
 from worker.nats.provision import SCOUT_BATCH, new_jobs_consumer, serves_job_subjects
 from worker.nats.subjects import tasks_subject
 
@@ -81,12 +82,14 @@ class JobConsumers:
         self._hinted_new: dict[str, None] = {}  # those jobs' subjects (SCOUT_BATCH at most)
         self._from_hints: dict[str, api.ConsumerInfo] = {}  # made for them, not yet scouted
         self._bind_first = False  # some made for them: bound before the new-jobs read
+        self.cadence = ListingCadence(settings.job_discovery_s, settings.job_discovery_idle_s)
+        self.hints_whole: Callable[[], bool] = lambda: False  # the feed's NewJobHints.whole
 
     def due(self) -> bool:
         return self._hinted or self.due_by_time()
 
     def due_by_time(self) -> bool:
-        return time.monotonic() - self._refreshed_at >= self._settings.job_discovery_s
+        return time.monotonic() - self._refreshed_at >= self.cadence.interval_s
 
     def hinted(self, subject: str) -> None:
         """A task was published on ``subject`` (``worker.nats.hints``): a job subject not
@@ -134,13 +137,12 @@ class JobConsumers:
         if self._conflict_logged or not self._hinted_new:
             return
         subjects, self._hinted_new = list(self._hinted_new), {}
-        made = self._life.stats.made
         try:
-            ours = await self._life.make_hinted(subjects, self._life.stats.existing)
+            ours = await self._life.make_hinted(subjects)
         except (nats.errors.Error, TimeoutError) as error:
             log.warning("job_discovery_failed", error=f"{type(error).__name__}: {error}")
             return
-        self._life.stats.existing += self._life.stats.made - made
+        self._life.round_done()
         for info in ours.values():
             self._from_hints[info.name] = info
             self._note(info, hinted=True)
@@ -150,7 +152,7 @@ class JobConsumers:
     def until_due(self) -> float:
         """Seconds until the next discovery is due (0 when it is)."""
         waited = time.monotonic() - self._refreshed_at
-        return 0.0 if self._hinted else max(0.0, self._settings.job_discovery_s - waited)
+        return 0.0 if self._hinted else max(0.0, self.cadence.interval_s - waited)
 
     async def refresh(self) -> list[Msg]:
         """Make the consumers new jobs lack, delete those of finished jobs, bind the jobs with
@@ -164,7 +166,8 @@ class JobConsumers:
                 return [] if self._conflict_logged else await self._new_jobs_only()
             self._refreshed_at = time.monotonic()
             self._hinted_new, self._from_hints, self._bind_first = {}, {}, False  # listed now
-            scouted = await self._life.scout(self._life.stats.existing)
+            self.cadence.listed(quiet=self._quiet())
+            scouted = await self._life.scout()
             listed = await self._listed()  # after the scout read: a job listed has its consumer
             main = listed.get(self._settings.consumer)
             self.main_pending = bool(main is not None and main.num_pending)
@@ -175,13 +178,17 @@ class JobConsumers:
                     job.pending = job.ack_pending = 0
                 return await self._bind_or_unbind()
             self._life.listed(ours)
-            await self._life.repair_drift(ours, Caller.DISCOVERY)
-            await self._life.make_missing(scouted, ours)
-            return await self._settle_listing(ours, scouted)
+            await self._life.repair_drift()
+            await self._life.make_missing(scouted)
+            return await self._settle_listing(scouted)
         except (nats.errors.Error, TimeoutError) as error:
             log.warning("job_discovery_failed", error=f"{type(error).__name__}: {error}")
             await self._life.give_back(scouted)  # for the next discovery, not after 30 s
             return []
+
+    def _quiet(self) -> bool:
+        """Nothing in hand and the hints whole: an idle process may list less often."""
+        return self._life.empty_handed() and self.hints_whole()
 
     async def _new_jobs_only(self) -> list[Msg]:
         """The new-jobs messages waiting, their consumers made (or found: made elsewhere) and
@@ -192,26 +199,22 @@ class JobConsumers:
         if self._bind_first:
             self._bind_first, self._hinted = False, True  # the new-jobs read at the next fetch
             return await self._bind_or_unbind()
-        scouted = await self._life.scout(self._life.stats.existing)
-        ours, self._from_hints = self._from_hints, {}
+        scouted = await self._life.scout()
+        known, self._from_hints = self._from_hints, {}
         if not scouted:
             return []
-        made = self._life.stats.made
-        await self._life.make_missing(
-            scouted, ours, counted=max(0, self._life.stats.existing - len(ours)), listed=False
-        )
-        self._life.stats.existing += self._life.stats.made - made
-        for name, info in ours.items():
+        await self._life.make_missing(scouted, known)
+        self._life.round_done()
+        for name, info in self._life.consumers.items():
             if name not in hinted:  # (those heard of are noted already, fetched or being)
                 self._note(info)
         if self._life.more:
             self._hinted = True
         return await self._bind_or_unbind()
 
-    async def _settle_listing(
-        self, ours: dict[str, api.ConsumerInfo], scouted: list[Msg]
-    ) -> list[Msg]:
+    async def _settle_listing(self, scouted: list[Msg]) -> list[Msg]:
         """After a listing: jobs noted, bound or unbound, finished ones' consumers deleted."""
+        ours = self._life.consumers
         for job in self._jobs.values():
             if job.name not in ours:  # deleted by another worker: nothing left to do
                 job.pending = job.ack_pending = 0
@@ -220,8 +223,8 @@ class JobConsumers:
         late = await self._bind_or_unbind()
         if not scouted:  # new jobs first: their first fetch does not wait on deletes
             bound = {job.name for job in self._jobs.values() if job.sub is not None}
-            await self._life.delete_finished(ours, bound)
-        self._life.stats.existing = len(ours)
+            await self._life.delete_finished(bound)
+        self._life.round_done()
         if self._life.more:
             self._refreshed_at = float("-inf")
         return late
@@ -264,8 +267,8 @@ class JobConsumers:
         process's delivery settings (ConfigError when one cannot be), then a discovery."""
         await self._life.open()
         listed = await self._listed()
-        await self._life.repair_drift(
-            {n: i for n, i in listed.items() if is_job_consumer(self._settings, n)}, Caller.OPEN
+        await self._life.repair_at_open(
+            {n: i for n, i in listed.items() if is_job_consumer(self._settings, n)}
         )
         return await self.refresh()
 
@@ -279,7 +282,7 @@ class JobConsumers:
 
     def problem(self) -> str | None:
         """Why new jobs cannot be served now (the server refused their consumers), or None."""
-        return self._life.stats.refusal
+        return self._life.refusal
 
     def active(
         self, runnable: Runnable | None = None, available: Runnable | None = None
@@ -296,6 +299,12 @@ class JobConsumers:
             return []
         self._turn = (self._turn + 1) % len(bound)
         return bound[self._turn :] + bound[: self._turn]
+
+    def share_fetched(self, job: BoundJob, short: bool) -> None:
+        """``job``'s share of a fetch came back ``short``: it has no more now (a fetch returns
+        what is there at once), so it is not asked again until the next listing, or until a
+        task of it is heard of."""
+        job.dry = short
 
     async def busy_now(self) -> bool:
         """Any job consumer of ours with tasks pending or awaiting an ack (listed now)."""

@@ -16,7 +16,7 @@ Limits: consumers are listed 256 per request, 64 pages at most.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 
 import nats
 from nats.aio.msg import Msg
@@ -70,11 +70,11 @@ class JobDiscovery:
         self._settings = settings
         self._scout: object | None = None
         self.more = False  # the last scout read was full: discover again at once
-        self.waiting: dict[str, Msg] = {}  # subject -> latest new-jobs message, no consumer yet
-        self.held: dict[str, Msg] = {}  # subject -> the same, its consumer not yet past it
+        self._waiting: dict[str, Msg] = {}  # subject -> latest new-jobs message, no consumer yet
+        self._held: dict[str, Msg] = {}  # subject -> the same, its consumer not yet past it
         # subject -> the latest task fetched here from the consumer made on a hint for it,
         # before its new-jobs message was read (which is then done if that is past it)
-        self.fetched: dict[str, int] = {}
+        self._fetched: dict[str, int] = {}
         self._renewed_at = 0.0
         self._given_back_read_at = float("-inf")
 
@@ -84,7 +84,19 @@ class JobDiscovery:
         )
 
     def in_hand(self, subject: str) -> bool:
-        return subject in self.waiting or subject in self.held
+        return subject in self._waiting or subject in self._held
+
+    def empty_handed(self) -> bool:
+        """No new-jobs message in hand: none waiting for its consumer, none held."""
+        return not self._waiting and not self._held
+
+    def waiting(self) -> list[str]:
+        """The subjects of the jobs in hand with no consumer yet, in the order they came."""
+        return list(self._waiting)
+
+    def consumer_made(self, subject: str) -> None:
+        """``subject``'s job has its consumer: its message is held until it is past it."""
+        self._held[subject] = self._waiting.pop(subject)
 
     async def scout(self, existing: int, bound: int) -> list[Msg]:
         """New-job messages waiting (none read while ``existing`` reaches the ``bound``, or
@@ -94,13 +106,13 @@ class JobDiscovery:
         self.more = False
         if self._scout is None or existing >= bound:
             return []
-        if len(self.waiting) >= SCOUT_BATCH:
+        if len(self._waiting) >= SCOUT_BATCH:
             return []
         s = self._settings
         info = await self._js.consumer_info(s.tasks_stream, new_jobs_consumer(s))
         # Messages given back (a worker stopped, or died and its ack wait ran out) are awaiting
         # an ack, not pending: looked for now and then, when more await one than are in hand.
-        in_hand = len(self.waiting) + len(self.held)
+        in_hand = len(self._waiting) + len(self._held)
         given_back = (info.num_ack_pending or 0) > in_hand and (
             time.monotonic() - self._given_back_read_at >= SCOUT_ACK_WAIT_S / 3
         )
@@ -120,7 +132,7 @@ class JobDiscovery:
     async def keep(self, msg: Msg) -> None:
         """Hold ``msg``, the latest of its job's in hand; the older one is acked (a consumer
         past the latest is past it too)."""
-        hand = self.held if msg.subject in self.held else self.waiting
+        hand = self._held if msg.subject in self._held else self._waiting
         old = hand.get(msg.subject)
         if old is not None and seq(old) > seq(msg):
             await settled(msg.ack())
@@ -129,49 +141,49 @@ class JobDiscovery:
         if old is not None and seq(old) < seq(msg):
             await settled(old.ack())
 
-    def wait_again(self, ours: dict[str, api.ConsumerInfo]) -> None:
+    def wait_again(self, ours: Mapping[str, api.ConsumerInfo]) -> None:
         """A held job whose consumer is not listed (deleted elsewhere) needs one again."""
-        for subject in [s for s in self.held if job_consumer(self._settings, s) not in ours]:
-            self.waiting[subject] = self.held.pop(subject)
+        for subject in [s for s in self._held if job_consumer(self._settings, s) not in ours]:
+            self._waiting[subject] = self._held.pop(subject)
 
-    async def ack_past(self, ours: dict[str, api.ConsumerInfo]) -> None:
+    async def ack_past(self, ours: Mapping[str, api.ConsumerInfo]) -> None:
         """Ack the held messages whose consumer, as listed in ``ours``, is past them, or
         whose task was fetched here already; forget the fetches."""
-        for subject, msg in list(self.held.items()):
+        for subject, msg in list(self._held.items()):
             info = ours.get(job_consumer(self._settings, subject))
-            fetched = self.fetched.get(subject, 0) >= seq(msg)
+            fetched = self._fetched.get(subject, 0) >= seq(msg)
             if fetched or (info is not None and _past(info, seq(msg))):
-                del self.held[subject]
+                del self._held[subject]
                 await settled(msg.ack())
-        self.fetched.clear()
+        self._fetched.clear()
 
     def made_on_hint(self, subject: str) -> None:
         """``subject``'s consumer was made before its new-jobs message was read."""
-        self.fetched.setdefault(subject, 0)
-        if len(self.fetched) > FETCHED_KEPT:
-            del self.fetched[next(iter(self.fetched))]
+        self._fetched.setdefault(subject, 0)
+        if len(self._fetched) > FETCHED_KEPT:
+            del self._fetched[next(iter(self._fetched))]
 
     async def delivered(self, tasks: list[Msg]) -> None:
         """Tasks fetched here from job consumers: a held new-jobs message they are past is
         acked now, not at the next listing."""
         for task in tasks:
-            held = self.held.get(task.subject)
+            held = self._held.get(task.subject)
             if held is not None and seq(held) <= seq(task):
-                del self.held[task.subject]
+                del self._held[task.subject]
                 await settled(held.ack())
-            elif task.subject in self.fetched:
-                self.fetched[task.subject] = max(self.fetched[task.subject], seq(task))
+            elif task.subject in self._fetched:
+                self._fetched[task.subject] = max(self._fetched[task.subject], seq(task))
 
     async def give_back(self, scouted: list[Msg]) -> None:
         """Scouted messages a failed discovery did not take in hand, given back at once."""
-        in_hand = {id(msg) for msg in [*self.waiting.values(), *self.held.values()]}
+        in_hand = {id(msg) for msg in [*self._waiting.values(), *self._held.values()]}
         for msg in scouted:
             if id(msg) not in in_hand:
                 await settled(msg.nak())
 
     async def close(self) -> None:
         """Give back the messages in hand, for another worker at once."""
-        hands, self.waiting, self.held = [self.waiting, self.held], {}, {}
+        hands, self._waiting, self._held = [self._waiting, self._held], {}, {}
         for hand in hands:
             for msg in hand.values():
                 await settled(msg.nak())
@@ -182,5 +194,5 @@ class JobDiscovery:
         if time.monotonic() - self._renewed_at < SCOUT_ACK_WAIT_S / 3:
             return
         self._renewed_at = time.monotonic()
-        for msg in [*self.waiting.values(), *self.held.values()]:
+        for msg in [*self._waiting.values(), *self._held.values()]:
             await settled(msg.in_progress())

@@ -4,10 +4,12 @@ well under the server's per-stream consumer limit: where the four parts meet.
 Each part has one job: ``worker.nats.job_discovery`` reads the new-jobs messages and keeps
 them in hand, ``worker.nats.consumer_maker`` makes consumers within the bound,
 ``worker.nats.drift_repair`` gives existing ones this process's delivery settings, and
-``worker.nats.consumer_deleter`` deletes those of finished jobs. What passes between them
-lives here: a job's message in hand makes its consumer, and is acked once the consumer is
-past it; a message already delivered by a consumer deleted here is only acked; a remake the
-deleter owes is made first.
+``worker.nats.consumer_deleter`` deletes those of finished jobs. What they know of the job
+consumers (the map of this round, the bound, the remakes owed, what the deleted ones had
+delivered, the counts) is ``worker.nats.job_state``'s, which each asks and tells; none writes
+another's. What passes between them lives here: a job's message in hand makes its consumer,
+and is acked once the consumer is past it; a message already delivered by a consumer deleted
+here is only acked; a remake the deleter owes is made first.
 
 So a task is never left without a trace: should its consumer be deleted before delivering it
 and the remake fail, the message in hand makes the consumer again at a later discovery, and a
@@ -17,6 +19,8 @@ discovery, in the order the jobs came.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
@@ -28,6 +32,7 @@ from worker.nats.consumer_stats import ConsumerStats
 from worker.nats.drift_repair import Caller, DriftRepair
 from worker.nats.job_discovery import JobDiscovery, seq, settled
 from worker.nats.job_names import job_consumer
+from worker.nats.job_state import JobConsumerState
 
 
 class JobLifecycle:
@@ -35,92 +40,120 @@ class JobLifecycle:
 
     def __init__(self, js: JetStreamContext, settings: NatsSettings, pipelines: list[str]):
         self._settings = settings
-        self.stats = ConsumerStats(bound=settings.max_job_consumers)
-        self.discovery = JobDiscovery(js, settings)
-        self.maker = ConsumerMaker(js, settings, self.stats)
-        self.drift = DriftRepair(js, settings, self.stats)
-        self.deleter = ConsumerDeleter(js, settings, self.stats, self.maker)
+        self._state = JobConsumerState(bound=settings.max_job_consumers)
+        self._discovery = JobDiscovery(js, settings)
+        self._maker = ConsumerMaker(js, settings, self._state)
+        self._drift = DriftRepair(js, settings, self._state)
+        self._deleter = ConsumerDeleter(js, settings, self._state, self._maker)
 
     @property
     def more(self) -> bool:
         """The last scout read was full: discover again at once."""
-        return self.discovery.more
+        return self._discovery.more
+
+    @property
+    def stats(self) -> ConsumerStats:
+        """What the lifecycle did, for the metrics (a copy)."""
+        return self._state.stats
+
+    @property
+    def refusal(self) -> str | None:
+        """The server's last refusal, while new jobs still wait for room."""
+        return self._state.refusal
+
+    @property
+    def consumers(self) -> Mapping[str, api.ConsumerInfo]:
+        """This round's job consumers of ours, by name (read-only)."""
+        return self._state.consumers
+
+    def empty_handed(self) -> bool:
+        """No new-jobs message in hand (``JobDiscovery.empty_handed``)."""
+        return self._discovery.empty_handed()
 
     async def open(self) -> None:
-        await self.maker.open()
-        await self.discovery.open()
+        await self._maker.open()
+        await self._discovery.open()
 
-    async def scout(self, existing: int) -> list[Msg]:
-        return await self.discovery.scout(existing, self.stats.bound)
+    async def scout(self) -> list[Msg]:
+        return await self._discovery.scout(self._state.existing, self._state.bound)
 
-    def listed(self, ours: dict[str, api.ConsumerInfo]) -> None:
-        self.maker.listed(ours)
+    def listed(self, ours: Mapping[str, api.ConsumerInfo]) -> None:
+        """A round after a listing: ``ours``, the job consumers listed, are all there are."""
+        self._state.listed(ours)
 
-    async def repair_drift(self, ours: dict[str, api.ConsumerInfo], caller: Caller) -> None:
-        await self.drift.repair(ours, caller)
+    def round_done(self) -> None:
+        """The round's made and deleted counted in how many exist."""
+        self._state.round_done()
+
+    async def repair_at_open(self, listed: Mapping[str, api.ConsumerInfo]) -> None:
+        """Every job consumer ``listed`` given this process's delivery settings."""
+        await self._drift.repair(listed, Caller.OPEN)
+
+    async def repair_drift(self) -> None:
+        """This round's job consumers given this process's delivery settings."""
+        self._state.updated(await self._drift.repair(self._state.consumers, Caller.DISCOVERY))
 
     async def make_missing(
-        self,
-        scouted: list[Msg],
-        ours: dict[str, api.ConsumerInfo],
-        counted: int = 0,
-        listed: bool = True,
+        self, scouted: list[Msg], known: Mapping[str, api.ConsumerInfo] | None = None
     ) -> None:
-        """Each scouted job gets its consumer (``ours`` is listed after the scout read, or,
-        not ``listed``, empty: then each is made or found by ``add_consumer``, and
-        ``counted`` others exist). A job's latest message is kept in hand (its ack wait
-        renewed) while it has no room, in the order they came, and then until its consumer
-        is seen past it; the others are acked."""
-        hand = self.discovery
-        self.maker.counted = counted
-        await self.maker.make_owed(ours)
+        """Each scouted job gets its consumer: after a listing (``listed``), or, with
+        ``known`` (those made on hints since), in a round of its own with no listing, where
+        each is made or found by ``add_consumer`` and the others last counted still exist. A
+        job's latest message is kept in hand (its ack wait renewed) while it has no room, in
+        the order they came, and then until its consumer is seen past it; the others are
+        acked."""
+        state, hand = self._state, self._discovery
+        if known is not None:
+            state.unlisted(known, others=max(0, state.existing - len(known)))
+        await self._maker.make_owed()
         for msg in scouted:
-            if seq(msg) <= self.deleter.done.get(msg.subject, 0):
+            if seq(msg) <= state.delivered_by_deleted(msg.subject):
                 await settled(msg.ack())  # delivered by a consumer deleted here since
             else:
                 await hand.keep(msg)
-        if listed:
-            hand.wait_again(ours)
+        if known is None:
+            hand.wait_again(state.consumers)
         room = True
-        for subject in list(hand.waiting):
+        for subject in hand.waiting():
             name = job_consumer(self._settings, subject)
-            if name not in ours and room:
-                room = await self.maker.make(subject, ours)
-            if name in ours:
-                hand.held[subject] = hand.waiting.pop(subject)
-        await hand.ack_past(ours)
-        if not hand.waiting:
-            self.stats.refusal = None
+            if name not in state.consumers and room:
+                room = await self._maker.make(subject)
+            if name in state.consumers:
+                hand.consumer_made(subject)
+        await hand.ack_past(state.consumers)
+        if not hand.waiting():
+            state.refusal_over()
         await hand.keep_in_hand()
 
-    async def make_hinted(self, subjects: list[str], counted: int) -> dict[str, api.ConsumerInfo]:
+    async def make_hinted(self, subjects: list[str]) -> dict[str, api.ConsumerInfo]:
         """The consumers of jobs heard of (``worker.nats.hints``), made (or found) before their
-        new-jobs messages are read, ``counted`` others existing: ``make_missing`` then holds
-        those messages until the consumers are past them. Jobs with a message in hand, or
-        whose consumer was deleted here, are left to ``make_missing``; so are all once there
-        is no room."""
-        self.maker.counted = counted
-        ours: dict[str, api.ConsumerInfo] = {}
+        new-jobs messages are read, in a round with no listing (those last counted exist):
+        ``make_missing`` then holds those messages until the consumers are past them. Jobs
+        with a message in hand, or whose consumer was deleted here, are left to
+        ``make_missing``; so are all once there is no room."""
+        state = self._state
+        state.unlisted({}, others=state.existing)
         for subject in subjects:
             if (
-                self.discovery.in_hand(subject)
-                or subject in self.deleter.done
-                or subject in self.maker.owed
+                self._discovery.in_hand(subject)
+                or state.deleted_here(subject)
+                or state.owes(subject)
             ):
                 continue
-            if not await self.maker.make(subject, ours):
+            if not await self._maker.make(subject):
                 break
-            self.discovery.made_on_hint(subject)
-        return ours
+            self._discovery.made_on_hint(subject)
+        return dict(state.consumers)
 
     async def delivered(self, tasks: list[Msg]) -> None:
-        await self.discovery.delivered(tasks)
+        await self._discovery.delivered(tasks)
 
     async def give_back(self, scouted: list[Msg]) -> None:
-        await self.discovery.give_back(scouted)
+        await self._discovery.give_back(scouted)
 
     async def close(self) -> None:
-        await self.discovery.close()
+        await self._discovery.close()
 
-    async def delete_finished(self, ours: dict[str, api.ConsumerInfo], bound: set[str]) -> None:
-        await self.deleter.delete_finished(ours, bound)
+    async def delete_finished(self, bound: set[str]) -> None:
+        """The consumers of this round's finished jobs deleted (none ``bound`` here)."""
+        await self._deleter.delete_finished(bound)

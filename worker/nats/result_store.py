@@ -3,7 +3,8 @@
 A result too large for one message (500 detections with 1,000 scores each is about 10 MB)
 is still stored whole: its ``response`` goes into the JetStream object store
 ``WORKER_NATS__RESULT_OBJECTS`` under the result's subject, written before the result, and the
-result says where (``response_object``); ``results --job`` puts it back in place.
+result says where (``response_object``); ``results --job`` puts it back in place. The response
+is encoded once (``_encoded_around``): the object holds the bytes the message would have.
 """
 
 from __future__ import annotations
@@ -68,16 +69,15 @@ class ResultStore:
         no retry could: a message the server would refuse (and close our connection for).
         """
         subject = result_subject(result["job_id"], result["task_id"])
-        payload = _encoded(result)
+        payload, response = _encoded_around(result)
         if not _SAFE_SUBJECT.fullmatch(subject):
             raise ResultRefused(
                 f"no valid result subject for this task ({len(subject)} chars)",
                 kind="invalid_result_subject",
             )
         limit = self.max_message_bytes()
-        if len(payload) > limit and result.get("response") is not None:
-            result = await self._response_aside(subject, result)
-            payload = _encoded(result)
+        if len(payload) > limit and response is not None:
+            payload = _encoded(await self._response_aside(subject, result, response))
         if len(payload) > limit:
             raise ResultRefused(
                 f"the result is {len(payload)} bytes, over the {limit} a message can hold",
@@ -117,14 +117,15 @@ class ResultStore:
         self._answers.answered()
         return not ack.duplicate
 
-    async def _response_aside(self, subject: str, result: dict[str, Any]) -> dict[str, Any]:
+    async def _response_aside(
+        self, subject: str, result: dict[str, Any], body: bytes
+    ) -> dict[str, Any]:
         """``result`` with its response written to the object store and a pointer in its place.
 
         The object's name carries the body's sha256 and is never overwritten: a second run of
         the task (redelivered, its result already stored) writes a second object and leaves
-        the one the stored result points to as it was.
+        the one the stored result points to as it was. ``body``: the response, encoded.
         """
-        body = _encoded(result["response"])
         sha256 = hashlib.sha256(body).hexdigest()
         bucket = self._settings.result_objects
         name = f"{subject}/{sha256}"
@@ -163,8 +164,25 @@ class ResultStore:
         return True
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
 def _encoded(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode()
+    return _ENCODER.encode(value).encode()
+
+
+def _encoded_around(result: dict[str, Any]) -> tuple[bytes, bytes | None]:
+    """``result``'s compact JSON, and its ``response``'s alone (None when it has none), the
+    response encoded once: the members before it, it, and those after it, joined."""
+    if result.get("response") is None:
+        return _encoded(result), None
+    keys = list(result)
+    at = keys.index("response")
+    response = _ENCODER.encode(result["response"])
+    before = _ENCODER.encode({k: result[k] for k in keys[:at]})[1:-1]
+    after = _ENCODER.encode({k: result[k] for k in keys[at + 1 :]})[1:-1]
+    members = [m for m in (before, f'"response":{response}', after) if m]
+    return ("{" + ",".join(members) + "}").encode(), response.encode()
 
 
 async def response_of(js: JetStreamContext, result: dict[str, Any]) -> dict[str, Any]:

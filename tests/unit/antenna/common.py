@@ -9,6 +9,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
+from pipelines.found import Box, Classification, Detection, Ref
 from pipelines.models import Algorithm
 from tests.antenna_fake import FakeAntenna
 from worker.antenna.catalog import Catalog
@@ -87,6 +88,19 @@ def detection(
     }
 
 
+def found_box(
+    key: str,
+    scores: list[float],
+    x1: float = 1.0,
+    by: str = DETECTOR_KEY,
+    logits: list[float] | None = None,
+) -> Detection:
+    """What the runner gives for a box found by the detector ``by``, classified by ``key``."""
+    at = "2026-12-01T00:00:00+00:00"
+    classified = Classification("a", None, scores, logits, 0.01, Ref("Classifier", key), True, at)
+    return Detection(Box(x1, 1.0, 5.0, 5.0), 0.01, Ref("Detector", by), at, [classified])
+
+
 def task_of(delivered: Any) -> Task:
     """The task the source read from Antenna's answer."""
     task = delivered.read.task
@@ -130,11 +144,7 @@ def rules_of(fake: FakeAntenna, max_post_bytes: int) -> CoreSettle:
 
 
 def outcome(scores: tuple[float, ...] = (0.7, 0.2, 0.1), detections: int = 1) -> Outcome:
-    found = []
-    for i in range(detections):
-        entry = detection("ignored", "clf", list(scores), x1=float(i), by="det")
-        entry.pop("source_image_id", None)
-        found.append(entry)
+    found = [found_box("clf", list(scores), x1=float(i), by="det") for i in range(detections)]
     return Outcome(detections=found, timings_s={"load_s": 0.01, "infer_s": 0.01})
 
 

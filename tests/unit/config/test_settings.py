@@ -124,10 +124,10 @@ def test_a_watchdog_shorter_than_a_drains_longest_bounded_wait_is_refused_naming
 
 def test_the_drains_longest_bounded_wait_is_the_one_the_drain_makes():
     from config.cross_checks import DRAIN_LONGEST_WAIT_S
-    from worker.core import batches, orchestrator
+    from worker.core import claims, drain
 
-    assert DRAIN_LONGEST_WAIT_S == orchestrator._PROCESSOR_END_S
-    assert DRAIN_LONGEST_WAIT_S >= batches.GIVE_BACK_WAIT_S
+    assert DRAIN_LONGEST_WAIT_S == drain._PROCESSOR_END_S
+    assert DRAIN_LONGEST_WAIT_S >= claims.GIVE_BACK_WAIT_S
 
 
 def test_missing_weights_are_refused_for_a_worker_but_not_for_a_client():

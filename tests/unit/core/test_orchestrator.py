@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -24,7 +24,8 @@ from tests.fakes import (
     task_msg,
 )
 from worker.core import batches as batches_module
-from worker.core import orchestrator
+from worker.core import claims as claims_module
+from worker.core import drain as drain_module
 from worker.core.availability import Availability
 from worker.core.exits import ExitReason
 from worker.core.link import SourceLink
@@ -187,7 +188,7 @@ class RaisingSource(FakeSource):
 
 
 async def test_a_burst_run_whose_source_keeps_raising_ends_not_served_with_6(monkeypatch):
-    monkeypatch.setattr("worker.core.orchestrator._FIRST_FETCH_BACKOFF_S", 0.01)
+    monkeypatch.setattr("worker.core.fetching._FIRST_FETCH_BACKOFF_S", 0.01)
     source = RaisingSource([])
     worker, store, _js, _m = a_worker(source, FakeEngine())
 
@@ -242,7 +243,7 @@ async def test_a_task_on_its_last_delivery_waits_held_until_its_pipeline_loads_a
         if store.stored:
             break
         await asyncio.sleep(0.01)
-    worker._stop.set()
+    worker.endings.stop.set()
     await running
     assert [(r["task_id"], r["status"]) for r in store.stored] == [("last", "ok")]
     assert last.actions == ["ack"] and availability.available("broken")
@@ -311,7 +312,7 @@ async def test_a_source_that_cannot_be_told_of_a_retried_load_does_not_end_the_w
         told.append(pipeline)
         raise TimeoutError("publish_algorithms timed out")
 
-    worker.services.loaded = loaded
+    worker.preparing.loaded = loaded
     worker._until_idle = False
     running = asyncio.create_task(run(worker))
     for _ in range(400):
@@ -319,7 +320,7 @@ async def test_a_source_that_cannot_be_told_of_a_retried_load_does_not_end_the_w
             break
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.05)
-    worker._stop.set()
+    worker.endings.stop.set()
     exit = await running
     assert told == ["p"] and availability.available("p")
     assert exit.code == 0
@@ -344,7 +345,7 @@ async def test_one_served_pipeline_whose_reload_fails_after_an_idle_unload_fails
         if all(m.actions for m in later):
             break
         await asyncio.sleep(0.01)
-    worker._stop.set()
+    worker.endings.stop.set()
     await running
 
     assert [r["status"] for r in store.stored] == ["ok", "ok"]  # the first two only
@@ -456,14 +457,15 @@ async def test_a_drain_whose_give_backs_hang_still_ends_and_names_the_tasks_left
     """The drain's time runs out while every result is being stored, and every nak hangs: the
     drain still ends (it does not wait for the watchdog or SIGKILL), and the tasks it could
     not give back are named, left for their ack wait."""
-    monkeypatch.setattr(orchestrator, "GIVE_BACK_WAIT_S", 0.2)
-    monkeypatch.setattr(orchestrator, "_PROCESSOR_END_S", 0.5)
+    monkeypatch.setattr(claims_module, "GIVE_BACK_WAIT_S", 0.2)
+    monkeypatch.setattr(drain_module, "GIVE_BACK_WAIT_S", 0.2)
+    monkeypatch.setattr(drain_module, "_PROCESSOR_END_S", 0.5)
     monkeypatch.setattr(batches_module, "CANCELLED_SETTLES_WAIT_S", 0.4)
     msgs = [HungNakMsg(**vars(task_msg(f"t{i}"))) for i in range(BATCH)]
     worker, _store, _js, _metrics = a_worker(
         FakeSource(list(msgs)), FakeEngine(), store=HungStore()
     )
-    worker.settings = replace(worker.settings, drain_timeout_s=0.2)
+    worker.drain.timeout_s = 0.2
     stop = asyncio.Event()
     with structlog.testing.capture_logs() as logs:
         running = asyncio.create_task(worker.run(stop))
@@ -499,15 +501,16 @@ async def test_past_the_drain_timeout_each_bounded_wait_starts_a_fresh_watchdog_
     """The drain's time runs out and its give-backs hang: every bounded wait past the timeout
     (the cancelled run's end, each give-back) starts with a fresh watchdog window, so a
     watchdog longer than the drain timeout and than each wait never fires mid-drain."""
-    monkeypatch.setattr(orchestrator, "GIVE_BACK_WAIT_S", 0.2)
-    monkeypatch.setattr(orchestrator, "_PROCESSOR_END_S", 0.5)
+    monkeypatch.setattr(claims_module, "GIVE_BACK_WAIT_S", 0.2)
+    monkeypatch.setattr(drain_module, "GIVE_BACK_WAIT_S", 0.2)
+    monkeypatch.setattr(drain_module, "_PROCESSOR_END_S", 0.5)
     monkeypatch.setattr(batches_module, "CANCELLED_SETTLES_WAIT_S", 0.4)
     msgs = [HungNakMsg(**vars(task_msg(f"t{i}"))) for i in range(BATCH)]
     with structlog.testing.capture_logs() as logs:
         worker, _store, _js, _metrics = a_worker(
             FakeSource(list(msgs)), FakeEngine(), store=HungStore(), watchdog=NotedWatchdog(logs)
         )
-        worker.settings = replace(worker.settings, drain_timeout_s=0.2)
+        worker.drain.timeout_s = 0.2
         stop = asyncio.Event()
         running = asyncio.create_task(worker.run(stop))
         for _ in range(500):  # every task's result being stored

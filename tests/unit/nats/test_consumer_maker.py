@@ -9,7 +9,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from config.settings import NatsSettings
 from worker.nats.consumer_maker import ConsumerMaker
-from worker.nats.consumer_stats import ConsumerStats
+from worker.nats.job_state import JobConsumerState
 
 
 class FakeJetStream:
@@ -32,37 +32,35 @@ class FakeJetStream:
         raise NotFoundError()
 
 
-def maker(js: FakeJetStream, bound: int) -> ConsumerMaker:
-    return ConsumerMaker(js, NatsSettings(consumer="w"), ConsumerStats(bound=bound))  # type: ignore[arg-type]
+def maker(js: FakeJetStream, bound: int) -> tuple[ConsumerMaker, JobConsumerState]:
+    state = JobConsumerState(bound=bound)
+    return ConsumerMaker(js, NatsSettings(consumer="w"), state), state  # type: ignore[arg-type]
 
 
 async def test_consumers_are_made_until_the_bound_counting_those_that_exist():
     js = FakeJetStream()
-    make = maker(js, bound=3)
-    make.counted = 1
-    ours: dict[str, api.ConsumerInfo] = {}
-    made = [await make.make(f"tasks.p.job-{i}", ours) for i in range(3)]
+    make, state = maker(js, bound=3)
+    state.unlisted({}, others=1)
+    made = [await make.make(f"tasks.p.job-{i}") for i in range(3)]
     assert made == [True, True, False]
-    assert len(js.made) == 2 and make.stats.made == 2
+    assert len(js.made) == 2 and state.stats.made == 2
 
 
 async def test_a_refusal_is_counted_and_said_until_a_consumer_is_made():
     js = FakeJetStream(refuses=True)
-    make = maker(js, bound=10)
-    ours: dict[str, api.ConsumerInfo] = {}
-    assert not await make.make("tasks.p.job-1", ours)
-    assert make.stats.refused == 1 and "maximum consumers" in (make.stats.refusal or "")
+    make, state = maker(js, bound=10)
+    assert not await make.make("tasks.p.job-1")
+    assert state.stats.refused == 1 and "maximum consumers" in (state.refusal or "")
     js.refuses = False
-    assert await make.make("tasks.p.job-1", ours)
-    assert make.stats.refusal is None and make.stats.made == 1
+    assert await make.make("tasks.p.job-1")
+    assert state.refusal is None and state.stats.made == 1
 
 
 async def test_a_remake_owed_is_made_from_where_the_deleted_one_stopped():
     js = FakeJetStream()
-    make = maker(js, bound=10)
-    make.owed["tasks.p.job-1"] = 42
-    ours: dict[str, api.ConsumerInfo] = {}
-    await make.make_owed(ours)
-    (info,) = ours.values()
-    assert make.owed == {} and info.config.opt_start_seq == 42
+    make, state = maker(js, bound=10)
+    state.owe("tasks.p.job-1", 42)
+    await make.make_owed()
+    (info,) = state.consumers.values()
+    assert state.owed() == [] and info.config.opt_start_seq == 42
     assert info.config.deliver_policy == api.DeliverPolicy.BY_START_SEQUENCE

@@ -12,9 +12,9 @@ from nats.js.errors import APIError
 from structlog.testing import capture_logs
 
 from config.settings import ConfigError, NatsSettings
-from worker.nats.consumer_stats import ConsumerStats
 from worker.nats.drift_repair import POLICY, Action, Caller, Drift, DriftRepair
 from worker.nats.job_names import job_consumer_config
+from worker.nats.job_state import JobConsumerState
 
 SUBJECT = "tasks.p.job-1"
 
@@ -44,9 +44,9 @@ def drifted(n: NatsSettings) -> dict[str, api.ConsumerInfo]:
     return {config.name or "": info_of(config)}
 
 
-def repair(refuses: bool = False) -> tuple[DriftRepair, FakeJetStream, ConsumerStats]:
-    js, stats = FakeJetStream(refuses), ConsumerStats()
-    return DriftRepair(js, NatsSettings(consumer="w"), stats), js, stats  # type: ignore[arg-type]
+def repair(refuses: bool = False) -> tuple[DriftRepair, FakeJetStream, JobConsumerState]:
+    js, state = FakeJetStream(refuses), JobConsumerState(bound=10)
+    return DriftRepair(js, NatsSettings(consumer="w"), state), js, state  # type: ignore[arg-type]
 
 
 def test_the_policy_says_what_each_caller_does_on_each_outcome():
@@ -58,16 +58,16 @@ def test_the_policy_says_what_each_caller_does_on_each_outcome():
 
 
 async def test_at_start_a_drifted_consumer_is_updated_and_logged_not_counted():
-    drift, _, stats = repair()
+    drift, _, state = repair()
     n = NatsSettings(consumer="w")
     ours = drifted(n)
     with capture_logs() as logs:
-        await drift.repair(ours, Caller.OPEN)
-    (info,) = ours.values()
+        updated = await drift.repair(ours, Caller.OPEN)
+    (info,) = updated.values()
     wanted = job_consumer_config(n, SUBJECT)
     assert (info.config.ack_wait, info.config.max_deliver) == (wanted.ack_wait, wanted.max_deliver)
     assert [entry["event"] for entry in logs] == ["job_consumer_updated"]
-    assert stats.updated == 0
+    assert state.stats.updated == 0
 
 
 async def test_at_start_a_refused_update_ends_the_start_naming_the_consumer():
@@ -79,32 +79,32 @@ async def test_at_start_a_refused_update_ends_the_start_naming_the_consumer():
 
 
 async def test_at_discovery_a_drifted_consumer_is_said_once_updated_and_counted_each_time():
-    drift, js, stats = repair()
+    drift, js, state = repair()
     n = NatsSettings(consumer="w")
     with capture_logs() as logs:
         for _ in range(2):
             await drift.repair(drifted(n), Caller.DISCOVERY)
     assert [entry["event"] for entry in logs] == ["job_consumer_settings_differ"]
-    assert len(js.updates) == 2 and stats.updated == 2
+    assert len(js.updates) == 2 and state.stats.updated == 2
 
 
 async def test_at_discovery_a_refused_update_is_logged_and_the_consumer_left_as_it_is():
-    drift, _, stats = repair(refuses=True)
+    drift, _, state = repair(refuses=True)
     ours = drifted(NatsSettings(consumer="w"))
     before = dict(ours)
     with capture_logs() as logs:
-        await drift.repair(ours, Caller.DISCOVERY)
+        updated = await drift.repair(ours, Caller.DISCOVERY)
     events = [entry["event"] for entry in logs]
     assert events == ["job_consumer_settings_differ", "job_consumer_not_updated"]
-    assert ours == before and stats.updated == 0
+    assert ours == before and updated == {} and state.stats.updated == 0
 
 
 async def test_a_consumer_with_our_settings_is_left_alone_by_both_callers():
-    drift, js, stats = repair(refuses=True)
+    drift, js, state = repair(refuses=True)
     n = NatsSettings(consumer="w")
     config = job_consumer_config(n, SUBJECT)
     for caller in Caller:
         with capture_logs() as logs:
             await drift.repair({config.name or "": info_of(config)}, caller)
         assert logs == []
-    assert js.updates == [] and stats.updated == 0
+    assert js.updates == [] and state.stats.updated == 0

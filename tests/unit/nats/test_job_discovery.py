@@ -32,14 +32,15 @@ async def test_only_a_jobs_latest_message_is_kept_in_hand_the_older_ones_acked()
     first, latest, late = FakeMsg(SUBJECT, 3), FakeMsg(SUBJECT, 7), FakeMsg(SUBJECT, 5)
     for msg in (first, latest, late):
         await hand.keep(msg)
-    assert hand.waiting == {SUBJECT: latest}
+    assert hand.waiting() == [SUBJECT] and hand.in_hand(SUBJECT)
     assert first.settled == ["ack"] and late.settled == ["ack"] and latest.settled == []
 
 
 async def test_a_task_fetched_past_a_held_message_settles_it_and_close_gives_back_the_rest():
     hand = discovery()
     held, waiting = FakeMsg(SUBJECT, 4), FakeMsg("tasks.p.job-2", 9)
-    hand.held[SUBJECT] = held
+    await hand.keep(held)
+    hand.consumer_made(SUBJECT)  # held now, until its consumer is past it
     await hand.keep(waiting)
     await hand.delivered([FakeMsg(SUBJECT, 4)])  # type: ignore[list-item]
     await hand.close()

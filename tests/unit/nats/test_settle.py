@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from config.errors import Failure, ResultsUnavailable
+from pipelines.found import Detection, Ref
 from tests.fakes import FakeJetStream, FakeMsg, FakeStore, delivery, model_of, nats_settler
 from worker.core.outcome import Outcome
 from worker.core.results import ResultMaker
@@ -31,7 +32,7 @@ async def dead_letter(settler: NatsSettler, msg: FakeMsg, reason: str) -> str:
 
 
 TASK = Task("t", "j", "i", "s3://b/k", pipeline="p")
-BIG = Outcome(detections=[{"bbox": None, "note": "x" * 5000}])
+BIG = Outcome(detections=[Detection(None, 0.0, Ref("x" * 5000, "big"), "2026-12-01T00:00:00")])
 
 
 async def test_a_result_too_large_to_store_becomes_a_small_error_result_once():

@@ -198,8 +198,8 @@ def test_copies_on_the_side_stream_equal_plain_copies(record_property):
     again = runner.run(copied[0])
 
     def answers(results):
-        best = [per_image[0]["classifications"][0] for per_image in results]
-        return [c["classification"] for c in best], [s for c in best for s in c["scores"]]
+        best = [per_image[0].classifications[0] for per_image in results]
+        return [c.classification for c in best], [s for c in best for s in c.scores]
 
     (labels_a, scores_a), (labels_b, scores_b) = answers(plain), answers(again)
     difference = max(abs(a - b) for a, b in zip(scores_a, scores_b, strict=True))

@@ -114,7 +114,7 @@ def test_every_built_in_classifier_loads_its_saved_weights_and_classifies(tmp_pa
     stage = Classifier("c", architecture=architecture, weights=weights, preprocess=Preprocess(32))
     runner = load_runner(Pipeline("p", classifier=stage), SourceConfig(), "cpu")
     (detections,) = runner.run([decode(image_bytes(64, 48, seed=1), DecodePlan(size=32))])
-    assert detections[0]["classifications"][0]["classification"] in ("a", "b")
+    assert detections[0].classifications[0].classification in ("a", "b")
 
 
 def test_a_filter_keeping_a_label_it_does_not_have_is_refused_at_load(toy):

@@ -3,11 +3,14 @@ prepared while the last stage runs, the detections each stage reports."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from datasets.images import DecodePlan, decode
 from datasets.uris import SourceConfig
 from pipelines.declare import Detector, Pipeline
+from pipelines.found import Ref
 from pipelines.models import save_classifier, save_detector
 from pipelines.registry import resolve
 from pipelines.response import ResponseFormat
@@ -51,17 +54,16 @@ def test_the_filter_decides_which_crops_go_on_to_the_classifier(toy):
 
     (detections,) = runner.run([image])
 
-    by_x = sorted(detections, key=lambda d: d["bbox"]["x1"])
+    by_x = sorted(detections, key=lambda d: d.bbox.x1)
     chains = [
-        [(c["algorithm"]["key"], c["classification"], c["terminal"]) for c in d["classifications"]]
-        for d in by_x
+        [(c.algorithm.key, c.classification, c.terminal) for c in d.classifications] for d in by_x
     ]
     assert chains == [
         [("colour-filter", "red", False), ("colour", "reddish", True)],
         [("colour-filter", "green", False), ("colour", "greenish", True)],
         [("colour-filter", "blue", True)],  # not kept: the filter's word is final
     ]
-    assert all(d["algorithm"] == {"name": "Bright boxes", "key": "bright-boxes"} for d in by_x)
+    assert all(d.algorithm == Ref("Bright boxes", "bright-boxes") for d in by_x)
 
 
 def test_a_filter_whose_dropped_label_is_not_terminal_marks_no_filter_label_terminal(toy):
@@ -79,8 +81,8 @@ def test_a_filter_whose_dropped_label_is_not_terminal_marks_no_filter_label_term
     (detections,) = runner.run([image])
 
     chains = [
-        [(c["algorithm"]["key"], c["classification"], c["terminal"]) for c in d["classifications"]]
-        for d in sorted(detections, key=lambda d: d["bbox"]["x1"])
+        [(c.algorithm.key, c.classification, c.terminal) for c in d.classifications]
+        for d in sorted(detections, key=lambda d: d.bbox.x1)
     ]
     assert chains == [
         [("colour-filter", "red", False), ("colour", "reddish", True)],
@@ -121,10 +123,10 @@ def test_top_k_scores_carry_their_labels_and_long_class_lists_are_left_out(toy):
     ).run([image])[0]
 
     assert len(full) == len(top) == 500
-    whole, best = full[0]["classifications"][0], top[0]["classifications"][0]
-    assert "labels" not in whole and len(whole["scores"]) == 1000  # over labels_inline_max
-    assert best["labels"][0] == whole["classification"] == best["classification"]
-    assert best["scores"] == sorted(whole["scores"], reverse=True)[:3]
+    whole, best = full[0].classifications[0], top[0].classifications[0]
+    assert whole.labels is None and len(whole.scores) == 1000  # over labels_inline_max
+    assert best.labels[0] == whole.classification == best.classification
+    assert best.scores == sorted(whole.scores, reverse=True)[:3]
 
 
 def test_crops_are_classified_a_chunk_at_a_time(toy):
@@ -167,11 +169,11 @@ def test_a_built_in_detector_reports_boxes_inside_the_source_image(tmp_path):
     for image, detections in zip(images, results, strict=True):
         assert 0 < len(detections) <= 20
         for d in detections:
-            box = d["bbox"]
-            assert 0 <= box["x1"] <= box["x2"] <= image.source_width + 0.01
-            assert 0 <= box["y1"] <= box["y2"] <= image.source_height + 0.01
-            (only,) = d["classifications"]  # a detector alone: its class and score
-            assert only["classification"] == "moth" and 0.0 <= only["scores"][0] <= 1.0
+            box = d.bbox
+            assert 0 <= box.x1 <= box.x2 <= image.source_width + 0.01
+            assert 0 <= box.y1 <= box.y2 <= image.source_height + 0.01
+            (only,) = d.classifications  # a detector alone: its class and score
+            assert only.classification == "moth" and 0.0 <= only.scores[0] <= 1.0
 
 
 def test_a_detector_alone_reports_each_box_with_its_class_and_score(toy):
@@ -183,9 +185,9 @@ def test_a_detector_alone_reports_each_box_with_its_class_and_score(toy):
 
     assert len(detections) == 3
     for d in detections:
-        (only,) = d["classifications"]
-        assert (only["classification"], only["scores"], only["terminal"]) == ("thing", [1.0], True)
-        assert only["algorithm"] == {"name": "Bright boxes", "key": "bright-boxes"}
+        (only,) = d.classifications
+        assert (only.classification, only.scores, only.terminal) == ("thing", [1.0], True)
+        assert only.algorithm == Ref("Bright boxes", "bright-boxes")
 
 
 def test_jpegs_left_encoded_for_the_device_give_the_same_boxes_through_the_cpu_fallback(toy):
@@ -204,7 +206,7 @@ def test_jpegs_left_encoded_for_the_device_give_the_same_boxes_through_the_cpu_f
 
     def boxes(image):
         (detections,) = runner.run([image])
-        return sorted(tuple(d["bbox"].values()) for d in detections)
+        return sorted((d.bbox.x1, d.bbox.y1, d.bbox.x2, d.bbox.y2) for d in detections)
 
     assert boxes(encoded) == boxes(usual) and len(boxes(usual)) == 3
 
@@ -302,6 +304,8 @@ def test_the_next_batch_is_prepared_once_when_no_crop_reaches_the_device(toy):
 
 def _without_clocks(results):
     """Results with their timestamps and timings left out, to compare two runs."""
+    if dataclasses.is_dataclass(results) and not isinstance(results, type):
+        results = {f.name: getattr(results, f.name) for f in dataclasses.fields(results)}
     if isinstance(results, dict):
         return {
             k: _without_clocks(v)

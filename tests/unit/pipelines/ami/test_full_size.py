@@ -66,7 +66,7 @@ def test_a_trap_camera_image_is_detected_at_its_own_size_in_whole_pixels(mirror:
     (detections,) = runner.run([image])
 
     assert image.pixels.shape == (3, 4000, 6000), "decoded whole, not reduced to MAX_SIDE"
-    ours = [tuple(d["bbox"][k] for k in ("x1", "y1", "x2", "y2")) for d in detections]
+    ours = [(d.bbox.x1, d.bbox.y1, d.bbox.x2, d.bbox.y2) for d in detections]
     assert ours, "the detector found boxes"
     assert all(float(v).is_integer() for box in ours for v in box), ours
     assert sorted(ours) == sorted(_torchvision_boxes(mirror, data))
