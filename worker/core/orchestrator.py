@@ -77,27 +77,17 @@ class Orchestrator:
         self.link = link = services.link
         self.availability = available = services.availability
         liveness, metrics = services.liveness, services.metrics
-        batch_size = settings.loader.batch_size
         self.settling = Settling(link.settler, metrics, link.kind)
         self.claims = Claims(
             max_held_tasks(settings, services.image_bytes),
             liveness,
             self.settling,
             lambda pipeline: not available.available(pipeline),
-            batch_size,  # held for unavailable pipelines outside the room
+            settings.loader.batch_size,  # held for unavailable pipelines outside the room
         )
         self.endings = Endings(liveness, chosen_device(settings), self.claims)
         self.results = ResultMaker(link.model_of)
-        self.admission = Admission(
-            self.settling,
-            link.results,
-            self.claims,
-            self.results,
-            available.available,
-            link.backoff,
-            link.extends_leases,
-            available.retry_in_s,
-        )
+        self.admission = self._admission()
         guard = services.guard or (lambda: None)
         observer = BatchObserver(metrics, liveness, guard, self.endings.limit)
         self.preparing = Preparing(
@@ -119,18 +109,7 @@ class Orchestrator:
             liveness,
             self.endings.stop,
         )
-        self.batches = Batches(
-            batch_size,
-            services.engine,
-            services.engine_thread,
-            lambda batch, report: observer.batch_done(len(batch), report, batch[0].task.pipeline),
-            self.settled.settle,
-            prepare=self.preparing.prepare,
-            hold_per_load=settings.model.hold_per_load,
-            on_device_failed=functools.partial(self.endings.failed, _PROCESSOR),
-            availability=available,
-            holds_last=link.extends_leases,
-        )
+        self.batches = self._batches(observer)
         self._drops = InactiveJobDrops(link.inactive_jobs, self.batches, self.claims, metrics)
         self.drain = Drain(
             link,
@@ -142,6 +121,34 @@ class Orchestrator:
             settings.health.drain_timeout_s,
         )
         self._until_idle = until_idle
+
+    def _admission(self) -> Admission:
+        link, available = self.link, self.availability
+        return Admission(
+            self.settling,
+            link.results,
+            self.claims,
+            self.results,
+            available.available,
+            link.backoff,
+            link.extends_leases,
+            available.retry_in_s,
+        )
+
+    def _batches(self, observer: BatchObserver) -> Batches:
+        services = self.services
+        return Batches(
+            self.settings.loader.batch_size,
+            services.engine,
+            services.engine_thread,
+            lambda batch, report: observer.batch_done(len(batch), report, batch[0].task.pipeline),
+            self.settled.settle,
+            prepare=self.preparing.prepare,
+            hold_per_load=self.settings.model.hold_per_load,
+            on_device_failed=functools.partial(self.endings.failed, _PROCESSOR),
+            availability=self.availability,
+            holds_last=self.link.extends_leases,
+        )
 
     @property
     def exit(self) -> Exit:
