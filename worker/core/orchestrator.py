@@ -74,27 +74,17 @@ class Orchestrator:
         self.link = link = services.link
         self.availability = available = services.availability
         liveness, metrics = services.liveness, services.metrics
-        batch_size = settings.batch_size
         self.settling = Settling(link.settler, metrics, link.kind)
         self.claims = Claims(
             settings.max_held,
             liveness,
             self.settling,
             lambda pipeline: not available.available(pipeline),
-            batch_size,  # held for unavailable pipelines outside the room
+            settings.batch_size,  # held for unavailable pipelines outside the room
         )
         self.endings = Endings(liveness, settings.device, self.claims)
         self.results = ResultMaker(link.model_of)
-        self.admission = Admission(
-            self.settling,
-            link.results,
-            self.claims,
-            self.results,
-            available.available,
-            link.backoff,
-            link.extends_leases,
-            available.retry_in_s,
-        )
+        self.admission = self._admission()
         guard = services.guard or (lambda: None)
         observer = BatchObserver(metrics, liveness, guard, self.endings.limit)
         self.preparing = Preparing(
@@ -116,18 +106,7 @@ class Orchestrator:
             liveness,
             self.endings.stop,
         )
-        self.batches = Batches(
-            batch_size,
-            services.engine,
-            services.engine_thread,
-            lambda batch, report: observer.batch_done(len(batch), report, batch[0].task.pipeline),
-            self.settled.settle,
-            prepare=self.preparing.prepare,
-            hold_per_load=settings.hold_per_load,
-            on_device_failed=functools.partial(self.endings.failed, _PROCESSOR),
-            availability=available,
-            holds_last=link.extends_leases,
-        )
+        self.batches = self._batches(observer)
         self._drops = InactiveJobDrops(link.inactive_jobs, self.batches, self.claims, metrics)
         self.drain = Drain(
             link,
@@ -139,6 +118,34 @@ class Orchestrator:
             settings.drain_timeout_s,
         )
         self._until_idle = until_idle
+
+    def _admission(self) -> Admission:
+        link, available = self.link, self.availability
+        return Admission(
+            self.settling,
+            link.results,
+            self.claims,
+            self.results,
+            available.available,
+            link.backoff,
+            link.extends_leases,
+            available.retry_in_s,
+        )
+
+    def _batches(self, observer: BatchObserver) -> Batches:
+        services = self.services
+        return Batches(
+            self.settings.batch_size,
+            services.engine,
+            services.engine_thread,
+            lambda batch, report: observer.batch_done(len(batch), report, batch[0].task.pipeline),
+            self.settled.settle,
+            prepare=self.preparing.prepare,
+            hold_per_load=self.settings.hold_per_load,
+            on_device_failed=functools.partial(self.endings.failed, _PROCESSOR),
+            availability=self.availability,
+            holds_last=self.link.extends_leases,
+        )
 
     @property
     def exit(self) -> Exit:
