@@ -116,9 +116,13 @@ class Assembly:
             self._services(parts, liveness, metrics, served),
             until_idle=self.until_idle,
         )
+        self._log_started(served, parts)
+
+    def _log_started(self, served: ServedPipelines, parts: SourceParts) -> None:
+        assert self.engine is not None
         log.info(
             "worker_started",
-            source=s.source,
+            source=self.settings.source,
             pipelines=served.names,
             loaded=served.cache.resident(),
             memory_budget_bytes=served.cache.budget_bytes,
