@@ -38,11 +38,11 @@ from worker.core.claims import Claim, Claims, best_effort
 from worker.core.dropping import InactiveJobDrops
 from worker.core.exits import STOPPED, Exit, ExitReason
 from worker.core.link import Helper, SourceLink
+from worker.core.loading import Loads
 from worker.core.outcome import Outcome
 from worker.core.ports import BatchEngine, BatchReport, Delivered
 from worker.core.results import ResultMaker
 from worker.core.settling import Settling
-from worker.core.threads import in_daemon_thread
 from worker.core.verdicts import Decision, Verdict, decide
 from worker.health.liveness import Liveness
 from worker.health.metrics import Metrics
@@ -127,6 +127,10 @@ class Orchestrator:
             on_device_failed=self._device_failed,
             availability=available,
             holds_last=services.link.extends_leases,
+        )
+        # Each load bounded by WORKER_MODEL__LOAD_DEADLINE_S; a wedged one asks for a restart.
+        self._loads = Loads(
+            services.engine.load, settings.model.load_deadline_s, services.liveness.must_restart
         )
         self._drops = InactiveJobDrops(
             services.link.inactive_jobs, self.batches, self.claims, services.metrics
@@ -245,17 +249,19 @@ class Orchestrator:
 
     async def _prepare(self, pipeline: str) -> Failure | None:
         """``pipeline``'s models ready for its next batch: loaded on a thread of their own
-        when they are not. Meanwhile the worker counts as progressing (a load is not a stall)
-        and the held tasks' ack waits are extended, so none is redelivered while it waits.
-        The failure its tasks get when the models cannot be had."""
+        when they are not. Meanwhile, up to the load deadline (``Loads``), the worker counts
+        as progressing and the held tasks' ack waits are extended; past it the load fails
+        (``load_timeout``) and its pipeline is unavailable. The failure its tasks get when the
+        models cannot be had."""
         if self.services.engine.ready(pipeline):
             return None
-        loading = in_daemon_thread(self.services.engine.load, pipeline)
-        tick_s = min(_LOAD_TICK_S, self.link.keepalive_tick_s)
-        while not (await asyncio.wait({loading}, timeout=tick_s))[0]:
+
+        async def tick() -> None:
             self.services.liveness.loading()
             await self.claims.keep_alive()
-        failure = loading.result()
+
+        tick_s = min(_LOAD_TICK_S, self.link.keepalive_tick_s)
+        failure = await self._loads.load(pipeline, tick, tick_s)
         if failure is None and self.services.loaded is not None:
             await self.services.loaded(pipeline)
         return failure
@@ -267,7 +273,7 @@ class Orchestrator:
         worker counts as loading, not stalled."""
 
         async def load(pipeline: str) -> Failure | None:
-            failure = await in_daemon_thread(self.services.engine.load, pipeline)
+            failure = await self._loads.load(pipeline)  # bounded; no second thread
             if failure is None and self.services.loaded is not None:
                 await tell_loaded(self.services.loaded, pipeline)
             return failure
