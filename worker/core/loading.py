@@ -38,6 +38,7 @@ LOAD_TIMEOUT = "load_timeout"
 class _Running:
     future: asyncio.Future[Failure | None]
     started_s: float
+    timed_out: bool = False  # said once: a retry while it runs says nothing more
 
 
 async def _no_tick() -> None:
@@ -106,6 +107,9 @@ class Loads:
             f"pipeline {pipeline!r}: its model load has not finished after {running_s:.0f}s "
             f"({setting}={self.deadline_s:g})"
         )
+        if running.timed_out:
+            return Failure("model_load_failed", message, reason=LOAD_TIMEOUT)
+        running.timed_out = True
         log.error(
             "model_load_timed_out",
             pipeline=pipeline,

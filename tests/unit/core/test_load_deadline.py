@@ -143,3 +143,17 @@ async def test_a_wedged_pipeline_stays_unavailable_through_its_retries_then_come
         hung.release.set()
         stop.set()
         await retrying
+
+
+async def test_the_loads_at_start_past_their_deadline_fail_the_start():
+    """At start a hung load ends the start (exit 1, for a restart), not ``starting`` until
+    healthwatch's bound."""
+    from config.errors import TransientError
+    from worker.engine.build import _within_deadline
+
+    hung = asyncio.get_running_loop().create_future()
+    with pytest.raises(TransientError, match="WORKER_MODEL__LOAD_DEADLINE_S"):
+        await _within_deadline(hung, DEADLINE_S)
+    done = asyncio.get_running_loop().create_future()
+    done.set_result(None)
+    assert await _within_deadline(done, DEADLINE_S) is None
