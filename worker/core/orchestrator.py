@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
@@ -127,10 +128,6 @@ class Orchestrator:
             on_device_failed=self._device_failed,
             availability=available,
             holds_last=services.link.extends_leases,
-        )
-        # Each load bounded by WORKER_MODEL__LOAD_DEADLINE_S; a wedged one asks for a restart.
-        self._loads = Loads(
-            services.engine.load, settings.model.load_deadline_s, services.liveness.must_restart
         )
         self._drops = InactiveJobDrops(
             services.link.inactive_jobs, self.batches, self.claims, services.metrics
@@ -246,6 +243,12 @@ class Orchestrator:
         """What is left of the drain timeout since the stop (the fetch in flight, then the
         batch in hand, share it)."""
         return max(0.0, self._drain_by - time.monotonic())
+
+    @functools.cached_property
+    def _loads(self) -> Loads:
+        """Each load bounded by WORKER_MODEL__LOAD_DEADLINE_S; a wedged one asks for a restart."""
+        s = self.services
+        return Loads(s.engine.load, self.settings.model.load_deadline_s, s.liveness.must_restart)
 
     async def _prepare(self, pipeline: str) -> Failure | None:
         """``pipeline``'s models ready for its next batch: loaded on a thread of their own
