@@ -197,3 +197,27 @@ class ModelLoadFailed(Exception):
         super().__init__(failure.message)
         self.failure = failure
         self.cause = cause
+
+
+class TooLarge(Exception):
+    """A body over the cap: ``declared`` by Content-Length, or None when found while
+    reading."""
+
+    def __init__(self, declared: int | None, max_bytes: int) -> None:
+        super().__init__(f"a body of {declared or 'more than'} bytes, cap {max_bytes}")
+        self.declared = declared
+        self.max_bytes = max_bytes
+
+
+class SentUnanswered(Exception):
+    """A request that may not be sent twice left in full and no answer came: its connection
+    closed (``closed``) or the deadline passed. The server may have acted on it."""
+
+    def __init__(self, closed: bool) -> None:
+        super().__init__("the connection closed" if closed else "the deadline passed")
+        self.closed = closed
+
+
+class ServerNotFound(RuntimeError):
+    """A server program (nats-server, prometheus) that a local command or a test starts is not
+    installed here."""

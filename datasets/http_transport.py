@@ -43,6 +43,8 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+from config.errors import SentUnanswered, TooLarge
+
 _MAX_ORIGINS = 8
 _MAX_IDLE_S = 30.0
 _DROPPED = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
@@ -267,25 +269,6 @@ class FinalResponse(http.client.HTTPResponse):
                 return
             self.headers = self.msg = None  # type: ignore[assignment]  # read the next one
         raise http.client.HTTPException(f"more than {MAX_INTERIM_ANSWERS} interim answers")
-
-
-class TooLarge(Exception):
-    """A body over the cap: ``declared`` by Content-Length, or None when found while
-    reading."""
-
-    def __init__(self, declared: int | None, max_bytes: int) -> None:
-        super().__init__(f"a body of {declared or 'more than'} bytes, cap {max_bytes}")
-        self.declared = declared
-        self.max_bytes = max_bytes
-
-
-class SentUnanswered(Exception):
-    """A request that may not be sent twice left in full and no answer came: its connection
-    closed (``closed``) or the deadline passed. The server may have acted on it."""
-
-    def __init__(self, closed: bool) -> None:
-        super().__init__("the connection closed" if closed else "the deadline passed")
-        self.closed = closed
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
-from config.errors import ErrorKind, PermanentError, RetryableRead, TransientError
+from config.errors import ErrorKind, PermanentError, RetryableRead, TooLarge, TransientError
 from config.names import env_name
 from config.redact import redact_url
 from datasets import http_transport
 from datasets.budget import Admit, admit_all
 from datasets.deadline import Cutoff
-from datasets.http_transport import Exchange, Origin, Request, TooLarge, fetch
+from datasets.http_transport import Exchange, Origin, Request, fetch
 
 _REDIRECTS = {301, 302, 303, 307, 308}
 _CHUNK_BYTES = 256 * 1024

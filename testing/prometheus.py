@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from worker.commands.localservers import ServerNotFound, free_port, stop_process, wait_port
+from config.errors import ServerNotFound
+from worker.commands.localservers import free_port, stop_process, wait_port
 
 READY_WAIT_S = 20.0
 

@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 
+from config.errors import ServerNotFound
 from tests.cputime import (  # noqa: F401 - hooks: the CPU time report at the end
     pytest_runtest_logreport,
     pytest_runtest_makereport,
     pytest_runtest_protocol,
     pytest_terminal_summary,
 )
-from worker.commands.localservers import NatsServer, S3Server, ServerNotFound
+from worker.commands.localservers import NatsServer, S3Server
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 PIPELINE = "mobilenet-v3-small-classifier"

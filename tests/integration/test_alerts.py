@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from config.errors import ServerNotFound
 from testing.prometheus import PrometheusServer
 from tests.conftest import _unavailable
 from tests.helpers import (
@@ -34,7 +35,7 @@ from tests.helpers import (
 )
 from tests.integration.test_job_consumers import fill_consumers, limited_nats, small_images
 from worker.commands.job_client import make_tasks, publish_tasks
-from worker.commands.localservers import NatsServer, ServerNotFound, free_port
+from worker.commands.localservers import NatsServer, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -50,10 +50,10 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from config.errors import TransientError
+from config.errors import SentUnanswered, TooLarge, TransientError
 from config.names import env_name
 from config.redact import redact_url, scrub, shorten
-from datasets.http_transport import Exchange, Pool, Request, SentUnanswered, TooLarge, fetch
+from datasets.http_transport import Exchange, Pool, Request, fetch
 from worker.antenna.answers import (
     SHOWN_BODY_CHARS,
     NotAntennas,

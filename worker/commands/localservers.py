@@ -16,11 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from config.errors import ServerNotFound
+
 _READY_WAIT_S = 20.0
-
-
-class ServerNotFound(RuntimeError):
-    pass
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-from config.errors import PermanentError, TransientError
+from config.errors import PermanentError, TooLarge, TransientError
 from datasets import http_transport
 from datasets.uris import SourceConfig, read_bytes
 from tests.listeners import Listener
@@ -189,10 +189,10 @@ def test_the_transport_never_follows_a_redirect_it_returns_it_with_its_location(
 
 def test_a_body_over_the_cap_is_too_large_declared_or_found_while_reading():
     with Listener(b"x" * 5000, keep_alive=True) as listener:
-        with pytest.raises(http_transport.TooLarge) as declared:
+        with pytest.raises(TooLarge) as declared:
             fetched(listener, "/image", http_transport.Exchange(in_s(5)), max_bytes=1000)
         assert declared.value.declared == 5000
-        with pytest.raises(http_transport.TooLarge) as read:
+        with pytest.raises(TooLarge) as read:
             fetched(listener, "/endless", http_transport.Exchange(in_s(5)), max_bytes=100_000)
         assert read.value.declared is None
 
