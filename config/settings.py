@@ -502,7 +502,9 @@ class ModelSettings(BaseModel):
 
 class HealthSettings(BaseModel):
     stall_timeout_s: float = Field(
-        120.0, description="held work and no batch for this long = stalled"
+        120.0,
+        description="held work and no progress (a batch, or a forward pass of one) for this "
+        "long = stalled",
     )
     drain_timeout_s: float = Field(
         30.0,
@@ -517,8 +519,16 @@ class HealthSettings(BaseModel):
     )
     watchdog_timeout_s: float = Field(
         180.0,
-        description="held work and no batch for this long: dump every thread's stack and exit 1, "
-        "even if the main thread is stuck in C code or holding the GIL; 0 turns it off",
+        description="held work and no progress (a batch, or a forward pass of one) for this "
+        "long: dump every thread's stack and exit 1, even if the main thread is stuck in C code "
+        "or holding the GIL; 0 turns it off",
+    )
+    warm_pass: bool = Field(
+        True,
+        description="at start, time a warm forward pass of each stage of the pipelines loaded "
+        "then, on one synthetic input, and refuse (exit 2) a detector or crop batch size whose "
+        "pass, 4 times over, does not fit the stall timeout, or a batch size whose batch does "
+        "not fit the ack wait (Antenna: its TTR); false skips it",
     )
 
 
@@ -677,6 +687,19 @@ class FaultSettings(BaseModel):
         ge=0,
         description="testing only: every result written to the NATS results stream takes this "
         "many seconds longer first (a slow results stream): settles as slow as it makes them",
+    )
+    slow_forward_s: float = Field(
+        0.0,
+        ge=0,
+        description="testing only: in every batch, each model stage's forward pass takes this "
+        "many seconds longer per image or crop it is given (a slow host whose passes advance "
+        "chunk by chunk; the start's warm pass is not slowed)",
+    )
+    freeze_forward_at: int = Field(
+        0,
+        ge=0,
+        description="testing only: the forward pass given this input of the process's batches "
+        "(1 = the first image or crop) never returns, as a wedged device's; 0 = never",
     )
     device_error_once_file: str = Field(
         "",

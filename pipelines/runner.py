@@ -86,6 +86,11 @@ class Runner:
         self.copies = CopyStats()
         self.measure_copies = False  # bench.gpu: time the waits (the host then waits too)
         self._copy_stream: Any = None
+        # Called on the engine thread each time a chunk's forward pass is done (a detector
+        # chunk's detections back on the host; a classifier chunk's pass run, on CUDA given
+        # to the device with the one two before it done): the worker's liveness counts it as
+        # progress, so a long batch that advances is no stall (docs/operating.md).
+        self.progress: Callable[[], None] = _no_progress
 
     def _copying(self, device: torch.device) -> tuple[CopyStats | None, Any]:
         """What ``to_device_overlapped`` needs: the stats when measured, and this runner's one
@@ -209,6 +214,7 @@ class Runner:
         for chunk in to_device_overlapped(chunks, model.device, *self._copying(model.device)):
             parts.append(model.forward(torch.stack(chunk)))
             in_flight.launched()
+            self.progress()
         logits = to_host(torch.cat(parts)) if parts else lambda: torch.zeros((0, 0))
         hook_s = hook() if hook is not None else 0.0
         return model.checked(logits()), (time.perf_counter() - started - hook_s) / max(1, count)
@@ -232,6 +238,7 @@ class Runner:
             hook_s = hook() if alone and end == len(images) else 0.0
             found = detector.cleaned(inputs, fetched(), counts)
             each_s = (time.perf_counter() - started - hook_s) / (end - start)
+            self.progress()
             if not alone:  # on CUDA the images stay on the device until their crops are cut
                 seen.extend(inputs)
             for index, boxes in zip(range(start, end), found, strict=True):
@@ -316,6 +323,10 @@ class Runner:
         return response.classification(
             self.response_format, labels, logits, inference_s, reference, terminal
         )
+
+
+def _no_progress() -> None:
+    pass
 
 
 def _tensor(pixels: Any) -> torch.Tensor:

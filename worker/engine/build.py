@@ -65,16 +65,23 @@ def model_files(s: Settings) -> ModelFiles:
 
 
 def served_pipelines(
-    s: Settings, chosen: list[Chosen], device: str, budget_bytes: int
+    s: Settings,
+    chosen: list[Chosen],
+    device: str,
+    budget_bytes: int,
+    progress: Callable[[], None] = lambda: None,
 ) -> ServedPipelines:
-    """The served pipelines' models, none loaded yet, under ``budget_bytes``."""
+    """The served pipelines' models, none loaded yet, under ``budget_bytes``; each calls
+    ``progress`` as each chunk of a batch's forward pass is done (liveness's ``advanced``)."""
     sources = source_config(s)
     files = model_files(s)
 
     def load(c: Chosen) -> Any:
-        return load_runner(
+        runner = load_runner(
             c.pipeline, sources, device, c.limits, c.response_format, s.model.precision, files
         )
+        runner.progress = progress
+        return runner
 
     def prefetch(c: Chosen) -> None:  # remote files into the host's cache, outside the load lock
         for uri, digest in stage_files([c.pipeline]):
@@ -135,6 +142,8 @@ async def start_engine(
         return_exceptions=True,
     )
     failed = next((r for r in (preloaded, started) if isinstance(r, BaseException)), None)
+    if failed is None and s.health.warm_pass:
+        failed = await _warm_pass(s, served)
     if failed is not None:
         await loop.run_in_executor(engine_thread, started_loader.close)
         raise failed
@@ -162,6 +171,18 @@ async def _within_deadline(preloading: asyncio.Future[None], deadline_s: float) 
         f"the models loaded at start did not finish within {deadline_s:g}s ({setting} per "
         "pipeline): exiting for a restart"
     )
+
+
+async def _warm_pass(s: Settings, served: ServedPipelines) -> BaseException | None:
+    """The warm pass of the pipelines loaded at start (``warm_pass.check``); its refusal."""
+    from worker.engine import warm_pass
+
+    runners = {name: served.cache.peek(name) for name in served.cache.resident()}
+    try:
+        await warm_pass.check(s, {name: r for name, r in runners.items() if r is not None})
+    except Exception as error:  # noqa: BLE001 - the start's failure, raised by the caller
+        return error
+    return None
 
 
 def _preload(served: ServedPipelines, names: list[str]) -> None:
@@ -198,6 +219,12 @@ def with_faults(s: Settings, engine: Engine) -> BatchEngine:
             faults.device_error_once_file,
             faults.device_error_at_batch,
             faults.device_error_type,
+        )
+    if faults.slow_forward_s or faults.freeze_forward_at:
+        from worker.engine.faults import SlowForwardModels
+
+        engine.models = SlowForwardModels(
+            engine.models, faults.slow_forward_s, faults.freeze_forward_at
         )
     if not faults.wedge_once_file:
         return engine

@@ -1,5 +1,6 @@
 """Faults for chaos tests on the engine, installed by the wiring when a setting asks: a model
-load made slower, an engine thread wedged, a device that fails for good."""
+load made slower, an engine thread wedged, forward passes made slow or frozen, a device that
+fails for good."""
 
 from __future__ import annotations
 
@@ -58,6 +59,51 @@ class WedgingEngine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
+
+
+class SlowForwardModels:
+    """The engine's models, except that each stage's forward pass sleeps ``seconds`` per input
+    (image or crop) before it runs, without the GIL (a slow host: the pass advances chunk by
+    chunk); the pass given the ``freeze_at``-th input of the process's batches (0: none)
+    never returns (a wedged device)."""
+
+    def __init__(self, models: Models, seconds: float, freeze_at: int) -> None:
+        self._models = models
+        self._seconds = seconds
+        self._freeze_at = freeze_at
+        self._inputs = 0  # of every batch's forward passes so far
+        self._slowed: set[int] = set()  # ids of the stage models already slowed
+
+    def acquire(self, name: str) -> Predictor:
+        predictor = self._models.acquire(name)
+        for stage in ("detector", "filter", "classifier"):
+            model = getattr(predictor, stage, None)
+            if model is not None and id(model) not in self._slowed:
+                self._slowed.add(id(model))
+                model.forward = self._slow(model.forward)
+        return predictor
+
+    def _slow(self, forward: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def slowly(inputs: Any) -> Any:
+            for _ in range(len(inputs)):
+                self._inputs += 1
+                if self._inputs == self._freeze_at:
+                    log.error("fault_hook_frozen_forward_pass", input=self._inputs)
+                    while True:
+                        time.sleep(3600)
+                time.sleep(self._seconds)
+            return forward(inputs)
+
+        return slowly
+
+    def release(self, name: str) -> None:
+        self._models.release(name)
+
+    def ready(self, name: str) -> bool:
+        return self._models.ready(name)
+
+    def load(self, name: str) -> None:
+        self._models.load(name)
 
 
 # What torch says of an illegal memory access, as C10_CUDA_CHECK words it (with its advice).

@@ -15,7 +15,12 @@ log = structlog.get_logger(__name__)
 
 
 class Liveness:
-    """The stall rule: stalled while tasks are held and no batch completed for stall_timeout_s.
+    """The stall rule: stalled while tasks are held and no work advanced for stall_timeout_s.
+
+    Work advances where it happens: a batch completed, or a part of one (``advanced``: a
+    detector or classifier chunk's forward pass done, a tick from the engine thread), so a
+    batch longer than the stall timeout or the watchdog's window that advances is no stall,
+    and a forward pass that freezes still is, within the same timeouts.
 
     An idle worker is never stalled: while nothing is held, "last progress" keeps moving.
     """
@@ -46,6 +51,11 @@ class Liveness:
             self._held = held
 
     def batch_completed(self) -> None:
+        self.advanced()
+
+    def advanced(self) -> None:
+        """Work advanced (a batch, or a chunk of one, done; any thread): the stall clock and
+        the watchdog start over."""
         with self._lock:
             self._last_progress = self._clock()
             self._rearm_locked()
@@ -98,6 +108,6 @@ class Liveness:
             if idle_s < self.stall_timeout_s:
                 return None
             return (
-                f"{self._held} tasks held and no batch completed for {idle_s:.0f}s "
+                f"{self._held} tasks held and no work advanced for {idle_s:.0f}s "
                 f"(stall timeout {self.stall_timeout_s:g}s)"
             )

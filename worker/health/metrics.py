@@ -141,7 +141,8 @@ def _state_gauges(registry: CollectorRegistry, liveness: Liveness) -> None:
     """The gauges read at each scrape: progress, tasks held, stalled."""
     Gauge(
         f"{PREFIX}_last_progress_timestamp_seconds",
-        "Unix time of the last completed batch, or of the last moment no work was held.",
+        "Unix time work last advanced (a batch, or a chunk of one, done), or of the last "
+        "moment no work was held.",
         registry=registry,
     ).set_function(liveness.last_progress)
     Gauge(
@@ -151,7 +152,8 @@ def _state_gauges(registry: CollectorRegistry, liveness: Liveness) -> None:
     ).set_function(lambda: liveness.held)
     Gauge(
         f"{PREFIX}_stalled",
-        "1 while tasks are held and no batch has completed for the stall timeout.",
+        "1 while tasks are held and no work advanced (a batch or a chunk of one) for the "
+        "stall timeout.",
         registry=registry,
     ).set_function(lambda: 1.0 if liveness.stalled_reason() else 0.0)
 

@@ -76,7 +76,9 @@ class Assembly:
         chosen = pipeline_choice.choose(s, self.device, lambda p: refusals(s, p))
         budget = budget_bytes(s, self.device, chosen)
         checked()
-        served = engine_build.served_pipelines(s, chosen, self.device, budget)
+        served = engine_build.served_pipelines(
+            s, chosen, self.device, budget, progress=liveness.advanced
+        )
         self._loader = engine_build.loader(s, chosen)  # closed by close() if the start stops
         try:
             self.engine = await engine_build.start_engine(

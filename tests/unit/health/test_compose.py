@@ -92,7 +92,7 @@ def test_a_stall_then_a_failed_device_make_the_worker_neither_live_nor_ready(hea
     health.serve(liveness, lambda: REFUSED)
     liveness.set_held(3)
     clock.now += 31  # held work, no batch for longer than the stall timeout
-    stalled = (503, "stalled: 3 tasks held and no batch completed for 31s (stall timeout 30s)")
+    stalled = (503, "stalled: 3 tasks held and no work advanced for 31s (stall timeout 30s)")
     assert answers(health) == dict.fromkeys(PROBES, stalled)
     liveness.must_restart("device cuda:0 failed: AcceleratorError: CUDA error: ...")
     restart = (503, "restart: device cuda:0 failed: AcceleratorError: CUDA error: ...")

@@ -42,3 +42,16 @@ def test_settling_the_last_task_clears_the_stall():
     assert live.stalled_reason()
     live.set_held(0)
     assert live.stalled_reason() is None
+
+
+def test_a_batch_that_advances_chunk_by_chunk_is_never_stalled_and_one_that_stops_is():
+    clock = Clock()
+    live = Liveness(60, clock)
+    live.set_held(16)
+    for _ in range(10):  # a batch of 500 s, a forward pass done every 50 s
+        clock.now += 50
+        live.advanced()
+        assert live.stalled_reason() is None
+    assert live.last_progress() == clock.now
+    clock.now += 61  # then its next pass never ends
+    assert "no work advanced for 61s" in (live.stalled_reason() or "")

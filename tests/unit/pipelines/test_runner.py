@@ -326,3 +326,30 @@ def test_images_copied_ahead_give_the_same_results_as_images_that_were_not(toy, 
 
     assert _without_clocks(runner.run(ahead)) == _without_clocks(runner.run(images))
     assert runner.copy_ahead_images == 2
+
+
+def test_each_forward_pass_of_a_batch_is_reported_as_progress(toy):
+    runner = load_runner(
+        resolve("toy_moths:moths"),
+        SourceConfig(),
+        "cpu",
+        DeviceLimits(detector_batch=1, crop_batch=1),
+    )
+    passes: list[str] = []
+    for stage in ("detector", "filter", "classifier"):
+        model = getattr(runner, stage)
+        forward = model.forward
+
+        def counted(inputs, forward=forward, stage=stage):
+            passes.append(stage)
+            return forward(inputs)
+
+        model.forward = counted
+    ticks: list[int] = []
+    runner.progress = lambda: ticks.append(len(passes))
+    image = decode(rectangles_bytes(1600, 1000, TRUTH, fmt="PNG"), DecodePlan(max_side=4096))
+
+    runner.run([image, image])
+
+    assert passes.count("detector") == 2 and passes.count("filter") == 6
+    assert ticks == list(range(1, len(passes) + 1)), "a tick after each pass, none before"
