@@ -61,8 +61,14 @@ ERROR_KINDS: frozenset[ErrorKind] = frozenset(get_args(ErrorKind))
 UNAVAILABLE_KINDS: frozenset[ErrorKind] = frozenset({"model_load_failed", "model_too_large"})
 # Why a pipeline is unavailable (``Failure.reason``, the metric's ``reason`` label): its file
 # host refused the download, the model cache cannot be written, its models are over the memory
-# budget, or anything else its load raised.
-LOAD_REASONS = ("download_refused", "cache_unwritable", "over_budget", "load_failed")
+# budget, its load did not finish within its deadline, or anything else its load raised.
+LOAD_REASONS = (
+    "download_refused",
+    "cache_unwritable",
+    "over_budget",
+    "load_timeout",
+    "load_failed",
+)
 
 
 @dataclass(frozen=True)

@@ -408,6 +408,16 @@ class ModelSettings(BaseModel):
         description="the longest wait between two background loads of an unavailable pipeline",
         gt=0,
     )
+    load_deadline_s: float = Field(
+        900.0,
+        description="the longest a pipeline's model load (its files' downloads and the build) "
+        "may take: past it the pipeline is unavailable (reason load_timeout), its held tasks "
+        "given back, its load tried again as WORKER_MODEL__LOAD_RETRY_S says; at start, the "
+        "start fails (exit 1); a load still running at twice this asks for a restart (/livez "
+        "503). 900 s: AMI's largest pipeline's files (about 760 MB) at 1 MB/s, and two minutes "
+        "to build",
+        gt=0,
+    )
     hold_per_load: float = Field(
         4.0,
         description="after a pipeline's models load, pipelines whose models are not loaded wait "

@@ -38,6 +38,7 @@ from worker.core.endings import Endings, end_when_gone, end_when_idle
 from worker.core.exits import Exit
 from worker.core.fetching import Fetching
 from worker.core.link import Helper, SourceLink
+from worker.core.loading import Loads
 from worker.core.ports import BatchEngine, CoreSettings
 from worker.core.preparing import Preparing
 from worker.core.results import ResultMaker
@@ -87,15 +88,7 @@ class Orchestrator:
         self.admission = self._admission()
         guard = services.guard or (lambda: None)
         observer = BatchObserver(metrics, liveness, guard, self.endings.limit)
-        self.preparing = Preparing(
-            services.engine,
-            available,
-            self.claims,
-            self.settling,
-            liveness,
-            link.keepalive_tick_s,
-            services.loaded,
-        )
+        self.preparing = self._preparing()
         self.settled = BatchSettling(
             self.settling,
             self.claims,
@@ -118,6 +111,23 @@ class Orchestrator:
             settings.drain_timeout_s,
         )
         self._until_idle = until_idle
+
+    def _preparing(self) -> Preparing:
+        services = self.services
+        return Preparing(
+            services.engine,
+            self.availability,
+            self.claims,
+            self.settling,
+            services.liveness,
+            self.link.keepalive_tick_s,
+            services.loaded,
+            Loads(
+                services.engine.load,
+                self.settings.load_deadline_s,
+                services.liveness.must_restart,
+            ),
+        )
 
     def _admission(self) -> Admission:
         link, available = self.link, self.availability

@@ -33,6 +33,7 @@ class CoreSettings:
     hold_per_load: float  # WORKER_MODEL__HOLD_PER_LOAD: the engine's hold after a load
     drain_timeout_s: float  # WORKER_HEALTH__DRAIN_TIMEOUT_S: from the stop to the give-back
     device: str  # this process's device (``config.derived.chosen_device``), named if it fails
+    load_deadline_s: float = 900.0  # WORKER_MODEL__LOAD_DEADLINE_S: a model load's bound
 
 
 @dataclass(frozen=True)

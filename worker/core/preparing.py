@@ -1,10 +1,12 @@
 """A pipeline's models made ready: for its next batch (``prepare``), and, while it is
 unavailable, again in the background (``retry``).
 
-A load runs on a daemon thread of its own, never on the event loop; meanwhile the worker
-counts as loading, not stalled, and the held tasks waiting on it are kept alive, so none is
-redelivered while it waits. A load that succeeded is told to the source (``loaded``: NATS
-publishes the algorithms, Antenna records them).
+A load runs on a daemon thread of its own, never on the event loop, bounded by the load
+deadline (``worker.core.loading.Loads``: past it the load fails with ``load_timeout`` and its
+pipeline is unavailable; a load still running at twice it asks for a restart); up to the
+deadline the worker counts as loading, not stalled, and the held tasks waiting on it are kept
+alive, so none is redelivered while it waits. A load that succeeded is told to the source
+(``loaded``: NATS publishes the algorithms, Antenna records them).
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from typing import Any
 from config.errors import Failure
 from worker.core.availability import Availability, retry_loads, tell_loaded
 from worker.core.claims import Claims, best_effort
+from worker.core.loading import Loads
 from worker.core.ports import BatchEngine
 from worker.core.settling import Settling
-from worker.core.threads import in_daemon_thread
 from worker.health.liveness import Liveness
 
 Loaded = Callable[[str], Coroutine[Any, Any, None]]
@@ -35,6 +37,7 @@ class Preparing:
         liveness: Liveness,
         keepalive_tick_s: float,
         loaded: Loaded | None = None,
+        loads: Loads | None = None,
     ) -> None:
         self._engine = engine
         self._availability = availability
@@ -43,18 +46,22 @@ class Preparing:
         self._liveness = liveness
         self._tick_s = min(_LOAD_TICK_S, keepalive_tick_s)
         self.loaded = loaded  # the source told of a pipeline's models loaded, or None
+        # At most one load thread per pipeline, each bounded (no deadline: 900 s).
+        self._loads = loads or Loads(engine.load, 900.0, liveness.must_restart)
 
     async def prepare(self, pipeline: str) -> Failure | None:
         """``pipeline``'s models ready for its next batch (``Batches``'s ``Prepare``): loaded
-        on a thread of their own when they are not, the held tasks' ack waits extended
-        meanwhile. The failure its tasks get when the models cannot be had."""
+        on a thread of their own when they are not; up to the load deadline the held tasks'
+        ack waits are extended meanwhile, past it the load fails (``load_timeout``). The
+        failure its tasks get when the models cannot be had."""
         if self._engine.ready(pipeline):
             return None
-        loading = in_daemon_thread(self._engine.load, pipeline)
-        while not (await asyncio.wait({loading}, timeout=self._tick_s))[0]:
+
+        async def tick() -> None:
             self._liveness.loading()
             await self._claims.keep_alive()
-        failure = loading.result()
+
+        failure = await self._loads.load(pipeline, tick, self._tick_s)
         if failure is None and self.loaded is not None:
             await self.loaded(pipeline)
         return failure
@@ -66,7 +73,7 @@ class Preparing:
         worker counts as loading, not stalled."""
 
         async def load(pipeline: str) -> Failure | None:
-            failure = await in_daemon_thread(self._engine.load, pipeline)
+            failure = await self._loads.load(pipeline)  # bounded; no second thread
             if failure is None and self.loaded is not None:
                 await tell_loaded(self.loaded, pipeline)
             return failure

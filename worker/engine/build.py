@@ -12,9 +12,10 @@ from typing import Any
 import structlog
 
 from config.derived import max_held_tasks, object_deadline_s, torch_threads
-from config.errors import ConfigError, ModelLoadFailed
+from config.errors import ConfigError, ModelLoadFailed, TransientError
 from config.faults import FaultSettings
 from config.model_cache import cache_root
+from config.names import env_name
 from config.settings import Settings
 from datasets.loader import LoaderConfig, StreamingLoader
 from datasets.uris import SourceConfig
@@ -141,10 +142,13 @@ async def start_engine(
     at_start = s.model.load_at_start
     if at_start is None:
         at_start = len(served.names) == 1  # one pipeline: loaded and checked at start, as ever
+    names = served.names if at_start else []
     loop = asyncio.get_running_loop()
     started, preloaded = await asyncio.gather(
         loop.run_in_executor(engine_thread, started_loader.start),
-        in_daemon_thread(_preload, served, served.names if at_start else []),
+        _within_deadline(
+            in_daemon_thread(_preload, served, names), s.model.load_deadline_s * len(names)
+        ),
         return_exceptions=True,
     )
     failed = next((r for r in (preloaded, started) if isinstance(r, BaseException)), None)
@@ -159,6 +163,23 @@ async def start_engine(
         plans=served.plans(),
         max_consecutive_failures=s.loader.max_consecutive_failures,
         heartbeat=liveness.still_working,
+    )
+
+
+async def _within_deadline(preloading: asyncio.Future[None], deadline_s: float) -> None:
+    """The models loaded at start, within their load deadline (one per pipeline): past it the
+    start fails (exit 1, a restart may find the file host answering), not a process left
+    ``starting`` until healthwatch's bound. The load's thread is a daemon: it ends with us."""
+    if deadline_s <= 0:
+        return await preloading
+    done, _ = await asyncio.wait({preloading}, timeout=deadline_s)
+    if done:
+        return preloading.result()
+    preloading.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, never said
+    setting = env_name("model", "load_deadline_s")
+    raise TransientError(
+        f"the models loaded at start did not finish within {deadline_s:g}s ({setting} per "
+        "pipeline): exiting for a restart"
     )
 
 

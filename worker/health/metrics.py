@@ -248,7 +248,8 @@ class UnavailableCollector:
         family = GaugeMetricFamily(
             f"{PREFIX}_pipeline_unavailable",
             "1 while a served pipeline's models cannot be loaded on this host, by pipeline and "
-            "reason (download_refused, cache_unwritable, over_budget, load_failed): its tasks "
+            "reason (download_refused, cache_unwritable, over_budget, load_timeout, "
+            "load_failed): its tasks "
             "are given back and none fetched; its load is retried in the background.",
             labels=["pipeline", "reason"],
         )

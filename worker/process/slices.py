@@ -17,4 +17,5 @@ def core_settings(s: Settings, image_bytes: int) -> CoreSettings:
         hold_per_load=s.model.hold_per_load,
         drain_timeout_s=s.health.drain_timeout_s,
         device=chosen_device(s),
+        load_deadline_s=s.model.load_deadline_s,
     )
