@@ -56,15 +56,15 @@ def object_deadline_s(s: Settings) -> float:
 
 
 def torch_threads(s: Settings, cores: int, detecting: bool) -> tuple[int, str]:
-    """The forward pass's intra-op threads on ``cores`` (those this process may use), and
-    why: as set; every core when a served pipeline has a detector (its forward pass takes
-    seconds an image on a CPU, decoding the image a few per cent of that: the loader children
-    keep up from the gaps); else the cores the loader children leave (at least 1), since a
-    light classifier's forward pass is quicker than decoding its images."""
+    """The forward pass's intra-op threads on ``cores`` (those this process may use), and why:
+    as set; on a CPU device, every core when a served pipeline has a detector (its forward pass
+    takes seconds an image there, decoding the image a few per cent of that: the loader children
+    keep up from the gaps); else (a GPU host's too) the cores the loader children leave (at
+    least 1), since a light classifier's forward pass is quicker than decoding its images."""
     if s.model.torch_threads > 0:
         return s.model.torch_threads, "set"
-    if detecting:
-        return max(1, cores), "every core: a detector's pipeline"
+    if detecting and not chosen_device(s).startswith("cuda"):
+        return max(1, cores), "every core: a detector's pipeline on the CPU"
     return max(1, cores - s.loader.num_workers), "the cores the loader children leave"
 
 

@@ -113,10 +113,6 @@ NO_FILE_OF_ITS_OWN: dict[str, tuple[str, str]] = {
         "integration/test_antenna.py",
         "register against the fake Antenna",
     ),
-    "worker/core/claims.py": (
-        "unit/core/test_claims_parked.py",
-        "held tasks, their room and parking",
-    ),
     "worker/core/drain.py": (
         "unit/core/test_orchestrator.py",
         "the drain: the batch in hand finished, the rest given back, each wait bounded",

@@ -16,6 +16,7 @@ pipeline's models cannot be loaded and every task of it waiting gets its error r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import Awaitable, Callable
@@ -158,6 +159,29 @@ class Claims:
                 action=LEFT_FOR_ACK_WAIT,
             )
             self.release(held)
+
+
+async def keep_alive_while_advancing(
+    claims: Claims,
+    last_progress: Callable[[], float],
+    engine_busy: Callable[[], bool],
+    stop: asyncio.Event,
+    tick_s: float,
+) -> None:
+    """Until ``stop``: every ``tick_s``, while a batch runs and work advanced since the last
+    look (a forward pass ended: ``Liveness.last_progress`` moved), the held tasks' ack waits
+    are extended, so a long batch that advances is never delivered again under itself; one
+    that stopped advancing is not kept alive, and its tasks come back after the ack wait."""
+    seen = last_progress()
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), tick_s)
+        if stop.is_set():
+            return
+        now = last_progress()
+        if engine_busy() and now != seen:
+            await claims.keep_alive()
+        seen = now
 
 
 async def best_effort(action: Awaitable[None]) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 from worker.core.admission import Admission
 from worker.core.availability import Availability
 from worker.core.batches import Batches
-from worker.core.claims import Claims
+from worker.core.claims import Claims, keep_alive_while_advancing
 from worker.core.drain import Drain
 from worker.core.dropping import InactiveJobDrops
 from worker.core.endings import Endings, end_when_gone, end_when_idle
@@ -193,6 +193,16 @@ class Orchestrator:
         helpers: list[tuple[str, Coroutine[Any, Any, None]]] = [
             ("source-watch", end_when_gone(link, endings)),
             ("load-retry", self.preparing.retry(endings.stop, batches.engine_busy)),
+            (
+                "advancing-keepalive",
+                keep_alive_while_advancing(
+                    claims,
+                    self.services.liveness.last_progress,
+                    batches.engine_busy,
+                    endings.stop,
+                    link.keepalive_tick_s,
+                ),
+            ),
         ]
         if link.results_waiting is not None:
             helpers.append(("blocked-watch", self._note_blocked(link.results_waiting)))

@@ -1,6 +1,7 @@
 """The warm pass: at start, each stage of each pipeline loaded then runs one synthetic input
-of a realistic size twice (a warm-up, then the one timed), and settings that the time seen
-does not fit are refused (ConfigError: exit 2), naming them and the value that would fit.
+of a realistic size three times (a warm-up, then the fastest of two timed), and settings that
+the time seen does not fit are refused (ConfigError: exit 2), naming them and the value that
+would fit.
 
 Liveness counts progress per forward pass (``Runner.progress``: a detector chunk of
 ``WORKER_MODEL__DETECTOR_BATCH_SIZE`` images, a classifier chunk of
@@ -88,11 +89,16 @@ def _noise(shape: tuple[int, ...], generator: Any) -> Any:
     return torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
 
 
-def _timed(call: Callable[[], Any]) -> float:
+def _timed(call: Callable[[], Any], timed: int = 2) -> float:
+    """The fastest of ``timed`` runs after a warm-up: a host busy for a moment (another
+    process starting beside this one) does not refuse settings that fit it."""
     call()  # the warm-up: lazy initialisation, allocator, kernels chosen
-    started = time.perf_counter()
-    call()
-    return time.perf_counter() - started
+    best_s = float("inf")
+    for _ in range(timed):
+        started = time.perf_counter()
+        call()
+        best_s = min(best_s, time.perf_counter() - started)
+    return best_s
 
 
 def redelivery(s: Settings) -> tuple[str, float]:
@@ -154,8 +160,8 @@ async def check(s: Settings, runners: dict[str, Any]) -> list[StageTime]:
             )
         except TimeoutError:
             raise ConfigError(
-                f"pipeline {name!r}: its warm pass (one synthetic input per stage, twice) did "
-                f"not end within {n('health', 'stall_timeout_s')} "
+                f"pipeline {name!r}: its warm pass (one synthetic input per stage, three "
+                f"times) did not end within {n('health', 'stall_timeout_s')} "
                 f"({s.health.stall_timeout_s:g}s) on this host: no forward pass could fit it; "
                 f"use a faster device, or raise {n('health', 'stall_timeout_s')} and "
                 f"{n('health', 'watchdog_timeout_s')}"

@@ -7,10 +7,11 @@ each for nothing: a new job reaches an idle process by its hint (``worker.nats.h
 serves it with no listing. So a listing after which the process is idle (it fetched no task
 since the one before, holds no new-jobs message, and its hints are whole) doubles the interval
 to the next, up to the idle bound; a task fetched, a message in hand, or a hint subscription
-broken (refused, or a reconnect that may have lost a publish) brings it back to
-``JOB_DISCOVERY_S`` at once. What an idle process's rarer listing finds late: a task given back
-or redelivered on a job it has no work from (a worker stopped or died), and the deletes of
-finished jobs' consumers, when no process of the fleet works.
+refused brings it back to ``JOB_DISCOVERY_S`` at once (a publish lost in a reconnect is found by
+the next listing: up to ``JOB_DISCOVERY_IDLE_S`` later on an idle process). What an idle
+process's rarer listing finds late: a task given back or redelivered on a job it has no work
+from (a worker stopped or died), and the deletes of finished jobs' consumers, when no process of
+the fleet works.
 """
 
 from __future__ import annotations

@@ -63,3 +63,9 @@ def test_an_unlimited_cgroup_v2_leaves_the_affinity(tmp_path: Path, text: str) -
 
     assert cgroup_quota(tmp_path) is None
     assert available_cores(tmp_path) == len(os.sched_getaffinity(0))
+
+
+def test_a_gpu_hosts_detector_leaves_the_loader_children_their_cores() -> None:
+    s = load_settings(model={"device": "cuda:0"})  # the forward pass runs on the device
+
+    assert torch_threads(s, 16, detecting=True) == (14, "the cores the loader children leave")

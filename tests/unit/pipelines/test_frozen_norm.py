@@ -32,3 +32,21 @@ def test_frozen_batch_norms_in_place_give_the_same_bits_and_leave_other_inputs_a
     assert isinstance(in_place, FrozenBatchNorm2d)
     assert torch.equal(got, expected)
     assert torch.equal(computed.detach(), expected) and torch.equal(trained.detach(), x)
+
+
+def test_a_half_precision_activation_gets_torchvisions_float32_answer_not_an_in_place_one() -> None:
+    from pipelines.models import freeze_batch_norms
+
+    torch.manual_seed(2)
+    norm = torch.nn.BatchNorm2d(4).eval()
+    with torch.no_grad():
+        norm.running_var.uniform_(0.1, 3.0)
+    reference = freeze_batch_norms(torch.nn.Sequential(copy.deepcopy(norm)))[0]
+    in_place = freeze_batch_norms(torch.nn.Sequential(copy.deepcopy(norm)), in_place=True)[0]
+    x = torch.randn(1, 4, 5, 5).to(torch.bfloat16)
+
+    with torch.inference_mode():
+        expected, got = reference(x.clone()), in_place(x)
+
+    assert got.dtype == expected.dtype == torch.float32
+    assert torch.equal(got, expected) and x.dtype == torch.bfloat16
