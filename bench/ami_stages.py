@@ -15,9 +15,9 @@ intra-op threads included), summed over the images after one warm-up image:
   boxes scaled back, rows and clean-up);
 - ``crops``: cutting and squashing each box's crop (``_cut``, ``_squared``);
 - ``filter``, ``classifier``: the two classifiers' forward passes (normalisation included);
-- ``rendering``: the per-box result dicts (``response.detection``, each classification);
-- ``settle (encode)``: the image's detections encoded as JSON, as the post to Antenna encodes
-  its body (the CPU side of the settle; the local HTTP round trip is not here);
+- ``rendering``: the per-box typed results (``response.detection``, each classification);
+- ``settle (encode)``: the image's detections written and encoded as JSON, as the post to Antenna
+  encodes its body (the CPU side of the settle; the local HTTP round trip is not here);
 - ``other``: the rest of ``Runner.run``.
 
 Random weights in ADC's layouts (``tests/ami_files.py``) unless ``--mirror``; made JPEGs (every
@@ -142,6 +142,7 @@ def profile(mirror: Path, jpegs: list[bytes], threads: int) -> dict[str, Any]:
     import torch
 
     from datasets.images import decode
+    from pipelines.found import fields
     from worker.antenna.render import encoded
 
     torch.set_num_threads(threads)
@@ -157,9 +158,9 @@ def profile(mirror: Path, jpegs: list[bytes], threads: int) -> dict[str, Any]:
         with clock.stage("other"):
             (detections,) = runner.run([image])
         with clock.stage("settle (encode)"):
-            encoded(detections)
+            encoded([fields(d, f"image-{n}") for d in detections])
         if n > 0:
-            classified = all(len(d["classifications"]) >= 2 for d in detections)
+            classified = all(len(d.classifications) >= 2 for d in detections)
             if detections and classified:
                 outcomes.good()
             else:
