@@ -9,6 +9,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import structlog.testing
 
 from config.errors import ConfigError
 from config.settings import load_settings
@@ -100,12 +101,21 @@ def _stall_timeout(seconds: float):
 
 
 def test_the_pass_is_timed_warm_and_a_slow_one_refuses_the_start():
-    classifier = _Classifier(0.2)
+    classifier = _Classifier(0.5)
     settings = _stall_timeout(2)
     with pytest.raises(ConfigError, match="WORKER_MODEL__CROP_BATCH_SIZE=8") as refused:
         asyncio.run(warm_pass.check(settings, {"whole": _runner(classifier, crop_batch=8)}))
     assert classifier.calls == 3, "a warm-up, then the fastest of two passes timed"
-    assert "to 2 or less" in str(refused.value)
+    assert "or less" in str(refused.value) and "that does not fit" in str(refused.value)
+
+
+def test_a_pass_that_fits_but_not_four_times_over_is_said_not_refused():
+    settings = _stall_timeout(2)
+    with structlog.testing.capture_logs() as logs:
+        asyncio.run(warm_pass.check(settings, {"whole": _runner(_Classifier(0.2), crop_batch=8)}))
+    tight = [e for e in logs if e["event"] == "warm_pass_tight"]
+    assert len(tight) == 1 and "WORKER_MODEL__CROP_BATCH_SIZE=8" in tight[0]["problem"]
+    assert "4 times that does not fit" in tight[0]["problem"]
 
 
 def test_a_fast_pass_is_accepted_and_its_times_returned():
