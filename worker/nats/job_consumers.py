@@ -187,8 +187,9 @@ class JobConsumers:
             return []
 
     def _quiet(self) -> bool:
-        """Nothing in hand and the hints whole: an idle process may list less often."""
-        return self._life.empty_handed() and self.hints_whole()
+        """Nothing in hand, no job waiting for room on the server (a refused consumer is retried
+        at every discovery) and the hints whole: an idle process may list less often."""
+        return self._life.empty_handed() and self._life.refusal is None and self.hints_whole()
 
     async def _new_jobs_only(self) -> list[Msg]:
         """The new-jobs messages waiting, their consumers made (or found: made elsewhere) and
