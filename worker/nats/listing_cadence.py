@@ -5,13 +5,13 @@ A listing is the one discovery request whose size grows with the jobs (every con
 tasks stream, a few hundred bytes each), and a fleet of idle processes pays it once a second
 each for nothing: a new job reaches an idle process by its hint (``worker.nats.hints``), which
 serves it with no listing. So a listing after which the process is idle (it fetched no task
-since the one before, holds no new-jobs message, no job waits for the server's room, and its hints are whole) doubles the interval
-to the next, up to the idle bound; a task fetched, a message in hand, or a hint subscription
-refused brings it back to ``JOB_DISCOVERY_S`` at once (a publish lost in a reconnect is found by
-the next listing: up to ``JOB_DISCOVERY_IDLE_S`` later on an idle process). What an idle
-process's rarer listing finds late: a task given back or redelivered on a job it has no work
-from (a worker stopped or died), and the deletes of finished jobs' consumers, when no process of
-the fleet works.
+since the one before, holds no new-jobs message, no job waits for the server's room, and its
+hints are whole) doubles the interval to the next, up to the idle bound; a task fetched, a
+message in hand, or a hint subscription refused brings it back to ``JOB_DISCOVERY_S`` at once (a
+publish lost in a reconnect is found by the next listing: up to ``JOB_DISCOVERY_IDLE_S`` later
+on an idle process). What an idle process's rarer listing finds late: a task given back or
+redelivered on a job it has no work from (a worker stopped or died), and the deletes of finished
+jobs' consumers, when no process of the fleet works.
 """
 
 from __future__ import annotations
