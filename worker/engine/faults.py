@@ -62,14 +62,30 @@ class WedgingEngine:
         return getattr(self._engine, name)
 
 
-class SlowForwardModels:
+class _ModelsWrapper:
+    """The engine's models, passed through but for what a fault changes in ``acquire``."""
+
+    def __init__(self, models: Models) -> None:
+        self._models = models
+
+    def release(self, name: str) -> None:
+        self._models.release(name)
+
+    def ready(self, name: str) -> bool:
+        return self._models.ready(name)
+
+    def load(self, name: str) -> None:
+        self._models.load(name)
+
+
+class SlowForwardModels(_ModelsWrapper):
     """The engine's models, except that each stage's forward pass sleeps ``seconds`` per input
     (image or crop) before it runs, without the GIL (a slow host: the pass advances chunk by
     chunk); the pass given the ``freeze_at``-th input of the process's batches (0: none)
     never returns (a wedged device)."""
 
     def __init__(self, models: Models, seconds: float, freeze_at: int) -> None:
-        self._models = models
+        super().__init__(models)
         self._seconds = seconds
         self._freeze_at = freeze_at
         self._inputs = 0  # of every batch's forward passes so far
@@ -97,15 +113,6 @@ class SlowForwardModels:
 
         return slowly
 
-    def release(self, name: str) -> None:
-        self._models.release(name)
-
-    def ready(self, name: str) -> bool:
-        return self._models.ready(name)
-
-    def load(self, name: str) -> None:
-        self._models.load(name)
-
 
 # What torch says of an illegal memory access, as C10_CUDA_CHECK words it (with its advice).
 _ILLEGAL_ACCESS = (
@@ -132,13 +139,13 @@ def sticky_cuda_error(error_type: str) -> RuntimeError:
     return error
 
 
-class DeviceFaultModels:
+class DeviceFaultModels(_ModelsWrapper):
     """The engine's models, except that the first process to claim ``path`` at its
     ``at_batch``-th batch has its device fail for good there: that batch's forward passes, and
     every later one, raise ``sticky_cuda_error(error_type)``, as a poisoned context does."""
 
     def __init__(self, models: Models, path: str, at_batch: int, error_type: str) -> None:
-        self._models = models
+        super().__init__(models)
         self._path = path
         self._at_batch = at_batch
         self._error_type = error_type
@@ -155,15 +162,6 @@ class DeviceFaultModels:
         if self._failed:
             return _FailingPredictor(predictor, self._error_type)
         return predictor
-
-    def release(self, name: str) -> None:
-        self._models.release(name)
-
-    def ready(self, name: str) -> bool:
-        return self._models.ready(name)
-
-    def load(self, name: str) -> None:
-        self._models.load(name)
 
 
 class _FailingPredictor:
