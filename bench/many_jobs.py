@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import subprocess
 import sys
 import time
 import urllib.request
@@ -50,16 +51,30 @@ def metric(port: int, name: str) -> float:
     return float("nan")
 
 
-async def wait_port_answers(port: int, timeout_s: float = 120) -> None:
+async def wait_port_answers(
+    port: int, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 240
+) -> None:
+    """Until the worker answers on ``port``; a worker that exited, or never answered within
+    ``timeout_s`` (a start on a machine the test suite keeps busy), fails the run with its
+    log's end."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise BenchmarkFailed(f"the worker exited {proc.returncode}: {log_tail(log)}")
         try:
             if metric(port, "inference_worker_job_consumers_made_total") == 0:
                 return  # started: the job consumers' metrics are there
         except OSError:
             pass
         await asyncio.sleep(0.2)
-    raise TimeoutError("the worker never started")
+    raise BenchmarkFailed(f"the worker never answered in {timeout_s:.0f} s: {log_tail(log)}")
+
+
+def log_tail(log: Path, most_bytes: int = 3000) -> str:
+    try:
+        return log.read_bytes()[-most_bytes:].decode(errors="replace")
+    except OSError as error:
+        return f"(its log unread: {error})"
 
 
 async def flood(
@@ -105,12 +120,14 @@ async def run(jobs: int) -> dict[str, Any]:
     with world() as w:
         uris = upload(w.s3.client(), "many", [(64, 48)], 8)
         port = free_port()
-        proc = start_worker(w, "worker.log", WORKER_METRICS__PORT=str(port))
+        proc = start_worker(
+            w, "worker.log", WORKER_METRICS__PORT=str(port), WORKER_LOG_LEVEL="INFO"
+        )
         settings = nats_settings(w)
         try:
             async with client(settings, PIPELINE) as nc:
                 js = nc.jetstream()
-                await wait_port_answers(port)
+                await wait_port_answers(port, proc, w.workdir / "worker.log")
                 say(f"worker {proc.pid} answers on port {port}; publishing {jobs} jobs")
                 rss_before = rss_bytes(proc.pid)
                 seconds, seen = await flood(js, settings, uris, jobs)

@@ -105,10 +105,6 @@ NO_FILE_OF_ITS_OWN: dict[str, tuple[str, str]] = {
         "integration/test_cli.py",
         "submit, results, purge against NATS",
     ),
-    "worker/commands/localservers.py": (
-        "integration/test_cli.py",
-        "the local servers the commands start",
-    ),
     "worker/commands/register.py": (
         "integration/test_antenna.py",
         "register against the fake Antenna",

@@ -16,28 +16,36 @@ import time
 from pathlib import Path
 from typing import Any
 
+from config.derived import HEALTHZ_PORT_OFFSET
 from config.errors import ServerNotFound
 
 _READY_WAIT_S = 20.0
 
 
 def free_port() -> int:
-    """A port nothing listens on now, for a server started a moment later. Chosen below the
-    kernel's ephemeral range: a port from that range can be taken meanwhile by any outgoing
-    connection on the machine as its source port (a test's worker then could not bind its
-    metrics port); below it only another explicit bind can, and the choice is random."""
+    """A port nothing listens on now, for a server started a moment later, and the worker's
+    loopback /healthz port for it as a metrics port (``HEALTHZ_PORT_OFFSET`` above) free too:
+    a worker given it binds both, and exits 2 when either is held. Chosen below the kernel's
+    ephemeral range: a port from that range can be taken meanwhile by any outgoing connection
+    on the machine as its source port (a test's worker then could not bind its metrics port);
+    below it only another explicit bind can, and the choice is random."""
     low = _ephemeral_low()
     for _ in range(_PORT_TRIES):
-        port = random.randrange(_FIRST_PORT, low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # held: another
+        port = random.randrange(_FIRST_PORT, low - HEALTHZ_PORT_OFFSET)
+        if _bindable(port) and _bindable(port + HEALTHZ_PORT_OFFSET):
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False  # held: another
+        return True
 
 
 _FIRST_PORT = 10_000  # above the well-known services of a development machine
@@ -50,7 +58,7 @@ def _ephemeral_low() -> int:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
-    return low if low > _FIRST_PORT + 1000 else 32768
+    return low if low > _FIRST_PORT + 2 * HEALTHZ_PORT_OFFSET else 32768
 
 
 def stop_process(proc: subprocess.Popen[bytes], wait_s: float = 10.0) -> int:

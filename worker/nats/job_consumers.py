@@ -142,6 +142,8 @@ class JobConsumers:
         except (nats.errors.Error, TimeoutError) as error:
             log.warning("job_discovery_failed", error=f"{type(error).__name__}: {error}")
             return
+        finally:
+            self._pace_refusals()
         self._life.round_done()
         for info in ours.values():
             self._from_hints[info.name] = info
@@ -185,6 +187,15 @@ class JobConsumers:
             log.warning("job_discovery_failed", error=f"{type(error).__name__}: {error}")
             await self._life.give_back(scouted)  # for the next discovery, not after 30 s
             return []
+        finally:
+            self._pace_refusals()
+
+    def _pace_refusals(self) -> None:
+        """A job waits for room on the server: its consumer is retried at every listing, so the
+        listing keeps its base cadence from the refusal on, also when the refusal came between
+        two listings of an idle process (a hinted job's consumer, made at once)."""
+        if self._life.refusal is not None:
+            self.cadence.worked()
 
     def _quiet(self) -> bool:
         """Nothing in hand, no job waiting for room on the server (a refused consumer is retried

@@ -1,0 +1,32 @@
+"""The ports the local servers and the tests' workers are given (commands/localservers.py)."""
+
+from __future__ import annotations
+
+import socket
+
+from config.derived import HEALTHZ_PORT_OFFSET
+from worker.commands import localservers
+from worker.commands.localservers import free_port
+
+
+def test_a_port_whose_healthz_port_is_held_is_never_given(monkeypatch):
+    # Given a port free for its metrics but whose /healthz port (the offset above) is held,
+    # drawn first
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        held_healthz = holder.getsockname()[1]
+        crowded = held_healthz - HEALTHZ_PORT_OFFSET
+        draws = iter([crowded])
+
+        def draw(low: int, high: int) -> int:
+            return next(draws, 0) or localservers.random.SystemRandom().randrange(low, high)
+
+        monkeypatch.setattr(localservers.random, "randrange", draw)
+        # When a free port is asked for
+        port = free_port()
+    # Then that one is passed over for one whose own port and /healthz port both bind
+    assert port != crowded
+    for each in (port, port + HEALTHZ_PORT_OFFSET):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", each))
