@@ -174,7 +174,7 @@ async def test_a_result_over_the_message_size_is_stored_whole(
 
     async with client(settings) as js:
         stored = await js.get_last_msg(settings.nats.results_stream, "results.big.t")
-        published = await algorithm_config(js, settings.nats, "thousand")
+        published = await algorithm_config(js, settings.nats.algorithms, "thousand")
     kept = json.loads(stored.data)
     assert kept["response"] is None and kept["response_object"]["bytes"] > 1024 * 1024
     (result,), summary = _results(env, "big")

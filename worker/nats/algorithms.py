@@ -9,8 +9,6 @@ from typing import Any
 
 from nats.js import JetStreamContext
 
-from config.settings import NatsSettings
-
 _OBJECT_TIMEOUT_S = 60.0  # one object-store put (a class list can be megabytes)
 
 
@@ -21,12 +19,12 @@ def algorithm_objects(key: str, weights_sha256: str) -> tuple[str, str]:
 
 
 async def publish_algorithms(
-    js: JetStreamContext, settings: NatsSettings, configs: list[dict[str, Any]]
+    js: JetStreamContext, bucket: str, configs: list[dict[str, Any]]
 ) -> None:
     """Each algorithm's Antenna ``AlgorithmConfigResponse`` (its full class list), written at
-    every start to the object store ``WORKER_NATS__ALGORITHMS`` (kept without expiry):
+    every start to the object store ``bucket``, ``WORKER_NATS__ALGORITHMS`` (kept without expiry):
     classifications with a long class list omit ``labels`` and point here by their key."""
-    objects = await js.object_store(settings.algorithms)
+    objects = await js.object_store(bucket)
     for config in configs:
         body = json.dumps(config, separators=(",", ":")).encode()
         for name in algorithm_objects(str(config["key"]), str(config["weights_sha256"])):
@@ -34,12 +32,12 @@ async def publish_algorithms(
 
 
 async def algorithm_config(
-    js: JetStreamContext, settings: NatsSettings, key: str, weights_sha256: str = ""
+    js: JetStreamContext, bucket: str, key: str, weights_sha256: str = ""
 ) -> dict[str, Any]:
-    """An algorithm's published config (its class list in ``category_map.labels``): for these
-    weights when given, else the latest under ``key``."""
+    """An algorithm's published config (its class list in ``category_map.labels``) in the
+    object store ``bucket``: for these weights when given, else the latest under ``key``."""
     latest, exact = algorithm_objects(key, weights_sha256)
-    objects = await js.object_store(settings.algorithms)
+    objects = await js.object_store(bucket)
     found = await objects.get(exact if weights_sha256 else latest)
     config: dict[str, Any] = json.loads(found.data or b"{}")
     return config

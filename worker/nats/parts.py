@@ -166,7 +166,7 @@ class NatsParts:
         runner = self._served.loaded(pipeline)
         if runner is not None and self.nc is not None:
             configs = [a.config() for a in runner.algorithms()]
-            await publish_algorithms(self.nc.jetstream(), self._settings.nats, configs)
+            await publish_algorithms(self.nc.jetstream(), self._settings.nats.algorithms, configs)
 
     async def close(self) -> None:
         """The feed (its subscriptions), then the connection, drained; each step bounded."""
