@@ -19,10 +19,11 @@ from worker.core.outcome import Outcome
 from worker.core.ports import BatchReport
 from worker.core.results import Result, ResultMaker
 from worker.core.tasks import Task
+from worker.core.verdicts import Backoff
 from worker.nats.dead_letters import DeadLetters
 from worker.nats.delivery import NatsDelivered, delivered
 from worker.nats.render import document
-from worker.nats.settle import NatsSettler, nak_backoff
+from worker.nats.settle import NatsSettler
 from worker.nats.subjects import result_subject
 
 _seq = iter(range(1, 1_000_000))
@@ -140,11 +141,19 @@ def nats_settler(
     settings = NatsSettings(store_retry_s=store_retry_s, nak_backoff_base_s=0.01)
     return NatsSettler(
         store,
-        DeadLetters(js, settings, store.max_message_bytes),
+        DeadLetters(
+            js,
+            store.max_message_bytes,
+            stream=settings.dead_letter_stream,
+            subject=settings.dead_letter_subject,
+            tasks_stream=settings.tasks_stream,
+            publish_timeout_s=settings.publish_timeout_s,
+            store_retry_s=settings.store_retry_s,
+        ),
         ResultMaker(model_of),
         default_pipeline,
         settings.store_retry_s,
-        nak_backoff(settings),
+        Backoff(settings.nak_backoff_base_s, settings.nak_backoff_max_s),
     )
 
 

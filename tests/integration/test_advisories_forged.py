@@ -17,9 +17,8 @@ from nats.js.errors import NotFoundError
 from tests.helpers import client, submit
 from worker.nats.advisories import MAX_DELIVER_TYPE, ExhaustedTasks
 from worker.nats.job_consumers import job_consumer, job_consumer_config
+from worker.nats.parts import nats_settler, result_store
 from worker.nats.provision import provision
-from worker.nats.result_store import ResultStore
-from worker.nats.settle import nats_settler
 from worker.nats.subjects import (
     advisory_consumer,
     advisory_subject,
@@ -34,7 +33,7 @@ pytestmark = pytest.mark.integration
 @contextlib.asynccontextmanager
 async def advisory_handler(js: Any, settings: Any) -> AsyncIterator[None]:
     n = settings.nats
-    settler = nats_settler(js, n, ResultStore(js, n), settings.model.pipeline)
+    settler = nats_settler(js, n, result_store(js, n), settings.model.pipeline)
     stop = asyncio.Event()
     handler = asyncio.create_task(ExhaustedTasks(js, n, settler).run(stop))
     try:

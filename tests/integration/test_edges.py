@@ -106,9 +106,8 @@ async def test_a_forged_max_deliveries_advisory_fails_no_task(nats_server, setti
 
     from worker.nats.advisories import ExhaustedTasks
     from worker.nats.job_consumers import job_consumer, job_consumer_config
+    from worker.nats.parts import nats_settler, result_store
     from worker.nats.provision import provision
-    from worker.nats.result_store import ResultStore
-    from worker.nats.settle import nats_settler
     from worker.nats.subjects import (
         advisory_consumer,
         advisory_subject,
@@ -136,8 +135,7 @@ async def test_a_forged_max_deliveries_advisory_fails_no_task(nats_server, setti
             payload = {**advisory, "stream_seq": seq, "deliveries": n.max_deliver}
             await js.publish(advisory_subject(n), json.dumps(payload).encode())
         # And the max-deliveries handler reads them
-        store = ResultStore(js, n)
-        settler = nats_settler(js, n, store, settings.model.pipeline)
+        settler = nats_settler(js, n, result_store(js, n), settings.model.pipeline)
         stop = asyncio.Event()
         handler = asyncio.create_task(ExhaustedTasks(js, n, settler).run(stop))
         try:

@@ -154,8 +154,8 @@ async def test_a_redelivery_whose_result_is_already_stored_is_acked_without_new_
     """The worker stored a result, then died before its ack: the redelivery only acks."""
     from worker.nats.connection import connect
     from worker.nats.feed import TaskFeed
+    from worker.nats.parts import result_store
     from worker.nats.provision import provision
-    from worker.nats.result_store import ResultStore
 
     settings = settings_for(nats_server.url)
     uris = upload_images(s3_server.client(), bucket, 1)
@@ -168,7 +168,7 @@ async def test_a_redelivery_whose_result_is_already_stored_is_acked_without_new_
     await feed.open()
     [msg] = await feed.fetch(1)
     stored = {"task_id": tasks[0].id, "job_id": job, "status": "ok", "marker": "first-worker"}
-    assert await ResultStore(js, settings.nats).store(stored) is True
+    assert await result_store(js, settings.nats).store(stored) is True
     await msg.nak()  # the first worker is gone; the task comes back
     await feed.close()
 

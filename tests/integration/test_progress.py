@@ -105,7 +105,7 @@ async def test_watch_off_a_terminal_prints_lines_and_exits_11_when_tasks_are_mis
 async def test_watch_exits_11_when_tasks_are_missing_even_though_one_ended_in_error(
     nats_server, settings_for
 ):
-    from worker.nats.result_store import ResultStore
+    from worker.nats.parts import result_store
 
     settings = settings_for(nats_server.url)
     env = worker_env(settings)
@@ -113,7 +113,7 @@ async def test_watch_exits_11_when_tasks_are_missing_even_though_one_ended_in_er
     async with client(settings) as js:
         tasks = await submit(js, settings, "job-both", ["s3://b/1.jpg", "s3://b/2.jpg"])
         failed = {"task_id": tasks[0].id, "job_id": "job-both", "status": "error"}
-        assert await ResultStore(js, settings.nats).store(failed) is True  # no worker runs
+        assert await result_store(js, settings.nats).store(failed) is True  # no worker runs
 
     done = await asyncio.to_thread(
         cli, "watch", "--job", "job-both", "--timeout-s", "1", "--interval-s", "0.5", env=env

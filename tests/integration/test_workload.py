@@ -192,8 +192,8 @@ async def test_a_second_run_of_a_task_leaves_its_stored_large_response_readable(
     nats_server, settings_for
 ):
     from worker.commands.job_client import job_results
+    from worker.nats.parts import result_store
     from worker.nats.provision import provision
-    from worker.nats.result_store import ResultStore
 
     settings = settings_for(nats_server.url)
 
@@ -208,7 +208,7 @@ async def test_a_second_run_of_a_task_leaves_its_stored_large_response_readable(
 
     async with client(settings) as js:
         await provision(js, settings.nats, "p")
-        store = ResultStore(js, settings.nats, lambda: 16 * 1024)  # every response goes aside
+        store = result_store(js, settings.nats, lambda: 16 * 1024)  # every response goes aside
         assert await store.store(result(1)) is True
         assert await store.store(result(2)) is False  # redelivered: refused, first one kept
         (kept,) = await job_results(js, settings.nats, "j")

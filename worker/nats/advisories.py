@@ -28,7 +28,7 @@ from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from config.settings import NatsSettings
 from worker.nats.job_consumers import is_job_consumer
-from worker.nats.settle import NatsSettler, nak_backoff
+from worker.nats.settle import NatsSettler
 from worker.nats.subjects import advisory_consumer
 
 log = structlog.get_logger(__name__)
@@ -94,11 +94,11 @@ class ExhaustedTasks:
                 await _settle_advisory(msg.term())
             else:
                 log.exception("advisory_handling_failed", failures=failures, data=msg.data[:200])
-                await _settle_advisory(msg.nak(delay=self._settings.nak_backoff_max_s))
+                await _settle_advisory(msg.nak(delay=self._settler.backoff.max_s))
 
     async def _later(self, msg: Msg) -> None:
         """An outage (store or stream): try again with backoff, as long as it lasts."""
-        delay_s = nak_backoff(self._settings).delay_s(msg.metadata.num_delivered)
+        delay_s = self._settler.backoff.delay_s(msg.metadata.num_delivered)
         await _settle_advisory(msg.nak(delay=delay_s))
 
     async def handle(self, msg: Msg) -> None:

@@ -10,7 +10,6 @@ import nats
 from nats.js import JetStreamContext
 
 from config.redact import scrub, shorten
-from config.settings import NatsSettings
 from worker.nats.patience import patiently
 from worker.nats.result_store import unavailable
 
@@ -18,12 +17,28 @@ _HEADER_VALUE_CHARS = 1000
 
 
 class DeadLetters:
+    """The dead-letter ``stream`` and its ``subject`` (``WORKER_NATS__DEAD_LETTER_*``), for
+    messages of the ``tasks_stream``; each publish waits ``publish_timeout_s`` for its ack,
+    and is retried for ``store_retry_s``."""
+
     def __init__(
-        self, js: JetStreamContext, settings: NatsSettings, max_message_bytes: Callable[[], int]
+        self,
+        js: JetStreamContext,
+        max_message_bytes: Callable[[], int],
+        *,
+        stream: str,
+        subject: str,
+        tasks_stream: str,
+        publish_timeout_s: float,
+        store_retry_s: float,
     ) -> None:
         self._js = js
-        self._settings = settings
         self._max_message_bytes = max_message_bytes
+        self._stream = stream
+        self._subject = subject
+        self._tasks_stream = tasks_stream
+        self._publish_timeout_s = publish_timeout_s
+        self._store_retry_s = store_retry_s
 
     async def keep(self, data: bytes, subject: str, seq: int, reason: str) -> None:
         """Publish to the dead-letter stream until it confirms, for ``store_retry_s`` at most.
@@ -32,7 +47,7 @@ class DeadLetters:
         both dead-letter one message, and the stream keeps it once.
         """
         headers = {
-            "Nats-Msg-Id": f"dead-{self._settings.tasks_stream}-{seq}",
+            "Nats-Msg-Id": f"dead-{self._tasks_stream}-{seq}",
             "Worker-Reason": header_value(reason),
             "Worker-Original-Subject": header_value(subject),
             "Worker-Original-Sequence": str(seq),
@@ -48,16 +63,16 @@ class DeadLetters:
         async def publish() -> None:
             try:
                 await self._js.publish(
-                    self._settings.dead_letter_subject,
+                    self._subject,
                     data,
-                    timeout=self._settings.publish_timeout_s,
-                    stream=self._settings.dead_letter_stream,
+                    timeout=self._publish_timeout_s,
+                    stream=self._stream,
                     headers=headers,
                 )
             except (nats.errors.Error, TimeoutError) as error:
                 raise unavailable("dead-letter stream unavailable", error) from None
 
-        await patiently(publish, self._settings.store_retry_s)
+        await patiently(publish, self._store_retry_s)
 
 
 def header_value(text: str) -> str:

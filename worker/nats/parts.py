@@ -15,21 +15,25 @@ from nats.aio.client import Client as NATS
 
 from config.derived import unconfigured_source
 from config.redact import redact_url
-from config.settings import Settings
+from config.settings import NatsSettings, Settings
 from worker.core.link import SourceLink
 from worker.core.ports import SourceHealth
+from worker.core.results import ResultMaker
+from worker.core.verdicts import Backoff
 from worker.engine.served import ServedPipelines
 from worker.health.metrics import Metrics
 from worker.health.tasks_waiting import TasksWaiting
 from worker.nats.advisories import ExhaustedTasks
 from worker.nats.algorithms import publish_algorithms
 from worker.nats.connection import ConnectionState, abort_socket, connect
+from worker.nats.dead_letters import DeadLetters
 from worker.nats.delivery import NatsHandle
 from worker.nats.feed import TaskFeed
 from worker.nats.jetstream_health import JetStreamAnswers
+from worker.nats.patience import UntilConnected, at_once
 from worker.nats.provision import provision, refuse_other_fair_jobs
 from worker.nats.result_store import ResultStore
-from worker.nats.settle import NatsSettler, nats_settler
+from worker.nats.settle import NatsSettler
 from worker.nats.source import NatsSource
 from worker.nats.source_metrics import JobConsumersCollector
 from worker.nats.waiting import nats_waiting_read
@@ -38,20 +42,65 @@ log = structlog.get_logger(__name__)
 _CLOSE_WAIT_S = 10.0
 
 
-def _result_store(
-    s: Settings,
+def result_store(
     js: Any,
-    max_payload: Callable[[], int],
-    answers: JetStreamAnswers,
-    slow_store_s: float,
+    n: NatsSettings,
+    max_payload: Callable[[], int] = lambda: 1024 * 1024,
+    answers: JetStreamAnswers | None = None,
+    *,
+    slow_store_s: float = 0.0,
 ) -> ResultStore:
-    """The results stream, or one made slower when a chaos test asks
+    """The results stream the settings name, or one made slower when a chaos test asks
     (WORKER_FAULTS__SLOW_STORE_S, ``slow_store_s``)."""
+    where = {"stream": n.results_stream, "objects": n.result_objects}
     if not slow_store_s:
-        return ResultStore(js, s.nats, max_payload, answers)
+        return ResultStore(js, max_payload, answers, **where, publish_timeout_s=n.publish_timeout_s)
     from worker.nats.faults import SlowResultStore
 
-    return SlowResultStore(js, s.nats, max_payload, answers, seconds=slow_store_s)
+    return SlowResultStore(
+        js,
+        max_payload,
+        answers,
+        **where,
+        publish_timeout_s=n.publish_timeout_s,
+        seconds=slow_store_s,
+    )
+
+
+def nats_settler(
+    js: Any,
+    n: NatsSettings,
+    store: ResultStore,
+    default_pipeline: str,
+    model_of: Callable[[str], dict[str, Any]] = lambda _pipeline: {},
+    *,
+    count: Callable[[str, str], None] = lambda _outcome, _pipeline: None,
+    completed_twice: Callable[[], None] = lambda: None,
+    until_connected: UntilConnected = at_once,
+) -> NatsSettler:
+    """The settler over the results stream ``store`` and the dead-letter stream the settings
+    name; a task left for another delivery waits as ``WORKER_NATS__NAK_BACKOFF_*`` say;
+    ``count``, ``completed_twice`` and ``until_connected`` as ``NatsSettler`` says."""
+    dead_letters = DeadLetters(
+        js,
+        store.max_message_bytes,
+        stream=n.dead_letter_stream,
+        subject=n.dead_letter_subject,
+        tasks_stream=n.tasks_stream,
+        publish_timeout_s=n.publish_timeout_s,
+        store_retry_s=n.store_retry_s,
+    )
+    return NatsSettler(
+        store,
+        dead_letters,
+        ResultMaker(model_of),
+        default_pipeline,
+        n.store_retry_s,
+        Backoff(n.nak_backoff_base_s, n.nak_backoff_max_s),
+        count=count,
+        completed_twice=completed_twice,
+        until_connected=until_connected,
+    )
 
 
 class NatsParts:
@@ -97,9 +146,11 @@ class NatsParts:
         self.feed = TaskFeed(nc, s.nats, served.names, self.answers)
         await self.feed.open()
         metrics.registry.register(JobConsumersCollector(self.feed.job_stats))
-        store = _result_store(s, js, lambda: int(nc.max_payload), self.answers, self._slow_store_s)
+        store = result_store(
+            js, s.nats, lambda: int(nc.max_payload), self.answers, slow_store_s=self._slow_store_s
+        )
         max_deliver = await self.feed.max_deliver()
-        self.settler = settler = nats_settler(
+        self.settler = nats_settler(
             js,
             s.nats,
             store,
@@ -109,25 +160,38 @@ class NatsParts:
             completed_twice=metrics.results_already_stored.inc,
             until_connected=self.connection.until_connected,
         )
-        self.waiting = waiting = TasksWaiting(
+        self.waiting = TasksWaiting(
             nats_waiting_read(js, s.nats, served.names), s.metrics.tasks_waiting_read_s
         )
-        metrics.registry.register(waiting)
+        metrics.registry.register(self.waiting)
         self._source = NatsSource(self.feed, max_deliver, served.default)
-        self._link = SourceLink(
+        self._link = self._linked(js, store, self.settler, self.waiting)
+
+    def _linked(
+        self,
+        js: Any,
+        store: ResultStore,
+        settler: NatsSettler,
+        waiting: TasksWaiting,
+    ) -> SourceLink[NatsHandle]:
+        """What the core is given of the opened parts, with the helpers that run beside it."""
+        s, source = self._settings, self._source
+        assert source is not None, "open() builds the source first"
+        exhausted = ExhaustedTasks(js, s.nats, settler)
+        return SourceLink(
             kind="nats",
-            source=self._source,
+            source=source,
             results=store,
             settler=settler,
             backoff=settler.backoff,
-            model_of=served.model_info,
+            model_of=self._served.model_info,
             fetch_wait_s=s.nats.fetch_timeout_s,
             keepalive_tick_s=s.nats.ack_wait_s / 4,
             gone=self.connection.lost,
             gone_reason="the NATS connection closed for good",
             unserved=self.unserved,
             helpers=(
-                ("max-deliveries", ExhaustedTasks(js, s.nats, settler).run),
+                ("max-deliveries", exhausted.run),
                 ("tasks-waiting", waiting.run),
                 ("jetstream-probe", self._probe(js)),
             ),

@@ -21,7 +21,6 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
 from config.errors import ResultRefused, ResultsUnavailable
-from config.settings import NatsSettings
 from worker.nats.jetstream_health import JetStreamAnswers
 from worker.nats.subjects import result_subject
 
@@ -46,6 +45,10 @@ def unavailable(what: str, error: BaseException) -> ResultsUnavailable:
 
 
 class ResultStore:
+    """The results ``stream`` (``WORKER_NATS__RESULTS_STREAM``), with the object store
+    ``objects`` (``WORKER_NATS__RESULT_OBJECTS``) for responses too large for a message; each
+    publish waits ``publish_timeout_s`` (``WORKER_NATS__PUBLISH_TIMEOUT_S``) for its ack."""
+
     def max_message_bytes(self) -> int:
         """The largest payload we send: the server's max_payload less room for headers."""
         return self._max_payload_bytes() - _HEADER_ROOM_BYTES
@@ -53,12 +56,17 @@ class ResultStore:
     def __init__(
         self,
         js: JetStreamContext,
-        settings: NatsSettings,
         max_payload_bytes: Callable[[], int] = lambda: 1024 * 1024,
         answers: JetStreamAnswers | None = None,
+        *,
+        stream: str,
+        objects: str,
+        publish_timeout_s: float,
     ) -> None:
         self._js = js
-        self._settings = settings
+        self._stream = stream
+        self._objects = objects
+        self._publish_timeout_s = publish_timeout_s
         self._max_payload_bytes = max_payload_bytes
         self._answers = answers or JetStreamAnswers()  # each write's outcome, for /readyz
 
@@ -91,8 +99,8 @@ class ResultStore:
             ack = await self._js.publish(
                 subject,
                 payload,
-                timeout=self._settings.publish_timeout_s,
-                stream=self._settings.results_stream,
+                timeout=self._publish_timeout_s,
+                stream=self._stream,
                 # The subject is the dedupe id: injective, unlike "job/task" joined by hand.
                 headers={"Nats-Msg-Id": subject},
             )
@@ -127,7 +135,7 @@ class ResultStore:
         the one the stored result points to as it was. ``body``: the response, encoded.
         """
         sha256 = hashlib.sha256(body).hexdigest()
-        bucket = self._settings.result_objects
+        bucket = self._objects
         name = f"{subject}/{sha256}"
         try:
             objects = await self._js.object_store(bucket)
@@ -146,7 +154,7 @@ class ResultStore:
         without the second ask every admission it took waited the whole request timeout. The
         leader is elected among the nodes that answer.
         """
-        stream, subject = self._settings.results_stream, result_subject(job_id, task_id)
+        stream, subject = self._stream, result_subject(job_id, task_id)
         try:
             try:
                 await asyncio.wait_for(

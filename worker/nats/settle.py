@@ -19,10 +19,8 @@ from typing import Any
 
 import nats
 import structlog
-from nats.js import JetStreamContext
 
 from config.errors import ErrorKind, Failure, ResultRefused, ResultsUnavailable
-from config.settings import NatsSettings
 from worker.core.outcome import Outcome
 from worker.core.results import Kept, Result, ResultMaker, Settled
 from worker.core.tasks import read_task
@@ -260,34 +258,3 @@ async def _settle_message(action: Callable[[], Awaitable[None]], bound: Any) -> 
         await action()
     except (nats.errors.Error, TimeoutError) as error:
         bound.warning("settle_message_failed", action=action.__name__, error=str(error))
-
-
-def nats_settler(
-    js: JetStreamContext,
-    settings: NatsSettings,
-    store: ResultStore,
-    default_pipeline: str,
-    model_of: Callable[[str], dict[str, Any]] = lambda _pipeline: {},
-    *,
-    count: Callable[[str, str], None] = lambda _outcome, _pipeline: None,
-    completed_twice: Callable[[], None] = lambda: None,
-    until_connected: UntilConnected = at_once,
-) -> NatsSettler:
-    """The settler over the results stream ``store`` and the dead-letter stream; ``count``,
-    ``completed_twice`` and ``until_connected`` as ``NatsSettler`` says."""
-    return NatsSettler(
-        store,
-        DeadLetters(js, settings, store.max_message_bytes),
-        ResultMaker(model_of),
-        default_pipeline,
-        settings.store_retry_s,
-        nak_backoff(settings),
-        count=count,
-        completed_twice=completed_twice,
-        until_connected=until_connected,
-    )
-
-
-def nak_backoff(settings: NatsSettings) -> Backoff:
-    """How long a task left for another delivery waits: ``WORKER_NATS__NAK_BACKOFF_*``."""
-    return Backoff(settings.nak_backoff_base_s, settings.nak_backoff_max_s)

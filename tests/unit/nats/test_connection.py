@@ -95,7 +95,13 @@ class SilentReplicaJetStream:
 
 async def test_a_stored_result_asked_of_a_silent_replica_is_found_through_the_leader():
     js = SilentReplicaJetStream()
-    store = ResultStore(js, NatsSettings())  # type: ignore[arg-type]
+    n = NatsSettings()
+    store = ResultStore(
+        js,  # type: ignore[arg-type]
+        stream=n.results_stream,
+        objects=n.result_objects,
+        publish_timeout_s=n.publish_timeout_s,
+    )
     assert await asyncio.wait_for(store.exists("job", "task"), 3) is True
     assert js.asked == [True, False]
 

@@ -101,7 +101,14 @@ class QuorumLostJetStream:
 
 async def test_a_store_the_stream_cannot_confirm_starts_the_clock_and_one_it_does_clears_it():
     js, answers = QuorumLostJetStream(), JetStreamAnswers()
-    store = ResultStore(js, NatsSettings(), answers=answers)  # type: ignore[arg-type]
+    n = NatsSettings()
+    store = ResultStore(
+        js,  # type: ignore[arg-type]
+        answers=answers,
+        stream=n.results_stream,
+        objects=n.result_objects,
+        publish_timeout_s=n.publish_timeout_s,
+    )
     result = {"job_id": "job", "task_id": "task", "response": None}
     with pytest.raises(ResultsUnavailable):  # no PubAck: not taken as stored
         await store.store(result)
