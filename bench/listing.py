@@ -163,8 +163,7 @@ def snapshot(server: NatsServer, listed: list[float]) -> tuple[float, dict[str, 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     import nats
 
-    from worker.nats.job_names import job_consumer_config
-    from worker.nats.provision import provision
+    from worker.nats.provision import job_consumer_config, provision
 
     server = NatsServer(http_port=free_port()).start()
     fleet: Fleet | None = None

@@ -92,13 +92,14 @@ async def wait_results(
 async def quiescent(js: Any, settings: Any, timeout_s: float = 30.0) -> None:
     """Nothing pending or awaiting an ack on the tasks consumer nor on the max-deliveries
     consumer: no result can still be on its way, so its absence can be asserted."""
+    from worker.nats.provision import consumer_names
     from worker.nats.subjects import advisory_consumer
 
     await consumer_idle(js, settings, timeout_s)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         info = await js.consumer_info(
-            settings.nats.advisory_stream, advisory_consumer(settings.nats)
+            settings.nats.advisory_stream, advisory_consumer(consumer_names(settings.nats))
         )
         if info.num_pending == 0 and info.num_ack_pending == 0:
             return
@@ -123,12 +124,13 @@ async def take_back(
     import nats.js.errors
 
     from worker.nats.job_consumers import job_consumer, job_consumer_config
+    from worker.nats.provision import consumer_names
     from worker.nats.subjects import job_tasks_subject, subject_token
 
     durable = settings.nats.consumer
     if settings.nats.fair_jobs:
         subject = job_tasks_subject(settings.model.pipeline, subject_token(job))
-        durable = job_consumer(settings.nats, subject)
+        durable = job_consumer(consumer_names(settings.nats), subject)
         # As a worker would make it, should none have found the job before it stopped.
         await js.add_consumer(
             settings.nats.tasks_stream, job_consumer_config(settings.nats, subject)

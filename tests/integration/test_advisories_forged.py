@@ -18,7 +18,7 @@ from tests.helpers import client, submit
 from worker.nats.advisories import MAX_DELIVER_TYPE, ExhaustedTasks
 from worker.nats.job_consumers import job_consumer, job_consumer_config
 from worker.nats.parts import nats_settler, result_store
-from worker.nats.provision import provision
+from worker.nats.provision import consumer_names, provision
 from worker.nats.subjects import (
     advisory_consumer,
     advisory_subject,
@@ -35,7 +35,8 @@ async def advisory_handler(js: Any, settings: Any) -> AsyncIterator[None]:
     n = settings.nats
     settler = nats_settler(js, n, result_store(js, n), settings.model.pipeline)
     stop = asyncio.Event()
-    handler = asyncio.create_task(ExhaustedTasks(js, n, settler).run(stop))
+    exhausted = ExhaustedTasks(js, consumer_names(n), settler, fetch_timeout_s=n.fetch_timeout_s)
+    handler = asyncio.create_task(exhausted.run(stop))
     try:
         yield
     finally:
@@ -52,14 +53,14 @@ async def forge(js: Any, settings: Any, consumer: str, seq: int) -> None:
         "stream_seq": seq,
         "deliveries": n.max_deliver,
     }
-    await js.publish(advisory_subject(n), json.dumps(advisory).encode())
+    await js.publish(advisory_subject(consumer_names(n)), json.dumps(advisory).encode())
 
 
 async def advisories_settled(js: Any, settings: Any, timeout_s: float = 20.0) -> None:
     n = settings.nats
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        info = await js.consumer_info(n.advisory_stream, advisory_consumer(n))
+        info = await js.consumer_info(n.advisory_stream, advisory_consumer(consumer_names(n)))
         if info.num_pending == 0 and info.num_ack_pending == 0:
             return
         await asyncio.sleep(0.1)
@@ -71,7 +72,8 @@ async def job_consumer_of(js: Any, settings: Any, job: str) -> Any:
     n = settings.nats
     subject = job_tasks_subject(settings.model.pipeline, subject_token(job))
     await js.add_consumer(n.tasks_stream, job_consumer_config(n, subject))
-    return await js.pull_subscribe_bind(durable=job_consumer(n, subject), stream=n.tasks_stream)
+    durable = job_consumer(consumer_names(n), subject)
+    return await js.pull_subscribe_bind(durable=durable, stream=n.tasks_stream)
 
 
 async def test_an_advisory_naming_another_jobs_consumer_fails_no_task(nats_server, settings_for):
@@ -117,7 +119,7 @@ async def test_an_advisory_for_a_task_in_flight_does_not_win_over_its_result(
         async with advisory_handler(js, settings):
             deadline = time.monotonic() + 20
             while (
-                await js.consumer_info(n.advisory_stream, advisory_consumer(n))
+                await js.consumer_info(n.advisory_stream, advisory_consumer(consumer_names(n)))
             ).num_redelivered < 1:
                 stored = await _stored(js, n, task)
                 assert stored is None, f"the forged advisory stored {stored}"

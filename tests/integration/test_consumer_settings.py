@@ -17,7 +17,7 @@ from tests.helpers import (
     worker_env,
 )
 from worker.nats.job_consumers import job_consumer, job_consumer_config
-from worker.nats.provision import provision
+from worker.nats.provision import consumer_names, provision
 from worker.nats.subjects import job_tasks_subject, subject_token
 
 pytestmark = pytest.mark.integration
@@ -39,7 +39,7 @@ async def test_a_restart_with_a_new_ack_wait_and_max_deliver_updates_the_job_con
         # When a worker starts with a new ack wait and delivery cap
         after = settings_for(nats_server.url, nats={"ack_wait_s": 900.0, "max_deliver": 2})
         async with running_worker(after):
-            info = await js.consumer_info(n.tasks_stream, job_consumer(n, subject))
+            info = await js.consumer_info(n.tasks_stream, job_consumer(consumer_names(n), subject))
             results = await wait_results(js, after, "job-drift", 2, timeout_s=60)
             await quiescent(js, after)
     # Then the job's consumer delivers by them, as the shared one does
@@ -101,7 +101,7 @@ async def test_a_job_consumer_made_later_with_other_settings_is_given_ours_at_di
         # When this process discovers jobs, twice
         for _ in range(2):
             await jobs.refresh()
-        info = await js.consumer_info(n.tasks_stream, job_consumer(n, subject))
+        info = await js.consumer_info(n.tasks_stream, job_consumer(consumer_names(n), subject))
         await jobs.close()
     # Then the consumer delivers by this process's settings, said once and counted
     assert (info.config.ack_wait, info.config.max_deliver) == (900.0, 2)

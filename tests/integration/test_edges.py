@@ -107,7 +107,7 @@ async def test_a_forged_max_deliveries_advisory_fails_no_task(nats_server, setti
     from worker.nats.advisories import ExhaustedTasks
     from worker.nats.job_consumers import job_consumer, job_consumer_config
     from worker.nats.parts import nats_settler, result_store
-    from worker.nats.provision import provision
+    from worker.nats.provision import consumer_names, provision
     from worker.nats.subjects import (
         advisory_consumer,
         advisory_subject,
@@ -118,6 +118,7 @@ async def test_a_forged_max_deliveries_advisory_fails_no_task(nats_server, setti
 
     settings = settings_for(nats_server.url)
     n = settings.nats
+    names = consumer_names(n)
     async with client(settings) as js:
         await provision(js, n, settings.model.pipeline)
         # Given a task queued and never delivered (no worker runs)
@@ -130,17 +131,18 @@ async def test_a_forged_max_deliveries_advisory_fails_no_task(nats_server, setti
             "consumer": n.consumer,
         }
         subject = job_tasks_subject(settings.model.pipeline, subject_token(task.job_id))
-        as_its_job_consumer = {**dressed, "consumer": job_consumer(n, subject)}  # not made yet
+        as_its_job_consumer = {**dressed, "consumer": job_consumer(names, subject)}  # not made yet
         for advisory in ({}, dressed, as_its_job_consumer):
             payload = {**advisory, "stream_seq": seq, "deliveries": n.max_deliver}
-            await js.publish(advisory_subject(n), json.dumps(payload).encode())
+            await js.publish(advisory_subject(names), json.dumps(payload).encode())
         # And the max-deliveries handler reads them
         settler = nats_settler(js, n, result_store(js, n), settings.model.pipeline)
         stop = asyncio.Event()
-        handler = asyncio.create_task(ExhaustedTasks(js, n, settler).run(stop))
+        exhausted = ExhaustedTasks(js, names, settler, fetch_timeout_s=n.fetch_timeout_s)
+        handler = asyncio.create_task(exhausted.run(stop))
         try:
             for _ in range(200):
-                info = await js.consumer_info(n.advisory_stream, advisory_consumer(n))
+                info = await js.consumer_info(n.advisory_stream, advisory_consumer(names))
                 if info.num_pending == 0 and info.num_ack_pending == 0:
                     break
                 await asyncio.sleep(0.1)

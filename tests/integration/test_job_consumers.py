@@ -255,17 +255,17 @@ class _PublishesBeforeTheDelete:
 
 async def _job_consumers(js: Any, n: Any) -> dict[str, Any]:
     from worker.nats.job_consumers import is_job_consumer
+    from worker.nats.provision import consumer_names
 
     infos = await js.consumers_info(n.tasks_stream)
-    return {i.name: i for i in infos if is_job_consumer(n, i.name)}
+    return {i.name: i for i in infos if is_job_consumer(consumer_names(n), i.name)}
 
 
 async def test_a_task_published_as_its_consumer_is_deleted_is_served_after_both_processes_stop(
     nats_server, settings_for, monkeypatch
 ):
-    from worker.nats.job_consumers import job_consumer, job_consumer_config
-    from worker.nats.lifecycle import JobLifecycle
-    from worker.nats.provision import provision
+    from worker.nats.job_consumers import job_consumer, job_consumer_config, job_lifecycle
+    from worker.nats.provision import consumer_names, provision
     from worker.nats.subjects import job_tasks_subject, subject_token
 
     settings = settings_for(nats_server.url, nats={"max_job_consumers": 1})
@@ -277,7 +277,7 @@ async def test_a_task_published_as_its_consumer_is_deleted_is_served_after_both_
         for subject in (quiet, busy):
             await js.add_consumer(n.tasks_stream, job_consumer_config(n, subject))
         await js.publish(busy, b"{}", stream=n.tasks_stream)
-        other = JobLifecycle(js, n, [pipeline])
+        other = job_lifecycle(js, n)
         await other.open()
 
         async def other_discovers() -> None:  # reads the task's new-jobs message, lists
@@ -287,12 +287,12 @@ async def test_a_task_published_as_its_consumer_is_deleted_is_served_after_both_
 
         # When the quiet one is deleted by a process, a task of its job published meanwhile
         # and heard of by another process, its remake refused (the bound)
-        deleter = JobLifecycle(_PublishesBeforeTheDelete(js, quiet, other_discovers), n, [pipeline])
+        deleter = job_lifecycle(_PublishesBeforeTheDelete(js, quiet, other_discovers), n)
         await deleter.open()
         for _ in range(2):  # quiet at one discovery, deleted at the next (the bound: no linger)
             deleter.listed(await _job_consumers(js, n))
             await deleter.delete_finished(set())
-        assert job_consumer(n, quiet) not in await _job_consumers(js, n)
+        assert job_consumer(consumer_names(n), quiet) not in await _job_consumers(js, n)
         # And both processes stop (the deleter before its next discovery)
         await other.close()
         # Then the next process to start makes the job's consumer, which delivers the task,
@@ -300,23 +300,23 @@ async def test_a_task_published_as_its_consumer_is_deleted_is_served_after_both_
         # back to a short read, which a loaded machine may miss once (a discovery a third of
         # SCOUT_ACK_WAIT_S later reads again; here at once, bounded).
         monkeypatch.setattr("worker.nats.job_discovery.SCOUT_ACK_WAIT_S", 0.0)
-        following = JobLifecycle(js, n.model_copy(update={"max_job_consumers": 4}), [pipeline])
+        following = job_lifecycle(js, n.model_copy(update={"max_job_consumers": 4}))
         await following.open()
         for _ in range(10):
             scouted = await following.scout()
             following.listed(await _job_consumers(js, n))
             await following.make_missing(scouted)
-            if job_consumer(n, quiet) in await _job_consumers(js, n):
+            if job_consumer(consumer_names(n), quiet) in await _job_consumers(js, n):
                 break
         await following.close()
-        info = await js.consumer_info(n.tasks_stream, job_consumer(n, quiet))
+        info = await js.consumer_info(n.tasks_stream, job_consumer(consumer_names(n), quiet))
     assert info.num_pending == 1
 
 
 async def _two_quiet_jobs(js: Any, settings: Any) -> tuple[str, str]:
     """Two job consumers with no work, the bound 1 (so a quiet one is due at the next look)."""
     from worker.nats.job_consumers import job_consumer, job_consumer_config
-    from worker.nats.provision import provision
+    from worker.nats.provision import consumer_names, provision
     from worker.nats.subjects import job_tasks_subject, subject_token
 
     n, pipeline = settings.nats, settings.model.pipeline
@@ -325,7 +325,7 @@ async def _two_quiet_jobs(js: Any, settings: Any) -> tuple[str, str]:
     for job in ("first", "second"):
         subject = job_tasks_subject(pipeline, subject_token(job))
         await js.add_consumer(n.tasks_stream, job_consumer_config(n, subject))
-        names.append(job_consumer(n, subject))
+        names.append(job_consumer(consumer_names(n), subject))
     return names[0], names[1]
 
 
@@ -335,7 +335,8 @@ async def test_an_advisory_waiting_holds_back_only_the_delete_of_the_consumer_it
     import json
 
     from worker.nats.advisories import MAX_DELIVER_TYPE
-    from worker.nats.lifecycle import JobLifecycle
+    from worker.nats.job_consumers import job_lifecycle
+    from worker.nats.provision import consumer_names
     from worker.nats.subjects import consumer_advisory_subject
 
     settings = settings_for(nats_server.url, nats={"max_job_consumers": 1})
@@ -346,9 +347,10 @@ async def test_an_advisory_waiting_holds_back_only_the_delete_of_the_consumer_it
         # yet handled
         advisory = {"type": MAX_DELIVER_TYPE, "stream": n.tasks_stream, "consumer": named}
         advisory |= {"stream_seq": 1, "deliveries": n.max_deliver}
-        await js.publish(consumer_advisory_subject(n, named), json.dumps(advisory).encode())
+        subject = consumer_advisory_subject(consumer_names(n), named)
+        await js.publish(subject, json.dumps(advisory).encode())
         # When the lifecycle looks at them twice (quiet, then due)
-        life = JobLifecycle(js, n, [settings.model.pipeline])
+        life = job_lifecycle(js, n)
         await life.open()
         for _ in range(2):
             life.listed(await _job_consumers(js, n))
@@ -362,13 +364,13 @@ async def test_an_advisory_waiting_holds_back_only_the_delete_of_the_consumer_it
 async def test_a_consumer_that_delivered_since_its_listing_is_not_deleted(
     nats_server, settings_for
 ):
-    from worker.nats.lifecycle import JobLifecycle
+    from worker.nats.job_consumers import job_lifecycle
 
     settings = settings_for(nats_server.url, nats={"max_job_consumers": 1})
     n = settings.nats
     async with client(settings) as js:
         busy, _ = await _two_quiet_jobs(js, settings)
-        life = JobLifecycle(js, n, [settings.model.pipeline])
+        life = job_lifecycle(js, n)
         await life.open()
         # Given a listing of a quiet job consumer
         listed = await _job_consumers(js, n)
@@ -411,7 +413,7 @@ async def test_a_new_job_read_by_a_failed_discovery_gets_its_consumer_at_the_nex
     nats_server, settings_for
 ):
     from worker.nats.job_consumers import JobConsumers, job_consumer
-    from worker.nats.provision import provision
+    from worker.nats.provision import consumer_names, provision
     from worker.nats.subjects import job_tasks_subject, subject_token
 
     settings = settings_for(nats_server.url)
@@ -428,7 +430,7 @@ async def test_a_new_job_read_by_a_failed_discovery_gets_its_consumer_at_the_nex
         assert flaky.failed
         # When the next discovery runs
         await jobs.refresh()
-        made = job_consumer(n, subject) in await _job_consumers(js, n)
+        made = job_consumer(consumer_names(n), subject) in await _job_consumers(js, n)
         await jobs.close()
     # Then the job has its consumer (not only after the new-jobs ack wait of 30 s)
     assert made

@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import client, publish_raw, running_worker, submit, upload_images, wait_results
 from worker.commands.job_client import make_tasks
-from worker.nats.job_names import job_consumer, job_consumer_config
+from worker.nats.job_names import job_consumer
+from worker.nats.provision import consumer_names, job_consumer_config
 from worker.nats.subjects import job_tasks_subject, subject_token
 
 pytestmark = pytest.mark.integration
@@ -56,7 +57,7 @@ async def test_tasks_waiting_counts_what_paused_consumers_hold_then_drops(
         assert await until(app.registry, {pipeline: 0}) == {pipeline: 0}, "nothing waits"
         # The job's consumer made as the worker makes it, then paused with the shared one.
         await js.add_consumer(n.tasks_stream, job_consumer_config(n, job_subject))
-        await js.pause_consumer(n.tasks_stream, job_consumer(n, job_subject), far)
+        await js.pause_consumer(n.tasks_stream, job_consumer(consumer_names(n), job_subject), far)
         await js.pause_consumer(n.tasks_stream, n.consumer, far)
         await submit(js, settings, "job-paused", uris[:3])  # on tasks.<pipeline>.<job>
         for task in make_tasks("job-shared", uris[3:]):  # on tasks.<pipeline>
@@ -65,7 +66,7 @@ async def test_tasks_waiting_counts_what_paused_consumers_hold_then_drops(
         assert await until(app.registry, {pipeline: 5}) == {pipeline: 5}
 
         await js.resume_consumer(n.tasks_stream, n.consumer)
-        await js.resume_consumer(n.tasks_stream, job_consumer(n, job_subject))
+        await js.resume_consumer(n.tasks_stream, job_consumer(consumer_names(n), job_subject))
         await wait_results(js, settings, "job-paused", 3)
         await wait_results(js, settings, "job-shared", 2)
         assert await until(app.registry, {pipeline: 0}) == {pipeline: 0}

@@ -26,10 +26,9 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerInfo, RawStreamMsg
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
-from config.settings import NatsSettings
-from worker.nats.job_consumers import is_job_consumer
+from worker.nats.job_names import is_job_consumer
 from worker.nats.settle import NatsSettler
-from worker.nats.subjects import advisory_consumer
+from worker.nats.subjects import ConsumerNames, advisory_consumer
 
 log = structlog.get_logger(__name__)
 MAX_DELIVER_TYPE = "io.nats.jetstream.advisory.v1.max_deliver"
@@ -46,28 +45,38 @@ async def _settle_advisory(action: Awaitable[None]) -> None:
 
 
 class ExhaustedTasks:
-    """Pulls max-deliveries advisories and stores the results nobody else will."""
+    """Pulls max-deliveries advisories (each pull waiting ``fetch_timeout_s`` at most) and
+    stores the results nobody else will; an advisory given back waits as the ``settler``'s
+    backoff says."""
 
-    def __init__(self, js: JetStreamContext, settings: NatsSettings, settler: NatsSettler) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        names: ConsumerNames,
+        settler: NatsSettler,
+        *,
+        fetch_timeout_s: float,
+    ) -> None:
         self._js = js
-        self._settings = settings
+        self._names = names
         self._settler = settler
+        self._fetch_timeout_s = fetch_timeout_s
         self._sub: object | None = None
         self._failures: dict[int, int] = {}  # advisory sequence -> unexpected failures
 
     async def run(self, stop: asyncio.Event) -> None:
         sub = await self._js.pull_subscribe_bind(
-            durable=advisory_consumer(self._settings), stream=self._settings.advisory_stream
+            durable=advisory_consumer(self._names), stream=self._names.advisory_stream
         )
         try:
             while not stop.is_set():
                 try:
-                    msgs = await sub.fetch(16, timeout=self._settings.fetch_timeout_s)
+                    msgs = await sub.fetch(16, timeout=self._fetch_timeout_s)
                 except (TimeoutError, nats.errors.TimeoutError):
                     continue
                 except nats.errors.Error as error:
                     log.warning("advisory_fetch_failed", error=str(error))
-                    await asyncio.sleep(self._settings.fetch_timeout_s)
+                    await asyncio.sleep(self._fetch_timeout_s)
                     continue
                 for msg in msgs:
                     await self._handle_safely(msg)
@@ -137,7 +146,7 @@ class ExhaustedTasks:
         often as its max_deliver, and holds it no longer (the server drops a task from the
         pending ones when its deliveries run out: an acked or dropped task is below the ack
         floor)."""
-        s = self._settings
+        s = self._names
         ours = advisory.consumer == s.consumer or is_job_consumer(s, advisory.consumer)
         if (advisory.type, advisory.stream) != (MAX_DELIVER_TYPE, s.tasks_stream) or not ours:
             return (
@@ -184,7 +193,7 @@ class ExhaustedTasks:
     async def _original(self, msg: Msg, seq: int) -> RawStreamMsg | None:
         """The task message the advisory names; None once the advisory is settled here."""
         try:
-            return await self._js.get_msg(self._settings.tasks_stream, seq)
+            return await self._js.get_msg(self._names.tasks_stream, seq)
         except NotFoundError:
             log.error("exhausted_task_gone", stream_seq=seq, hint="raise the tasks stream max_age")
             await msg.ack()

@@ -19,29 +19,32 @@ import structlog
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
-from config.settings import NatsSettings
 from worker.nats.consumer_maker import ConsumerMaker
 from worker.nats.consumer_stats import delivered_seq
 from worker.nats.job_state import JobConsumerState
-from worker.nats.subjects import advisory_consumer, consumer_advisory_subject
+from worker.nats.subjects import ConsumerNames, advisory_consumer, consumer_advisory_subject
 
 log = structlog.get_logger(__name__)
 
 
 class ConsumerDeleter:
-    """Deletes the consumers quiet for the linger; the state remembers what each delivered."""
+    """Deletes the consumers quiet for ``linger_s`` (``WORKER_NATS__JOB_CONSUMER_LINGER_S``);
+    the state remembers what each delivered."""
 
     def __init__(
         self,
         js: JetStreamContext,
-        settings: NatsSettings,
         state: JobConsumerState,
         maker: ConsumerMaker,
+        *,
+        names: ConsumerNames,
+        linger_s: float,
     ):
         self._js = js
-        self._settings = settings
         self._state = state
         self._maker = maker
+        self._names = names
+        self._linger_s = linger_s
         self._quiet_since: dict[str, float] = {}  # consumer -> when first listed with no work
 
     async def delete_finished(self, bound: set[str]) -> None:
@@ -54,7 +57,7 @@ class ConsumerDeleter:
         for name in [n for n in quiet if n not in ours]:
             del quiet[name]
         # At the bound, with jobs waiting, one discovery's quiet is linger enough.
-        linger_s = 0.0 if len(ours) >= self._state.bound else self._settings.job_consumer_linger_s
+        linger_s = 0.0 if len(ours) >= self._state.bound else self._linger_s
         due = []
         for name, info in ours.items():
             if info.num_pending or info.num_ack_pending or name in bound:
@@ -74,7 +77,7 @@ class ConsumerDeleter:
         """The consumers of ``due`` that a max-deliveries advisory not yet settled names (its
         subject ends with the consumer's name, and it is above the advisory consumer's ack
         floor); all of them when the advisory stream cannot be read."""
-        s = self._settings
+        s = self._names
         every = {info.name for info in due}
         try:
             info = await self._js.consumer_info(s.advisory_stream, advisory_consumer(s))
@@ -102,7 +105,7 @@ class ConsumerDeleter:
         or has work, since the listing (a process with it bound took a task meanwhile)."""
         name, subject = listed.name, listed.config.filter_subject or ""
         try:
-            info = await self._js.consumer_info(self._settings.tasks_stream, name)
+            info = await self._js.consumer_info(self._names.tasks_stream, name)
         except NotFoundError:
             info = listed  # another worker deleted it (and remakes what was published since)
         else:
@@ -114,7 +117,7 @@ class ConsumerDeleter:
                 self._quiet_since.pop(name, None)
                 return
             try:
-                await self._js.delete_consumer(self._settings.tasks_stream, name)
+                await self._js.delete_consumer(self._names.tasks_stream, name)
             except NotFoundError:
                 pass  # another worker deleted it
         self._state.deleted(name, subject, delivered_seq(info))
@@ -126,7 +129,7 @@ class ConsumerDeleter:
         """A task published on ``subject`` since its consumer delivered ``delivered`` gets a
         consumer again from there (or is owed one, with no room now)."""
         try:
-            last = (await self._js.get_last_msg(self._settings.tasks_stream, subject)).seq or 0
+            last = (await self._js.get_last_msg(self._names.tasks_stream, subject)).seq or 0
         except NotFoundError:
             return
         # Published since the listing: served still (made at the next discovery with room).

@@ -11,13 +11,13 @@ made first at the next discovery, from where the deleted consumer stopped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import nats
 import structlog
 from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, NotFoundError
 
-from config.settings import NatsSettings
-from worker.nats.job_names import job_consumer_config
 from worker.nats.job_state import JobConsumerState
 
 log = structlog.get_logger(__name__)
@@ -26,21 +26,33 @@ ASSUMED_SERVER_LIMIT = 1000  # nats-server 2.15's per-stream default, where noth
 
 class ConsumerMaker:
     """Makes job consumers (or finds them made elsewhere) while the state says there is
-    room, and tells it what the server answered."""
+    room, and tells it what the server answered: on the tasks ``stream``, each job subject's
+    consumer as ``config_of`` makes it, ``most`` at once (``WORKER_NATS__MAX_JOB_CONSUMERS``)
+    or fewer where the server allows fewer."""
 
-    def __init__(self, js: JetStreamContext, settings: NatsSettings, state: JobConsumerState):
+    def __init__(
+        self,
+        js: JetStreamContext,
+        state: JobConsumerState,
+        *,
+        stream: str,
+        config_of: Callable[[str], api.ConsumerConfig],
+        most: int,
+    ):
         self._js = js
-        self._settings = settings
         self._state = state
+        self._stream = stream
+        self._config_of = config_of
+        self._most = most
 
     async def open(self) -> None:
         limit = await self._server_limit()
-        self._state.bounded(max(1, min(self._settings.max_job_consumers, limit // 2)))
+        self._state.bounded(max(1, min(self._most, limit // 2)))
         log.info("job_consumers_bounded", most_at_once=self._state.bound)
 
     async def _server_limit(self) -> int:
         """The stream's max_consumers, else the account's, else the assumed default."""
-        info = await self._js.stream_info(self._settings.tasks_stream)
+        info = await self._js.stream_info(self._stream)
         if info.config.max_consumers and info.config.max_consumers > 0:
             return int(info.config.max_consumers)
         try:
@@ -61,17 +73,15 @@ class ConsumerMaker:
         there is no room for more now (the bound, or the server's refusal)."""
         if not self._state.room():
             return False
-        config = job_consumer_config(self._settings, subject)
+        config = self._config_of(subject)
         if start:
             config.deliver_policy = api.DeliverPolicy.BY_START_SEQUENCE
             config.opt_start_seq = start
         try:
-            info = await self._js.add_consumer(self._settings.tasks_stream, config)
+            info = await self._js.add_consumer(self._stream, config)
         except APIError as error:
             try:  # made meanwhile by another worker (with another start): that one serves
-                self._state.found(
-                    await self._js.consumer_info(self._settings.tasks_stream, config.name or "")
-                )
+                self._state.found(await self._js.consumer_info(self._stream, config.name or ""))
                 return True
             except NotFoundError:
                 self._refused(subject, error)
@@ -84,7 +94,7 @@ class ConsumerMaker:
         """Counted each time; logged once while the refusals last (they are retried at every
         discovery)."""
         first = self._state.refused(
-            f"NATS refused a job consumer on stream {self._settings.tasks_stream}: "
+            f"NATS refused a job consumer on stream {self._stream}: "
             f"{error.description or error} (code {error.err_code}); new jobs wait for room"
         )
         (log.error if first else log.debug)(

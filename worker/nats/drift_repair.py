@@ -14,7 +14,7 @@ both callers; what each does on each outcome is the table ``POLICY``:
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import structlog
@@ -22,8 +22,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import APIError
 
 from config.names import env_name
-from config.settings import ConfigError, NatsSettings
-from worker.nats.job_names import job_consumer_config
+from config.settings import ConfigError
 from worker.nats.job_state import JobConsumerState
 
 log = structlog.get_logger(__name__)
@@ -72,12 +71,21 @@ def alike(info: api.ConsumerInfo, wanted: api.ConsumerConfig) -> bool:
 
 
 class DriftRepair:
-    """Gives job consumers this process's delivery settings, by ``POLICY``."""
+    """Gives the job consumers on the tasks ``stream`` this process's delivery settings (those
+    of ``config_of``'s consumers), by ``POLICY``."""
 
-    def __init__(self, js: JetStreamContext, settings: NatsSettings, state: JobConsumerState):
+    def __init__(
+        self,
+        js: JetStreamContext,
+        state: JobConsumerState,
+        *,
+        stream: str,
+        config_of: Callable[[str], api.ConsumerConfig],
+    ):
         self._js = js
-        self._settings = settings
         self._state = state
+        self._stream = stream
+        self._config_of = config_of
         self._differed: set[str] = set()  # consumers logged with other delivery settings
 
     async def repair(
@@ -86,7 +94,7 @@ class DriftRepair:
         """Each consumer of ``ours`` whose settings drifted is given ours; returns what the
         server answered for those it updated. Each outcome handled as ``POLICY`` says for
         ``caller``."""
-        wanted = job_consumer_config(self._settings, "tasks.x.x")
+        wanted = self._config_of("tasks.x.x")
         updated: dict[str, api.ConsumerInfo] = {}
         for name, info in list(ours.items()):
             if alike(info, wanted):
@@ -94,7 +102,7 @@ class DriftRepair:
             self._act(POLICY[Drift.FOUND][caller], name, info, wanted)
             config = replace(info.config, **{f: getattr(wanted, f) for f in DELIVERY_FIELDS})
             try:
-                updated[name] = await self._js.add_consumer(self._settings.tasks_stream, config)
+                updated[name] = await self._js.add_consumer(self._stream, config)
             except APIError as error:
                 self._act(POLICY[Drift.REFUSED][caller], name, info, wanted, error)
                 continue
@@ -125,7 +133,7 @@ class DriftRepair:
             raise ConfigError(
                 f"{env_name('nats', 'ack_wait_s')}, {env_name('nats', 'max_deliver')}: "
                 f"job consumer {name} on "
-                f"stream {self._settings.tasks_stream} keeps ack_wait "
+                f"stream {self._stream} keeps ack_wait "
                 f"{info.config.ack_wait} s and max_deliver {info.config.max_deliver}: the "
                 f"server refused the update ({reason})"
             ) from None

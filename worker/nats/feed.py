@@ -18,6 +18,7 @@ from worker.nats.hints import NewJobHints
 from worker.nats.jetstream_health import JetStreamAnswers
 from worker.nats.job_consumers import JobConsumers
 from worker.nats.late import unsubscribe
+from worker.nats.provision import consumer_names
 from worker.nats.subjects import advisory_consumer
 
 log = structlog.get_logger(__name__)
@@ -48,6 +49,7 @@ class TaskFeed:
         self._answers = answers or JetStreamAnswers()  # each fetch's outcome, for /readyz
         self._js = nc.jetstream()
         self._settings = settings
+        self._names = consumer_names(settings)
         self._sub: Any = None
         self._late: list[Msg] = []
         self._jobs = (
@@ -85,7 +87,7 @@ class TaskFeed:
         on the max-deliveries consumer (whose handler may still owe a task its result)."""
         consumers = [
             (self._settings.tasks_stream, self._settings.consumer),
-            (self._settings.advisory_stream, advisory_consumer(self._settings)),
+            (self._names.advisory_stream, advisory_consumer(self._names)),
         ]
         try:
             for stream, consumer in consumers:

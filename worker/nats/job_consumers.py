@@ -29,6 +29,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import nats
@@ -41,15 +42,39 @@ from config.settings import NatsSettings
 from worker.core.ports import Runnable
 from worker.nats.consumer_stats import ConsumerStats
 from worker.nats.job_discovery import list_consumers
-from worker.nats.job_names import is_job_consumer, job_consumer, job_consumer_config
+from worker.nats.job_names import is_job_consumer, job_consumer
 from worker.nats.late import unsubscribe
 from worker.nats.lifecycle import JobLifecycle
 from worker.nats.listing_cadence import ListingCadence
-from worker.nats.provision import SCOUT_BATCH, new_jobs_consumer, serves_job_subjects
-from worker.nats.subjects import tasks_subject
+from worker.nats.provision import (
+    SCOUT_BATCH,
+    consumer_names,
+    job_consumer_config,
+    serves_job_subjects,
+)
+from worker.nats.subjects import new_jobs_consumer, tasks_subject
 
 log = structlog.get_logger(__name__)
-__all__ = ["BoundJob", "JobConsumers", "is_job_consumer", "job_consumer", "job_consumer_config"]
+__all__ = [
+    "BoundJob",
+    "JobConsumers",
+    "is_job_consumer",
+    "job_consumer",
+    "job_consumer_config",
+    "job_lifecycle",
+]
+
+
+def job_lifecycle(js: JetStreamContext, settings: NatsSettings) -> JobLifecycle:
+    """The job consumers' lifecycle, each of its parts given what it uses of ``settings``."""
+    return JobLifecycle(
+        js,
+        consumer_names(settings),
+        config_of=partial(job_consumer_config, settings),
+        most=settings.max_job_consumers,
+        linger_s=settings.job_consumer_linger_s,
+        fetch_timeout_s=settings.fetch_timeout_s,
+    )
 
 
 @dataclass
@@ -70,7 +95,8 @@ class JobConsumers:
     def __init__(self, js: JetStreamContext, settings: NatsSettings, pipelines: list[str]):
         self._js = js
         self._settings = settings
-        self._life = JobLifecycle(js, settings, pipelines)
+        self._names = consumer_names(settings)
+        self._life = job_lifecycle(js, settings)
         self._jobs: dict[str, BoundJob] = {}  # by subject, in discovery order
         self._turn = 0
         self._refreshed_at = float("-inf")
@@ -173,7 +199,7 @@ class JobConsumers:
             listed = await self._listed()  # after the scout read: a job listed has its consumer
             main = listed.get(self._settings.consumer)
             self.main_pending = bool(main is not None and main.num_pending)
-            ours = {n: i for n, i in listed.items() if is_job_consumer(self._settings, n)}
+            ours = {n: i for n, i in listed.items() if is_job_consumer(self._names, n)}
             if main is not None and self._shared_serves_jobs(main):
                 await self._give_back(scouted)
                 for job in self._jobs.values():
@@ -280,7 +306,7 @@ class JobConsumers:
         await self._life.open()
         listed = await self._listed()
         await self._life.repair_at_open(
-            {n: i for n, i in listed.items() if is_job_consumer(self._settings, n)}
+            {n: i for n, i in listed.items() if is_job_consumer(self._names, n)}
         )
         return await self.refresh()
 
@@ -321,7 +347,7 @@ class JobConsumers:
     async def busy_now(self) -> bool:
         """Any job consumer of ours with tasks pending or awaiting an ack (listed now)."""
         prefix = f"{self._settings.consumer}-job-"
-        scout = new_jobs_consumer(self._settings)
+        scout = new_jobs_consumer(self._names)
         return any(
             info.num_pending or info.num_ack_pending
             for name, info in (await self._listed()).items()

@@ -22,10 +22,10 @@ import nats
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
-from config.settings import NatsSettings
 from worker.nats.consumer_stats import delivered_seq
 from worker.nats.job_names import job_consumer
-from worker.nats.provision import SCOUT_ACK_WAIT_S, SCOUT_BATCH, new_jobs_consumer
+from worker.nats.provision import SCOUT_ACK_WAIT_S, SCOUT_BATCH
+from worker.nats.subjects import ConsumerNames, new_jobs_consumer
 
 GIVEN_BACK_READ_S = 0.25  # a read for new-jobs messages given back, with none pending
 FETCHED_KEPT = 10_000  # jobs whose consumer was made on a hint, remembered at most
@@ -63,11 +63,13 @@ async def list_consumers(js: JetStreamContext, stream: str) -> dict[str, api.Con
 
 
 class JobDiscovery:
-    """The new-jobs consumer's reads, and the messages of new jobs kept in hand."""
+    """The new-jobs consumer's reads (each waiting ``fetch_timeout_s`` at most), and the
+    messages of new jobs kept in hand."""
 
-    def __init__(self, js: JetStreamContext, settings: NatsSettings):
+    def __init__(self, js: JetStreamContext, names: ConsumerNames, *, fetch_timeout_s: float):
         self._js = js
-        self._settings = settings
+        self._names = names
+        self._fetch_timeout_s = fetch_timeout_s
         self._scout: object | None = None
         self.more = False  # the last scout read was full: discover again at once
         self._waiting: dict[str, Msg] = {}  # subject -> latest new-jobs message, no consumer yet
@@ -80,7 +82,7 @@ class JobDiscovery:
 
     async def open(self) -> None:
         self._scout = await self._js.pull_subscribe_bind(
-            durable=new_jobs_consumer(self._settings), stream=self._settings.tasks_stream
+            durable=new_jobs_consumer(self._names), stream=self._names.tasks_stream
         )
 
     def in_hand(self, subject: str) -> bool:
@@ -108,8 +110,8 @@ class JobDiscovery:
             return []
         if len(self._waiting) >= SCOUT_BATCH:
             return []
-        s = self._settings
-        info = await self._js.consumer_info(s.tasks_stream, new_jobs_consumer(s))
+        names = self._names
+        info = await self._js.consumer_info(names.tasks_stream, new_jobs_consumer(names))
         # Messages given back (a worker stopped, or died and its ack wait ran out) are awaiting
         # an ack, not pending: looked for now and then, when more await one than are in hand.
         in_hand = len(self._waiting) + len(self._held)
@@ -118,7 +120,7 @@ class JobDiscovery:
         )
         if not info.num_pending and not given_back:
             return []
-        timeout_s = s.fetch_timeout_s
+        timeout_s = self._fetch_timeout_s
         if given_back:  # ready at once if any: a short read (others may hold them all)
             self._given_back_read_at = time.monotonic()
             timeout_s = timeout_s if info.num_pending else min(timeout_s, GIVEN_BACK_READ_S)
@@ -143,14 +145,14 @@ class JobDiscovery:
 
     def wait_again(self, ours: Mapping[str, api.ConsumerInfo]) -> None:
         """A held job whose consumer is not listed (deleted elsewhere) needs one again."""
-        for subject in [s for s in self._held if job_consumer(self._settings, s) not in ours]:
+        for subject in [s for s in self._held if job_consumer(self._names, s) not in ours]:
             self._waiting[subject] = self._held.pop(subject)
 
     async def ack_past(self, ours: Mapping[str, api.ConsumerInfo]) -> None:
         """Ack the held messages whose consumer, as listed in ``ours``, is past them, or
         whose task was fetched here already; forget the fetches."""
         for subject, msg in list(self._held.items()):
-            info = ours.get(job_consumer(self._settings, subject))
+            info = ours.get(job_consumer(self._names, subject))
             fetched = self._fetched.get(subject, 0) >= seq(msg)
             if fetched or (info is not None and _past(info, seq(msg))):
                 del self._held[subject]

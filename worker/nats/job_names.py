@@ -1,38 +1,25 @@
-"""The names and the configuration of job consumers (``worker.nats.job_consumers``), in one
-place."""
+"""The names of job consumers (``worker.nats.job_consumers``), in one place; their
+configuration is ``worker.nats.provision.job_consumer_config``."""
 
 from __future__ import annotations
 
 import hashlib
 
-from nats.js import api
-
-from config.settings import NatsSettings
-from worker.nats.provision import task_consumer_config
+from worker.nats.subjects import ConsumerNames
 
 
-def job_consumer(settings: NatsSettings, subject: str) -> str:
+def job_consumer(names: ConsumerNames, subject: str) -> str:
     """The consumer of one job subject: the same name in every worker process."""
     digest = hashlib.sha256(subject.encode()).hexdigest()[:16]
-    return f"{settings.consumer}-job-{digest}"
+    return f"{names.consumer}-job-{digest}"
 
 
-def is_job_consumer(settings: NatsSettings, name: str) -> bool:
+def is_job_consumer(names: ConsumerNames, name: str) -> bool:
     """Whether ``name`` is one of our job consumers' (``job_consumer``'s form)."""
-    prefix = f"{settings.consumer}-job-"
+    prefix = f"{names.consumer}-job-"
     digest = name.removeprefix(prefix)
     return (
         name.startswith(prefix)
         and len(digest) == 16
         and all(c in "0123456789abcdef" for c in digest)
-    )
-
-
-def job_consumer_config(settings: NatsSettings, subject: str) -> api.ConsumerConfig:
-    return task_consumer_config(
-        settings,
-        job_consumer(settings, subject),
-        description=subject,
-        filter_subject=subject,
-        inactive_threshold=settings.job_consumer_inactive_s or settings.tasks_max_age_s,
     )

@@ -20,12 +20,11 @@ discovery, in the order the jobs came.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
-from config.settings import NatsSettings
 from worker.nats.consumer_deleter import ConsumerDeleter
 from worker.nats.consumer_maker import ConsumerMaker
 from worker.nats.consumer_stats import ConsumerStats
@@ -33,18 +32,36 @@ from worker.nats.drift_repair import Caller, DriftRepair
 from worker.nats.job_discovery import JobDiscovery, seq, settled
 from worker.nats.job_names import job_consumer
 from worker.nats.job_state import JobConsumerState
+from worker.nats.subjects import ConsumerNames
 
 
 class JobLifecycle:
-    """Makes the consumers new jobs lack, deletes those of finished jobs, within the bound."""
+    """Makes the consumers new jobs lack, deletes those of finished jobs, within the bound.
 
-    def __init__(self, js: JetStreamContext, settings: NatsSettings, pipelines: list[str]):
-        self._settings = settings
-        self._state = JobConsumerState(bound=settings.max_job_consumers)
-        self._discovery = JobDiscovery(js, settings)
-        self._maker = ConsumerMaker(js, settings, self._state)
-        self._drift = DriftRepair(js, settings, self._state)
-        self._deleter = ConsumerDeleter(js, settings, self._state, self._maker)
+    Each part gets what it uses: the ``names``, each job subject's consumer as ``config_of``
+    makes it, at most ``most`` at once, deleted after ``linger_s`` quiet; new-jobs reads wait
+    ``fetch_timeout_s`` at most (``worker.nats.job_consumers.job_lifecycle`` builds it from
+    the settings)."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        names: ConsumerNames,
+        *,
+        config_of: Callable[[str], api.ConsumerConfig],
+        most: int,
+        linger_s: float,
+        fetch_timeout_s: float,
+    ):
+        self._names = names
+        self._state = JobConsumerState(bound=most)
+        self._discovery = JobDiscovery(js, names, fetch_timeout_s=fetch_timeout_s)
+        stream = names.tasks_stream
+        self._maker = ConsumerMaker(js, self._state, stream=stream, config_of=config_of, most=most)
+        self._drift = DriftRepair(js, self._state, stream=stream, config_of=config_of)
+        self._deleter = ConsumerDeleter(
+            js, self._state, self._maker, names=names, linger_s=linger_s
+        )
 
     @property
     def more(self) -> bool:
@@ -115,7 +132,7 @@ class JobLifecycle:
             hand.wait_again(state.consumers)
         room = True
         for subject in hand.waiting():
-            name = job_consumer(self._settings, subject)
+            name = job_consumer(self._names, subject)
             if name not in state.consumers and room:
                 room = await self._maker.make(subject)
             if name in state.consumers:

@@ -1,7 +1,8 @@
 """The NATS source's parts, built once from the settings (the counterpart of
 ``worker/antenna/parts.py``): the connection, the provisioned streams and consumers, the
 feed, the results stream, the dead letters, the settler, the max-deliveries handler,
-and their shutdown."""
+and their shutdown. Each part is given what it uses of the NATS settings (keyword arguments,
+or the names in ``worker.nats.subjects.ConsumerNames``); only the assembly reads the group."""
 
 from __future__ import annotations
 
@@ -31,11 +32,12 @@ from worker.nats.delivery import NatsHandle
 from worker.nats.feed import TaskFeed
 from worker.nats.jetstream_health import JetStreamAnswers
 from worker.nats.patience import UntilConnected, at_once
-from worker.nats.provision import provision, refuse_other_fair_jobs
+from worker.nats.provision import consumer_names, provision, refuse_other_fair_jobs
 from worker.nats.result_store import ResultStore
 from worker.nats.settle import NatsSettler
 from worker.nats.source import NatsSource
 from worker.nats.source_metrics import JobConsumersCollector
+from worker.nats.subjects import ConsumerNames
 from worker.nats.waiting import nats_waiting_read
 
 log = structlog.get_logger(__name__)
@@ -160,16 +162,18 @@ class NatsParts:
             completed_twice=metrics.results_already_stored.inc,
             until_connected=self.connection.until_connected,
         )
+        names = consumer_names(s.nats)
         self.waiting = TasksWaiting(
-            nats_waiting_read(js, s.nats, served.names), s.metrics.tasks_waiting_read_s
+            nats_waiting_read(js, names, served.names), s.metrics.tasks_waiting_read_s
         )
         metrics.registry.register(self.waiting)
         self._source = NatsSource(self.feed, max_deliver, served.default)
-        self._link = self._linked(js, store, self.settler, self.waiting)
+        self._link = self._linked(js, names, store, self.settler, self.waiting)
 
     def _linked(
         self,
         js: Any,
+        names: ConsumerNames,
         store: ResultStore,
         settler: NatsSettler,
         waiting: TasksWaiting,
@@ -177,7 +181,7 @@ class NatsParts:
         """What the core is given of the opened parts, with the helpers that run beside it."""
         s, source = self._settings, self._source
         assert source is not None, "open() builds the source first"
-        exhausted = ExhaustedTasks(js, s.nats, settler)
+        exhausted = ExhaustedTasks(js, names, settler, fetch_timeout_s=s.nats.fetch_timeout_s)
         return SourceLink(
             kind="nats",
             source=source,

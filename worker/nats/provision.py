@@ -12,10 +12,13 @@ from nats.js.errors import NotFoundError
 
 from config.names import env_name
 from config.settings import ConfigError, NatsSettings
+from worker.nats.job_names import job_consumer
 from worker.nats.subjects import (
+    ConsumerNames,
     advisory_consumer,
     advisory_subject,
     job_tasks_subject,
+    new_jobs_consumer,
     tasks_subject,
 )
 
@@ -23,6 +26,11 @@ log = structlog.get_logger(__name__)
 DEAD_LETTER_DEDUPE_S = 3600.0
 SCOUT_BATCH = 256  # new-job messages read per discovery (worker.nats.lifecycle)
 SCOUT_ACK_WAIT_S = 30.0
+
+
+def consumer_names(settings: NatsSettings) -> ConsumerNames:
+    """The names the consumer parts use, as the settings give them."""
+    return ConsumerNames(settings.tasks_stream, settings.consumer, settings.advisory_stream)
 
 
 def stream_configs(settings: NatsSettings) -> list[api.StreamConfig]:
@@ -108,12 +116,20 @@ def consumer_config(settings: NatsSettings, pipelines: str | list[str]) -> api.C
     )
 
 
-def new_jobs_consumer(settings: NatsSettings) -> str:
-    return f"{settings.consumer}-new-jobs"
+def job_consumer_config(settings: NatsSettings, subject: str) -> api.ConsumerConfig:
+    """The consumer of one job subject (``worker.nats.job_names``), made and kept alike by every
+    worker process (``worker.nats.consumer_maker``, ``worker.nats.drift_repair``)."""
+    return task_consumer_config(
+        settings,
+        job_consumer(consumer_names(settings), subject),
+        description=subject,
+        filter_subject=subject,
+        inactive_threshold=settings.job_consumer_inactive_s or settings.tasks_max_age_s,
+    )
 
 
 def new_jobs_consumer_config(settings: NatsSettings, pipelines: list[str]) -> api.ConsumerConfig:
-    name = new_jobs_consumer(settings)
+    name = new_jobs_consumer(consumer_names(settings))
     return api.ConsumerConfig(
         name=name,
         durable_name=name,
@@ -132,7 +148,7 @@ def new_jobs_consumer_config(settings: NatsSettings, pipelines: list[str]) -> ap
 def advisory_stream_config(settings: NatsSettings) -> api.StreamConfig:
     return api.StreamConfig(
         name=settings.advisory_stream,
-        subjects=[advisory_subject(settings)],
+        subjects=[advisory_subject(consumer_names(settings))],
         retention=api.RetentionPolicy.LIMITS,
         storage=api.StorageType.FILE,
         max_age=settings.tasks_max_age_s,
@@ -142,7 +158,7 @@ def advisory_stream_config(settings: NatsSettings) -> api.StreamConfig:
 
 
 def advisory_consumer_config(settings: NatsSettings) -> api.ConsumerConfig:
-    name = advisory_consumer(settings)
+    name = advisory_consumer(consumer_names(settings))
     return api.ConsumerConfig(
         name=name,
         durable_name=name,

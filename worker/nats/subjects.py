@@ -1,13 +1,13 @@
 """NATS subject and consumer names, and a subject's tokens, in one place. Imports nothing of
-ours but the settings.
+ours: the names the settings give come in a ``ConsumerNames``, built once from them
+(``worker.nats.provision.consumer_names``).
 """
 
 from __future__ import annotations
 
 import base64
 import re
-
-from config.settings import NatsSettings
+from dataclasses import dataclass
 
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _ENCODED_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,400}")  # b64 of up to 256 bytes, and the prefix
@@ -73,16 +73,32 @@ def job_tasks_subject(pipeline: str, job_token: str) -> str:
     return f"tasks.{pipeline}.{job_token}"
 
 
-def advisory_subject(settings: NatsSettings) -> str:
+@dataclass(frozen=True)
+class ConsumerNames:
+    """The names every consumer part uses: the tasks stream (``WORKER_NATS__TASKS_STREAM``),
+    the fleet's durable consumer (``WORKER_NATS__CONSUMER``, whose name begins the names of
+    its other consumers) and the advisory stream (``WORKER_NATS__ADVISORY_STREAM``)."""
+
+    tasks_stream: str
+    consumer: str
+    advisory_stream: str
+
+
+def advisory_subject(names: ConsumerNames) -> str:
     """Max-deliveries advisories of every consumer on the tasks stream: the durable one and
     each job's (``worker.nats.job_consumers``)."""
-    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{settings.tasks_stream}.*"
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{names.tasks_stream}.*"
 
 
-def advisory_consumer(settings: NatsSettings) -> str:
-    return f"{settings.consumer}-max-deliveries"
+def advisory_consumer(names: ConsumerNames) -> str:
+    return f"{names.consumer}-max-deliveries"
 
 
-def consumer_advisory_subject(settings: NatsSettings, consumer: str) -> str:
+def new_jobs_consumer(names: ConsumerNames) -> str:
+    """The shared consumer that reads one message per new task (``worker.nats.lifecycle``)."""
+    return f"{names.consumer}-new-jobs"
+
+
+def consumer_advisory_subject(names: ConsumerNames, consumer: str) -> str:
     """The max-deliveries advisories of one consumer on the tasks stream."""
-    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{settings.tasks_stream}.{consumer}"
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{names.tasks_stream}.{consumer}"

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 from nats.js import JetStreamContext, api
 
-from config.settings import NatsSettings
 from worker.health.tasks_waiting import WaitingRead
 from worker.nats.job_names import is_job_consumer
-from worker.nats.subjects import subject_pipeline
+from worker.nats.subjects import ConsumerNames, subject_pipeline
 
 _PAGE = 256
 _MAX_PAGES = 64
@@ -47,16 +46,16 @@ async def listed_consumers(js: JetStreamContext, stream: str) -> list[api.Consum
 
 
 def waiting_by_pipeline(
-    infos: list[api.ConsumerInfo], settings: NatsSettings, pipelines: list[str]
+    infos: list[api.ConsumerInfo], names: ConsumerNames, pipelines: list[str]
 ) -> dict[str, int]:
     """Tasks not yet delivered per pipeline label (every served pipeline there, 0 when none)."""
     shared = ",".join(pipelines)
     counts = dict.fromkeys(pipelines, 0)
     for info in infos:
         pending = int(info.num_pending or 0)
-        if info.name == settings.consumer:
+        if info.name == names.consumer:
             counts[shared] = counts.get(shared, 0) + pending
-        elif is_job_consumer(settings, info.name):
+        elif is_job_consumer(names, info.name):
             pipeline = subject_pipeline(info.config.filter_subject or "")
             if pipeline in counts:
                 counts[pipeline] += pending
@@ -64,12 +63,12 @@ def waiting_by_pipeline(
 
 
 def nats_waiting_read(
-    js: JetStreamContext, settings: NatsSettings, pipelines: list[str]
+    js: JetStreamContext, names: ConsumerNames, pipelines: list[str]
 ) -> WaitingRead:
     """The read ``worker.health.tasks_waiting.TasksWaiting`` makes, for this fleet's consumers."""
 
     async def read() -> dict[str, int]:
-        infos = await listed_consumers(js, settings.tasks_stream)
-        return waiting_by_pipeline(infos, settings, pipelines)
+        infos = await listed_consumers(js, names.tasks_stream)
+        return waiting_by_pipeline(infos, names, pipelines)
 
     return read

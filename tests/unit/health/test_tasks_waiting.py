@@ -113,9 +113,10 @@ def test_nats_counts_pending_per_pipeline_over_the_shared_and_job_consumers() ->
     of several pipelines under their joined names; other fleets' consumers left out."""
     from config.settings import NatsSettings
     from worker.nats.job_names import job_consumer
+    from worker.nats.provision import consumer_names
     from worker.nats.waiting import waiting_by_pipeline
 
-    n = NatsSettings(consumer="w")
+    n = consumer_names(NatsSettings(consumer="w"))
 
     def info(name: str, pending: int, subject: str = "", ack_pending: int = 0) -> Any:
         config = SimpleNamespace(filter_subject=subject)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from functools import partial
 
 from nats.js import api
 from nats.js.errors import APIError, NotFoundError
@@ -10,6 +11,7 @@ from nats.js.errors import APIError, NotFoundError
 from config.settings import NatsSettings
 from worker.nats.consumer_maker import ConsumerMaker
 from worker.nats.job_state import JobConsumerState
+from worker.nats.provision import job_consumer_config
 
 
 class FakeJetStream:
@@ -34,7 +36,16 @@ class FakeJetStream:
 
 def maker(js: FakeJetStream, bound: int) -> tuple[ConsumerMaker, JobConsumerState]:
     state = JobConsumerState(bound=bound)
-    return ConsumerMaker(js, NatsSettings(consumer="w"), state), state  # type: ignore[arg-type]
+    n = NatsSettings(consumer="w")
+    config_of = partial(job_consumer_config, n)
+    made = ConsumerMaker(
+        js,  # type: ignore[arg-type]
+        state,
+        stream=n.tasks_stream,
+        config_of=config_of,
+        most=n.max_job_consumers,
+    )
+    return made, state
 
 
 async def test_consumers_are_made_until_the_bound_counting_those_that_exist():

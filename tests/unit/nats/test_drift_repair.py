@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import replace
+from functools import partial
 
 import pytest
 from nats.js import api
@@ -13,8 +14,8 @@ from structlog.testing import capture_logs
 
 from config.settings import ConfigError, NatsSettings
 from worker.nats.drift_repair import POLICY, Action, Caller, Drift, DriftRepair
-from worker.nats.job_names import job_consumer_config
 from worker.nats.job_state import JobConsumerState
+from worker.nats.provision import job_consumer_config
 
 SUBJECT = "tasks.p.job-1"
 
@@ -46,7 +47,10 @@ def drifted(n: NatsSettings) -> dict[str, api.ConsumerInfo]:
 
 def repair(refuses: bool = False) -> tuple[DriftRepair, FakeJetStream, JobConsumerState]:
     js, state = FakeJetStream(refuses), JobConsumerState(bound=10)
-    return DriftRepair(js, NatsSettings(consumer="w"), state), js, state  # type: ignore[arg-type]
+    n = NatsSettings(consumer="w")
+    config_of = partial(job_consumer_config, n)
+    drift = DriftRepair(js, state, stream=n.tasks_stream, config_of=config_of)  # type: ignore[arg-type]
+    return drift, js, state
 
 
 def test_the_policy_says_what_each_caller_does_on_each_outcome():

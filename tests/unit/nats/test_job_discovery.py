@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 from config.settings import NatsSettings
 from worker.nats.job_discovery import JobDiscovery
+from worker.nats.provision import consumer_names
 
 SUBJECT = "tasks.p.job-1"
 
@@ -24,7 +25,8 @@ class FakeMsg:
 
 
 def discovery() -> JobDiscovery:
-    return JobDiscovery(None, NatsSettings(consumer="w"))  # type: ignore[arg-type]
+    n = NatsSettings(consumer="w")
+    return JobDiscovery(None, consumer_names(n), fetch_timeout_s=n.fetch_timeout_s)  # type: ignore[arg-type]
 
 
 async def test_only_a_jobs_latest_message_is_kept_in_hand_the_older_ones_acked():
