@@ -39,3 +39,22 @@ def test_a_burst_run_on_a_source_nobody_configured_that_served_nothing_is_not_se
     assert parts_for(3).unserved() is None
     assert parts_for(0, nats={"url": "nats://127.0.0.1:4222"}).unserved() is None
     assert parts_for(0, source="nats").unserved() is None
+
+
+# The modules that read the NATS settings group: the assembly, and those that use most of it.
+READ_THE_GROUP = {"auth", "connection", "feed", "job_consumers", "parts", "provision"}
+
+
+def test_only_the_assembly_and_its_kind_read_the_whole_nats_settings_group() -> None:
+    """Each other part is given what it uses (STYLE: each part takes what it uses)."""
+    import ast
+
+    room = Path(__file__).parents[3] / "worker" / "nats"
+    readers = set()
+    for path in room.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.module != "config.settings":
+                continue
+            if any(alias.name == "NatsSettings" for alias in node.names):
+                readers.add(path.stem)
+    assert readers == READ_THE_GROUP
