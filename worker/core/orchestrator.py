@@ -193,17 +193,16 @@ class Orchestrator:
         helpers: list[tuple[str, Coroutine[Any, Any, None]]] = [
             ("source-watch", end_when_gone(link, endings)),
             ("load-retry", self.preparing.retry(endings.stop, batches.engine_busy)),
-            (
-                "advancing-keepalive",
-                keep_alive_while_advancing(
-                    claims,
-                    self.services.liveness.last_progress,
-                    batches.engine_busy,
-                    endings.stop,
-                    link.keepalive_tick_s,
-                ),
-            ),
         ]
+        if link.extends_leases:  # (Antenna: no call extends a reservation)
+            advancing = keep_alive_while_advancing(
+                claims,
+                self.services.liveness.last_progress,
+                batches.engine_busy,
+                endings.stop,
+                link.keepalive_tick_s,
+            )
+            helpers.append(("advancing-keepalive", advancing))
         if link.results_waiting is not None:
             helpers.append(("blocked-watch", self._note_blocked(link.results_waiting)))
         helpers += [(name, run(endings.stop)) for name, run in link.helpers]

@@ -90,13 +90,21 @@ def test_no_core_module_imports_a_source_directly_or_through_another() -> None:
 
 
 def test_the_core_room_imports_no_source_no_nats_and_nothing_of_the_assembly() -> None:
-    """``worker/core/`` builds on ``config``, ``datasets``, ``pipelines``, ``worker.engine``
-    and ``worker.health``, never on what is built around it: a source's room, ``nats``, the
-    process's assembly (``worker/process/``) or the commands."""
+    """``worker/core/`` builds on ``config``, ``pipelines``' typed findings and
+    ``worker.health``, never on what is built around it: a source's room, ``nats``, the engine
+    (it builds on the core's values and the core reaches it through the ``BatchEngine`` port),
+    the process's assembly (``worker/process/``) or the commands."""
     modules = core_modules()
     core = {name: targets for name, targets in modules.items() if name.startswith("worker.core")}
     assert len(core) >= 10, "the core room was not found"
-    outward = ("nats", "worker.nats", "worker.antenna", "worker.process", "worker.commands")
+    outward = (
+        "nats",
+        "worker.nats",
+        "worker.antenna",
+        "worker.engine",
+        "worker.process",
+        "worker.commands",
+    )
     found = violations(modules, outward)
     assert {name: way for name, way in found.items() if name in core} == {}
 
