@@ -163,7 +163,12 @@ def snapshot(server: NatsServer, listed: list[float]) -> tuple[float, dict[str, 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     import nats
 
-    from worker.nats.provision import job_consumer_config, provision
+    from worker.nats.provision import provision
+
+    try:
+        from worker.nats.provision import job_consumer_config
+    except ImportError:  # the tree before the settings slices (f87017c, the baseline's run)
+        from worker.nats.job_names import job_consumer_config  # type: ignore[attr-defined,no-redef]
 
     server = NatsServer(http_port=free_port()).start()
     fleet: Fleet | None = None

@@ -32,11 +32,18 @@ def free_port() -> int:
     low = _ephemeral_low()
     for _ in range(_PORT_TRIES):
         port = random.randrange(_FIRST_PORT, low - HEALTHZ_PORT_OFFSET)
-        if _bindable(port) and _bindable(port + HEALTHZ_PORT_OFFSET):
+        if _clear_of_given(port) and _bindable(port) and _bindable(port + HEALTHZ_PORT_OFFSET):
+            _GIVEN.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _clear_of_given(port: int) -> bool:
+    """Neither ``port`` nor its /healthz port is one this process handed out before (or that
+    one's /healthz port): those are free until their server starts, so a bind cannot tell."""
+    return all(abs(port - given) not in (0, HEALTHZ_PORT_OFFSET) for given in _GIVEN)
 
 
 def _bindable(port: int) -> bool:
@@ -50,6 +57,7 @@ def _bindable(port: int) -> bool:
 
 _FIRST_PORT = 10_000  # above the well-known services of a development machine
 _PORT_TRIES = 50
+_GIVEN: set[int] = set()  # the ports free_port handed out in this process
 
 
 def _ephemeral_low() -> int:

@@ -7,7 +7,9 @@ each for nothing: a new job reaches an idle process by its hint (``worker.nats.h
 serves it with no listing. So a listing after which the process is idle (it fetched no task
 since the one before, holds no new-jobs message, no job waits for the server's room, and its
 hints are whole) doubles the interval to the next, up to the idle bound; a task fetched, a
-message in hand, or a hint subscription refused brings it back to ``JOB_DISCOVERY_S`` at once (a
+message in hand, a job consumer the server refuses (met at a listing or on a hint: the job is
+retried at every listing), or a hint subscription refused brings it back to ``JOB_DISCOVERY_S``
+at once (a
 publish lost in a reconnect is found by the next listing: up to ``JOB_DISCOVERY_IDLE_S`` later
 on an idle process). What an idle process's rarer listing finds late: a task given back or
 redelivered on a job it has no work from (a worker stopped or died), and the deletes of finished

@@ -2,7 +2,9 @@
 ``worker/antenna/parts.py``): the connection, the provisioned streams and consumers, the
 feed, the results stream, the dead letters, the settler, the max-deliveries handler,
 and their shutdown. Each part is given what it uses of the NATS settings (keyword arguments,
-or the names in ``worker.nats.subjects.ConsumerNames``); only the assembly reads the group."""
+or the names in ``worker.nats.subjects.ConsumerNames``); the group itself is read only here
+and by the parts that use most of it (the connection and its auth, provisioning, the feed, the
+job consumers: ``tests/unit/nats/test_parts.py`` holds that list)."""
 
 from __future__ import annotations
 

@@ -30,3 +30,18 @@ def test_a_port_whose_healthz_port_is_held_is_never_given(monkeypatch):
     for each in (port, port + HEALTHZ_PORT_OFFSET):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", each))
+
+
+def test_a_port_handed_out_before_keeps_its_healthz_port_from_the_next(monkeypatch):
+    # Given a port handed out for a server not started yet
+    first = free_port()
+    # When the next draw falls on its /healthz port, free to bind as nothing listens there yet
+    draws = iter([first + HEALTHZ_PORT_OFFSET, first - HEALTHZ_PORT_OFFSET])
+
+    def draw(low: int, high: int) -> int:
+        return next(draws, 0) or localservers.random.SystemRandom().randrange(low, high)
+
+    monkeypatch.setattr(localservers.random, "randrange", draw)
+    port = free_port()
+    # Then neither that one nor one whose /healthz port is the first is given
+    assert abs(port - first) not in (0, HEALTHZ_PORT_OFFSET)
