@@ -17,10 +17,9 @@ from config.settings import NatsSettings
 from pipelines.found import Detection, Ref
 from worker.core.outcome import Outcome
 from worker.core.ports import BatchReport
-from worker.core.results import Result, ResultMaker
+from worker.core.results import Result
 from worker.core.tasks import Task
-from worker.core.verdicts import Backoff
-from worker.nats.dead_letters import DeadLetters
+from worker.nats import parts
 from worker.nats.delivery import NatsDelivered, delivered
 from worker.nats.render import document
 from worker.nats.settle import NatsSettler
@@ -137,24 +136,10 @@ def model_of(pipeline: str) -> dict[str, Any]:
 def nats_settler(
     store: Any, js: Any, *, store_retry_s: float = 0.0, default_pipeline: str = "p"
 ) -> NatsSettler:
-    """The NATS source's settler over the fake results and dead-letter streams."""
+    """The NATS source's settler over the fake results and dead-letter streams, built as the
+    source builds it (``worker.nats.parts.nats_settler``)."""
     settings = NatsSettings(store_retry_s=store_retry_s, nak_backoff_base_s=0.01)
-    return NatsSettler(
-        store,
-        DeadLetters(
-            js,
-            store.max_message_bytes,
-            stream=settings.dead_letter_stream,
-            subject=settings.dead_letter_subject,
-            tasks_stream=settings.tasks_stream,
-            publish_timeout_s=settings.publish_timeout_s,
-            store_retry_s=settings.store_retry_s,
-        ),
-        ResultMaker(model_of),
-        default_pipeline,
-        settings.store_retry_s,
-        Backoff(settings.nak_backoff_base_s, settings.nak_backoff_max_s),
-    )
+    return parts.nats_settler(js, settings, store, default_pipeline, model_of)
 
 
 @dataclass

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.helpers import client, upload_images, wait_results, worker_env, worker_process
-from tests.integration.test_unavailable_pipelines import PIPELINES, RETRY, events, probe
+from tests.integration.test_unavailable_pipelines import events, probe, two_pipelines
 from tests.served_files import Served
 from worker.commands.demo_models import COLOURS, ColourClassifier
 from worker.commands.job_client import job_results, make_tasks, publish_tasks
@@ -69,14 +69,9 @@ async def test_a_model_load_whose_host_trickles_gives_its_tasks_back_within_the_
     port = free_port()
     env = worker_env(
         settings,
-        WORKER_MODEL__PIPELINE="",
         WORKER_MODEL__WEIGHTS="",
-        WORKER_MODEL__PIPELINES=PIPELINES,
-        WORKER_MODEL__CACHE_DIR=str(tmp_path / "cache"),
         WORKER_MODEL__LOAD_DEADLINE_S=DEADLINE_S,
-        WORKER_METRICS__PORT=str(port),
-        IW_TEST_COLOURS_WEIGHTS=file_host.url("colours.pt"),
-        **RETRY,
+        **two_pipelines(tmp_path, port, file_host),
     )
     uris = upload_images(s3_server.client(), bucket, 8)
     log = tmp_path / "worker.log"

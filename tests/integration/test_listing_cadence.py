@@ -9,6 +9,7 @@ fetch past the discovery interval listed; now the interval doubles after each id
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -23,26 +24,40 @@ pytestmark = pytest.mark.integration
 IDLE_FETCHES = 60  # each waits 50 ms for a hint, then pulls for 50 ms: past the 50 ms interval
 MOST_FETCHES = 400  # bounds every loop below
 REFUSED_FETCHES = 10  # about a second: within the backed-off interval
+QUICK = {"job_discovery_s": 0.05, "job_discovery_idle_s": 60.0, "fetch_timeout_s": 0.05}
 
 
-async def test_an_idle_process_lists_less_often_and_still_serves_a_new_job_at_once(
-    nats_server, s3_server, bucket, settings_for
-):
-    settings = settings_for(
-        nats_server.url,
-        nats={"job_discovery_s": 0.05, "job_discovery_idle_s": 60.0, "fetch_timeout_s": 0.05},
-    )
-    n, pipeline = settings.nats, settings.model.pipeline
-    uris = upload_images(s3_server.client(), bucket, 1)
-    nc = await connect(n, give_up_after_s=30)
-    js = nc.jetstream()
-    await provision(js, n, pipeline)
+async def counted_listings(nc: Any, stream: str) -> tuple[list[str], Any]:
+    """Every consumer listing of ``stream`` as the server routes it, and the subscription."""
     listings: list[str] = []
 
     async def listed(msg: object) -> None:
         listings.append("listing")
 
-    counter = await nc.subscribe(f"$JS.API.CONSUMER.LIST.{n.tasks_stream}", cb=listed)
+    return listings, await nc.subscribe(f"$JS.API.CONSUMER.LIST.{stream}", cb=listed)
+
+
+async def until_a_listing(feed: TaskFeed, nc: Any, listings: list[str]) -> None:
+    """Fetch until the process lists once more (``MOST_FETCHES`` at most)."""
+    before = len(listings)
+    for _ in range(MOST_FETCHES):
+        if len(listings) > before:
+            break
+        await feed.fetch(8)
+        await nc.flush()
+    assert len(listings) > before, "no listing in the bound"
+
+
+async def test_an_idle_process_lists_less_often_and_still_serves_a_new_job_at_once(
+    nats_server, s3_server, bucket, settings_for
+):
+    settings = settings_for(nats_server.url, nats=QUICK)
+    n, pipeline = settings.nats, settings.model.pipeline
+    uris = upload_images(s3_server.client(), bucket, 1)
+    nc = await connect(n, give_up_after_s=30)
+    js = nc.jetstream()
+    await provision(js, n, pipeline)
+    listings, counter = await counted_listings(nc, n.tasks_stream)
     feed = TaskFeed(nc, n, [pipeline])
     try:
         await feed.open()
@@ -54,13 +69,7 @@ async def test_an_idle_process_lists_less_often_and_still_serves_a_new_job_at_on
         await nc.flush()
         idle_listings = len(listings) - at_start
         # When a job is published just after one of its listings
-        before = len(listings)
-        for _ in range(MOST_FETCHES):
-            if len(listings) > before:
-                break
-            await feed.fetch(8)
-            await nc.flush()
-        assert len(listings) > before, "no listing in the bound"
+        await until_a_listing(feed, nc, listings)
         (task,) = make_tasks("job-after-idle", uris)
         await publish_tasks(js, n, pipeline, [task])
         published_at = len(listings)
@@ -95,20 +104,12 @@ async def test_a_job_refused_room_keeps_the_listing_at_its_base_cadence_on_an_id
     the backed-off interval, one refusal counted in six seconds)."""
     uris = upload_images(s3_server.client(), bucket, 1)
     with limited_nats(tmp_path) as url:
-        settings = settings_for(
-            url,
-            nats={"job_discovery_s": 0.05, "job_discovery_idle_s": 60.0, "fetch_timeout_s": 0.05},
-        )
+        settings = settings_for(url, nats=QUICK)
         n, pipeline = settings.nats, settings.model.pipeline
         nc = await connect(n, give_up_after_s=30)
         js = nc.jetstream()
         await provision(js, n, pipeline)
-        listings: list[str] = []
-
-        async def listed(msg: object) -> None:
-            listings.append("listing")
-
-        counter = await nc.subscribe(f"$JS.API.CONSUMER.LIST.{n.tasks_stream}", cb=listed)
+        listings, counter = await counted_listings(nc, n.tasks_stream)
         feed = TaskFeed(nc, n, [pipeline])
         other = None
         try:
@@ -119,13 +120,7 @@ async def test_a_job_refused_room_keeps_the_listing_at_its_base_cadence_on_an_id
             # And another client's consumers filling the server's room
             other, _ = await fill_consumers(url, n.tasks_stream)
             # When a job comes just after one of its listings, its consumer refused
-            before = len(listings)
-            for _ in range(MOST_FETCHES):
-                if len(listings) > before:
-                    break
-                await feed.fetch(8)
-                await nc.flush()
-            assert len(listings) > before, "no listing in the bound"
+            await until_a_listing(feed, nc, listings)
             await publish_tasks(js, n, pipeline, make_tasks("job-no-room", uris))
             for _ in range(MOST_FETCHES):
                 stats = feed.job_stats()

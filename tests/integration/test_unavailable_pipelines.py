@@ -77,6 +77,19 @@ def events(log: Path) -> list[str]:
     return [json.loads(line).get("event", "") for line in lines if line.startswith("{")]
 
 
+def two_pipelines(tmp_path: Path, port: int, file_host: Served) -> dict[str, str]:
+    """A worker's settings for PIPELINES, colours' weights from ``file_host``, its own empty
+    model cache, metrics on ``port`` and quick load retries."""
+    return {
+        "WORKER_MODEL__PIPELINE": "",
+        "WORKER_MODEL__PIPELINES": PIPELINES,
+        "WORKER_MODEL__CACHE_DIR": str(tmp_path / "cache"),
+        "WORKER_METRICS__PORT": str(port),
+        "IW_TEST_COLOURS_WEIGHTS": file_host.url("colours.pt"),
+        **RETRY,
+    }
+
+
 def unavailable_said(port: int) -> bool:
     """/readyz names the refused pipeline and why while the other serves (200)."""
     status, body = probe(port)
@@ -89,16 +102,7 @@ async def test_a_refused_model_file_fails_no_task_over_nats(
 ):
     settings = settings_for(nats_server.url)
     port = free_port()
-    env = worker_env(
-        settings,
-        WORKER_MODEL__PIPELINE="",
-        WORKER_MODEL__WEIGHTS="",
-        WORKER_MODEL__PIPELINES=PIPELINES,
-        WORKER_MODEL__CACHE_DIR=str(tmp_path / "cache"),
-        WORKER_METRICS__PORT=str(port),
-        IW_TEST_COLOURS_WEIGHTS=file_host.url("colours.pt"),
-        **RETRY,
-    )
+    env = worker_env(settings, WORKER_MODEL__WEIGHTS="", **two_pipelines(tmp_path, port, file_host))
     uris = upload_images(s3_server.client(), bucket, 8)
     log = tmp_path / "worker.log"
     async with client(settings) as js:
@@ -139,14 +143,9 @@ def test_a_refused_model_file_fails_no_task_over_antenna(
     port = free_port()
     env = env_for(
         antenna,
-        WORKER_MODEL__PIPELINE="",
-        WORKER_MODEL__PIPELINES=PIPELINES,
-        WORKER_MODEL__CACHE_DIR=str(tmp_path / "cache"),
-        WORKER_METRICS__PORT=str(port),
-        IW_TEST_COLOURS_WEIGHTS=file_host.url("colours.pt"),
+        **two_pipelines(tmp_path, port, file_host),
         WORKER_ANTENNA__TTR_S="6",
         WORKER_HEALTH__DRAIN_TIMEOUT_S="4",
-        **RETRY,
     )
     file_host.refusing = False  # registered from another host, whose cache it fills
     done = cli("register", env={**env, "WORKER_MODEL__CACHE_DIR": str(tmp_path / "reg")})

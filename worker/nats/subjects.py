@@ -87,7 +87,7 @@ class ConsumerNames:
 def advisory_subject(names: ConsumerNames) -> str:
     """Max-deliveries advisories of every consumer on the tasks stream: the durable one and
     each job's (``worker.nats.job_consumers``)."""
-    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{names.tasks_stream}.*"
+    return consumer_advisory_subject(names, "*")
 
 
 def advisory_consumer(names: ConsumerNames) -> str:
