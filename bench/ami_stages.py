@@ -218,6 +218,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="ami_stages")
     parser.add_argument("--smoke", action="store_true", help="1 image (the test suite's)")
     args = parser.parse_args(argv)
+    from config.settings import load_settings
+    from worker.process.allocator import keep_freed_memory
+
+    print(keep_freed_memory(load_settings().model.keep_freed_memory), flush=True)  # as a worker
     images = 1 if args.smoke else args.images
     jpegs = _jpegs(images, max(1, args.k4_every))
     runs = []

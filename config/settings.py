@@ -448,6 +448,13 @@ class ModelSettings(BaseModel):
     )
     detector_batch_size: int = Field(4, description="images per detector forward pass", ge=1)
     crop_batch_size: int = Field(64, description="crops per classifier forward pass", ge=1)
+    keep_freed_memory: bool = Field(
+        True,
+        description="the C allocator (glibc) keeps the memory the forward passes free for the "
+        "next ones (one arena, no mapped chunks, trim past 2 GiB) instead of handing each large "
+        "activation back to the kernel to fault it in again; resident memory stays near its "
+        "peak between jobs; false = glibc's defaults; logged (allocator)",
+    )
     torch_threads: int = Field(
         0,
         description="intra-op threads for the forward pass; 0 = chosen at start from the cores "
