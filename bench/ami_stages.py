@@ -5,9 +5,11 @@
 
 One process, no loader children and no Antenna: each image decoded by the pipeline's own decode
 plan, then run through the worker's ``Runner`` (``load_runner`` with the settings' defaults)
-one image at a time, as the worker's batches run it. Each stage's time is *its own* (a stage's
-children are subtracted), as wall seconds and as this process's CPU seconds (every thread's:
-intra-op threads included), summed over the images after one warm-up image:
+one image at a time, as the worker's batches run it, the C allocator set as a worker sets it
+at start (``WORKER_MODEL__KEEP_FREED_MEMORY``, ``worker/process/allocator.py``). Each stage's
+time is *its own* (a stage's children are subtracted), as wall seconds and as this process's
+CPU seconds (every thread's: intra-op threads included), summed over the images after one
+warm-up image:
 
 - ``decode``: the JPEG decoded as the loader children decode it (``datasets.images.decode``);
 - ``detector transform``, ``backbone``, ``rpn``, ``roi heads``: the Faster R-CNN's own modules
