@@ -221,9 +221,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="1 image (the test suite's)")
     args = parser.parse_args(argv)
     from config.settings import load_settings
-    from worker.process.allocator import keep_freed_memory
+    from worker.process.allocator import for_process
 
-    print(keep_freed_memory(load_settings().model.keep_freed_memory), flush=True)  # as a worker
+    allocator = for_process(load_settings(model={"device": "cpu"}))  # as a CPU worker sets it
+    print(allocator, flush=True)
     images = 1 if args.smoke else args.images
     jpegs = _jpegs(images, max(1, args.k4_every))
     runs = []
@@ -240,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
             runs.append({**run, "peak_rss_mib": round(rss.peak_bytes / 2**20)})
             print(json.dumps({k: v for k, v in run.items() if k != "stages"}), flush=True)
     payload = {**stamp("ami_stages", argv), "machine": machine(), "pipeline": SLUG, "runs": runs}
+    payload["allocator"] = {"kept": allocator.kept, "why": allocator.why}
     save(args.name, payload, echo=False)
     for run in runs:
         print(f"\nthreads={run['threads']}  stage: wall s/img, CPU s/img, share of wall")

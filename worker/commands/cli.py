@@ -11,6 +11,8 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import structlog
+
 from config.errors import TransientError
 from config.logging import configure_logging
 from config.names import env_name
@@ -170,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     # After the settings, so that the Antenna token is masked in every log line (an answer
     # of Antenna's may echo it); loading them logs nothing.
     configure_logging(args.log_level, secrets=(settings.antenna.token.get_secret_value(),))
+    if args.command == "run":  # before the event loop's threads and torch's import
+        from worker.process.allocator import for_process
+
+        allocator = for_process(settings)
+        structlog.get_logger(__name__).info("allocator", kept=allocator.kept, why=allocator.why)
     handlers: dict[str, Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]] = {
         "run": _run,
         "submit": _submit,

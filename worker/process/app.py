@@ -33,6 +33,7 @@ from worker.health.liveness import Liveness
 from worker.health.metrics import Metrics
 from worker.health.watchdog import Watchdog
 from worker.process import pipeline_choice
+from worker.process.allocator import release_freed_memory
 from worker.process.device_claim import claim_device
 from worker.process.pick_source import refusals, source_parts
 from worker.process.slices import core_settings
@@ -186,7 +187,10 @@ class Assembly:
             while not stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), max(1.0, idle_s / 4))
-                await loop.run_in_executor(self.engine_thread, served.cache.unload_idle, idle_s)
+                if await loop.run_in_executor(
+                    self.engine_thread, served.cache.unload_idle, idle_s
+                ):  # their memory back to the kernel, when the allocator keeps what is freed
+                    await loop.run_in_executor(self.engine_thread, release_freed_memory)
 
         return run
 

@@ -37,7 +37,6 @@ from config.faults import FaultSettings
 from config.settings import Settings
 from datasets import rundir
 from worker.core.exits import FORCED_BY, STOPPED, Exit, ExitReason, forced_exit_code
-from worker.process.allocator import keep_freed_memory
 from worker.process.app import Assembly
 
 log = structlog.get_logger(__name__)
@@ -56,8 +55,6 @@ class Lifetime:
     async def serve(self) -> int:
         self.install_signal_handlers()
         s = self.settings
-        allocator = keep_freed_memory(s.model.keep_freed_memory)  # before the process's threads
-        log.info("allocator", kept=allocator.kept, why=allocator.why)
         run = rundir.claim(run_dir_base(s), s.process_index, run_dir_setting(s))  # locked only
         app = Assembly(self.settings, until_idle=self.until_idle, faults=self.faults)
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -11,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from worker.process.allocator import keep_freed_memory
+from config.settings import load_settings
+from worker.process.allocator import for_process
 
 # A child process (mallopt is the whole process's): on a thread that is not the main one, as
 # the engine runs them, four forward passes of a ResNet-18 on a 768 x 768 image (activations of
@@ -19,10 +21,12 @@ from worker.process.allocator import keep_freed_memory
 # counted by the process's own rusage.
 CHILD = textwrap.dedent(
     """
-    import json, resource, sys, threading
-    from worker.process.allocator import keep_freed_memory
+    import ctypes, json, resource, sys, threading
+    from worker.process.allocator import Allocator, keep_freed_memory
 
-    allocator = keep_freed_memory(sys.argv[1] == "kept")
+    ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: 4 KiB pages on any host
+    kept = sys.argv[1] == "kept"
+    allocator = keep_freed_memory() if kept else Allocator(False, "glibc's defaults")
     import torch, torchvision
 
     torch.set_num_threads(1)
@@ -48,8 +52,13 @@ CHILD = textwrap.dedent(
 
 
 def _faults(mode: str) -> dict[str, Any]:
+    env = {  # glibc's own defaults in the child, whatever this environment tunes
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD"))
+    }
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=120, env=env
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -65,7 +74,17 @@ def test_a_kept_allocator_reuses_freed_activations_instead_of_faulting_them_in_a
     assert int(kept["faults"]) < int(default["faults"]) // 4
 
 
-def test_the_setting_off_leaves_the_allocator_alone() -> None:
-    allocator = keep_freed_memory(False)
+@pytest.mark.parametrize(
+    ("settings", "why"),
+    [
+        ({"model": {"keep_freed_memory": False}}, "WORKER_MODEL__KEEP_FREED_MEMORY is false"),
+        ({"model": {"device": "cuda:0"}}, "device cuda:0"),
+        ({"model": {"device": "cpu"}, "loader": {"mp_context": "fork"}}, "forked"),
+    ],
+)
+def test_the_allocator_is_left_alone_where_keeping_would_not_help(
+    settings: dict[str, Any], why: str
+) -> None:
+    allocator = for_process(load_settings(**settings))
     assert not allocator.kept
-    assert "WORKER_MODEL__KEEP_FREED_MEMORY" in allocator.why
+    assert why in allocator.why
