@@ -172,11 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     # After the settings, so that the Antenna token is masked in every log line (an answer
     # of Antenna's may echo it); loading them logs nothing.
     configure_logging(args.log_level, secrets=(settings.antenna.token.get_secret_value(),))
-    if args.command == "run":  # before the event loop's threads and torch's import
-        from worker.process.allocator import for_process
-
-        allocator = for_process(settings)
-        structlog.get_logger(__name__).info("allocator", kept=allocator.kept, why=allocator.why)
+    if args.command == "run":
+        _set_allocator(settings)
     handlers: dict[str, Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]] = {
         "run": _run,
         "submit": _submit,
@@ -196,6 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     except TransientError as error:  # NATS not reachable, for a command that runs once
         print(f"error: {error}", file=sys.stderr)
         return CommandExit.FAILED
+
+
+def _set_allocator(settings: Settings) -> None:
+    """``worker run``'s C allocator (``worker/process/allocator.py``), logged: before
+    ``asyncio.run`` starts any thread and before torch is imported."""
+    from worker.process.allocator import for_process
+
+    allocator = for_process(settings)
+    structlog.get_logger(__name__).info("allocator", kept=allocator.kept, why=allocator.why)
 
 
 async def _run(settings: Settings, args: argparse.Namespace) -> int:
