@@ -450,10 +450,11 @@ class ModelSettings(BaseModel):
     crop_batch_size: int = Field(64, description="crops per classifier forward pass", ge=1)
     keep_freed_memory: bool = Field(
         True,
-        description="the C allocator (glibc) keeps the memory the forward passes free for the "
-        "next ones (one arena, no mapped chunks, trim past 2 GiB) instead of handing each large "
-        "activation back to the kernel to fault it in again; resident memory stays near its "
-        "peak between jobs; false = glibc's defaults; logged (allocator)",
+        description="in a CPU process (device cpu, or auto without an NVIDIA driver; not with "
+        "forked loader children), the C allocator (glibc) keeps the memory the forward passes "
+        "free for the next ones (one arena, no mapped chunks, trim past 2 GiB) instead of "
+        "handing each large activation back to the kernel to fault it in again; resident memory "
+        "stays near its peak between jobs; false = glibc's defaults; logged (allocator)",
     )
     torch_threads: int = Field(
         0,
